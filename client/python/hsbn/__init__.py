@@ -1,0 +1,31 @@
+"""hsbn: hierarchical synchronized BatchNorm as a service — the Python client.
+
+  hsbn.Client            a worker's connection to its node's sidecar aggregator
+  hsbn.torch             SyncBatchNorm with a scope, convert_sync_batchnorm (needs PyTorch)
+  hsbn.cluster           LocalCluster: a root and one sidecar per simulated node on this machine
+
+The package binds libhsbn.so's C ABI with ctypes; see hsbn._lib for how it is found.
+"""
+
+import importlib
+
+from .client import Client, default_client, set_default_client, SCOPES
+from .errors import (HsbnError, ConfigurationError, UnavailableError, DeadlineExceededError,
+                     RoundFailedError, InvalidArgumentError, ResourceExhaustedError)
+from ._lib import NativeNotFoundError, library_path, aggregator_path
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client", "default_client", "set_default_client", "SCOPES", "HsbnError",
+    "ConfigurationError", "UnavailableError", "DeadlineExceededError", "RoundFailedError",
+    "InvalidArgumentError", "ResourceExhaustedError", "NativeNotFoundError", "library_path",
+    "aggregator_path", "torch", "cluster",
+]
+
+
+def __getattr__(name):
+    # hsbn.torch imports PyTorch; load it (and hsbn.cluster) only when asked for.
+    if name in ("torch", "cluster"):
+        return importlib.import_module("." + name, __name__)
+    raise AttributeError("module 'hsbn' has no attribute %r" % name)

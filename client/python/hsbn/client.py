@@ -1,0 +1,295 @@
+"""hsbn.Client: one trainer worker's connection to its node's sidecar aggregator.
+
+A Client joins a job at the sidecar and opens one round stream. Its rounds are blocking calls
+that release the GIL; several threads may use one Client at once (rounds are matched by key).
+Most users never touch it: hsbn.torch.SyncBatchNorm uses hsbn.default_client(), created from
+the torchrun environment at the first synchronized forward.
+"""
+
+import ctypes
+import json
+import os
+import threading
+
+import numpy as np
+
+from . import _lib
+from .errors import ConfigurationError, UnavailableError, error_for, UNAVAILABLE
+
+SCOPES = {"node": _lib.SCOPE_NODE, "global": _lib.SCOPE_GLOBAL, "shadow": _lib.SCOPE_SHADOW}
+
+DEFAULT_ADDRESS = "unix:/tmp/hsbn.sock"
+
+_ENV_LAYOUT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def _check_layout(rank, world_size, local_rank, local_world_size, node_rank, source):
+    """Raises ConfigurationError unless the five numbers describe one worker of a job with
+    LOCAL_WORLD_SIZE workers on every node, ranked node by node as torchrun ranks them."""
+    def bad(what):
+        raise ConfigurationError(
+            "inconsistent %s: %s (RANK=%s WORLD_SIZE=%s LOCAL_RANK=%s LOCAL_WORLD_SIZE=%s "
+            "GROUP_RANK=%s). Launch the trainer with torchrun, or set all five as torchrun "
+            "does: RANK = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK."
+            % (source, what, rank, world_size, local_rank, local_world_size, node_rank))
+    if world_size < 1:
+        bad("WORLD_SIZE must be at least 1")
+    if local_world_size < 1 or world_size % local_world_size != 0:
+        bad("WORLD_SIZE must be a multiple of LOCAL_WORLD_SIZE (the same number of workers on "
+            "every node)")
+    if not 0 <= rank < world_size:
+        bad("RANK must be in [0, WORLD_SIZE)")
+    if not 0 <= local_rank < local_world_size:
+        bad("LOCAL_RANK must be in [0, LOCAL_WORLD_SIZE)")
+    if not 0 <= node_rank < world_size // local_world_size:
+        bad("GROUP_RANK must be in [0, WORLD_SIZE / LOCAL_WORLD_SIZE)")
+    if rank != node_rank * local_world_size + local_rank:
+        bad("RANK must equal GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK")
+
+
+def _check_address(address):
+    if not address or not isinstance(address, str):
+        raise ConfigurationError("the sidecar address is empty; set HSBN_ADDRESS to "
+                                 "unix:/path/to.sock or host:port")
+    if address.startswith("unix:"):
+        path = address[len("unix:"):]
+        if path.startswith("//"):
+            path = path[2:]
+        if not os.path.exists(path):
+            raise UnavailableError(
+                "UNAVAILABLE: no sidecar at %s: the socket file %s does not exist. Start the "
+                "node's aggregator (hsbn-aggregator --role=node --listen=%s), or point "
+                "HSBN_ADDRESS at the one that runs." % (address, path, address), UNAVAILABLE)
+
+
+class Client:
+    """A worker's membership in a job at its node's sidecar.
+
+    Args:
+      address: the sidecar, "unix:/path.sock" or "host:port".
+      job_id: any non-empty string shared by all workers of the job.
+      rank, world_size, local_rank, local_world_size, node_rank: the worker's place in the job,
+        as torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK.
+      round_timeout_ms: how long a round waits; 0 means the aggregator's timeout plus 5 s.
+      connect_timeout_ms: how long to wait for the sidecar; 0 means 10 s.
+      token: the job token when the aggregator requires one.
+    """
+
+    def __init__(self, address, job_id, rank, world_size, local_rank, local_world_size,
+                 node_rank, round_timeout_ms=0, connect_timeout_ms=0, token=None):
+        self._handle = None
+        if not job_id:
+            raise ConfigurationError("job_id is empty: give every worker of the job the same "
+                                     "non-empty job id (HSBN_JOB_ID)")
+        layout = [int(v) for v in (rank, world_size, local_rank, local_world_size, node_rank)]
+        _check_layout(*layout, source="worker layout")
+        _check_address(address)
+        lib = _lib.lib()
+        opts = _lib.Options()
+        lib.hsbn_options_init(ctypes.byref(opts))
+        # Keep the encoded strings alive for the duration of the call.
+        self._address_b = address.encode()
+        self._job_b = str(job_id).encode()
+        self._token_b = token.encode() if token else None
+        opts.address = self._address_b
+        opts.job_id = self._job_b
+        (opts.rank, opts.world_size, opts.local_rank, opts.local_world_size,
+         opts.node_rank) = layout
+        opts.round_timeout_ms = int(round_timeout_ms)
+        opts.connect_timeout_ms = int(connect_timeout_ms)
+        opts.token = self._token_b
+        handle = ctypes.c_void_p()
+        rc = lib.hsbn_client_create(ctypes.byref(opts), ctypes.byref(handle))
+        if rc != 0:
+            raise error_for(rc, "cannot join job %r at the sidecar %s as rank %d: %s"
+                            % (job_id, address, layout[0], _lib.last_error()))
+        self._handle = handle
+        self._lib = lib
+        self.address = address
+        self.job_id = str(job_id)
+        info = _lib.ClientInfo()
+        rc = lib.hsbn_client_get_info(handle, ctypes.byref(info))
+        if rc != 0:
+            err = error_for(rc, _lib.last_error())
+            self.close()
+            raise err
+        self.rank = info.rank
+        self.world_size = info.world_size
+        self.local_rank = info.local_rank
+        self.local_world_size = info.local_world_size
+        self.node_rank = info.node_rank
+        self.num_nodes = info.num_nodes
+        self.max_channels = info.max_channels
+        self.aggregator_round_timeout_ms = info.round_timeout_ms
+
+    @classmethod
+    def from_env(cls, env=None, **overrides):
+        """A Client from torchrun's environment plus HSBN_JOB_ID and HSBN_ADDRESS.
+
+        Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, HSBN_JOB_ID (falling
+        back to torchrun's TORCHELASTIC_RUN_ID when that is set and not "none"), HSBN_ADDRESS
+        (default unix:/tmp/hsbn.sock), HSBN_ROUND_TIMEOUT_MS, HSBN_CONNECT_TIMEOUT_MS,
+        HSBN_TOKEN or HSBN_TOKEN_FILE. `env` replaces os.environ; keyword arguments override
+        what the environment says.
+        """
+        env = os.environ if env is None else env
+        missing = [k for k in _ENV_LAYOUT if k not in env and k.lower() not in overrides]
+        if missing:
+            raise ConfigurationError(
+                "the environment lacks %s: run the trainer under torchrun (which sets RANK, "
+                "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK), or set them, or "
+                "construct hsbn.Client(...) explicitly" % ", ".join(missing))
+        kw = {}
+        names = {"RANK": "rank", "WORLD_SIZE": "world_size", "LOCAL_RANK": "local_rank",
+                 "LOCAL_WORLD_SIZE": "local_world_size", "GROUP_RANK": "node_rank"}
+        for var, name in names.items():
+            if var in env:
+                try:
+                    kw[name] = int(env[var])
+                except ValueError:
+                    raise ConfigurationError("%s=%r is not an integer" % (var, env[var]))
+        job = env.get("HSBN_JOB_ID") or ""
+        if not job:
+            run_id = env.get("TORCHELASTIC_RUN_ID", "")
+            if run_id and run_id != "none":
+                job = run_id
+        kw["job_id"] = job
+        if not job and "job_id" not in overrides:
+            raise ConfigurationError(
+                "HSBN_JOB_ID is not set: give every worker of the job the same HSBN_JOB_ID "
+                "(for example the launcher's job id), or run torchrun with --rdzv-id")
+        kw["address"] = env.get("HSBN_ADDRESS") or DEFAULT_ADDRESS
+        for var, name in (("HSBN_ROUND_TIMEOUT_MS", "round_timeout_ms"),
+                          ("HSBN_CONNECT_TIMEOUT_MS", "connect_timeout_ms")):
+            if env.get(var):
+                try:
+                    kw[name] = int(env[var])
+                except ValueError:
+                    raise ConfigurationError("%s=%r is not an integer" % (var, env[var]))
+        token = env.get("HSBN_TOKEN")
+        if not token and env.get("HSBN_TOKEN_FILE"):
+            try:
+                with open(env["HSBN_TOKEN_FILE"]) as f:
+                    token = f.read().strip()
+            except OSError as e:
+                raise ConfigurationError("cannot read HSBN_TOKEN_FILE: %s" % e)
+        kw["token"] = token or None
+        kw.update(overrides)
+        return cls(**kw)
+
+    # --- rounds ----------------------------------------------------------------------------------
+
+    def _check_open(self):
+        if self._handle is None:
+            raise UnavailableError("UNAVAILABLE: this hsbn.Client is closed", UNAVAILABLE)
+
+    def _round(self, fn, what, op, seq, scope, count, a, b):
+        self._check_open()
+        try:
+            scope_code = SCOPES[scope]
+        except KeyError:
+            raise ConfigurationError("scope must be one of %s, not %r" % (sorted(SCOPES), scope))
+        a = np.ascontiguousarray(a, dtype=np.float64)
+        b = np.ascontiguousarray(b, dtype=np.float64)
+        if a.ndim != 1 or b.shape != a.shape:
+            raise ConfigurationError("statistics must be two 1-d arrays of the same length")
+        channels = a.shape[0]
+        out_a = np.empty_like(a)
+        out_b = np.empty_like(b)
+        out_count = ctypes.c_int64()
+        dp = ctypes.POINTER(ctypes.c_double)
+        rc = fn(self._handle, int(op), int(seq), scope_code, channels, int(count),
+                a.ctypes.data_as(dp), b.ctypes.data_as(dp), ctypes.byref(out_count),
+                out_a.ctypes.data_as(dp), out_b.ctypes.data_as(dp))
+        if rc != 0:
+            raise error_for(rc, "%s round of layer op=%d seq=%d (scope %s, rank %d of job %r) "
+                            "failed: %s" % (what, op, seq, scope, self.rank, self.job_id,
+                                            _lib.last_error()))
+        return out_count.value, out_a, out_b
+
+    def forward(self, op, seq, scope, count, mean, m2):
+        """Contributes (count, mean[C], m2[C]); returns the scope's (count, mean, m2)."""
+        return self._round(self._lib.hsbn_forward, "forward", op, seq, scope, count, mean, m2)
+
+    def backward(self, op, seq, scope, count, sum_dy, sum_dy_xmu):
+        """Contributes (sum_dy[C], sum_dy_xmu[C]); returns the scope's (count, sums...)."""
+        return self._round(self._lib.hsbn_backward, "backward", op, seq, scope, count, sum_dy,
+                           sum_dy_xmu)
+
+    def status(self, include_upstream=True):
+        """The sidecar's status as a dict (protobuf JSON names: jobs, upstream, divergence with
+        op, node, rounds, meanShiftAvg, ...). include_upstream also asks the root."""
+        self._check_open()
+        size = 1 << 16
+        needed = ctypes.c_size_t()
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            rc = self._lib.hsbn_status_json(self._handle, 1 if include_upstream else 0, buf,
+                                            size, ctypes.byref(needed))
+            if rc != 0:
+                raise error_for(rc, "status call failed: %s" % _lib.last_error())
+            if needed.value <= size:
+                return json.loads(buf.value.decode("utf-8"))
+            size = needed.value
+
+    # --- lifetime --------------------------------------------------------------------------------
+
+    def close(self):
+        """Leaves the job. Safe to call twice."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            self._lib.hsbn_client_destroy(handle)
+
+    @property
+    def closed(self):
+        return self._handle is None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # A Client is a process-local connection: copies of a model share it, pickles drop it.
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        raise TypeError("an hsbn.Client is a live connection and cannot be pickled; "
+                        "create one per process with hsbn.Client.from_env()")
+
+    def __repr__(self):
+        state = "closed" if self._handle is None else "open"
+        return ("hsbn.Client(job=%r, rank=%s/%s, node=%s, address=%r, %s)"
+                % (getattr(self, "job_id", None), getattr(self, "rank", None),
+                   getattr(self, "world_size", None), getattr(self, "node_rank", None),
+                   getattr(self, "address", None), state))
+
+
+_default = None
+_default_lock = threading.Lock()
+
+
+def default_client():
+    """The process's shared Client, created from the environment on first use."""
+    global _default
+    with _default_lock:
+        if _default is None or _default.closed:
+            _default = Client.from_env()
+        return _default
+
+
+def set_default_client(client):
+    """Makes `client` the one layers without their own client use (None: recreate from env)."""
+    global _default
+    with _default_lock:
+        _default = client
