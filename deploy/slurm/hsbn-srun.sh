@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# hsbn-srun.sh — run an hsbn training job inside a Slurm allocation.
+#
+#   salloc --nodes=2 --gpus-per-node=8 --ntasks-per-node=8
+#   /shared/hsbn/deploy/slurm/hsbn-srun.sh -- python train.py --epochs 90
+# or sbatch deploy/slurm/hsbn-job.sbatch (which calls this script by its shared path: sbatch
+# runs a copy of the batch script that the other nodes cannot see).
+#
+# Starts, with srun:
+#   1. the root aggregator on the allocation's first node (only when there is more than one);
+#   2. one sidecar (node aggregator) per node, listening on a node-local Unix socket;
+#   3. HSBN_GPUS_PER_NODE trainers per node, each with torchrun's environment (RANK, WORLD_SIZE,
+#      LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and
+#      HSBN_JOB_ID, HSBN_ADDRESS. A trainer starts once its node's sidecar is ready.
+# When the trainers exit it stops the aggregators with SIGTERM and exits with the trainers'
+# status. The same script runs on every node (srun calls it back with _root, _sidecar or
+# _trainer), so it must be on a path every node sees.
+#
+# Settings (environment):
+#   HSBN_AGGREGATOR       the aggregator binary                 [hsbn-aggregator]
+#   HSBN_GPUS_PER_NODE    trainers per node      [SLURM_GPUS_ON_NODE, else SLURM_NTASKS_PER_NODE, else 1]
+#   HSBN_JOB_ID           the job's id at the aggregators       [slurm-$SLURM_JOB_ID]
+#   HSBN_ROOT_PORT        the root's TCP port                   [50051]
+#   HSBN_MASTER_PORT      torch.distributed rendezvous port     [29500]
+#   HSBN_RUN_DIR          node-local socket directory  [${TMPDIR:-/tmp}/hsbn-$SLURM_JOB_ID-<node index>]
+#   HSBN_READY_TIMEOUT    seconds a trainer waits for its sidecar [60]
+#   HSBN_AGGREGATOR_ARGS  extra flags for every aggregator, e.g. "--round-timeout-ms=60000"
+#   HSBN_ROOT_ARGS, HSBN_SIDECAR_ARGS   extra flags for one role
+# Optional security and metrics (each needs the aggregator flag named; see docs/DEPLOY.md):
+#   HSBN_TLS_CERT, HSBN_TLS_KEY, HSBN_TLS_CLIENT_CA  root: --tls-cert, --tls-key, --tls-client-ca
+#   HSBN_UPSTREAM_CA, HSBN_UPSTREAM_CERT, HSBN_UPSTREAM_KEY  sidecars: --upstream-ca/-cert/-key
+#   HSBN_ROOT_TOKEN_FILE, HSBN_NODE_TOKEN_FILE       --token-file for the root / the sidecars
+#   HSBN_TOKEN_FILE       passed on to the trainers (the job's token)
+#   HSBN_METRICS_PORT     --metrics-listen=0.0.0.0:PORT on sidecars, PORT+1 on the root
+set -euo pipefail
+
+# This script's path on every node (override when it is reached by another path there).
+SELF="${HSBN_LAUNCHER:-$(readlink -f "${BASH_SOURCE[0]}")}"
+
+die() { echo "hsbn-srun: $*" >&2; exit 2; }
+
+# Launcher settings that must not leak into the trainers' environment.
+LAUNCHER_VARS=(HSBN_LAUNCHER HSBN_AGGREGATOR HSBN_GPUS_PER_NODE HSBN_ROOT_PORT HSBN_MASTER_PORT HSBN_RUN_DIR
+  HSBN_READY_TIMEOUT HSBN_AGGREGATOR_ARGS HSBN_ROOT_ARGS HSBN_SIDECAR_ARGS HSBN_TLS_CERT
+  HSBN_TLS_KEY HSBN_TLS_CLIENT_CA HSBN_UPSTREAM_CA HSBN_UPSTREAM_CERT HSBN_UPSTREAM_KEY
+  HSBN_ROOT_TOKEN_FILE HSBN_NODE_TOKEN_FILE HSBN_METRICS_PORT
+  _HSBN_ROOT_HOST _HSBN_NNODES _HSBN_GPUS_PER_NODE _HSBN_JOB_ID)
+
+# The node-local directory of this node's socket (same rule on every node).
+run_dir() { echo "${HSBN_RUN_DIR:-${TMPDIR:-/tmp}/hsbn-${SLURM_JOB_ID}-${SLURM_NODEID}}"; }
+
+# Optional flag: "--flag=value" when value is set.
+opt() { if [[ -n "${2:-}" ]]; then printf '%s=%s\n' "$1" "$2"; fi; }
+
+task_root() {
+  local args=(--role=root "--listen=0.0.0.0:${HSBN_ROOT_PORT:-50051}" --id=root)
+  local dir; dir="$(run_dir)"
+  mkdir -p "$dir" && chmod 0700 "$dir"
+  rm -f "$dir/root.ready"
+  args+=("--ready-file=$dir/root.ready")
+  mapfile -t -O "${#args[@]}" args < <(
+    opt --tls-cert "${HSBN_TLS_CERT:-}"; opt --tls-key "${HSBN_TLS_KEY:-}"
+    opt --tls-client-ca "${HSBN_TLS_CLIENT_CA:-}"; opt --token-file "${HSBN_ROOT_TOKEN_FILE:-}"
+    if [[ -n "${HSBN_METRICS_PORT:-}" ]]; then echo "--metrics-listen=0.0.0.0:$((HSBN_METRICS_PORT + 1))"; fi)
+  # shellcheck disable=SC2206  # extra flags are split on blanks on purpose
+  args+=(${HSBN_AGGREGATOR_ARGS:-} ${HSBN_ROOT_ARGS:-})
+  exec "${HSBN_AGGREGATOR:-hsbn-aggregator}" "${args[@]}"
+}
+
+task_sidecar() {
+  local dir; dir="$(run_dir)"
+  mkdir -p "$dir" && chmod 0700 "$dir"
+  rm -f "$dir/hsbn.sock" "$dir/ready"
+  local args=(--role=node "--listen=unix:$dir/hsbn.sock")
+  if (( _HSBN_NNODES > 1 )); then args+=("--upstream=${_HSBN_ROOT_HOST}:${HSBN_ROOT_PORT:-50051}"); fi
+  args+=("--id=node-${SLURM_NODEID}" "--ready-file=$dir/ready")
+  mapfile -t -O "${#args[@]}" args < <(
+    if (( _HSBN_NNODES > 1 )); then
+      opt --upstream-ca "${HSBN_UPSTREAM_CA:-}"; opt --upstream-cert "${HSBN_UPSTREAM_CERT:-}"
+      opt --upstream-key "${HSBN_UPSTREAM_KEY:-}"
+    fi
+    opt --token-file "${HSBN_NODE_TOKEN_FILE:-}"
+    opt --metrics-listen "${HSBN_METRICS_PORT:+0.0.0.0:${HSBN_METRICS_PORT}}")
+  # shellcheck disable=SC2206  # extra flags are split on blanks on purpose
+  args+=(${HSBN_AGGREGATOR_ARGS:-} ${HSBN_SIDECAR_ARGS:-})
+  exec "${HSBN_AGGREGATOR:-hsbn-aggregator}" "${args[@]}"
+}
+
+task_trainer() {
+  local dir; dir="$(run_dir)"
+  local waited=0 timeout="${HSBN_READY_TIMEOUT:-60}"
+  until [[ -e "$dir/ready" ]]; do
+    if (( waited >= timeout * 10 )); then
+      echo "hsbn-srun: rank ${SLURM_PROCID}: the sidecar on $(hostname) did not become ready in ${timeout}s ($dir/ready)" >&2
+      exit 3
+    fi
+    sleep 0.1; waited=$((waited + 1))
+  done
+  export RANK="$SLURM_PROCID" WORLD_SIZE="$SLURM_NTASKS"
+  export LOCAL_RANK="$SLURM_LOCALID" LOCAL_WORLD_SIZE="$_HSBN_GPUS_PER_NODE"
+  export GROUP_RANK="$SLURM_NODEID" GROUP_WORLD_SIZE="$_HSBN_NNODES"
+  export MASTER_ADDR="$_HSBN_ROOT_HOST" MASTER_PORT="${HSBN_MASTER_PORT:-29500}"
+  export HSBN_JOB_ID="$_HSBN_JOB_ID" HSBN_ADDRESS="unix:$dir/hsbn.sock"
+  unset "${LAUNCHER_VARS[@]}"
+  exec "$@"
+}
+
+launch() {
+  [[ "${1:-}" == "--" ]] && shift
+  (( $# > 0 )) || die "usage: hsbn-srun.sh -- TRAIN_COMMAND [ARGS...] (inside sbatch or salloc)"
+  [[ -n "${SLURM_JOB_ID:-}" ]] || die "not inside a Slurm allocation (SLURM_JOB_ID is not set)"
+  local -a hosts
+  mapfile -t hosts < <(scontrol show hostnames "${SLURM_JOB_NODELIST}")
+  (( ${#hosts[@]} > 0 )) || die "no nodes in SLURM_JOB_NODELIST=${SLURM_JOB_NODELIST:-}"
+  local nnodes=${#hosts[@]}
+  local gpn="${HSBN_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-${SLURM_NTASKS_PER_NODE:-1}}}"
+  [[ "$gpn" =~ ^[1-9][0-9]*$ ]] || die "HSBN_GPUS_PER_NODE must be a positive integer, not '$gpn'"
+  export _HSBN_ROOT_HOST="${hosts[0]}" _HSBN_NNODES="$nnodes" _HSBN_GPUS_PER_NODE="$gpn"
+  export _HSBN_JOB_ID="${HSBN_JOB_ID:-slurm-${SLURM_JOB_ID}}"
+
+  local -a pids=()
+  stop_aggregators() {
+    if (( ${#pids[@]} )); then
+      kill -TERM "${pids[@]}" 2>/dev/null || true
+      wait "${pids[@]}" 2>/dev/null || true
+      pids=()
+    fi
+  }
+  trap 'stop_aggregators; exit 143' TERM INT
+  if (( nnodes > 1 )); then
+    srun --nodes=1 --ntasks=1 --nodelist="${hosts[0]}" --overlap --kill-on-bad-exit=0 \
+      --job-name=hsbn-root "$SELF" _root &
+    pids+=($!)
+  fi
+  srun --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1 --overlap --kill-on-bad-exit=0 \
+    --job-name=hsbn-sidecar "$SELF" _sidecar &
+  pids+=($!)
+
+  local rc=0
+  srun --nodes="$nnodes" --ntasks="$((nnodes * gpn))" --ntasks-per-node="$gpn" --kill-on-bad-exit=1 \
+    --job-name=hsbn-train "$SELF" _trainer "$@" || rc=$?
+  stop_aggregators
+  trap - TERM INT
+  return "$rc"
+}
+
+case "${1:-}" in
+  _root) shift; task_root "$@" ;;
+  _sidecar) shift; task_sidecar "$@" ;;
+  _trainer) shift; task_trainer "$@" ;;
+  -h|--help) sed -n '2,/^set -euo/p' "$SELF" | sed '$d; s/^# \{0,1\}//' ;;
+  *) launch "$@" ;;
+esac
