@@ -1,0 +1,41 @@
+"""Shared set-up of the hsbn Python tests.
+
+The tests run real aggregator processes and real worker processes, so they need the native parts:
+libhsbn.so and hsbn-aggregator, found as the package finds them (HSBN_LIBRARY / HSBN_AGGREGATOR,
+then hsbn/_native/, then the repository's build*/ folders). If they are missing every test fails
+with a message that says how to build them; nothing is skipped.
+"""
+
+import os
+import sys
+
+import pytest
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PKG = os.path.join(_REPO, "client", "python")
+try:
+    import hsbn  # noqa: F401  (installed, or PYTHONPATH=client/python)
+except ImportError:
+    sys.path.insert(0, _PKG)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_PKG, os.environ.get("PYTHONPATH")) if p)
+    import hsbn  # noqa: F401
+
+from hsbn import _lib  # noqa: E402
+
+_NATIVE_ERROR = None
+try:
+    # Pin what was found, so worker processes and aggregators use the same build.
+    os.environ["HSBN_LIBRARY"] = _lib.library_path()
+    os.environ["HSBN_AGGREGATOR"] = _lib.aggregator_path()
+    _lib.lib()
+except _lib.NativeNotFoundError as e:
+    _NATIVE_ERROR = str(e)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_parts():
+    """Fails (never skips) every test when libhsbn.so or hsbn-aggregator is missing."""
+    if _NATIVE_ERROR:
+        pytest.fail("hsbn's native parts are missing: " + _NATIVE_ERROR, pytrace=False)
+    return os.environ["HSBN_LIBRARY"], os.environ["HSBN_AGGREGATOR"]

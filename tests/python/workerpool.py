@@ -1,0 +1,96 @@
+"""A pool of long-lived worker processes, one per rank of a LocalCluster, that run test cases.
+
+Starting a Python process with PyTorch costs seconds, so each test module starts its workers
+once and sends them cases: module-level functions of hsbn_cases, called with per-rank
+arguments. A worker keeps its hsbn client (and its layers' op counter) between cases, as a
+trainer would between steps.
+"""
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import time
+import traceback
+
+
+class WorkerError(AssertionError):
+    pass
+
+
+def _serve(env, conn):
+    os.environ.update(env)
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        fn, args = msg
+        try:
+            conn.send((True, fn(*args)))
+        except BaseException:
+            conn.send((False, traceback.format_exc()))
+
+
+class WorkerPool:
+    def __init__(self, cluster, job_id=None):
+        ctx = multiprocessing.get_context("spawn")
+        self.world_size = cluster.world_size
+        self.conns, self.procs = [], []
+        for rank in range(cluster.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(cluster.worker_env(rank, {}, job_id), child),
+                            daemon=True)
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def send(self, calls):
+        """Starts calls[rank] = (fn, args) on every worker; collect with gather()."""
+        for conn, (fn, args) in zip(self.conns, calls):
+            conn.send((fn, tuple(args)))
+
+    def gather(self, ranks=None, timeout=120.0):
+        """{rank: (ok, value)} of the given ranks' current calls."""
+        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+        out = {}
+        pending = {self.conns[r]: r for r in ranks}
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerError("ranks %s did not answer within %.0f s"
+                                  % (sorted(pending.values()), timeout))
+            for conn in multiprocessing.connection.wait(list(pending), left):
+                r = pending.pop(conn)
+                try:
+                    out[r] = conn.recv()
+                except EOFError:
+                    out[r] = (False, "worker process died (exit code %s)"
+                              % self.procs[r].exitcode)
+        return out
+
+    def call(self, fn, per_rank_args, timeout=120.0):
+        """Runs fn(*per_rank_args[rank]) on every rank; returns the values by rank, or raises
+        WorkerError with every failing rank's traceback."""
+        self.send([(fn, a) for a in per_rank_args])
+        answers = self.gather(timeout=timeout)
+        failed = {r: v for r, (ok, v) in answers.items() if not ok}
+        if failed:
+            raise WorkerError("\n".join("--- rank %d ---\n%s" % (r, failed[r])
+                                        for r in sorted(failed)))
+        return [answers[r][1] for r in range(self.world_size)]
+
+    def close(self):
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
