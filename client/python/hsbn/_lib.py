@@ -183,3 +183,59 @@ def result_name(code):
 
 def last_error():
     return lib().hsbn_last_error().decode("utf-8", "replace")
+
+
+# --- the BatchNorm kernels' C ABI (kernels/include/hsbn/bn_kernels_c.h) ------------------------
+# Exported by libhsbn.so when the kernels are built into it; optional: hsbn.torch falls back to
+# torch's own ops when they are absent.
+
+BN_ABI_VERSION = 1
+BN_CPU, BN_CUDA = 0, 1
+BN_F16, BN_BF16, BN_F32, BN_F64 = 0, 1, 2, 3
+BN_NCHW, BN_CHANNELS_LAST = 0, 1
+BN_INVSTD, BN_VAR, BN_M2 = 0, 1, 2
+
+_c_dbl = ctypes.c_double
+_c_size = ctypes.c_size_t
+_BN_SIGNATURES = {
+    "hsbn_bn_last_error": (ctypes.c_char_p, []),
+    "hsbn_bn_abi_version": (_c_int, []),
+    "hsbn_bn_cuda_available": (_c_int, []),
+    "hsbn_bn_workspace_size": (_c_int, [_c_int, _c_int, _c_int, _c_i64, _c_i64, _c_i64,
+                                        ctypes.POINTER(_c_size)]),
+    "hsbn_bn_moments": (_c_int, [_c_int, _c_int, _c_int, _c_i64, _c_i64, _c_i64, _p_void,
+                                 _p_i64, _p_void, _p_void, _p_void, _c_size, _p_void]),
+    "hsbn_bn_normalize": (_c_int, [_c_int, _c_int, _c_int, _c_i64, _c_i64, _c_i64, _p_void,
+                                   _p_void, _p_void, _p_void, _c_int, _c_int, _c_dbl, _c_i64,
+                                   _p_void, _p_void, _c_int, _c_int, _p_void]),
+    "hsbn_bn_backward_reduce": (_c_int, [_c_int, _c_int, _c_int, _c_i64, _c_i64, _c_i64,
+                                         _p_void, _p_void, _p_void, _p_void, _c_int, _c_int,
+                                         _c_dbl, _c_i64, _p_void, _p_void, _p_void, _p_void,
+                                         _c_int, _p_void, _c_size, _p_void]),
+    "hsbn_bn_backward_elemt": (_c_int, [_c_int, _c_int, _c_int, _c_i64, _c_i64, _c_i64,
+                                        _p_void, _p_void, _p_void, _p_void, _c_int, _c_int,
+                                        _c_dbl, _c_i64, _p_void, _c_int, _p_void, _p_void,
+                                        _c_i64, _p_void, _p_void]),
+}
+
+_bn_checked = False
+_bn = None
+
+
+def bn_kernels():
+    """libhsbn.so's handle if it exports the BatchNorm kernels' C ABI (version 1), else None."""
+    global _bn_checked, _bn
+    if _bn_checked:
+        return _bn
+    handle = lib()
+    with _lock:
+        if not _bn_checked:
+            if all(hasattr(handle, name) for name in _BN_SIGNATURES):
+                for name, (restype, argtypes) in _BN_SIGNATURES.items():
+                    fn = getattr(handle, name)
+                    fn.restype = restype
+                    fn.argtypes = argtypes
+                if handle.hsbn_bn_abi_version() == BN_ABI_VERSION:
+                    _bn = handle
+            _bn_checked = True
+    return _bn

@@ -1,0 +1,198 @@
+// The C ABI (hsbn.h) over hsbn::Client.
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "hsbn/client.h"
+#include "hsbn/hsbn.h"
+
+struct hsbn_client {
+  std::unique_ptr<hsbn::Client> client;
+};
+
+struct hsbn_round {
+  hsbn_client* client;
+  std::shared_ptr<hsbn::PendingRound> pending;
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+hsbn_result Fail(const absl::Status& status) {
+  g_last_error = std::string(status.message());
+  return static_cast<hsbn_result>(int(status.code()));
+}
+
+hsbn_result Done(const absl::Status& status) {
+  if (status.ok()) return HSBN_OK;
+  return Fail(status);
+}
+
+hsbn_result Invalid(const char* what) {
+  g_last_error = what;
+  return HSBN_INVALID_ARGUMENT;
+}
+
+bool ToScope(hsbn_scope scope, hsbn::Scope* out) {
+  if (scope != HSBN_SCOPE_NODE && scope != HSBN_SCOPE_GLOBAL && scope != HSBN_SCOPE_SHADOW) {
+    return false;
+  }
+  *out = static_cast<hsbn::Scope>(int(scope));
+  return true;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* hsbn_result_string(hsbn_result code) {
+  static const char* kNames[] = {"OK",
+                                 "CANCELLED",
+                                 "UNKNOWN",
+                                 "INVALID_ARGUMENT",
+                                 "DEADLINE_EXCEEDED",
+                                 "NOT_FOUND",
+                                 "ALREADY_EXISTS",
+                                 "PERMISSION_DENIED",
+                                 "RESOURCE_EXHAUSTED",
+                                 "FAILED_PRECONDITION",
+                                 "ABORTED",
+                                 "OUT_OF_RANGE",
+                                 "UNIMPLEMENTED",
+                                 "INTERNAL",
+                                 "UNAVAILABLE",
+                                 "DATA_LOSS",
+                                 "UNAUTHENTICATED"};
+  const int c = int(code);
+  return c >= 0 && c <= 16 ? kNames[c] : "UNKNOWN";
+}
+
+const char* hsbn_last_error(void) { return g_last_error.c_str(); }
+
+int hsbn_abi_version(void) { return HSBN_ABI_VERSION; }
+
+void hsbn_options_init(hsbn_options* options) {
+  if (options == nullptr) return;
+  std::memset(options, 0, sizeof *options);
+  options->struct_size = sizeof *options;
+  options->rank = options->world_size = options->local_rank = -1;
+  options->local_world_size = options->node_rank = -1;
+}
+
+hsbn_result hsbn_client_create(const hsbn_options* options, hsbn_client** out) {
+  g_last_error.clear();
+  if (options == nullptr || out == nullptr) return Invalid("null options or output pointer");
+  if (options->struct_size < offsetof(hsbn_options, token) + sizeof(const char*)) {
+    return Invalid("hsbn_options.struct_size is too small: call hsbn_options_init first");
+  }
+  hsbn::ClientOptions o;
+  if (options->address != nullptr && *options->address != '\0') o.address = options->address;
+  if (options->job_id != nullptr) o.job_id = options->job_id;
+  o.rank = options->rank;
+  o.world_size = options->world_size;
+  o.local_rank = options->local_rank;
+  o.local_world_size = options->local_world_size;
+  o.node_rank = options->node_rank;
+  o.round_timeout = std::chrono::milliseconds(options->round_timeout_ms);
+  if (options->connect_timeout_ms > 0) {
+    o.connect_timeout = std::chrono::milliseconds(options->connect_timeout_ms);
+  }
+  if (options->token != nullptr) o.token = options->token;
+  auto client = hsbn::Client::Connect(o);
+  if (!client.ok()) return Fail(client.status());
+  *out = new hsbn_client{std::move(*client)};
+  return HSBN_OK;
+}
+
+hsbn_result hsbn_client_create_from_env(hsbn_client** out) {
+  g_last_error.clear();
+  if (out == nullptr) return Invalid("null output pointer");
+  auto o = hsbn::ClientOptions::FromEnv();
+  if (!o.ok()) return Fail(o.status());
+  auto client = hsbn::Client::Connect(*o);
+  if (!client.ok()) return Fail(client.status());
+  *out = new hsbn_client{std::move(*client)};
+  return HSBN_OK;
+}
+
+void hsbn_client_destroy(hsbn_client* client) { delete client; }
+
+hsbn_result hsbn_client_get_info(const hsbn_client* client, hsbn_client_info* out) {
+  if (client == nullptr || out == nullptr) return Invalid("null client or output pointer");
+  const hsbn::ClientOptions& o = client->client->options();
+  out->rank = o.rank;
+  out->world_size = o.world_size;
+  out->local_rank = o.local_rank;
+  out->local_world_size = o.local_world_size;
+  out->node_rank = o.node_rank;
+  out->num_nodes = client->client->num_nodes();
+  out->max_channels = client->client->max_channels();
+  out->round_timeout_ms = client->client->aggregator_round_timeout().count();
+  return HSBN_OK;
+}
+
+hsbn_result hsbn_forward(hsbn_client* client, uint32_t op, uint64_t seq, hsbn_scope scope,
+                         int64_t channels, int64_t count, const double* mean, const double* m2,
+                         int64_t* out_count, double* out_mean, double* out_m2) {
+  g_last_error.clear();
+  hsbn::Scope s;
+  if (client == nullptr) return Invalid("null client");
+  if (!ToScope(scope, &s)) return Invalid("scope must be HSBN_SCOPE_NODE, _GLOBAL or _SHADOW");
+  return Done(client->client->Forward(op, seq, s, channels, count, mean, m2, out_count, out_mean,
+                                      out_m2));
+}
+
+hsbn_result hsbn_backward(hsbn_client* client, uint32_t op, uint64_t seq, hsbn_scope scope,
+                          int64_t channels, int64_t count, const double* sum_dy,
+                          const double* sum_dy_xmu, int64_t* out_count, double* out_sum_dy,
+                          double* out_sum_dy_xmu) {
+  g_last_error.clear();
+  hsbn::Scope s;
+  if (client == nullptr) return Invalid("null client");
+  if (!ToScope(scope, &s)) return Invalid("scope must be HSBN_SCOPE_NODE, _GLOBAL or _SHADOW");
+  return Done(client->client->Backward(op, seq, s, channels, count, sum_dy, sum_dy_xmu,
+                                       out_count, out_sum_dy, out_sum_dy_xmu));
+}
+
+hsbn_result hsbn_round_start(hsbn_client* client, hsbn_phase phase, uint32_t op, uint64_t seq,
+                             hsbn_scope scope, int64_t channels, int64_t count, const double* a,
+                             const double* b, hsbn_round** out) {
+  g_last_error.clear();
+  hsbn::Scope s;
+  if (client == nullptr || out == nullptr) return Invalid("null client or output pointer");
+  if (!ToScope(scope, &s)) return Invalid("scope must be HSBN_SCOPE_NODE, _GLOBAL or _SHADOW");
+  if (phase != HSBN_PHASE_FORWARD && phase != HSBN_PHASE_BACKWARD) {
+    return Invalid("phase must be HSBN_PHASE_FORWARD or HSBN_PHASE_BACKWARD");
+  }
+  auto p = client->client->Start(static_cast<hsbn::Phase>(int(phase)), op, seq, s, channels,
+                                 count, a, b);
+  if (!p.ok()) return Fail(p.status());
+  *out = new hsbn_round{client, std::move(*p)};
+  return HSBN_OK;
+}
+
+hsbn_result hsbn_round_wait(hsbn_round* round, int64_t* out_count, double* out_a,
+                            double* out_b) {
+  g_last_error.clear();
+  if (round == nullptr) return Invalid("null round");
+  std::unique_ptr<hsbn_round> owned(round);
+  return Done(owned->client->client->Wait(*owned->pending, out_count, out_a, out_b));
+}
+
+hsbn_result hsbn_status_json(hsbn_client* client, int include_upstream, char* buf,
+                             size_t buf_len, size_t* needed) {
+  g_last_error.clear();
+  if (client == nullptr) return Invalid("null client");
+  auto json = client->client->StatusJson(include_upstream != 0);
+  if (!json.ok()) return Fail(json.status());
+  if (needed != nullptr) *needed = json->size() + 1;
+  if (buf != nullptr && buf_len > 0) {
+    const size_t n = std::min(buf_len - 1, json->size());
+    std::memcpy(buf, json->data(), n);
+    buf[n] = '\0';
+  }
+  return HSBN_OK;
+}
+
+}  // extern "C"

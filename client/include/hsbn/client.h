@@ -1,0 +1,106 @@
+// hsbn/client.h — the C++ client of the hsbn aggregation service.
+//
+// A Client is one trainer process's membership in one job: it joins the job at its node's
+// sidecar aggregator and keeps one persistent bidirectional stream to it. Each BatchNorm
+// exchange is a round, identified by (op, seq, phase): op is the layer's index in the model,
+// seq counts that layer's invocations, phase is forward or backward. Rounds are matched by key,
+// so several can be in flight at once (Start/Wait), and the blocking calls (Forward/Backward)
+// are Start followed by Wait.
+//
+// Errors are absl::Status values whose code says what kind of failure it is (see
+// docs/PROTOCOL.md) and whose message says what to do. When the stream breaks, rounds in
+// flight fail with UNAVAILABLE and the next call reconnects (joining again), so a restarted
+// sidecar costs the rounds that were in flight, not the job.
+//
+// Thread safety: a Client may be used from several threads at once.
+#ifndef HSBN_CLIENT_H_
+#define HSBN_CLIENT_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace hsbn {
+
+namespace v1 {
+class StatusResponse;
+}
+
+enum class Scope : int { kNode = 1, kGlobal = 2, kShadow = 3 };
+enum class Phase : int { kForward = 1, kBackward = 2 };
+
+const char* ScopeName(Scope scope);
+// "node", "global" or "shadow".
+absl::StatusOr<Scope> ParseScope(const std::string& name);
+
+struct ClientOptions {
+  std::string address = "unix:/tmp/hsbn.sock";  // the node's sidecar
+  std::string job_id;
+  int32_t rank = -1;
+  int32_t world_size = -1;
+  int32_t local_rank = -1;
+  int32_t local_world_size = -1;
+  int32_t node_rank = -1;  // GROUP_RANK
+  // How long a round call waits for its result; zero: the aggregator's round timeout + 5 s.
+  std::chrono::milliseconds round_timeout{0};
+  std::chrono::milliseconds connect_timeout{10000};
+  std::string token;
+
+  // From torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK and HSBN_JOB_ID
+  // (or TORCHELASTIC_RUN_ID), HSBN_ADDRESS, HSBN_ROUND_TIMEOUT_MS, HSBN_CONNECT_TIMEOUT_MS,
+  // HSBN_TOKEN or HSBN_TOKEN_FILE.
+  static absl::StatusOr<ClientOptions> FromEnv();
+  // Checks the layout for consistency (the errors name the variable to fix).
+  absl::Status Validate() const;
+};
+
+// A round that was started and not yet waited for.
+class PendingRound;
+
+class Client {
+ public:
+  // Joins the job and opens the stream. Fails with UNAVAILABLE if no sidecar answers within
+  // options.connect_timeout, INVALID_ARGUMENT for an inconsistent layout.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  ~Client();  // leaves the job
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Starts a round: copies the inputs (`channels` doubles each: mean and m2 for forward,
+  // sum_dy and sum_dy_xmu for backward) and sends them.
+  absl::StatusOr<std::shared_ptr<PendingRound>> Start(Phase phase, uint32_t op, uint64_t seq,
+                                                      Scope scope, int64_t channels,
+                                                      int64_t count, const double* a,
+                                                      const double* b);
+  // Waits for a started round and writes its result (outputs may alias the inputs).
+  absl::Status Wait(PendingRound& round, int64_t* out_count, double* out_a, double* out_b);
+
+  absl::Status Forward(uint32_t op, uint64_t seq, Scope scope, int64_t channels, int64_t count,
+                       const double* mean, const double* m2, int64_t* out_count,
+                       double* out_mean, double* out_m2);
+  absl::Status Backward(uint32_t op, uint64_t seq, Scope scope, int64_t channels, int64_t count,
+                        const double* sum_dy, const double* sum_dy_xmu, int64_t* out_count,
+                        double* out_sum_dy, double* out_sum_dy_xmu);
+
+  // The sidecar's status, and the root's with include_upstream.
+  absl::StatusOr<v1::StatusResponse> Status(bool include_upstream);
+  absl::StatusOr<std::string> StatusJson(bool include_upstream);
+
+  const ClientOptions& options() const;
+  int32_t num_nodes() const;
+  int32_t max_channels() const;
+  std::chrono::milliseconds aggregator_round_timeout() const;
+
+ private:
+  class Impl;
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hsbn
+
+#endif  // HSBN_CLIENT_H_

@@ -1,0 +1,41 @@
+// hsbn/wire.h — small helpers around the generated protocol, shared by server and client.
+//
+// Payload packing (statistics travel as raw little-endian doubles in `bytes` fields, which
+// avoids per-element protobuf work), status conversion between gRPC and absl, and the words
+// used to name rounds, phases and scopes in messages a user reads.
+//
+// Thread safety: pure functions.
+#ifndef HSBN_WIRE_H_
+#define HSBN_WIRE_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "grpcpp/support/status.h"
+#include "hsbn/v1/hsbn.pb.h"
+
+namespace hsbn::wire {
+
+// Bytes of one payload: two arrays of `channels` doubles.
+inline int64_t PayloadBytes(int64_t channels) { return channels * 2 * int64_t(sizeof(double)); }
+
+// Writes [a | b] into *out (resized). a and b hold `channels` doubles each.
+void PackPayload(const double* a, const double* b, int64_t channels, std::string* out);
+// Reads [a | b] from data, which must hold PayloadBytes(channels) bytes.
+void UnpackPayload(const std::string& data, int64_t channels, double* a, double* b);
+
+absl::Status FromGrpc(const grpc::Status& status);
+grpc::Status ToGrpc(const absl::Status& status);
+absl::Status StatusFromCode(int code, const std::string& message);
+
+const char* PhaseName(v1::Phase phase);   // "forward", "backward"
+const char* ScopeName(v1::Scope scope);   // "node", "global", "shadow"
+// Parses "node", "global", "shadow"; SCOPE_UNSPECIFIED if unknown.
+v1::Scope ParseScope(const std::string& name);
+// "op 3, seq 7, forward"
+std::string RoundName(uint32_t op, uint64_t seq, v1::Phase phase);
+
+}  // namespace hsbn::wire
+
+#endif  // HSBN_WIRE_H_

@@ -1,0 +1,486 @@
+#include "aggregator.h"
+
+#include <deque>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "parent_link.h"
+#include "wire.h"
+
+namespace hsbn::server {
+
+namespace {
+
+// The write side of one Exchange stream. Results for its members are queued here from any
+// thread; one write is in flight at a time. Send never blocks on the network.
+class Outbox final : public ResultSink {
+ public:
+  explicit Outbox(grpc::ServerBidiReactor<v1::ClientFrame, v1::ServerFrame>* reactor)
+      : reactor_(reactor) {}
+
+  void Send(const v1::Result& result) override {
+    v1::ServerFrame* start = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finishing_) return;
+      pending_.emplace_back();
+      *pending_.back().mutable_result() = result;
+      if (writing_) return;
+      writing_ = true;
+      current_ = std::move(pending_.front());
+      pending_.pop_front();
+      start = &current_;
+    }
+    reactor_->StartWrite(start);  // outside the lock: reactions may run inline
+  }
+
+  void WriteDone(bool ok) {
+    v1::ServerFrame* start = nullptr;
+    bool finish = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!ok) {
+        broken_ = true;
+        pending_.clear();
+      }
+      if (!pending_.empty() && !finishing_) {
+        current_ = std::move(pending_.front());
+        pending_.pop_front();
+        start = &current_;
+      } else {
+        writing_ = false;
+        if (read_done_ && !finishing_) finish = finishing_ = true;
+      }
+    }
+    if (start) reactor_->StartWrite(start);
+    if (finish) reactor_->Finish(grpc::Status::OK);
+  }
+
+  void ReadDone() {
+    bool finish = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      read_done_ = true;
+      if (!writing_ && !finishing_) finish = finishing_ = true;
+    }
+    if (finish) reactor_->Finish(grpc::Status::OK);
+  }
+
+ private:
+  grpc::ServerBidiReactor<v1::ClientFrame, v1::ServerFrame>* const reactor_;
+  std::mutex mu_;
+  std::deque<v1::ServerFrame> pending_;
+  v1::ServerFrame current_;
+  bool writing_ = false;
+  bool read_done_ = false;
+  bool finishing_ = false;
+  bool broken_ = false;
+};
+
+class StreamReactor final : public grpc::ServerBidiReactor<v1::ClientFrame, v1::ServerFrame> {
+ public:
+  explicit StreamReactor(Aggregator* aggregator)
+      : aggregator_(aggregator), outbox_(std::make_shared<Outbox>(this)) {
+    StartRead(&in_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      aggregator_->StreamClosed(sessions_, /*graceful=*/false);
+      outbox_->ReadDone();
+      return;
+    }
+    switch (in_.frame_case()) {
+      case v1::ClientFrame::kAttach:
+        for (uint64_t s : in_.attach().session_ids()) Bind(s);
+        break;
+      case v1::ClientFrame::kContribution:
+        HandleContribution(in_.contribution());
+        break;
+      case v1::ClientFrame::kAbort:
+        HandleAbort(in_.abort());
+        break;
+      default:
+        break;
+    }
+    StartRead(&in_);
+  }
+
+  void OnWriteDone(bool ok) override { outbox_->WriteDone(ok); }
+  void OnDone() override { delete this; }
+
+ private:
+  bool Bind(uint64_t session) {
+    Aggregator::SessionRef ref;
+    if (!aggregator_->FindSession(session, &ref)) return false;
+    if (!ref.job->Attach(ref.index, session, outbox_).ok()) return false;
+    for (uint64_t s : sessions_) {
+      if (s == session) return true;
+    }
+    sessions_.push_back(session);
+    return true;
+  }
+
+  void SendError(const v1::Contribution& c, const absl::Status& status) {
+    v1::Result r;
+    r.set_session_id(c.session_id());
+    r.set_op(c.op());
+    r.set_seq(c.seq());
+    r.set_phase(c.phase());
+    r.set_code(int(status.code()));
+    r.set_message(std::string(status.message()));
+    outbox_->Send(r);
+  }
+
+  void HandleContribution(const v1::Contribution& c) {
+    Aggregator::SessionRef ref;
+    if (!aggregator_->FindSession(c.session_id(), &ref)) {
+      SendError(c, absl::NotFoundError(
+                       "unknown session: the aggregator restarted or the job was dropped; the "
+                       "client must Join again (hsbn clients do this by themselves)"));
+      return;
+    }
+    bool bound = false;
+    for (uint64_t s : sessions_) bound = bound || s == c.session_id();
+    if (!bound && !Bind(c.session_id())) {
+      SendError(c, absl::NotFoundError("this session was replaced by a newer Join of the same "
+                                       "rank; this connection is stale"));
+      return;
+    }
+    Actions actions;
+    ref.job->Contribute(ref.index, c.session_id(), c, Clock::now(), &actions);
+    aggregator_->Execute(actions, ref.job->id());
+  }
+
+  void HandleAbort(const v1::Abort& a) {
+    Aggregator::SessionRef ref;
+    if (!aggregator_->FindSession(a.session_id(), &ref)) return;
+    Actions actions;
+    ref.job->ChildAbort(ref.index, a, &actions);
+    aggregator_->Execute(actions, ref.job->id());
+  }
+
+  Aggregator* const aggregator_;
+  std::shared_ptr<Outbox> outbox_;
+  v1::ClientFrame in_;
+  std::vector<uint64_t> sessions_;  // touched only by OnReadDone, which gRPC serialises
+};
+
+}  // namespace
+
+Aggregator::Aggregator(AggregatorOptions options)
+    : options_(std::move(options)), started_(Clock::now()), rng_(std::random_device{}()) {
+  if (options_.role == AggregatorOptions::Role::kNode && !options_.upstream.empty()) {
+    parent_ = std::make_unique<ParentLink>(this, options_.upstream, options_.id);
+  }
+  ticker_ = std::thread([this] { TickLoop(); });
+}
+
+Aggregator::~Aggregator() { Shutdown("the aggregator is being destroyed"); }
+
+void Aggregator::Shutdown(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(tick_mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  tick_cv_.notify_all();
+  if (ticker_.joinable()) ticker_.join();
+  std::vector<std::shared_ptr<Job>> jobs;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, job] : jobs_) jobs.push_back(job);
+  }
+  for (auto& job : jobs) {
+    Actions actions;
+    job->FailAll(absl::UnavailableError(absl::StrCat(
+                     "aggregator ", options_.id, " is shutting down (", why,
+                     "); rounds in flight failed. Clients reconnect when it is back")),
+                 &actions);
+    actions.forwards.clear();
+    actions.aborts.clear();
+    Execute(actions, job->id());
+  }
+  if (parent_) parent_->Shutdown();
+}
+
+void Aggregator::TickLoop() {
+  std::unique_lock<std::mutex> lock(tick_mu_);
+  while (!stopping_) {
+    tick_cv_.wait_for(lock, options_.tick);
+    if (stopping_) break;
+    lock.unlock();
+    std::vector<std::shared_ptr<Job>> jobs;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      for (auto it = jobs_.begin(); it != jobs_.end();) {
+        if (it->second->Abandoned()) {
+          Log(LogLevel::kInfo, absl::StrCat("job '", it->first, "' dropped: all members are gone"));
+          for (auto s = sessions_.begin(); s != sessions_.end();) {
+            s = s->second.job == it->second ? sessions_.erase(s) : std::next(s);
+          }
+          it = jobs_.erase(it);
+        } else {
+          jobs.push_back(it->second);
+          ++it;
+        }
+      }
+    }
+    const Clock::time_point now = Clock::now();
+    for (auto& job : jobs) {
+      Actions actions;
+      job->Expire(now, &actions);
+      if (!actions.empty() || !actions.log.empty()) Execute(actions, job->id());
+    }
+    lock.lock();
+  }
+}
+
+bool Aggregator::FindSession(uint64_t session, SessionRef* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) return false;
+  *out = it->second;
+  return true;
+}
+
+void Aggregator::Execute(Actions& actions, const std::string& job_id) {
+  for (const std::string& line : actions.log) Log(LogLevel::kInfo, line);
+  for (auto& d : actions.deliveries) {
+    v1::Result r = *d.result;
+    for (auto& [session, sink] : d.to) {
+      r.set_session_id(session);
+      sink->Send(r);
+    }
+  }
+  if (!actions.forwards.empty() || !actions.aborts.empty()) {
+    std::shared_ptr<Job> job;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = jobs_.find(job_id);
+      if (it != jobs_.end()) job = it->second;
+    }
+    if (job && parent_) {
+      for (const auto& f : actions.forwards) parent_->Forward(job_id, job->layout(), f);
+      for (const auto& a : actions.aborts) parent_->Abort(job_id, job->layout(), a);
+    }
+  }
+}
+
+void Aggregator::StreamClosed(const std::vector<uint64_t>& sessions, bool graceful) {
+  for (uint64_t session : sessions) {
+    SessionRef ref;
+    if (!FindSession(session, &ref)) continue;
+    Actions actions;
+    ref.job->MemberGone(ref.index, session, /*left=*/false, &actions);
+    Execute(actions, ref.job->id());
+  }
+}
+
+void Aggregator::OnParentResult(const std::string& job_id, const v1::Result& result) {
+  std::shared_ptr<Job> job;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return;
+    job = it->second;
+  }
+  Actions actions;
+  job->ParentResult(result, &actions);
+  Execute(actions, job_id);
+}
+
+void Aggregator::OnParentLost(const absl::Status& status) {
+  std::vector<std::shared_ptr<Job>> jobs;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, job] : jobs_) jobs.push_back(job);
+  }
+  for (auto& job : jobs) {
+    Actions actions;
+    job->ParentLost(status, &actions);
+    Execute(actions, job->id());
+  }
+}
+
+absl::Status Aggregator::DoJoin(const v1::JoinRequest& req, v1::JoinResponse* resp) {
+  const bool is_root = options_.role == AggregatorOptions::Role::kRoot;
+  const bool worker = req.kind() == v1::MEMBER_KIND_WORKER;
+  if (req.protocol_version() != v1::PROTOCOL_VERSION_1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "protocol version ", req.protocol_version(),
+        " is not spoken by this aggregator (it speaks 1); use matching hsbn versions"));
+  }
+  if (req.kind() != v1::MEMBER_KIND_WORKER && req.kind() != v1::MEMBER_KIND_AGGREGATOR) {
+    return absl::InvalidArgumentError("Join: field 'kind' must be worker or aggregator");
+  }
+  if (is_root && worker) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "aggregator ", options_.id, " is a root; workers join their node's sidecar "
+        "(--role=node), not the root. Check HSBN_ADDRESS"));
+  }
+  if (!is_root && !worker) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "aggregator ", options_.id, " is a node sidecar; only a root (--role=root) accepts "
+        "other aggregators. Check the sidecar's --upstream"));
+  }
+  const std::string who = worker ? absl::StrCat("rank ", req.rank())
+                                 : absl::StrCat("the sidecar of node ", req.node_rank());
+  auto bad = [&](const std::string& field, const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(who, " of job '", req.job_id(), "': ", field,
+                                                   " ", what));
+  };
+  if (req.job_id().empty()) return bad("job_id", "is empty: set HSBN_JOB_ID");
+  if (req.job_id().size() > 256) return bad("job_id", "is longer than 256 bytes");
+  if (req.world_size() <= 0) return bad("world_size (WORLD_SIZE)", "must be positive");
+  if (req.local_world_size() <= 0 || req.world_size() % req.local_world_size() != 0) {
+    return bad("local_world_size (LOCAL_WORLD_SIZE)",
+               absl::StrCat("is ", req.local_world_size(), "; it must be positive and divide "
+                            "WORLD_SIZE=", req.world_size(), " (hsbn needs as many workers on "
+                            "every node)"));
+  }
+  const int32_t num_nodes = req.world_size() / req.local_world_size();
+  if (req.node_rank() < 0 || req.node_rank() >= num_nodes) {
+    return bad("node_rank (GROUP_RANK)", absl::StrCat("is ", req.node_rank(), "; the job has ",
+                                                      num_nodes, " nodes"));
+  }
+  if (worker) {
+    if (req.rank() < 0 || req.rank() >= req.world_size()) {
+      return bad("rank (RANK)", absl::StrCat("is ", req.rank(), "; it must be in [0, WORLD_SIZE=",
+                                             req.world_size(), ")"));
+    }
+    if (req.local_rank() < 0 || req.local_rank() >= req.local_world_size()) {
+      return bad("local_rank (LOCAL_RANK)",
+                 absl::StrCat("is ", req.local_rank(), "; it must be in [0, LOCAL_WORLD_SIZE=",
+                              req.local_world_size(), ")"));
+    }
+    if (req.rank() != req.node_rank() * req.local_world_size() + req.local_rank()) {
+      return bad("rank (RANK)",
+                 absl::StrCat("is ", req.rank(), " but GROUP_RANK*LOCAL_WORLD_SIZE+LOCAL_RANK = ",
+                              req.node_rank() * req.local_world_size() + req.local_rank(),
+                              "; hsbn expects torchrun's rank layout"));
+    }
+  }
+  JobLayout layout;
+  layout.member_kind = req.kind();
+  layout.world_size = req.world_size();
+  layout.local_world_size = req.local_world_size();
+  layout.num_nodes = num_nodes;
+  layout.node_rank = worker ? req.node_rank() : -1;
+  const int32_t index = worker ? req.local_rank() : req.node_rank();
+
+  std::shared_ptr<Job> job;
+  uint64_t session;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = jobs_.find(req.job_id());
+    if (it == jobs_.end()) {
+      if (int32_t(jobs_.size()) >= options_.max_jobs) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "aggregator ", options_.id, " already serves ", jobs_.size(),
+            " jobs, its limit (--max-jobs); job '", req.job_id(), "' was refused"));
+      }
+      JobLimits limits = options_.limits;
+      limits.has_parent = parent_ != nullptr;
+      job = std::make_shared<Job>(req.job_id(), layout, limits);
+      jobs_.emplace(req.job_id(), job);
+      Log(LogLevel::kInfo, absl::StrCat("job '", req.job_id(), "' created: ", layout.world_size,
+                                        " workers on ", num_nodes, " node(s)"));
+    } else {
+      job = it->second;
+      if (absl::Status s = job->CheckLayout(layout, who); !s.ok()) return s;
+    }
+    do {
+      session = rng_();
+    } while (session == 0 || sessions_.count(session));
+  }
+  Actions actions;
+  if (absl::Status s = job->AddMember(index, session, req.previous_session_id(), &actions);
+      !s.ok()) {
+    return s;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (req.previous_session_id() != 0) sessions_.erase(req.previous_session_id());
+    sessions_[session] = SessionRef{job, index};
+  }
+  Execute(actions, job->id());
+  Log(LogLevel::kDebug, absl::StrCat("job '", req.job_id(), "': ", job->MemberName(index),
+                                     " joined"));
+  resp->set_session_id(session);
+  resp->set_protocol_version(v1::PROTOCOL_VERSION_1);
+  resp->set_num_nodes(num_nodes);
+  resp->set_max_channels(options_.limits.max_channels);
+  resp->set_round_timeout_ms(options_.limits.round_timeout.count());
+  resp->set_aggregator_id(options_.id);
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* Aggregator::Join(grpc::CallbackServerContext* ctx,
+                                           const v1::JoinRequest* req, v1::JoinResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  absl::Status s = DoJoin(*req, resp);
+  if (!s.ok()) Log(LogLevel::kWarn, absl::StrCat("Join refused: ", s.ToString()));
+  reactor->Finish(wire::ToGrpc(s));
+  return reactor;
+}
+
+grpc::ServerBidiReactor<v1::ClientFrame, v1::ServerFrame>* Aggregator::Exchange(
+    grpc::CallbackServerContext* ctx) {
+  return new StreamReactor(this);
+}
+
+grpc::ServerUnaryReactor* Aggregator::Leave(grpc::CallbackServerContext* ctx,
+                                            const v1::LeaveRequest* req, v1::LeaveResponse*) {
+  auto* reactor = ctx->DefaultReactor();
+  SessionRef ref;
+  if (!FindSession(req->session_id(), &ref)) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown session"));
+    return reactor;
+  }
+  Actions actions;
+  ref.job->MemberGone(ref.index, req->session_id(), /*left=*/true, &actions);
+  Execute(actions, ref.job->id());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sessions_.erase(req->session_id());
+  }
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+void Aggregator::FillStatus(const std::string& job_id, v1::StatusResponse* resp) {
+  resp->set_aggregator_id(options_.id);
+  resp->set_role(options_.role == AggregatorOptions::Role::kRoot ? "root" : "node");
+  resp->set_uptime_s(std::chrono::duration<double>(Clock::now() - started_).count());
+  std::vector<std::shared_ptr<Job>> jobs;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, job] : jobs_) {
+      if (job_id.empty() || id == job_id) jobs.push_back(job);
+    }
+  }
+  for (auto& job : jobs) job->FillStatus(resp->add_jobs());
+}
+
+grpc::ServerUnaryReactor* Aggregator::Status(grpc::CallbackServerContext* ctx,
+                                             const v1::StatusRequest* req,
+                                             v1::StatusResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  FillStatus(req->job_id(), resp);
+  if (req->include_upstream() && parent_) {
+    parent_->Status(*req, [reactor, resp](const grpc::Status& s, const v1::StatusResponse& up) {
+      if (s.ok()) {
+        *resp->mutable_upstream() = up;
+      } else {
+        resp->set_upstream_error(s.error_message());
+      }
+      reactor->Finish(grpc::Status::OK);
+    });
+    return reactor;
+  }
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace hsbn::server

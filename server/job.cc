@@ -1,0 +1,537 @@
+#include "job.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "hsbn/moments.h"
+#include "wire.h"
+
+namespace hsbn::server {
+
+std::string Describe(const RoundKey& key) { return wire::RoundName(key.op, key.seq, key.phase); }
+
+Job::Job(std::string id, JobLayout layout, JobLimits limits)
+    : id_(std::move(id)), layout_(layout), limits_(limits), members_(layout.group_size()) {}
+
+std::string Job::MemberName(int32_t index) const {
+  if (layout_.member_kind == v1::MEMBER_KIND_WORKER) {
+    const int32_t rank = layout_.node_rank * layout_.local_world_size + index;
+    return absl::StrCat("rank ", rank, " (node ", layout_.node_rank, ", local rank ", index, ")");
+  }
+  const int32_t first = index * layout_.local_world_size;
+  return absl::StrCat("node ", index, " (ranks ", first, "-", first + layout_.local_world_size - 1,
+                      ")");
+}
+
+absl::Status Job::CheckLayout(const JobLayout& d, const std::string& who) const {
+  auto mismatch = [&](const char* field, int64_t got, int64_t want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": ", field, "=", got, " but job '", id_, "' was joined with ", field, "=", want,
+        "; every process of a job must be launched with the same layout"));
+  };
+  if (d.member_kind != layout_.member_kind) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": joins job '", id_, "' as a different kind of member than its other members"));
+  }
+  if (d.world_size != layout_.world_size) return mismatch("world_size", d.world_size, layout_.world_size);
+  if (d.local_world_size != layout_.local_world_size)
+    return mismatch("local_world_size", d.local_world_size, layout_.local_world_size);
+  if (d.node_rank != layout_.node_rank) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": node_rank (GROUP_RANK)=", d.node_rank, " but this aggregator serves node ",
+        layout_.node_rank, " of job '", id_,
+        "'; each node's workers must use their own node's sidecar"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Job::AddMember(int32_t index, uint64_t session, uint64_t previous_session,
+                            Actions* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Member& m = members_.at(index);
+  if (m.joined && m.connected && m.session != previous_session) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        MemberName(index), " of job '", id_,
+        "' is already joined from a live connection; two processes were probably started with "
+        "the same RANK, or the job id is reused by another job (set a unique HSBN_JOB_ID)"));
+  }
+  if (m.joined && m.session != 0 && m.session != session) {
+    out->log.push_back(absl::StrCat("job '", id_, "': ", MemberName(index), " rejoined"));
+  }
+  m.session = session;
+  m.joined = true;
+  m.connected = false;
+  m.gone = false;
+  m.sink.reset();
+  return absl::OkStatus();
+}
+
+absl::Status Job::Attach(int32_t index, uint64_t session, std::shared_ptr<ResultSink> sink) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Member& m = members_.at(index);
+  if (!m.joined || m.session != session) {
+    return absl::NotFoundError(absl::StrCat(
+        "session of ", MemberName(index), " in job '", id_,
+        "' was replaced by a newer Join; this connection is stale and must rejoin"));
+  }
+  m.connected = true;
+  m.sink = std::move(sink);
+  return absl::OkStatus();
+}
+
+void Job::MemberGone(int32_t index, uint64_t session, bool left, Actions* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Member& m = members_.at(index);
+  if (m.session != session) return;  // already replaced by a newer session
+  m.connected = false;
+  m.gone = true;
+  m.sink.reset();
+  if (left) m.joined = false;
+  const std::string why =
+      left ? absl::StrCat(MemberName(index), " left job '", id_, "' while this round waited for it")
+           : absl::StrCat(MemberName(index), " disconnected from job '", id_,
+                          "' (its stream broke: the process probably exited or was killed) "
+                          "while this round waited for it");
+  std::vector<RoundKey> doomed;
+  for (auto& [key, round] : open_) {
+    if (!round.slots[index].filled) doomed.push_back(key);
+  }
+  for (const RoundKey& key : doomed) {
+    FailRoundLocked(key, absl::UnavailableError(absl::StrCat("round ", Describe(key), ": ", why)),
+                    /*tell_parent=*/true, out);
+  }
+  out->log.push_back(absl::StrCat("job '", id_, "': ", MemberName(index),
+                                  left ? " left" : " disconnected", "; ", doomed.size(),
+                                  " open round(s) failed"));
+}
+
+bool Job::Abandoned() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const Member& m : members_) {
+    if (m.joined && !m.gone) return false;
+  }
+  return true;
+}
+
+bool Job::ScopeReachesParent(v1::Scope scope) const {
+  return scope != v1::SCOPE_NODE && layout_.member_kind == v1::MEMBER_KIND_WORKER &&
+         layout_.num_nodes > 1;
+}
+
+absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const Round* open) const {
+  const std::string who = MemberName(index);
+  const std::string round = Describe(RoundKey{c.op(), c.seq(), c.phase()});
+  auto bad = [&](const std::string& field, const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(who, " sent an invalid contribution to round ",
+                                                   round, ": field '", field, "' ", what));
+  };
+  if (c.phase() != v1::PHASE_FORWARD && c.phase() != v1::PHASE_BACKWARD) {
+    return bad("phase", absl::StrCat("is ", int(c.phase()), "; expected forward or backward"));
+  }
+  if (c.scope() != v1::SCOPE_NODE && c.scope() != v1::SCOPE_GLOBAL &&
+      c.scope() != v1::SCOPE_SHADOW) {
+    return bad("scope", absl::StrCat("is ", int(c.scope()), "; expected node, global or shadow"));
+  }
+  if (layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR && c.scope() == v1::SCOPE_NODE) {
+    return bad("scope", "is node, which a root aggregator never reduces");
+  }
+  if (c.channels() == 0) return bad("channels", "is 0; a BatchNorm layer has at least 1 channel");
+  if (c.channels() > uint32_t(limits_.max_channels)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        who, " sent ", c.channels(), " channels to round ", round,
+        ", more than this aggregator's limit --max-channels=", limits_.max_channels,
+        "; raise the limit or split the layer"));
+  }
+  if (int64_t(c.data().size()) != wire::PayloadBytes(c.channels())) {
+    return bad("data", absl::StrCat("holds ", c.data().size(), " bytes; ", c.channels(),
+                                    " channels need ", wire::PayloadBytes(c.channels())));
+  }
+  if (c.count() < 0) return bad("count", absl::StrCat("is ", c.count(), "; counts are >= 0"));
+  const int64_t channels = c.channels();
+  const char* name_a = c.phase() == v1::PHASE_FORWARD ? "mean" : "sum_dy";
+  const char* name_b = c.phase() == v1::PHASE_FORWARD ? "m2" : "sum_dy_xmu";
+  const char* raw = c.data().data();
+  for (int64_t i = 0; i < 2 * channels; ++i) {
+    double v;
+    std::memcpy(&v, raw + i * sizeof(double), sizeof(double));
+    const char* name = i < channels ? name_a : name_b;
+    const int64_t ch = i < channels ? i : i - channels;
+    if (!std::isfinite(v)) {
+      return bad(absl::StrCat(name, "[", ch, "]"),
+                 absl::StrCat("is ", v, "; the local batch has NaN or Inf values (check the "
+                                        "input and the learning rate)"));
+    }
+    if (c.phase() == v1::PHASE_FORWARD && i >= channels && v < 0) {
+      return bad(absl::StrCat(name, "[", ch, "]"),
+                 absl::StrCat("is ", v, "; a sum of squared deviations is never negative"));
+    }
+  }
+  if (ScopeReachesParent(c.scope()) && !limits_.has_parent) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, " asked for ", wire::ScopeName(c.scope()), " scope in round ", round, ", but job '",
+        id_, "' spans ", layout_.num_nodes,
+        " nodes and this sidecar has no root: start it with --upstream=<root address>"));
+  }
+  if (open != nullptr) {
+    if (c.channels() != open->channels) {
+      return bad("channels", absl::StrCat("is ", c.channels(), " but ",
+                                          MemberName(open->first_contributor), " sent ",
+                                          open->channels,
+                                          "; every worker must run the same model"));
+    }
+    if (c.scope() != open->scope) {
+      return bad("scope", absl::StrCat("is ", wire::ScopeName(c.scope()), " but ",
+                                       MemberName(open->first_contributor), " sent ",
+                                       wire::ScopeName(open->scope)));
+    }
+    const Slot& slot = open->slots[index];
+    if (slot.filled && (slot.count != c.count() || slot.data != c.data())) {
+      return bad("data", "differs from the contribution it already sent to this round "
+                         "(a conflicting duplicate)");
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::shared_ptr<const v1::Result> Job::MakeError(const RoundKey& key, const absl::Status& s) const {
+  auto r = std::make_shared<v1::Result>();
+  r->set_op(key.op);
+  r->set_seq(key.seq);
+  r->set_phase(key.phase);
+  r->set_code(int(s.code()));
+  r->set_message(std::string(s.message()));
+  return r;
+}
+
+void Job::FinishLocked(const RoundKey& key, Finished finished) {
+  const int64_t bytes = finished.result ? int64_t(finished.result->data().size()) : 0;
+  auto [it, inserted] = finished_.emplace(key, std::move(finished));
+  if (!inserted) return;
+  finished_order_.push_back(key);
+  finished_bytes_ += bytes;
+  while (!finished_order_.empty() &&
+         (int64_t(finished_order_.size()) > limits_.finished_rounds_kept ||
+          finished_bytes_ > limits_.finished_bytes_kept)) {
+    auto old = finished_.find(finished_order_.front());
+    if (old != finished_.end()) {
+      if (old->second.result) finished_bytes_ -= int64_t(old->second.result->data().size());
+      finished_.erase(old);
+    }
+    finished_order_.pop_front();
+  }
+}
+
+void Job::FailRoundLocked(const RoundKey& key, const absl::Status& status, bool tell_parent,
+                          Actions* out) {
+  auto error = MakeError(key, status);
+  auto it = open_.find(key);
+  if (it != open_.end()) {
+    Actions::Delivery d;
+    d.result = error;
+    for (size_t i = 0; i < it->second.slots.size(); ++i) {
+      if (it->second.slots[i].filled && members_[i].sink) {
+        d.to.emplace_back(members_[i].session, members_[i].sink);
+      }
+    }
+    if (!d.to.empty()) out->deliveries.push_back(std::move(d));
+    if (tell_parent && limits_.has_parent && ScopeReachesParent(it->second.scope)) {
+      out->aborts.push_back(Actions::Abort{key, status});
+    }
+    open_.erase(it);
+  } else if (tell_parent && limits_.has_parent && layout_.member_kind == v1::MEMBER_KIND_WORKER &&
+             layout_.num_nodes > 1) {
+    // The round never opened here (rejected first contribution). Other nodes may be waiting.
+    out->aborts.push_back(Actions::Abort{key, status});
+  }
+  ++rounds_failed_;
+  out->log.push_back(absl::StrCat("job '", id_, "': round ", Describe(key), " failed: ",
+                                  status.ToString()));
+  FinishLocked(key, Finished{status, nullptr});
+}
+
+void Job::DeliverLocked(const Round& round, std::shared_ptr<const v1::Result> result,
+                        Actions* out) {
+  Actions::Delivery d;
+  d.result = std::move(result);
+  for (size_t i = 0; i < round.slots.size(); ++i) {
+    if (members_[i].sink) d.to.emplace_back(members_[i].session, members_[i].sink);
+  }
+  if (!d.to.empty()) out->deliveries.push_back(std::move(d));
+}
+
+void Job::SendFinishedLocked(int32_t index, uint64_t session, const RoundKey& key,
+                             const Finished& finished, Actions* out) {
+  const Member& m = members_[index];
+  if (!m.sink) return;
+  Actions::Delivery d;
+  d.result = finished.status.ok() && finished.result ? finished.result
+                                                     : MakeError(key, finished.status);
+  d.to.emplace_back(session, m.sink);
+  out->deliveries.push_back(std::move(d));
+}
+
+void Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
+                     Clock::time_point now, Actions* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const RoundKey key{c.op(), c.seq(), c.phase()};
+  if (auto f = finished_.find(key); f != finished_.end()) {
+    SendFinishedLocked(index, session, key, f->second, out);  // late or repeated contribution
+    return;
+  }
+  auto it = open_.find(key);
+  Round* open = it == open_.end() ? nullptr : &it->second;
+  if (absl::Status s = ValidateLocked(index, c, open); !s.ok()) {
+    Actions::Delivery d;  // the sender gets the error even if it has no slot in an open round
+    d.result = MakeError(key, s);
+    if (members_[index].sink && (open == nullptr || !open->slots[index].filled)) {
+      d.to.emplace_back(session, members_[index].sink);
+      out->deliveries.push_back(std::move(d));
+    }
+    FailRoundLocked(key, s, /*tell_parent=*/true, out);
+    return;
+  }
+  Member& member = members_[index];
+  ++member.contributions;
+  if (open == nullptr) {
+    for (size_t i = 0; i < members_.size(); ++i) {
+      if (members_[i].gone) {
+        // A member that took part before and whose stream is gone cannot contribute.
+        Actions::Delivery d;
+        absl::Status s = absl::UnavailableError(absl::StrCat(
+            "round ", Describe(key), " of job '", id_, "' cannot complete: ", MemberName(i),
+            members_[i].joined ? " is disconnected (its stream broke)" : " left the job",
+            "; the job cannot make progress until that process rejoins"));
+        d.result = MakeError(key, s);
+        if (member.sink) {
+          d.to.emplace_back(session, member.sink);
+          out->deliveries.push_back(std::move(d));
+        }
+        FailRoundLocked(key, s, /*tell_parent=*/true, out);
+        return;
+      }
+    }
+    if (int32_t(open_.size()) >= limits_.max_open_rounds) {
+      absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
+          "job '", id_, "' already has ", open_.size(),
+          " rounds in flight, the limit (--max-open-rounds); round ", Describe(key),
+          " was refused. Workers are out of step: some run far ahead of others"));
+      if (member.sink) {
+        Actions::Delivery d;
+        d.result = MakeError(key, s);
+        d.to.emplace_back(session, member.sink);
+        out->deliveries.push_back(std::move(d));
+      }
+      FailRoundLocked(key, s, /*tell_parent=*/true, out);
+      return;
+    }
+    Round round;
+    round.key = key;
+    round.scope = c.scope();
+    round.channels = c.channels();
+    round.first_contributor = index;
+    round.slots.resize(members_.size());
+    round.deadline = now + limits_.round_timeout;
+    it = open_.emplace(key, std::move(round)).first;
+    open = &it->second;
+  }
+  Slot& slot = open->slots[index];
+  if (slot.filled) return;  // an identical repeat of what it sent before
+  slot.filled = true;
+  slot.count = c.count();
+  slot.data = c.data();
+  if (++open->filled == int32_t(open->slots.size())) CompleteLocked(*open, out);
+}
+
+void Job::CompleteLocked(Round& round, Actions* out) {
+  const int64_t channels = round.channels;
+  std::vector<double> a(channels, 0.0), b(channels, 0.0), sa(channels), sb(channels);
+  int64_t count = 0;
+  // Fixed order: member index 0, 1, ... — the same bits for every member and every rerun.
+  for (const Slot& slot : round.slots) {
+    wire::UnpackPayload(slot.data, channels, sa.data(), sb.data());
+    if (round.key.phase == v1::PHASE_FORWARD) {
+      count = MergeChannelMoments(count, a.data(), b.data(), slot.count, sa.data(), sb.data(),
+                                  channels);
+    } else {
+      AddChannelSums(a.data(), sa.data(), channels);
+      AddChannelSums(b.data(), sb.data(), channels);
+      count += slot.count;
+    }
+  }
+  auto result = std::make_shared<v1::Result>();
+  result->set_op(round.key.op);
+  result->set_seq(round.key.seq);
+  result->set_phase(round.key.phase);
+  result->set_channels(round.channels);
+  result->set_count(count);
+  wire::PackPayload(a.data(), b.data(), channels, result->mutable_data());
+
+  const RoundKey key = round.key;
+  if (ScopeReachesParent(round.scope) && limits_.has_parent) {
+    out->forwards.push_back(Actions::Forward{key, round.scope, round.channels, count,
+                                             std::make_shared<const std::string>(result->data())});
+    if (round.scope == v1::SCOPE_GLOBAL) {
+      round.forwarded = true;
+      round.deadline = Clock::now() + limits_.round_timeout;
+      return;
+    }
+    result->set_scope(v1::SCOPE_NODE);  // shadow: answer with the node's statistics now
+  } else {
+    result->set_scope(round.scope);
+  }
+  if (layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR && round.scope == v1::SCOPE_SHADOW &&
+      round.key.phase == v1::PHASE_FORWARD) {
+    RecordDivergenceLocked(round, *result);
+  }
+  std::shared_ptr<const v1::Result> shared = result;
+  // At the root, shadow partials are fire-and-forget: the nodes are not waiting.
+  if (!(layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR && round.scope == v1::SCOPE_SHADOW)) {
+    DeliverLocked(round, shared, out);
+  }
+  ++rounds_completed_;
+  open_.erase(key);
+  FinishLocked(key, Finished{absl::OkStatus(), shared});
+}
+
+void Job::RecordDivergenceLocked(const Round& round, const v1::Result& global) {
+  const int64_t channels = round.channels;
+  std::vector<double> gm(channels), gm2(channels), nm(channels), nm2(channels);
+  wire::UnpackPayload(global.data(), channels, gm.data(), gm2.data());
+  if (global.count() == 0) return;
+  for (size_t node = 0; node < round.slots.size(); ++node) {
+    const Slot& slot = round.slots[node];
+    if (slot.count == 0) continue;
+    wire::UnpackPayload(slot.data, channels, nm.data(), nm2.data());
+    double shift_sum = 0, shift_max = 0, ratio_sum = 0, log_sum = 0;
+    for (int64_t c = 0; c < channels; ++c) {
+      const double gvar = gm2[c] / double(global.count());
+      const double nvar = nm2[c] / double(slot.count);
+      const double shift = std::fabs(nm[c] - gm[c]) / std::sqrt(gvar + 1e-5);
+      const double ratio = (nvar + 1e-5) / (gvar + 1e-5);
+      shift_sum += shift;
+      shift_max = std::max(shift_max, shift);
+      ratio_sum += ratio;
+      log_sum += std::fabs(std::log(ratio));
+    }
+    DivergenceAcc& acc = divergence_[{round.key.op, int32_t(node)}];
+    acc.rounds += 1;
+    acc.mean_shift_sum += shift_sum / double(channels);
+    acc.mean_shift_max = std::max(acc.mean_shift_max, shift_max);
+    acc.var_ratio_sum += ratio_sum / double(channels);
+    acc.log_var_ratio_abs_sum += log_sum / double(channels);
+  }
+}
+
+void Job::ChildAbort(int32_t index, const v1::Abort& abort, Actions* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const RoundKey key{abort.op(), abort.seq(), abort.phase()};
+  if (finished_.count(key)) return;
+  absl::Status s = wire::StatusFromCode(abort.code() == 0 ? int(absl::StatusCode::kAborted)
+                                                          : abort.code(),
+                                        abort.message());
+  if (open_.count(key)) {
+    FailRoundLocked(key, s, /*tell_parent=*/true, out);
+  } else {
+    ++rounds_failed_;
+    FinishLocked(key, Finished{s, nullptr});  // later partials of this round get the error
+  }
+}
+
+void Job::ParentResult(const v1::Result& result, Actions* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const RoundKey key{result.op(), result.seq(), result.phase()};
+  auto it = open_.find(key);
+  if (it == open_.end() || !it->second.forwarded) return;  // failed here already
+  if (result.code() != 0) {
+    FailRoundLocked(key, wire::StatusFromCode(result.code(), result.message()),
+                    /*tell_parent=*/false, out);
+    return;
+  }
+  auto copy = std::make_shared<v1::Result>(result);
+  copy->set_session_id(0);
+  std::shared_ptr<const v1::Result> shared = copy;
+  DeliverLocked(it->second, shared, out);
+  ++rounds_completed_;
+  open_.erase(it);
+  FinishLocked(key, Finished{absl::OkStatus(), shared});
+}
+
+void Job::ParentLost(const absl::Status& status, Actions* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<RoundKey> doomed;
+  for (auto& [key, round] : open_) {
+    if (round.forwarded) doomed.push_back(key);
+  }
+  for (const RoundKey& key : doomed) FailRoundLocked(key, status, /*tell_parent=*/false, out);
+}
+
+void Job::Expire(Clock::time_point now, Actions* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<RoundKey, absl::Status>> doomed;
+  const int64_t ms = limits_.round_timeout.count();
+  for (auto& [key, round] : open_) {
+    if (round.deadline > now) continue;
+    if (round.forwarded) {
+      doomed.emplace_back(key, absl::DeadlineExceededError(absl::StrCat(
+                                   "round ", Describe(key), " of job '", id_,
+                                   "': the root aggregator did not answer within ", ms,
+                                   " ms; check the root and the nodes' sidecars")));
+      continue;
+    }
+    std::vector<std::string> missing;
+    for (size_t i = 0; i < round.slots.size(); ++i) {
+      if (!round.slots[i].filled) missing.push_back(MemberName(int32_t(i)));
+    }
+    doomed.emplace_back(
+        key, absl::DeadlineExceededError(absl::StrCat(
+                 "round ", Describe(key), " of job '", id_, "' timed out after ", ms,
+                 " ms waiting for ", absl::StrJoin(missing, ", "),
+                 ". Those processes crashed, hung, or did not run this BN layer; every worker "
+                 "must run the same layers in the same order")));
+  }
+  for (auto& [key, status] : doomed) FailRoundLocked(key, status, /*tell_parent=*/true, out);
+}
+
+void Job::FailAll(const absl::Status& status, Actions* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<RoundKey> doomed;
+  for (auto& [key, round] : open_) doomed.push_back(key);
+  for (const RoundKey& key : doomed) FailRoundLocked(key, status, /*tell_parent=*/false, out);
+}
+
+void Job::FillStatus(v1::JobStatus* s) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  s->set_job_id(id_);
+  s->set_world_size(layout_.world_size);
+  s->set_num_nodes(layout_.num_nodes);
+  s->set_group_size(layout_.group_size());
+  for (size_t i = 0; i < members_.size(); ++i) {
+    v1::MemberStatus* m = s->add_members();
+    m->set_index(int32_t(i));
+    m->set_rank(layout_.member_kind == v1::MEMBER_KIND_WORKER
+                    ? layout_.node_rank * layout_.local_world_size + int32_t(i)
+                    : -1);
+    m->set_connected(members_[i].connected);
+    m->set_contributions(members_[i].contributions);
+  }
+  s->set_open_rounds(int64_t(open_.size()));
+  s->set_rounds_completed(rounds_completed_);
+  s->set_rounds_failed(rounds_failed_);
+  for (const auto& [k, acc] : divergence_) {
+    v1::Divergence* d = s->add_divergence();
+    d->set_op(k.first);
+    d->set_node(k.second);
+    d->set_rounds(acc.rounds);
+    const double n = double(std::max<int64_t>(acc.rounds, 1));
+    d->set_mean_shift_avg(acc.mean_shift_sum / n);
+    d->set_mean_shift_max(acc.mean_shift_max);
+    d->set_var_ratio_avg(acc.var_ratio_sum / n);
+    d->set_log_var_ratio_abs_avg(acc.log_var_ratio_abs_sum / n);
+  }
+}
+
+}  // namespace hsbn::server

@@ -1,0 +1,210 @@
+// server/job.h — one job's membership and rounds at one aggregator, independent of gRPC.
+//
+// A Job holds the members expected at this aggregator (the local ranks of one node at a
+// sidecar, the nodes at the root) and the rounds in flight, keyed by (op, seq, phase). It
+// validates every contribution, reduces complete rounds in member-index order (so every member
+// of a round gets bitwise the same result, run after run), fails rounds that miss their
+// deadline or lose a member, and remembers finished rounds for a while so that a late or
+// repeated contribution gets the same answer.
+//
+// The Job never performs I/O: each call fills an Actions value (results to send to members,
+// partials to forward to the parent aggregator, aborts to tell the parent) that the caller
+// executes after the call returns, outside the job's lock. This keeps the protocol semantics
+// testable without sockets and keeps slow I/O out of the critical section.
+//
+// Nothing here hard-codes two levels: an aggregator with a parent forwards the rounds whose
+// scope reaches above its level; one without a parent answers them.
+//
+// Thread safety: all public methods are safe to call concurrently (one mutex per job).
+#ifndef HSBN_SERVER_JOB_H_
+#define HSBN_SERVER_JOB_H_
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "hsbn/v1/hsbn.pb.h"
+
+namespace hsbn::server {
+
+using Clock = std::chrono::steady_clock;
+
+// Where results for one member go. Implemented by the stream reactor; Send must not block.
+class ResultSink {
+ public:
+  virtual ~ResultSink() = default;
+  virtual void Send(const v1::Result& result) = 0;
+};
+
+struct RoundKey {
+  uint32_t op = 0;
+  uint64_t seq = 0;
+  v1::Phase phase = v1::PHASE_UNSPECIFIED;
+  bool operator<(const RoundKey& o) const {
+    if (op != o.op) return op < o.op;
+    if (seq != o.seq) return seq < o.seq;
+    return phase < o.phase;
+  }
+  bool operator==(const RoundKey& o) const {
+    return op == o.op && seq == o.seq && phase == o.phase;
+  }
+};
+std::string Describe(const RoundKey& key);
+
+// The job's shape, as declared by its members at Join. Every member must declare the same.
+struct JobLayout {
+  v1::MemberKind member_kind = v1::MEMBER_KIND_WORKER;  // who joins this aggregator
+  int32_t world_size = 0;
+  int32_t local_world_size = 0;
+  int32_t num_nodes = 0;
+  int32_t node_rank = -1;  // at a sidecar: the node it serves for this job; -1 at the root
+  // Members expected here: local ranks at a sidecar, nodes at the root.
+  int32_t group_size() const {
+    return member_kind == v1::MEMBER_KIND_WORKER ? local_world_size : num_nodes;
+  }
+};
+
+struct JobLimits {
+  std::chrono::milliseconds round_timeout{30000};
+  int32_t max_channels = 65536;
+  int32_t max_open_rounds = 4096;
+  int32_t finished_rounds_kept = 1024;   // tombstones for late / repeated contributions
+  int64_t finished_bytes_kept = 16 << 20;
+  bool has_parent = false;               // a sidecar with --upstream
+};
+
+// What the caller must do after a Job call returns.
+struct Actions {
+  struct Delivery {
+    std::vector<std::pair<uint64_t, std::shared_ptr<ResultSink>>> to;  // session, sink
+    std::shared_ptr<const v1::Result> result;  // session_id is filled per recipient
+  };
+  struct Forward {  // send this partial to the parent aggregator
+    RoundKey key;
+    v1::Scope scope;
+    uint32_t channels;
+    int64_t count;
+    std::shared_ptr<const std::string> data;
+  };
+  struct Abort {  // tell the parent that this round failed below it
+    RoundKey key;
+    absl::Status status;
+  };
+  std::vector<Delivery> deliveries;
+  std::vector<Forward> forwards;
+  std::vector<Abort> aborts;
+  std::vector<std::string> log;  // things worth a log line, in words
+  bool empty() const { return deliveries.empty() && forwards.empty() && aborts.empty(); }
+};
+
+class Job {
+ public:
+  Job(std::string id, JobLayout layout, JobLimits limits);
+  Job(const Job&) = delete;
+  Job& operator=(const Job&) = delete;
+
+  const std::string& id() const { return id_; }
+  const JobLayout& layout() const { return layout_; }
+
+  // Checks that a joining member declares this job's layout. `who` names it in errors.
+  absl::Status CheckLayout(const JobLayout& declared, const std::string& who) const;
+
+  // Adds a member at `index` with a new session. Fails with ALREADY_EXISTS if another session
+  // holds the index and is connected, unless it is `previous_session` (a reconnect).
+  absl::Status AddMember(int32_t index, uint64_t session, uint64_t previous_session, Actions* out);
+  // Binds a session to a stream's sink. NOT_FOUND if the session is not (or no longer) here.
+  absl::Status Attach(int32_t index, uint64_t session, std::shared_ptr<ResultSink> sink);
+  // The member's stream broke (connected=false) or it left (left=true): every open round that
+  // still waits for it fails at once, naming it.
+  void MemberGone(int32_t index, uint64_t session, bool left, Actions* out);
+  // True when every member left or lost its stream (the job can be dropped).
+  bool Abandoned() const;
+
+  // A member's contribution. Validates it first; a bad one fails the round for everyone.
+  void Contribute(int32_t index, uint64_t session, const v1::Contribution& c, Clock::time_point now,
+                  Actions* out);
+  // A child aggregator says a round failed below it.
+  void ChildAbort(int32_t index, const v1::Abort& abort, Actions* out);
+  // The parent's answer to a round this aggregator forwarded.
+  void ParentResult(const v1::Result& result, Actions* out);
+  // The link to the parent broke: every round waiting for it fails with `status`.
+  void ParentLost(const absl::Status& status, Actions* out);
+  // Fails rounds whose deadline has passed.
+  void Expire(Clock::time_point now, Actions* out);
+  // Fails every open round (shutdown).
+  void FailAll(const absl::Status& status, Actions* out);
+
+  void FillStatus(v1::JobStatus* status) const;
+  // Human name of a member: "rank 5 (node 1, local rank 1)" or "node 1 (ranks 4-7)".
+  std::string MemberName(int32_t index) const;
+
+ private:
+  struct Slot {
+    bool filled = false;
+    int64_t count = 0;
+    std::string data;
+  };
+  struct Round {
+    RoundKey key;
+    v1::Scope scope = v1::SCOPE_UNSPECIFIED;
+    uint32_t channels = 0;
+    int32_t first_contributor = -1;
+    std::vector<Slot> slots;
+    int32_t filled = 0;
+    bool forwarded = false;  // waiting for the parent
+    Clock::time_point deadline;
+  };
+  struct Finished {
+    absl::Status status;
+    std::shared_ptr<const v1::Result> result;  // OK rounds only
+  };
+  struct Member {
+    uint64_t session = 0;
+    bool joined = false;
+    bool connected = false;  // attached to a live stream
+    bool gone = false;       // its stream broke or it left; rounds cannot complete without it
+    std::shared_ptr<ResultSink> sink;
+    int64_t contributions = 0;
+  };
+  struct DivergenceAcc {
+    int64_t rounds = 0;
+    double mean_shift_sum = 0, mean_shift_max = 0, var_ratio_sum = 0, log_var_ratio_abs_sum = 0;
+  };
+
+  absl::Status ValidateLocked(int32_t index, const v1::Contribution& c, const Round* open) const;
+  void FailRoundLocked(const RoundKey& key, const absl::Status& status, bool tell_parent,
+                       Actions* out);
+  void CompleteLocked(Round& round, Actions* out);
+  void FinishLocked(const RoundKey& key, Finished finished);
+  void DeliverLocked(const Round& round, std::shared_ptr<const v1::Result> result, Actions* out);
+  void SendFinishedLocked(int32_t index, uint64_t session, const RoundKey& key,
+                          const Finished& finished, Actions* out);
+  void RecordDivergenceLocked(const Round& round, const v1::Result& global);
+  std::shared_ptr<const v1::Result> MakeError(const RoundKey& key, const absl::Status& s) const;
+  bool ScopeReachesParent(v1::Scope scope) const;
+
+  const std::string id_;
+  const JobLayout layout_;
+  const JobLimits limits_;
+
+  mutable std::mutex mu_;
+  std::vector<Member> members_;
+  std::map<RoundKey, Round> open_;
+  std::map<RoundKey, Finished> finished_;
+  std::deque<RoundKey> finished_order_;
+  int64_t finished_bytes_ = 0;
+  int64_t rounds_completed_ = 0;
+  int64_t rounds_failed_ = 0;
+  std::map<std::pair<uint32_t, int32_t>, DivergenceAcc> divergence_;  // (op, node)
+};
+
+}  // namespace hsbn::server
+
+#endif  // HSBN_SERVER_JOB_H_

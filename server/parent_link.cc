@@ -1,0 +1,244 @@
+#include "parent_link.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "aggregator.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "log.h"
+#include "wire.h"
+
+namespace hsbn::server {
+
+namespace {
+constexpr auto kConnectTimeout = std::chrono::seconds(5);
+}
+
+ParentLink::ParentLink(Aggregator* aggregator, std::string address, std::string id)
+    : aggregator_(aggregator), address_(std::move(address)), id_(std::move(id)) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetMaxSendMessageSize(64 << 20);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args);
+  stub_ = v1::Aggregator::NewStub(channel_);
+  writer_ = std::thread([this] { WriterLoop(); });
+}
+
+ParentLink::~ParentLink() { Shutdown(); }
+
+void ParentLink::Shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (writer_.joinable()) writer_.join();
+}
+
+void ParentLink::Enqueue(Item item) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    queue_.push_back(std::move(item));
+  }
+  cv_.notify_one();
+}
+
+void ParentLink::Forward(const std::string& job_id, const JobLayout& layout,
+                         const Actions::Forward& f) {
+  Item item;
+  item.job_id = job_id;
+  item.layout = layout;
+  item.key = f.key;
+  item.wants_answer = f.scope == v1::SCOPE_GLOBAL;
+  v1::Contribution* c = item.frame.mutable_contribution();
+  c->set_op(f.key.op);
+  c->set_seq(f.key.seq);
+  c->set_phase(f.key.phase);
+  c->set_scope(f.scope);
+  c->set_channels(f.channels);
+  c->set_count(f.count);
+  c->set_data(*f.data);
+  Enqueue(std::move(item));
+}
+
+void ParentLink::Abort(const std::string& job_id, const JobLayout& layout,
+                       const Actions::Abort& a) {
+  Item item;
+  item.job_id = job_id;
+  item.layout = layout;
+  item.key = a.key;
+  v1::Abort* ab = item.frame.mutable_abort();
+  ab->set_op(a.key.op);
+  ab->set_seq(a.key.seq);
+  ab->set_phase(a.key.phase);
+  ab->set_code(int(a.status.code()));
+  ab->set_message(std::string(a.status.message()));
+  Enqueue(std::move(item));
+}
+
+void ParentLink::Status(const v1::StatusRequest& request,
+                        std::function<void(const grpc::Status&, const v1::StatusResponse&)> done) {
+  struct Call {
+    grpc::ClientContext ctx;
+    v1::StatusRequest req;
+    v1::StatusResponse resp;
+  };
+  auto call = std::make_shared<Call>();
+  call->req = request;
+  call->req.set_include_upstream(false);
+  call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  stub_->async()->Status(&call->ctx, &call->req, &call->resp,
+                         [call, done = std::move(done)](grpc::Status s) { done(s, call->resp); });
+}
+
+void ParentLink::FailItem(const Item& item, const absl::Status& status) {
+  if (!item.frame.has_contribution()) return;  // an abort that could not be sent: nothing waits
+  if (!item.wants_answer) {
+    Log(LogLevel::kWarn, absl::StrCat("shadow partial for job '", item.job_id, "' round ",
+                                      Describe(item.key), " not sent to the root: ",
+                                      status.ToString()));
+    return;
+  }
+  v1::Result r;
+  r.set_op(item.key.op);
+  r.set_seq(item.key.seq);
+  r.set_phase(item.key.phase);
+  r.set_code(int(status.code()));
+  r.set_message(std::string(status.message()));
+  aggregator_->OnParentResult(item.job_id, r);
+}
+
+absl::Status ParentLink::Send(Item& item) {
+  if (conn_ && conn_->broken) {
+    if (conn_->reader.joinable()) conn_->reader.join();
+    conn_.reset();
+  }
+  if (!conn_) {
+    if (!channel_->WaitForConnected(std::chrono::system_clock::now() + kConnectTimeout)) {
+      return absl::UnavailableError(absl::StrCat(
+          "the root aggregator at ", address_, " did not answer within 5 s; is it running, and "
+          "is --upstream right?"));
+    }
+    auto conn = std::make_unique<Conn>();
+    conn->stream = stub_->Exchange(&conn->context);
+    if (!conn->stream) return absl::UnavailableError("could not open a stream to the root");
+    Conn* raw = conn.get();
+    conn_ = std::move(conn);
+    conn_->reader = std::thread([this, raw] { ReaderLoop(raw); });
+    Log(LogLevel::kInfo, absl::StrCat("connected to the root aggregator at ", address_));
+  }
+  uint64_t session = 0;
+  auto found = conn_->session_of_job.find(item.job_id);
+  if (found == conn_->session_of_job.end()) {
+    v1::JoinRequest req;
+    req.set_protocol_version(v1::PROTOCOL_VERSION_1);
+    req.set_job_id(item.job_id);
+    req.set_kind(v1::MEMBER_KIND_AGGREGATOR);
+    req.set_world_size(item.layout.world_size);
+    req.set_local_world_size(item.layout.local_world_size);
+    req.set_node_rank(item.layout.node_rank);
+    req.set_rank(-1);
+    req.set_local_rank(-1);
+    v1::JoinResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + kConnectTimeout);
+    grpc::Status s = stub_->Join(&ctx, req, &resp);
+    if (!s.ok()) {
+      return absl::Status(wire::FromGrpc(s).code(),
+                          absl::StrCat("joining job '", item.job_id, "' at the root ", address_,
+                                       " failed: ", s.error_message()));
+    }
+    session = resp.session_id();
+    conn_->session_of_job[item.job_id] = session;
+    {
+      std::lock_guard<std::mutex> lock(jobs_mu_);
+      job_of_session_[session] = item.job_id;
+    }
+    v1::ClientFrame attach;
+    attach.mutable_attach()->add_session_ids(session);
+    std::lock_guard<std::mutex> lock(conn_->write_mu);
+    if (!conn_->stream->Write(attach)) {
+      conn_->broken = true;
+      return absl::UnavailableError(absl::StrCat("the stream to the root ", address_, " broke"));
+    }
+  } else {
+    session = found->second;
+  }
+  if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session_id(session);
+  if (item.frame.has_abort()) item.frame.mutable_abort()->set_session_id(session);
+  std::lock_guard<std::mutex> lock(conn_->write_mu);
+  if (!conn_->stream->Write(item.frame)) {
+    conn_->broken = true;
+    return absl::UnavailableError(absl::StrCat("the stream to the root ", address_, " broke"));
+  }
+  return absl::OkStatus();
+}
+
+void ParentLink::WriterLoop() {
+  for (;;) {
+    Item item;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (stopping_) break;
+      item = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    absl::Status s = Send(item);
+    if (!s.ok()) FailItem(item, s);
+  }
+  // Drain: whatever is left fails.
+  std::deque<Item> left;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    left.swap(queue_);
+  }
+  for (const Item& item : left) {
+    FailItem(item, absl::UnavailableError("the sidecar is shutting down"));
+  }
+  if (conn_) {
+    conn_->context.TryCancel();
+    if (conn_->reader.joinable()) conn_->reader.join();
+    conn_.reset();
+  }
+}
+
+void ParentLink::ReaderLoop(Conn* conn) {
+  v1::ServerFrame frame;
+  while (conn->stream->Read(&frame)) {
+    if (!frame.has_result()) continue;
+    std::string job_id;
+    {
+      std::lock_guard<std::mutex> lock(jobs_mu_);
+      auto it = job_of_session_.find(frame.result().session_id());
+      if (it == job_of_session_.end()) continue;
+      job_id = it->second;
+    }
+    aggregator_->OnParentResult(job_id, frame.result());
+  }
+  conn->broken = true;
+  grpc::Status status;
+  {
+    std::lock_guard<std::mutex> lock(conn->write_mu);
+    status = conn->stream->Finish();
+  }
+  bool stopping;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping = stopping_;
+  }
+  if (!stopping) {
+    Log(LogLevel::kWarn, absl::StrCat("lost the stream to the root aggregator at ", address_, ": ",
+                                      status.error_message()));
+    aggregator_->OnParentLost(absl::UnavailableError(absl::StrCat(
+        "this node's sidecar lost its link to the root aggregator at ", address_, " (",
+        status.error_message(), "); global rounds in flight failed, later rounds reconnect")));
+  }
+}
+
+}  // namespace hsbn::server
