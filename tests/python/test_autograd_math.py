@@ -8,8 +8,10 @@ import threading
 import numpy as np
 import pytest
 
+import hsbn
 import hsbn.torch
 import hsbn_cases
+from hsbn.torch import _ops
 from bnref import assert_group_matches, make_spec
 
 
@@ -80,11 +82,23 @@ def run_threads(spec, data):
     return results
 
 
+@pytest.fixture(params=["torch", "kernels"])
+def cpu_ops(request):
+    """Both CPU backends: float64 torch ops, and hsbn's CPU kernels through their C ABI (the
+    same binding the CUDA path uses for CUDA tensors)."""
+    if request.param == "kernels" and hsbn._lib.bn_kernels() is None:
+        pytest.skip("%s does not export the hsbn_bn_ kernels (built without kernels/)"
+                    % hsbn.library_path())
+    _ops.set_cpu_ops(request.param)
+    yield request.param
+    _ops.set_cpu_ops("torch")
+
+
 @pytest.mark.parametrize("spatial,channels_last", [((4, 5), False), ((4, 5), True), ((7,), False),
                                                    ((), False), ((2, 3, 2), True)])
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("float32", 1e-6)])
-def test_layer_math_equals_batchnorm_over_the_concatenated_batch(spatial, channels_last, dtype,
-                                                                 tol):
+def test_layer_math_equals_batchnorm_over_the_concatenated_batch(cpu_ops, spatial,
+                                                                 channels_last, dtype, tol):
     spec, data = make_spec("global", dtype, spatial=spatial, channels_last=channels_last, seed=11)
     results = run_threads(spec, data)
     assert_group_matches(results, spec, data, [[0, 1, 2, 3]], tol)

@@ -69,7 +69,8 @@ def library_path():
 def aggregator_path():
     """Path of the hsbn-aggregator binary, found as described in the module docstring."""
     path = _locate("HSBN_AGGREGATOR", "hsbn-aggregator",
-                   os.path.join("server", "hsbn-aggregator"), "aggregator binary (hsbn-aggregator)")
+                   os.path.join("server", "hsbn-aggregator"),
+                   "aggregator binary (hsbn-aggregator)")
     if not os.access(path, os.X_OK):
         raise NativeNotFoundError("%s is not executable; `chmod +x` it." % path)
     return path

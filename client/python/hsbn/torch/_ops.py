@@ -301,7 +301,8 @@ class KernelOps:
         with self._on(x):
             self._check(self._k().hsbn_bn_normalize(
                 *self._args(x, desc), _ptr(x), _ptr(y), _ptr(mean_t), _ptr(invstd_t),
-                _lib.BN_F64, _lib.BN_INVSTD, 0.0, 0, _ptr(w), _ptr(b), pdt, 0, self._stream(x)), "normalize")
+                _lib.BN_F64, _lib.BN_INVSTD, 0.0, 0, _ptr(w), _ptr(b), pdt, 0, self._stream(x)),
+                "normalize")
         return y, saved
 
     def backward_reduce(self, dy, x, saved, weight, need_w, need_b):

@@ -1,0 +1,139 @@
+"""hsbn.Client: construction from the environment, rounds, status, and the errors a user meets
+first. The test process itself is the worker here (no PyTorch needed by Client)."""
+
+import socket
+import time
+
+import numpy as np
+import pytest
+
+import hsbn
+import hsbn.cluster
+
+LAYOUT = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+          "GROUP_RANK": "0", "HSBN_JOB_ID": "job"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=1, round_timeout_ms=10000) as c:
+        yield c
+
+
+def test_environment_without_torchrun_variables_says_what_is_missing():
+    env = dict(LAYOUT)
+    del env["LOCAL_RANK"], env["GROUP_RANK"]
+    with pytest.raises(hsbn.ConfigurationError, match="lacks LOCAL_RANK, GROUP_RANK.*torchrun"):
+        hsbn.Client.from_env(env)
+
+
+@pytest.mark.parametrize("change,complaint", [
+    ({"RANK": "4"}, r"RANK must be in \[0, WORLD_SIZE\)"),
+    ({"WORLD_SIZE": "3"}, "multiple of LOCAL_WORLD_SIZE"),
+    ({"LOCAL_RANK": "2"}, r"LOCAL_RANK must be in \[0, LOCAL_WORLD_SIZE\)"),
+    ({"GROUP_RANK": "2"}, r"GROUP_RANK must be in"),
+    ({"GROUP_RANK": "1"}, r"RANK must equal GROUP_RANK \* LOCAL_WORLD_SIZE \+ LOCAL_RANK"),
+    ({"RANK": "one"}, "RANK='one' is not an integer"),
+])
+def test_inconsistent_environment_is_refused_before_connecting(change, complaint):
+    with pytest.raises(hsbn.ConfigurationError, match=complaint):
+        hsbn.Client.from_env(dict(LAYOUT, **change))
+
+
+def test_missing_job_id_says_how_to_set_it():
+    env = dict(LAYOUT)
+    del env["HSBN_JOB_ID"]
+    with pytest.raises(hsbn.ConfigurationError, match="HSBN_JOB_ID is not set"):
+        hsbn.Client.from_env(env)
+    # torchrun's rendezvous id stands in for it when there is one.
+    with pytest.raises(hsbn.UnavailableError, match="no sidecar"):
+        hsbn.Client.from_env(dict(env, TORCHELASTIC_RUN_ID="abc",
+                                  HSBN_ADDRESS="unix:/nonexistent/hsbn.sock"))
+
+
+def test_no_sidecar_at_a_unix_socket_fails_at_once_naming_the_address():
+    t0 = time.monotonic()
+    with pytest.raises(hsbn.UnavailableError,
+                       match="no sidecar at unix:/nonexistent/hsbn.sock.*hsbn-aggregator"):
+        hsbn.Client.from_env(dict(LAYOUT, HSBN_ADDRESS="unix:/nonexistent/hsbn.sock"))
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_no_sidecar_at_a_tcp_address_fails_within_the_connect_timeout():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(hsbn.HsbnError, match="127.0.0.1:%d" % port) as info:
+        hsbn.Client.from_env(dict(LAYOUT, HSBN_ADDRESS="127.0.0.1:%d" % port,
+                                  HSBN_CONNECT_TIMEOUT_MS="1000"))
+    assert time.monotonic() - t0 < 10.0
+    assert info.value.code in (hsbn.errors.UNAVAILABLE, hsbn.errors.DEADLINE_EXCEEDED)
+
+
+def test_a_lone_worker_gets_its_own_statistics_back_and_sees_itself_in_status():
+    with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=1, root=False) as c:
+        with hsbn.Client.from_env(c.worker_env(0)) as client:
+            assert (client.rank, client.world_size, client.num_nodes) == (0, 1, 1)
+            mean, m2 = np.array([1.5, -2.0, 0.25]), np.array([3.0, 0.5, 0.0])
+            count, out_mean, out_m2 = client.forward(7, 0, "node", 6, mean, m2)
+            assert count == 6
+            np.testing.assert_array_equal(out_mean, mean)
+            np.testing.assert_array_equal(out_m2, m2)
+            count, s1, s2 = client.backward(7, 0, "node", 6, mean, m2)
+            np.testing.assert_array_equal(s1, mean)
+            status = client.status(include_upstream=False)
+            jobs = {j["jobId"]: j for j in status["jobs"]}
+            assert c.job_id in jobs
+            assert int(jobs[c.job_id].get("roundsCompleted", 0)) == 2
+        assert client.closed
+
+
+def test_two_nodes_reduce_in_node_order_through_the_root(cluster):
+    # Two clients in this process, one per node, each on its own thread (rounds block).
+    import threading
+    clients = [hsbn.Client.from_env(cluster.worker_env(r)) for r in range(2)]
+    try:
+        data = [(2, np.array([0.0, 1.0]), np.array([2.0, 0.0])),
+                (4, np.array([3.0, 1.0]), np.array([4.0, 8.0]))]
+        out = [None, None]
+
+        def contribute(r):
+            out[r] = clients[r].forward(0, 0, "global", *data[r])
+        threads = [threading.Thread(target=contribute, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        # Chan: n = 6, mean = (2*m0 + 4*m1)/6, m2 = m2_0 + m2_1 + d^2 * 2 * 4 / 6
+        assert out[0][0] == out[1][0] == 6
+        np.testing.assert_allclose(out[0][1], [2.0, 1.0], rtol=1e-15)
+        np.testing.assert_allclose(out[0][2], [6.0 + 9.0 * 8 / 6, 8.0], rtol=1e-15)
+        np.testing.assert_array_equal(out[0][1], out[1][1])  # bitwise identical everywhere
+        np.testing.assert_array_equal(out[0][2], out[1][2])
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_workers_disagreeing_on_the_layout_are_refused(cluster):
+    first = hsbn.Client.from_env(cluster.worker_env(0, job_id="layout-job"))
+    try:
+        # Same sidecar (node 0), same job, but a 2 x 2 layout where the first said 2 x 1.
+        wrong = dict(cluster.worker_env(0, job_id="layout-job"), WORLD_SIZE="4",
+                     LOCAL_WORLD_SIZE="2", LOCAL_RANK="1", GROUP_RANK="0", RANK="1")
+        with pytest.raises(hsbn.HsbnError, match="(?i)world.?size|layout") as info:
+            hsbn.Client.from_env(wrong)
+        assert info.value.code in (hsbn.errors.INVALID_ARGUMENT,
+                                   hsbn.errors.FAILED_PRECONDITION)
+    finally:
+        first.close()
+
+
+def test_a_closed_client_says_so():
+    with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=1, root=False) as c:
+        client = hsbn.Client.from_env(c.worker_env(0))
+        client.close()
+        client.close()
+        with pytest.raises(hsbn.UnavailableError, match="closed"):
+            client.forward(0, 0, "node", 1, [0.0], [0.0])

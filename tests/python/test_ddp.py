@@ -1,0 +1,39 @@
+"""A small CNN converted with convert_sync_batchnorm, trained with DDP (gloo) on 4 workers
+(2 nodes x 2) in global scope, ends with the weights of single-process training on the
+concatenated batch."""
+
+import numpy as np
+import torch
+
+import hsbn.cluster
+import hsbn_cases
+from bnref import rel_err
+
+WORKERS, PER_WORKER, STEPS = 4, 4, 3
+
+
+def test_ddp_training_in_global_scope_equals_single_process_training():
+    torch.manual_seed(0)
+    model = hsbn_cases.SmallCNN()
+    initial = hsbn_cases.state_numpy(model)
+    initial = {k: v.astype(np.float32) if v.dtype == np.float64 and "num_batches" not in k
+               else v.astype(np.int64) for k, v in initial.items()}
+    rng = np.random.default_rng(0)
+    batches = [[(rng.standard_normal((PER_WORKER, 3, 6, 6)).astype(np.float32)
+                 + np.float32(r // 2),  # the nodes see different data
+                 rng.integers(0, 5, PER_WORKER).astype(np.int64)) for _ in range(STEPS)]
+               for r in range(WORKERS)]
+    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2, round_timeout_ms=30000) as c:
+        states = c.run(hsbn_cases.ddp_train, initial, batches, timeout=240)
+    # Reference: one process, plain BatchNorm, the four workers' batches concatenated.
+    hsbn_cases.train(model, [(np.concatenate([batches[r][s][0] for r in range(WORKERS)]),
+                              np.concatenate([batches[r][s][1] for r in range(WORKERS)]))
+                             for s in range(STEPS)])
+    expected = hsbn_cases.state_numpy(model)
+    for rank, state in enumerate(states):
+        assert sorted(state) == sorted(expected)
+        for key in expected:
+            err = rel_err(state[key], expected[key])
+            assert err <= 1e-5, "rank %d, %s: relative error %.3g" % (rank, key, err)
+    # Training moved the weights: the comparison is not of two untouched copies.
+    assert rel_err(initial["conv1.weight"], expected["conv1.weight"]) > 1e-3
