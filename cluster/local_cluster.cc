@@ -1,0 +1,220 @@
+#include "local_cluster.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+
+namespace hsbn::cluster {
+
+absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Spawn(
+    const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
+    const std::string& log_path) {
+  if (argv.empty()) return absl::InvalidArgumentError("empty argv");
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  int log_fd = -1;
+  if (!log_path.empty()) {
+    log_fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (log_fd < 0) return absl::InternalError(absl::StrCat("cannot open log ", log_path));
+  }
+  const pid_t pid = fork();
+  if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
+  if (pid == 0) {
+    // Child: only async-signal-safe work until exec.
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
+    if (log_fd >= 0) {
+      dup2(log_fd, 1);
+      dup2(log_fd, 2);
+    }
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  if (log_fd >= 0) close(log_fd);
+  return std::unique_ptr<Subprocess>(new Subprocess(pid, log_path));
+}
+
+Subprocess::~Subprocess() {
+  if (!exited_) {
+    kill(pid_, SIGKILL);
+    Wait(std::chrono::seconds(5));
+  }
+}
+
+bool Subprocess::Running() { return Wait(std::chrono::milliseconds(0)) < 0; }
+
+void Subprocess::Signal(int sig) {
+  if (!exited_) kill(pid_, sig);
+}
+
+int Subprocess::Wait(std::chrono::milliseconds timeout) {
+  if (exited_) return code_;
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    int status = 0;
+    const pid_t r = waitpid(pid_, &status, WNOHANG);
+    if (r == pid_) {
+      exited_ = true;
+      code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      return code_;
+    }
+    if (r < 0) {
+      exited_ = true;
+      return code_;
+    }
+    if (std::chrono::steady_clock::now() >= until) return -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+int Subprocess::Stop(std::chrono::milliseconds grace) {
+  Signal(SIGTERM);
+  int code = Wait(grace);
+  if (code < 0) {
+    Signal(SIGKILL);
+    code = Wait(std::chrono::seconds(5));
+  }
+  return code;
+}
+
+std::string LocalCluster::DefaultAggregatorPath() {
+  if (const char* p = std::getenv("HSBN_AGGREGATOR"); p != nullptr && *p != '\0') return p;
+#ifdef HSBN_BUILD_AGGREGATOR
+  return HSBN_BUILD_AGGREGATOR;
+#else
+  return "hsbn-aggregator";
+#endif
+}
+
+absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(ClusterOptions options) {
+  if (options.nodes < 1 || options.workers_per_node < 1) {
+    return absl::InvalidArgumentError("a cluster needs at least one node and one worker");
+  }
+  if (options.aggregator.empty()) options.aggregator = DefaultAggregatorPath();
+  if (access(options.aggregator.c_str(), X_OK) != 0) {
+    return absl::NotFoundError(absl::StrCat("hsbn-aggregator not found at '", options.aggregator,
+                                            "'; build it or set HSBN_AGGREGATOR"));
+  }
+  bool own = false;
+  if (options.dir.empty()) {
+    char tmpl[] = "/tmp/hsbn-cluster-XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp failed");
+    options.dir = tmpl;
+    own = true;
+  }
+  std::unique_ptr<LocalCluster> c(new LocalCluster(std::move(options)));
+  c->own_dir_ = own;
+  if (c->options_.nodes > 1 && c->options_.root) {
+    std::string bound;
+    auto root = c->StartAggregator("root", {"--role=root", "--listen=127.0.0.1:0"}, &bound);
+    if (!root.ok()) return root.status();
+    c->root_ = std::move(*root);
+    c->root_address_ = bound;
+  }
+  c->sidecars_.resize(c->options_.nodes);
+  for (int n = 0; n < c->options_.nodes; ++n) {
+    if (absl::Status s = c->StartSidecar(n); !s.ok()) return s;
+  }
+  return c;
+}
+
+std::string LocalCluster::sidecar_address(int node) const {
+  return absl::StrCat("unix:", options_.dir, "/node", node, ".sock");
+}
+
+absl::StatusOr<std::unique_ptr<Subprocess>> LocalCluster::StartAggregator(
+    const std::string& name, std::vector<std::string> flags, std::string* bound) {
+  const std::string ready = absl::StrCat(options_.dir, "/", name, ".ready");
+  std::remove(ready.c_str());
+  std::vector<std::string> argv = {options_.aggregator};
+  for (auto& f : flags) argv.push_back(std::move(f));
+  argv.push_back("--id=" + name);
+  argv.push_back("--ready-file=" + ready);
+  for (const auto& f : options_.extra_flags) argv.push_back(f);
+  auto p = Subprocess::Spawn(argv, {}, absl::StrCat(options_.dir, "/", name, ".log"));
+  if (!p.ok()) return p.status();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (std::chrono::steady_clock::now() < until) {
+    std::ifstream in(ready);
+    std::string line;
+    if (in && std::getline(in, line) && !line.empty()) {
+      *bound = line;
+      return p;
+    }
+    if (!(*p)->Running()) {
+      return absl::InternalError(absl::StrCat("aggregator '", name, "' exited at start; see ",
+                                              (*p)->log_path()));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("aggregator '", name,
+                                                  "' did not become ready in 20 s"));
+}
+
+absl::Status LocalCluster::StartSidecar(int node) {
+  std::vector<std::string> flags = {"--role=node", "--listen=" + sidecar_address(node)};
+  if (!root_address_.empty()) flags.push_back("--upstream=" + root_address_);
+  std::string bound;
+  auto p = StartAggregator(absl::StrCat("node", node), flags, &bound);
+  if (!p.ok()) return p.status();
+  sidecars_[node] = std::move(*p);
+  return absl::OkStatus();
+}
+
+absl::Status LocalCluster::RestartSidecar(int node) {
+  sidecars_.at(node)->Stop();
+  return StartSidecar(node);
+}
+
+absl::Status LocalCluster::RestartRoot() {
+  if (!root_) return absl::FailedPreconditionError("this cluster has no root");
+  const std::string address = root_address_;
+  root_->Stop();
+  std::string bound;
+  auto root = StartAggregator("root", {"--role=root", "--listen=" + address}, &bound);
+  if (!root.ok()) return root.status();
+  root_ = std::move(*root);
+  return absl::OkStatus();
+}
+
+std::map<std::string, std::string> LocalCluster::WorkerEnv(int rank,
+                                                           const std::string& job_id) const {
+  const int node = rank / options_.workers_per_node;
+  return {{"RANK", std::to_string(rank)},
+          {"WORLD_SIZE", std::to_string(world_size())},
+          {"LOCAL_RANK", std::to_string(rank % options_.workers_per_node)},
+          {"LOCAL_WORLD_SIZE", std::to_string(options_.workers_per_node)},
+          {"GROUP_RANK", std::to_string(node)},
+          {"HSBN_JOB_ID", job_id},
+          {"HSBN_ADDRESS", sidecar_address(node)}};
+}
+
+void LocalCluster::Stop() {
+  for (auto& s : sidecars_) {
+    if (s) s->Stop();
+  }
+  if (root_) root_->Stop();
+}
+
+LocalCluster::~LocalCluster() {
+  Stop();
+  if (own_dir_ && std::getenv("HSBN_KEEP_CLUSTER_DIR") == nullptr) {
+    std::error_code ec;
+    std::filesystem::remove_all(options_.dir, ec);
+  }
+}
+
+}  // namespace hsbn::cluster

@@ -1,0 +1,105 @@
+// cluster/local_cluster.h — an hsbn topology of real processes on one machine.
+//
+// LocalCluster starts a root aggregator (when there is more than one node) and one sidecar per
+// simulated node, each a separate hsbn-aggregator process, waits until each is listening, and
+// tells a worker process what environment it needs. The integration tests, the synthetic main
+// job and the benchmarks use it; hsbn.cluster.LocalCluster is its Python twin.
+//
+// Subprocess is a child process with its output sent to a log file.
+//
+// Thread safety: none; use from one thread.
+#ifndef HSBN_CLUSTER_LOCAL_CLUSTER_H_
+#define HSBN_CLUSTER_LOCAL_CLUSTER_H_
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace hsbn::cluster {
+
+class Subprocess {
+ public:
+  // Starts argv[0] with argv, the current environment plus `env`, stdout and stderr appended to
+  // `log_path` ("" keeps the parent's).
+  static absl::StatusOr<std::unique_ptr<Subprocess>> Spawn(
+      const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
+      const std::string& log_path);
+  ~Subprocess();  // SIGKILLs the process if it still runs
+
+  pid_t pid() const { return pid_; }
+  bool Running();
+  void Signal(int sig);
+  // Waits up to `timeout` for the exit; returns the exit code (128+signal if killed), or -1
+  // if it still runs.
+  int Wait(std::chrono::milliseconds timeout);
+  // SIGTERM, then SIGKILL after `grace`; returns the exit code.
+  int Stop(std::chrono::milliseconds grace = std::chrono::seconds(5));
+  const std::string& log_path() const { return log_path_; }
+
+ private:
+  Subprocess(pid_t pid, std::string log) : pid_(pid), log_path_(std::move(log)) {}
+  pid_t pid_;
+  std::string log_path_;
+  bool exited_ = false;
+  int code_ = -1;
+};
+
+struct ClusterOptions {
+  int nodes = 2;
+  int workers_per_node = 4;
+  std::string aggregator;  // path of hsbn-aggregator; "" = $HSBN_AGGREGATOR or the build's
+  std::string dir;         // sockets, ready files, logs; "" = a new temporary directory
+  std::vector<std::string> extra_flags;  // given to every aggregator
+  bool root = true;        // start a root when nodes > 1
+};
+
+class LocalCluster {
+ public:
+  static absl::StatusOr<std::unique_ptr<LocalCluster>> Start(ClusterOptions options);
+  ~LocalCluster();  // stops everything and removes a temporary directory it made
+
+  int nodes() const { return options_.nodes; }
+  int workers_per_node() const { return options_.workers_per_node; }
+  int world_size() const { return options_.nodes * options_.workers_per_node; }
+  const std::string& dir() const { return options_.dir; }
+  std::string sidecar_address(int node) const;
+  const std::string& root_address() const { return root_address_; }
+  Subprocess* sidecar(int node) { return sidecars_.at(node).get(); }
+  Subprocess* root() { return root_.get(); }
+
+  // RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, HSBN_JOB_ID, HSBN_ADDRESS.
+  std::map<std::string, std::string> WorkerEnv(int rank, const std::string& job_id) const;
+
+  // Stops (SIGTERM) and starts a node's sidecar again on the same address.
+  absl::Status RestartSidecar(int node);
+  absl::Status RestartRoot();
+  // Stops everything now (also done by the destructor).
+  void Stop();
+
+  // The aggregator binary this cluster runs.
+  static std::string DefaultAggregatorPath();
+
+ private:
+  explicit LocalCluster(ClusterOptions options) : options_(std::move(options)) {}
+  absl::StatusOr<std::unique_ptr<Subprocess>> StartAggregator(const std::string& name,
+                                                              std::vector<std::string> flags,
+                                                              std::string* bound);
+  absl::Status StartSidecar(int node);
+
+  ClusterOptions options_;
+  bool own_dir_ = false;
+  std::string root_address_;
+  std::unique_ptr<Subprocess> root_;
+  std::vector<std::unique_ptr<Subprocess>> sidecars_;
+};
+
+}  // namespace hsbn::cluster
+
+#endif  // HSBN_CLUSTER_LOCAL_CLUSTER_H_
