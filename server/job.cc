@@ -170,12 +170,6 @@ absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const
                  absl::StrCat("is ", v, "; a sum of squared deviations is never negative"));
     }
   }
-  if (ScopeReachesParent(c.scope()) && !limits_.has_parent) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        who, " asked for ", wire::ScopeName(c.scope()), " scope in round ", round, ", but job '",
-        id_, "' spans ", layout_.num_nodes,
-        " nodes and this sidecar has no root: start it with --upstream=<root address>"));
-  }
   if (open != nullptr) {
     if (c.channels() != open->channels) {
       return bad("channels", absl::StrCat("is ", c.channels(), " but ",
@@ -193,6 +187,12 @@ absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const
       return bad("data", "differs from the contribution it already sent to this round "
                          "(a conflicting duplicate)");
     }
+  }
+  if (ScopeReachesParent(c.scope()) && !limits_.has_parent) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, " asked for ", wire::ScopeName(c.scope()), " scope in round ", round, ", but job '",
+        id_, "' spans ", layout_.num_nodes,
+        " nodes and this sidecar has no root: start it with --upstream=<root address>"));
   }
   return absl::OkStatus();
 }

@@ -1,0 +1,396 @@
+// Protocol semantics of one job at one aggregator (server/job.h), without sockets.
+#include "job.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "hsbn/moments.h"
+#include "wire.h"
+
+namespace hsbn::server {
+namespace {
+
+using std::chrono::milliseconds;
+
+class RecordingSink : public ResultSink {
+ public:
+  void Send(const v1::Result& r) override { results.push_back(r); }
+  std::vector<v1::Result> results;
+};
+
+struct Fixture {
+  explicit Fixture(int lws, int nodes = 1, int node = 0, bool parent = false,
+                   v1::MemberKind kind = v1::MEMBER_KIND_WORKER, JobLimits limits = {}) {
+    layout.member_kind = kind;
+    layout.local_world_size = lws;
+    layout.num_nodes = nodes;
+    layout.world_size = lws * nodes;
+    layout.node_rank = kind == v1::MEMBER_KIND_WORKER ? node : -1;
+    limits.has_parent = parent;
+    job = std::make_unique<Job>("job", layout, limits);
+    for (int i = 0; i < layout.group_size(); ++i) {
+      sinks.push_back(std::make_shared<RecordingSink>());
+      Actions a;
+      EXPECT_TRUE(job->AddMember(i, 100 + i, 0, &a).ok());
+      EXPECT_TRUE(job->Attach(i, 100 + i, sinks.back()).ok());
+    }
+  }
+  // Contributes and delivers the results to the recording sinks, like the service does.
+  Actions Send(int member, const v1::Contribution& c, Clock::time_point now = Clock::now()) {
+    Actions a;
+    job->Contribute(member, 100 + member, c, now, &a);
+    Deliver(a);
+    return a;
+  }
+  void Deliver(const Actions& a) {
+    for (const auto& d : a.deliveries) {
+      for (const auto& [session, sink] : d.to) {
+        v1::Result r = *d.result;
+        r.set_session_id(session);
+        sink->Send(r);
+      }
+    }
+  }
+  JobLayout layout;
+  std::unique_ptr<Job> job;
+  std::vector<std::shared_ptr<RecordingSink>> sinks;
+};
+
+v1::Contribution Fwd(uint32_t op, uint64_t seq, int64_t count, std::vector<double> mean,
+                     std::vector<double> m2, v1::Scope scope = v1::SCOPE_NODE) {
+  v1::Contribution c;
+  c.set_op(op);
+  c.set_seq(seq);
+  c.set_phase(v1::PHASE_FORWARD);
+  c.set_scope(scope);
+  c.set_channels(uint32_t(mean.size()));
+  c.set_count(count);
+  wire::PackPayload(mean.data(), m2.data(), int64_t(mean.size()), c.mutable_data());
+  return c;
+}
+
+std::vector<double> A(const v1::Result& r) {
+  std::vector<double> a(r.channels()), b(r.channels());
+  wire::UnpackPayload(r.data(), r.channels(), a.data(), b.data());
+  return a;
+}
+std::vector<double> B(const v1::Result& r) {
+  std::vector<double> a(r.channels()), b(r.channels());
+  wire::UnpackPayload(r.data(), r.channels(), a.data(), b.data());
+  return b;
+}
+
+TEST(Job, NodeRoundMergesInMemberOrderAndAnswersEveryMemberTheSameBits) {
+  Fixture f(3);
+  // Worker data: {1,2}, {}, {4,5,6}: mean 3.6, m2 = sum (x-3.6)^2 = 17.2
+  f.Send(2, Fwd(0, 0, 3, {5.0}, {2.0}));
+  f.Send(0, Fwd(0, 0, 2, {1.5}, {0.5}));
+  EXPECT_TRUE(f.sinks[0]->results.empty());
+  f.Send(1, Fwd(0, 0, 0, {0.0}, {0.0}));  // an empty batch still takes part
+  for (auto& s : f.sinks) {
+    ASSERT_EQ(s->results.size(), 1u);
+    EXPECT_EQ(s->results[0].code(), 0);
+    EXPECT_EQ(s->results[0].count(), 5);
+    EXPECT_NEAR(A(s->results[0])[0], 3.6, 1e-15);
+    EXPECT_NEAR(B(s->results[0])[0], 17.2, 1e-13);
+    EXPECT_EQ(s->results[0].data(), f.sinks[0]->results[0].data());
+    EXPECT_EQ(s->results[0].scope(), v1::SCOPE_NODE);
+  }
+}
+
+TEST(Job, BackwardRoundsSum) {
+  Fixture f(2);
+  v1::Contribution c = Fwd(4, 9, 3, {1.0, 2.0}, {-3.0, 0.5});
+  c.set_phase(v1::PHASE_BACKWARD);  // negative sums are fine in backward
+  f.Send(0, c);
+  c = Fwd(4, 9, 1, {0.25, -2.0}, {1.0, 0.5});
+  c.set_phase(v1::PHASE_BACKWARD);
+  f.Send(1, c);
+  ASSERT_EQ(f.sinks[1]->results.size(), 1u);
+  const auto& r = f.sinks[1]->results[0];
+  EXPECT_EQ(r.count(), 4);
+  EXPECT_EQ(A(r), (std::vector<double>{1.25, 0.0}));
+  EXPECT_EQ(B(r), (std::vector<double>{-2.0, 1.0}));
+}
+
+TEST(Job, RoundsAreMatchedByKeyNotByArrivalOrder) {
+  Fixture f(2);
+  f.Send(0, Fwd(1, 0, 1, {1.0}, {0.0}));
+  f.Send(1, Fwd(2, 0, 1, {10.0}, {0.0}));
+  f.Send(1, Fwd(1, 0, 1, {3.0}, {0.0}));
+  f.Send(0, Fwd(2, 0, 1, {20.0}, {0.0}));
+  ASSERT_EQ(f.sinks[0]->results.size(), 2u);
+  EXPECT_EQ(f.sinks[0]->results[0].op(), 1u);
+  EXPECT_EQ(A(f.sinks[0]->results[0])[0], 2.0);
+  EXPECT_EQ(f.sinks[0]->results[1].op(), 2u);
+  EXPECT_EQ(A(f.sinks[0]->results[1])[0], 15.0);
+}
+
+TEST(Job, IdenticalRepeatIsIgnoredAndRepeatAfterCompletionGetsTheResultAgain) {
+  Fixture f(2);
+  f.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}));
+  f.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}));  // retransmission
+  EXPECT_TRUE(f.sinks[0]->results.empty());
+  f.Send(1, Fwd(0, 0, 1, {3.0}, {0.0}));
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  f.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}));  // after completion: same answer again
+  ASSERT_EQ(f.sinks[0]->results.size(), 2u);
+  EXPECT_EQ(f.sinks[0]->results[1].data(), f.sinks[0]->results[0].data());
+}
+
+struct BadCase {
+  const char* name;
+  v1::Contribution contribution;
+  int code;
+  const char* field;
+};
+
+TEST(Job, BadContributionsFailTheRoundForEveryMemberNamingRankAndField) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<BadCase> cases = {
+      {"nan mean", Fwd(0, 0, 2, {0.0, 0.0, 0.0, nan}, {1, 1, 1, 1}), 3, "mean[3]"},
+      {"inf m2", Fwd(0, 0, 2, {0, 0}, {1, inf}), 3, "m2[1]"},
+      {"negative count", Fwd(0, 0, -1, {0, 0, 0, 0}, {1, 1, 1, 1}), 3, "'count'"},
+      {"negative m2", Fwd(0, 0, 2, {0, 0, 0, 0}, {1, -1, 1, 1}), 3, "m2[1]"},
+      {"channel mismatch", Fwd(0, 0, 2, {0, 0, 0}, {1, 1, 1}), 3, "'channels'"},
+      {"scope mismatch", Fwd(0, 0, 2, {0, 0, 0, 0}, {1, 1, 1, 1}, v1::SCOPE_SHADOW), 3,
+       "'scope'"},
+      {"conflicting duplicate", Fwd(0, 0, 2, {9, 0, 0, 0}, {1, 1, 1, 1}), 3, "duplicate"},
+  };
+  for (const BadCase& bc : cases) {
+    SCOPED_TRACE(bc.name);
+    Fixture f(3, 2, 1);  // node 1 of 2: ranks 3, 4, 5
+    const bool duplicate = std::string(bc.name) == "conflicting duplicate";
+    f.Send(0, Fwd(0, 0, 2, {0, 0, 0, 0}, {1, 1, 1, 1}));
+    if (duplicate) {
+      f.Send(1, Fwd(0, 0, 2, {0, 0, 0, 0}, {1, 1, 1, 1}));
+      f.Send(1, bc.contribution);
+    } else {
+      f.Send(1, bc.contribution);
+    }
+    ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+    ASSERT_EQ(f.sinks[1]->results.size(), 1u);
+    const v1::Result& r = f.sinks[0]->results[0];
+    EXPECT_EQ(r.code(), bc.code);
+    EXPECT_NE(r.message().find("rank 4"), std::string::npos) << r.message();
+    EXPECT_NE(r.message().find(bc.field), std::string::npos) << r.message();
+    EXPECT_EQ(f.sinks[1]->results[0].code(), bc.code);
+    // A late contribution to the failed round gets the same error.
+    f.Send(2, Fwd(0, 0, 2, {0, 0, 0, 0}, {1, 1, 1, 1}));
+    ASSERT_EQ(f.sinks[2]->results.size(), 1u);
+    EXPECT_EQ(f.sinks[2]->results[0].code(), bc.code);
+    EXPECT_EQ(f.sinks[2]->results[0].message(), r.message());
+    // The job's next round works.
+    for (int m = 0; m < 3; ++m) f.Send(m, Fwd(0, 1, 1, {double(m)}, {0.0}));
+    EXPECT_EQ(f.sinks[0]->results.back().code(), 0);
+    EXPECT_EQ(A(f.sinks[0]->results.back())[0], 1.0);
+  }
+}
+
+TEST(Job, TooManyChannelsIsResourceExhausted) {
+  JobLimits limits;
+  limits.max_channels = 4;
+  Fixture f(2, 1, 0, false, v1::MEMBER_KIND_WORKER, limits);
+  f.Send(1, Fwd(0, 0, 1, {0, 0, 0, 0, 0}, {0, 0, 0, 0, 0}));
+  ASSERT_EQ(f.sinks[1]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[1]->results[0].code(), int(absl::StatusCode::kResourceExhausted));
+  EXPECT_NE(f.sinks[1]->results[0].message().find("rank 1"), std::string::npos);
+  EXPECT_NE(f.sinks[1]->results[0].message().find("--max-channels=4"), std::string::npos);
+}
+
+TEST(Job, TooManyOpenRoundsIsResourceExhausted) {
+  JobLimits limits;
+  limits.max_open_rounds = 2;
+  Fixture f(2, 1, 0, false, v1::MEMBER_KIND_WORKER, limits);
+  f.Send(0, Fwd(0, 0, 1, {0}, {0}));
+  f.Send(0, Fwd(1, 0, 1, {0}, {0}));
+  f.Send(0, Fwd(2, 0, 1, {0}, {0}));
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[0]->results[0].op(), 2u);
+  EXPECT_EQ(f.sinks[0]->results[0].code(), int(absl::StatusCode::kResourceExhausted));
+  f.Send(1, Fwd(0, 0, 1, {2}, {0}));  // the open ones still complete
+  EXPECT_EQ(f.sinks[1]->results.back().code(), 0);
+}
+
+TEST(Job, DeadlineFailsTheRoundNamingTheMissingRanks) {
+  JobLimits limits;
+  limits.round_timeout = milliseconds(1000);
+  Fixture f(4, 2, 1, false, v1::MEMBER_KIND_WORKER, limits);
+  const auto t0 = Clock::now();
+  f.Send(0, Fwd(3, 7, 1, {0}, {0}), t0);
+  f.Send(2, Fwd(3, 7, 1, {0}, {0}), t0);
+  Actions early;
+  f.job->Expire(t0 + milliseconds(999), &early);
+  EXPECT_TRUE(early.deliveries.empty());
+  Actions late;
+  f.job->Expire(t0 + milliseconds(1000), &late);
+  f.Deliver(late);
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  const auto& r = f.sinks[0]->results[0];
+  EXPECT_EQ(r.code(), int(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_NE(r.message().find("rank 5"), std::string::npos) << r.message();
+  EXPECT_NE(r.message().find("rank 7"), std::string::npos) << r.message();
+  EXPECT_EQ(r.message().find("rank 4 "), std::string::npos) << r.message();
+  EXPECT_NE(r.message().find("op 3, seq 7, forward"), std::string::npos) << r.message();
+  // The straggler's contribution, late, gets the same error.
+  f.Send(1, Fwd(3, 7, 1, {0}, {0}));
+  EXPECT_EQ(f.sinks[1]->results.back().code(), int(absl::StatusCode::kDeadlineExceeded));
+}
+
+TEST(Job, MemberWhoseStreamBreaksFailsItsOpenRoundsAtOnce) {
+  Fixture f(3);
+  f.Send(0, Fwd(0, 0, 1, {0}, {0}));
+  f.Send(2, Fwd(1, 0, 1, {0}, {0}));
+  f.Send(1, Fwd(1, 0, 1, {0}, {0}));  // rank 1 contributed to op 1, not to op 0
+  Actions a;
+  f.job->MemberGone(2, 102, /*left=*/false, &a);
+  f.Deliver(a);
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[0]->results[0].op(), 0u);
+  EXPECT_EQ(f.sinks[0]->results[0].code(), int(absl::StatusCode::kUnavailable));
+  EXPECT_NE(f.sinks[0]->results[0].message().find("rank 2"), std::string::npos);
+  EXPECT_TRUE(f.sinks[1]->results.empty());  // op 1 can still complete without rank 2? no:
+  // op 1 has rank 2's contribution already; it waits for rank 0.
+  f.Send(0, Fwd(1, 0, 1, {0}, {0}));
+  EXPECT_EQ(f.sinks[1]->results.back().code(), 0);
+  // A new round cannot complete without rank 2: it fails at once.
+  f.Send(1, Fwd(5, 0, 1, {0}, {0}));
+  EXPECT_EQ(f.sinks[1]->results.back().code(), int(absl::StatusCode::kUnavailable));
+  EXPECT_NE(f.sinks[1]->results.back().message().find("rank 2"), std::string::npos);
+  // After it rejoins, rounds work again.
+  Actions j;
+  ASSERT_TRUE(f.job->AddMember(2, 202, 102, &j).ok());
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(f.job->Attach(2, 202, sink).ok());
+  Actions c;
+  for (int m = 0; m < 3; ++m) {
+    Actions x;
+    f.job->Contribute(m, m == 2 ? 202 : 100 + m, Fwd(6, 0, 1, {double(m)}, {0}), Clock::now(),
+                      &x);
+    f.Deliver(x);
+  }
+  EXPECT_EQ(f.sinks[0]->results.back().code(), 0);
+}
+
+TEST(Job, SecondLiveSessionForTheSameRankIsRefused) {
+  Fixture f(2);
+  Actions a;
+  absl::Status s = f.job->AddMember(1, 555, 0, &a);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_NE(s.message().find("rank 1"), std::string::npos);
+  EXPECT_TRUE(f.job->AddMember(1, 556, 101, &a).ok());  // a reconnect names its old session
+}
+
+TEST(Job, GlobalScopeIsForwardedAndAnsweredWithTheParentsResult) {
+  Fixture f(2, 2, 0, /*parent=*/true);
+  f.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_GLOBAL));
+  Actions a = f.Send(1, Fwd(0, 0, 1, {3.0}, {0.0}, v1::SCOPE_GLOBAL));
+  ASSERT_EQ(a.forwards.size(), 1u);
+  EXPECT_EQ(a.forwards[0].count, 2);
+  EXPECT_TRUE(f.sinks[0]->results.empty());  // waits for the root
+  v1::Result root;
+  root.set_op(0);
+  root.set_phase(v1::PHASE_FORWARD);
+  root.set_channels(1);
+  root.set_count(4);
+  root.set_scope(v1::SCOPE_GLOBAL);
+  std::vector<double> m = {5.0}, m2 = {20.0};
+  wire::PackPayload(m.data(), m2.data(), 1, root.mutable_data());
+  Actions b;
+  f.job->ParentResult(root, &b);
+  f.Deliver(b);
+  ASSERT_EQ(f.sinks[1]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[1]->results[0].count(), 4);
+  EXPECT_EQ(A(f.sinks[1]->results[0])[0], 5.0);
+  EXPECT_EQ(f.sinks[1]->results[0].scope(), v1::SCOPE_GLOBAL);
+}
+
+TEST(Job, LosingTheParentFailsForwardedRoundsAtOnce) {
+  Fixture f(1, 2, 0, /*parent=*/true);
+  f.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_GLOBAL));
+  Actions a;
+  f.job->ParentLost(absl::UnavailableError("root gone"), &a);
+  f.Deliver(a);
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[0]->results[0].code(), int(absl::StatusCode::kUnavailable));
+}
+
+TEST(Job, MultiNodeGlobalScopeWithoutParentIsAFailedPrecondition) {
+  Fixture f(1, 2, 0, /*parent=*/false);
+  f.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_GLOBAL));
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[0]->results[0].code(), int(absl::StatusCode::kFailedPrecondition));
+  EXPECT_NE(f.sinks[0]->results[0].message().find("--upstream"), std::string::npos);
+}
+
+TEST(Job, SingleNodeGlobalScopeIsAnsweredLocally) {
+  Fixture f(2, 1, 0, /*parent=*/false);
+  f.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_GLOBAL));
+  f.Send(1, Fwd(0, 0, 1, {3.0}, {0.0}, v1::SCOPE_GLOBAL));
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[0]->results[0].scope(), v1::SCOPE_GLOBAL);
+  EXPECT_EQ(A(f.sinks[0]->results[0])[0], 2.0);
+}
+
+TEST(Job, ShadowAnswersWithNodeStatisticsAtOnceAndForwardsThePartial) {
+  Fixture f(2, 2, 1, /*parent=*/true);
+  f.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_SHADOW));
+  Actions a = f.Send(1, Fwd(0, 0, 1, {3.0}, {0.0}, v1::SCOPE_SHADOW));
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[0]->results[0].scope(), v1::SCOPE_NODE);
+  EXPECT_EQ(A(f.sinks[0]->results[0])[0], 2.0);
+  ASSERT_EQ(a.forwards.size(), 1u);
+  EXPECT_EQ(a.forwards[0].scope, v1::SCOPE_SHADOW);
+}
+
+TEST(Job, RootRecordsHowFarEachNodeIsFromGlobalInShadowRounds) {
+  Fixture root(2, 2, 0, false, v1::MEMBER_KIND_AGGREGATOR);
+  // node 0: mean 0, var 1 (count 10); node 1: mean 2, var 1 (count 10)
+  // global: mean 1, var = 1 + 1 = 2
+  root.Send(0, Fwd(0, 0, 10, {0.0}, {10.0}, v1::SCOPE_SHADOW));
+  root.Send(1, Fwd(0, 0, 10, {2.0}, {10.0}, v1::SCOPE_SHADOW));
+  EXPECT_TRUE(root.sinks[0]->results.empty());  // nodes do not wait for shadow rounds
+  v1::JobStatus status;
+  root.job->FillStatus(&status);
+  ASSERT_EQ(status.divergence_size(), 2);
+  for (const auto& d : status.divergence()) {
+    EXPECT_EQ(d.rounds(), 1);
+    EXPECT_NEAR(d.mean_shift_avg(), 1.0 / std::sqrt(2.0 + 1e-5), 1e-12);
+    EXPECT_NEAR(d.var_ratio_avg(), (1.0 + 1e-5) / (2.0 + 1e-5), 1e-12);
+  }
+}
+
+TEST(Job, ChildAbortFailsTheRoundForTheOtherNodesAtOnce) {
+  Fixture root(2, 2, 0, false, v1::MEMBER_KIND_AGGREGATOR);
+  root.Send(0, Fwd(0, 0, 10, {0.0}, {10.0}, v1::SCOPE_GLOBAL));
+  v1::Abort abort;
+  abort.set_op(0);
+  abort.set_phase(v1::PHASE_FORWARD);
+  abort.set_code(int(absl::StatusCode::kDeadlineExceeded));
+  abort.set_message("rank 5 missing");
+  Actions a;
+  root.job->ChildAbort(1, abort, &a);
+  root.Deliver(a);
+  ASSERT_EQ(root.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(root.sinks[0]->results[0].code(), int(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_EQ(root.sinks[0]->results[0].message(), "rank 5 missing");
+}
+
+TEST(Job, LayoutMismatchNamesTheField) {
+  Fixture f(2, 2, 0);
+  JobLayout other = f.layout;
+  other.world_size = 8;
+  other.local_world_size = 4;
+  absl::Status s = f.job->CheckLayout(other, "rank 3");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("rank 3"), std::string::npos);
+  EXPECT_NE(s.message().find("world_size=8"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace hsbn::server
