@@ -145,8 +145,8 @@ function hsbnErrors(objs, contract) {
     const vol = mount && (spec.volumes || []).find((v) => v.name === mount.name);
     if (!vol) errors.push(`${where}: sidecar socket directory ${sockDir} is not a mounted volume`);
     else if (!(vol.emptyDir && vol.emptyDir.medium === "Memory")) errors.push(`${where}: volume ${vol.name} holding the socket must be an emptyDir with medium: Memory`);
-    const nodes = spec.subdomain ? obj.spec.completions : 1;
-    if ((obj.spec.completions || 1) > 1 && flagsOf(sidecar)["--upstream"] === undefined) errors.push(`${where}: a multi-node Job needs --upstream on its sidecar`);
+    const nodes = obj.spec.completions || 1;
+    if (nodes > 1 && flagsOf(sidecar)["--upstream"] === undefined) errors.push(`${where}: a multi-node Job needs --upstream on its sidecar`);
     for (const c of spec.containers) {
       if (!(c.volumeMounts || []).some((m) => mount && m.name === mount.name && m.mountPath === sockDir)) errors.push(`${where}: container ${c.name} does not mount the socket volume at ${sockDir}`);
       if (envValue(c, "HSBN_ADDRESS") !== listen) errors.push(`${where}: container ${c.name}: HSBN_ADDRESS=${envValue(c, "HSBN_ADDRESS")} but the sidecar listens on ${listen}`);
@@ -165,9 +165,9 @@ function hsbnErrors(objs, contract) {
   return errors;
 }
 
-function validateTree(k8sDir) {
+function validateTree(k8sDir, only) {
   const contract = loadFlagContract(k8sDir);
-  const overlays = fs.readdirSync(path.join(k8sDir, "overlays")).sort();
+  const overlays = only || fs.readdirSync(path.join(k8sDir, "overlays")).sort();
   const report = [];
   for (const o of overlays) {
     const dir = path.join(k8sDir, "overlays", o);
@@ -179,40 +179,65 @@ function validateTree(k8sDir) {
   return report;
 }
 
-// Deliberately broken copies: each must be rejected with the message named here.
-const MUTATIONS = [
+// Deliberately broken copies, each must be rejected with the message named here. A few are
+// broken in the source and rendered again with kustomize; the rest break one field of the
+// rendered multi-node objects (rendering is the slow part).
+const SOURCE_MUTATIONS = [
   ["base/trainer-job.yaml", "imagePullPolicy: IfNotPresent", "imagePullPolice: IfNotPresent", "unknown field /spec/template/spec/initContainers/0/imagePullPolice"],
-  ["base/trainer-job.yaml", "              mountPath: /run/hsbn", "              mountPth: /run/hsbn", '"missingProperty":"mountPath"'],
   ["base/root.yaml", "containerPort: 50051", "containerPort: grpc-port", '/ports/0/containerPort type {"type":"integer"}'],
-  ["base/trainer-job.yaml", "            medium: Memory\n            sizeLimit: 16Mi", "            sizeLimit: 16Mi", "medium: Memory"],
-  ["overlays/multi-node/job-multi-node.yaml", "--upstream=hsbn-root:50051", "--upstream=hsbn-rooot:50051", "no Service named hsbn-rooot"],
-  ["base/trainer-job.yaml", "value: unix:/run/hsbn/hsbn.sock", "value: unix:/run/hsbn/other.sock", "HSBN_ADDRESS"],
-  ["base/root.yaml", "--round-timeout-ms=30000", "--round-timeout=30000", "not in the aggregator's flag contract"],
-  ["overlays/multi-node/job-multi-node.yaml", "--node-rank=$(NODE_RANK)", "--node-rank=$(NODE_RANKK)", "undefined variable $(NODE_RANKK)"],
-  ["overlays/multi-node/job-multi-node.yaml", "  completions: 2\n  parallelism: 2", "  completions: 3\n  parallelism: 3", "--nnodes=2 but the Job runs 3"],
-  ["base/trainer-job.yaml", "          restartPolicy: Always\n", "", "native sidecar"],
-  ["base/root.yaml", "        app.kubernetes.io/component: root\n    spec:", "        app.kubernetes.io/component: rooot\n    spec:", "selects no pod running --role=root"],
+  ["overlays/multi-node/kustomization.yaml", "  - train-headless-service.yaml", "  - train-headless-svc.yaml", "kustomize failed"],
+];
+const find = (objs, kind, name) => objs.find((o) => o.kind === kind && o.metadata.name === name);
+const job = (objs) => find(objs, "Job", "hsbn-train").spec.template.spec;
+const sidecar = (objs) => job(objs).initContainers[0];
+const trainer = (objs) => job(objs).containers[0];
+const root = (objs) => find(objs, "Deployment", "hsbn-root").spec.template;
+const OBJECT_MUTATIONS = [
+  ["volumeMount without mountPath", (o) => { sidecar(o).volumeMounts[0] = { name: "hsbn-run" }; }, '"missingProperty":"mountPath"'],
+  ["socket volume on disk", (o) => { delete job(o).volumes.find((v) => v.name === "hsbn-run").emptyDir.medium; }, "medium: Memory"],
+  ["upstream to a missing Service", (o) => { sidecar(o).args = sidecar(o).args.map((a) => a.replace("hsbn-root:", "hsbn-rooot:")); }, "no Service named hsbn-rooot"],
+  ["HSBN_ADDRESS elsewhere", (o) => { trainer(o).env.find((e) => e.name === "HSBN_ADDRESS").value = "unix:/run/hsbn/other.sock"; }, "HSBN_ADDRESS=unix:/run/hsbn/other.sock"],
+  ["flag not in the contract", (o) => { root(o).spec.containers[0].args.push("--round-timeout=30000"); }, "not in the aggregator's flag contract"],
+  ["undefined $(VAR)", (o) => { trainer(o).args = trainer(o).args.map((a) => a.replace("$(NODE_RANK)", "$(NODE_RANKK)")); }, "undefined variable $(NODE_RANKK)"],
+  ["nnodes != pods", (o) => { const j = find(o, "Job", "hsbn-train"); j.spec.completions = j.spec.parallelism = 3; }, "--nnodes=2 but the Job runs 3"],
+  ["sidecar not native", (o) => { delete sidecar(o).restartPolicy; }, "native sidecar"],
+  ["root Service selects nothing", (o) => { root(o).metadata.labels["app.kubernetes.io/component"] = "rooot"; }, "selects no pod running --role=root"],
+  ["root as root user", (o) => { delete root(o).spec.securityContext.runAsNonRoot; }, "runAsNonRoot"],
+  ["no HSBN_JOB_ID", (o) => { trainer(o).env = trainer(o).env.filter((e) => e.name !== "HSBN_JOB_ID"); }, "HSBN_JOB_ID is not set"],
+  ["single pod needs no upstream; two do", (o) => { sidecar(o).args = sidecar(o).args.filter((a) => !a.startsWith("--upstream=")); }, "needs --upstream"],
 ];
 
 function selfTest(k8sDir) {
   let failed = 0;
-  const clean = validateTree(k8sDir).flatMap((r) => r.errors);
-  if (clean.length) { console.log(`FAIL: the unmodified tree does not validate:\n  ${clean.join("\n  ")}`); return 1; }
-  for (const [file, from, to, expect] of MUTATIONS) {
+  const check = (label, errors, expect) => {
+    const hit = errors.find((e) => e.includes(expect));
+    if (hit) console.log(`ok: ${label} rejected: ${hit}`);
+    else { console.log(`FAIL: ${label} was not rejected with "${expect}"; got: ${JSON.stringify(errors)}`); failed++; }
+  };
+  const contract = loadFlagContract(k8sDir);
+  const clean = render(path.join(k8sDir, "overlays", "multi-node"));
+  const cleanErrors = clean.flatMap(schemaErrors).concat(hsbnErrors(clean, contract));
+  if (cleanErrors.length) { console.log(`FAIL: overlays/multi-node does not validate:\n  ${cleanErrors.join("\n  ")}`); return 1; }
+  for (const [label, mutate, expect] of OBJECT_MUTATIONS) {
+    const objs = JSON.parse(JSON.stringify(clean));
+    mutate(objs);
+    check(label, objs.flatMap(schemaErrors).concat(hsbnErrors(objs, contract)), expect);
+  }
+  for (const [file, from, to, expect] of SOURCE_MUTATIONS) {
     const tmp = fs.mkdtempSync(path.join(os.tmpdir(), "hsbn-k8s-"));
     const copy = path.join(tmp, "k8s");
     fs.cpSync(k8sDir, copy, { recursive: true });
     fs.copyFileSync(path.join(k8sDir, "..", "aggregator-flags.txt"), path.join(tmp, "aggregator-flags.txt"));
     const target = path.join(copy, file);
     const text = fs.readFileSync(target, "utf8");
-    if (!text.includes(from)) { console.log(`FAIL: ${file} no longer contains ${JSON.stringify(from)}; update MUTATIONS`); failed++; continue; }
+    if (!text.includes(from)) { console.log(`FAIL: ${file} no longer contains ${JSON.stringify(from)}; update SOURCE_MUTATIONS`); failed++; continue; }
     fs.writeFileSync(target, text.replace(from, to));
-    const errors = validateTree(copy).flatMap((r) => r.errors);
+    const errors = validateTree(copy, ["multi-node"]).flatMap((r) => r.errors);
     fs.rmSync(tmp, { recursive: true, force: true });
-    if (errors.some((e) => e.includes(expect))) console.log(`ok: ${file}: ${JSON.stringify(to.trim() || "(removed) " + from.trim())} rejected: ${errors.find((e) => e.includes(expect))}`);
-    else { console.log(`FAIL: ${file}: ${JSON.stringify(to)} was not rejected with "${expect}"; got: ${JSON.stringify(errors)}`); failed++; }
+    check(`${file}: ${JSON.stringify(to.trim())}`, errors, expect);
   }
-  console.log(`${MUTATIONS.length - failed} passed, ${failed} failed`);
+  const total = OBJECT_MUTATIONS.length + SOURCE_MUTATIONS.length;
+  console.log(`${total - failed} passed, ${failed} failed`);
   return failed ? 1 : 0;
 }
 

@@ -55,11 +55,26 @@ class SlurmLauncherTest(unittest.TestCase):
         return proc
 
     def aggregators(self):
-        return {p.name[len("aggregator."):-len(".json")]: json.loads(p.read_text())
-                for p in self.out.glob("aggregator.*.json")}
+        """{id: {argv, node, sigterm}} as the stand-in aggregators recorded them."""
+        out = {}
+        for p in self.out.glob("aggregator.*.args"):
+            base = str(p)[:-len(".args")]
+            out[pathlib.Path(base).name[len("aggregator."):]] = {
+                "argv": p.read_text().splitlines(),
+                "node": pathlib.Path(base + ".node").read_text().strip(),
+                "sigterm": pathlib.Path(base + ".sigterm").exists()}
+        return out
 
     def trainers(self):
-        return {int(p.name.split(".")[1]): json.loads(p.read_text()) for p in self.out.glob("trainer.*.json")}
+        """{rank: {argv, env, sidecar_ready}} as the stand-in trainers recorded them."""
+        out = {}
+        for p in self.out.glob("trainer.*.args"):
+            base = str(p)[:-len(".args")]
+            env = dict(kv.split("=", 1) for kv in pathlib.Path(base + ".env").read_text().split("\0") if kv)
+            out[int(pathlib.Path(base).name.split(".")[1])] = {
+                "argv": p.read_text().splitlines(), "env": env,
+                "sidecar_ready": pathlib.Path(base + ".sidecar_ready").exists()}
+        return out
 
     def sruns(self):
         """The srun steps by job name (the aggregator steps start in the background, in any order)."""
