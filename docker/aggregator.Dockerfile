@@ -3,8 +3,8 @@
 #
 #   docker build -f docker/aggregator.Dockerfile -t hsbn/aggregator:0.1.0 .
 #   docker run --rm -v hsbn-run:/run/hsbn hsbn/aggregator:0.1.0                 # a sidecar
-#   docker run --rm -p 50051:50051 hsbn/aggregator:0.1.0 --role=root \
-#       --listen=0.0.0.0:50051 --id=root --ready-file=/run/hsbn/ready              # the root
+#   docker run --rm -p 7070:7070 hsbn/aggregator:0.1.0 --role=root \
+#       --listen=0.0.0.0:7070 --id=root --ready-file=/run/hsbn/ready              # the root
 #
 # The build stage runs scripts/setup.sh, the same script developers and CI run, so the image
 # is built exactly as the tree is tested. The runtime stage installs only the Debian packages
@@ -32,7 +32,7 @@ RUN groupadd --system --gid 10001 hsbn \
 COPY --from=build /src/build/server/hsbn-aggregator /usr/local/bin/hsbn-aggregator
 USER 10001:10001
 # The root's gRPC port; sidecars listen on the Unix socket in /run/hsbn (share that volume).
-EXPOSE 50051
+EXPOSE 7070
 VOLUME ["/run/hsbn"]
 STOPSIGNAL SIGTERM
 # Healthy once the aggregator has written its ready file (it is listening).

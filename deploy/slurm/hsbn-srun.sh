@@ -20,7 +20,7 @@
 #   HSBN_AGGREGATOR       the aggregator binary                 [hsbn-aggregator]
 #   HSBN_GPUS_PER_NODE    trainers per node      [SLURM_GPUS_ON_NODE, else SLURM_NTASKS_PER_NODE, else 1]
 #   HSBN_JOB_ID           the job's id at the aggregators       [slurm-$SLURM_JOB_ID]
-#   HSBN_ROOT_PORT        the root's TCP port                   [50051]
+#   HSBN_ROOT_PORT        the root's TCP port                   [7070]
 #   HSBN_MASTER_PORT      torch.distributed rendezvous port     [29500]
 #   HSBN_RUN_DIR          node-local socket directory  [${TMPDIR:-/tmp}/hsbn-$SLURM_JOB_ID-<node index>]
 #   HSBN_READY_TIMEOUT    seconds a trainer waits for its sidecar [60]
@@ -53,7 +53,7 @@ run_dir() { echo "${HSBN_RUN_DIR:-${TMPDIR:-/tmp}/hsbn-${SLURM_JOB_ID}-${SLURM_N
 opt() { if [[ -n "${2:-}" ]]; then printf '%s=%s\n' "$1" "$2"; fi; }
 
 task_root() {
-  local args=(--role=root "--listen=0.0.0.0:${HSBN_ROOT_PORT:-50051}" --id=root)
+  local args=(--role=root "--listen=0.0.0.0:${HSBN_ROOT_PORT:-7070}" --id=root)
   local dir; dir="$(run_dir)"
   mkdir -p "$dir" && chmod 0700 "$dir"
   rm -f "$dir/root.ready"
@@ -72,7 +72,7 @@ task_sidecar() {
   mkdir -p "$dir" && chmod 0700 "$dir"
   rm -f "$dir/hsbn.sock" "$dir/ready"
   local args=(--role=node "--listen=unix:$dir/hsbn.sock")
-  if (( _HSBN_NNODES > 1 )); then args+=("--upstream=${_HSBN_ROOT_HOST}:${HSBN_ROOT_PORT:-50051}"); fi
+  if (( _HSBN_NNODES > 1 )); then args+=("--upstream=${_HSBN_ROOT_HOST}:${HSBN_ROOT_PORT:-7070}"); fi
   args+=("--id=node-${SLURM_NODEID}" "--ready-file=$dir/ready")
   mapfile -t -O "${#args[@]}" args < <(
     if (( _HSBN_NNODES > 1 )); then

@@ -184,7 +184,7 @@ function validateTree(k8sDir, only) {
 // rendered multi-node objects (rendering is the slow part).
 const SOURCE_MUTATIONS = [
   ["base/trainer-job.yaml", "imagePullPolicy: IfNotPresent", "imagePullPolice: IfNotPresent", "unknown field /spec/template/spec/initContainers/0/imagePullPolice"],
-  ["base/root.yaml", "containerPort: 50051", "containerPort: grpc-port", '/ports/0/containerPort type {"type":"integer"}'],
+  ["base/root.yaml", "containerPort: 7070", "containerPort: grpc-port", '/ports/0/containerPort type {"type":"integer"}'],
   ["overlays/multi-node/kustomization.yaml", "  - train-headless-service.yaml", "  - train-headless-svc.yaml", "kustomize failed"],
 ];
 const find = (objs, kind, name) => objs.find((o) => o.kind === kind && o.metadata.name === name);

@@ -13,6 +13,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 LAUNCHER = REPO / "deploy" / "slurm" / "hsbn-srun.sh"
 FLAG_CONTRACT = REPO / "deploy" / "aggregator-flags.txt"
+# The real binary, when built: set by ctest, else the default build directory.
+REAL_AGGREGATOR = os.environ.get("HSBN_TEST_AGGREGATOR", str(REPO / "build" / "server" / "hsbn-aggregator"))
 
 # What torchrun gives a worker, plus hsbn's own variables: the trainer must see exactly these.
 TRAINER_KEYS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -115,12 +117,12 @@ class SlurmLauncherTest(unittest.TestCase):
 
         aggs = self.aggregators()
         self.assertEqual(sorted(aggs), ["node-0", "node-1", "root"])
-        self.assertEqual(aggs["root"]["argv"], ["--role=root", "--listen=0.0.0.0:50051", "--id=root",
+        self.assertEqual(aggs["root"]["argv"], ["--role=root", "--listen=0.0.0.0:7070", "--id=root",
                                                 f"--ready-file={self.run_dir(0)}/root.ready"])
         self.assertEqual(aggs["root"]["node"], "node-a")
         for i, node in enumerate(nodes):
             self.assertEqual(aggs[f"node-{i}"]["argv"], [
-                "--role=node", f"--listen=unix:{self.run_dir(i)}/hsbn.sock", "--upstream=node-a:50051",
+                "--role=node", f"--listen=unix:{self.run_dir(i)}/hsbn.sock", "--upstream=node-a:7070",
                 f"--id=node-{i}", f"--ready-file={self.run_dir(i)}/ready"])
             self.assertEqual(aggs[f"node-{i}"]["node"], node)
         self.assert_flags_in_contract()
@@ -171,12 +173,12 @@ class SlurmLauncherTest(unittest.TestCase):
         self.assertEqual(proc.returncode, 0, proc.stderr)
         aggs = self.aggregators()
         self.assertEqual(aggs["root"]["argv"], [
-            "--role=root", "--listen=0.0.0.0:50051", "--id=root", f"--ready-file={self.run_dir(0)}/root.ready",
+            "--role=root", "--listen=0.0.0.0:7070", "--id=root", f"--ready-file={self.run_dir(0)}/root.ready",
             "--tls-cert=/etc/hsbn/root.crt", "--tls-key=/etc/hsbn/root.key", "--tls-client-ca=/etc/hsbn/ca.crt",
             "--token-file=/etc/hsbn/all-tokens", "--metrics-listen=0.0.0.0:9091",
             "--round-timeout-ms=60000", "--max-jobs=8"])
         self.assertEqual(aggs["node-1"]["argv"], [
-            "--role=node", f"--listen=unix:{self.run_dir(1)}/hsbn.sock", "--upstream=node-a:50051",
+            "--role=node", f"--listen=unix:{self.run_dir(1)}/hsbn.sock", "--upstream=node-a:7070",
             "--id=node-1", f"--ready-file={self.run_dir(1)}/ready",
             "--upstream-ca=/etc/hsbn/ca.crt", "--upstream-cert=/etc/hsbn/node.crt",
             "--upstream-key=/etc/hsbn/node.key", "--token-file=/etc/hsbn/job-tokens",
@@ -198,6 +200,23 @@ class SlurmLauncherTest(unittest.TestCase):
         self.assertIn("did not become ready", proc.stderr)
         self.assertEqual(self.trainers(), {})
         self.assert_all_stopped()
+
+    @unittest.skipUnless(os.access(REAL_AGGREGATOR, os.X_OK), f"{REAL_AGGREGATOR} is not built")
+    def test_real_aggregator_serves_each_nodes_socket_and_stops_on_sigterm(self):
+        port = str(20000 + os.getpid() % 20000)
+        check = ('test -S "${HSBN_ADDRESS#unix:}" && '
+                 'grep -qx "$HSBN_ADDRESS" "$(dirname "${HSBN_ADDRESS#unix:}")/ready" && '
+                 'touch "$HSBN_TEST_OUT/served.$RANK"')
+        env = {"PATH": f"{HERE / 'fake-bin'}:{os.environ['PATH']}", "HOME": self.tmp.name,
+               "TMPDIR": str(self.run_base), "SLURM_JOB_ID": "4243", "SLURM_JOB_NODELIST": "localhost,127.0.0.1",
+               "HSBN_AGGREGATOR": REAL_AGGREGATOR, "HSBN_GPUS_PER_NODE": "2", "HSBN_ROOT_PORT": port,
+               "HSBN_TEST_OUT": str(self.out)}
+        proc = subprocess.run([str(LAUNCHER), "--", "bash", "-c", check], env=env,
+                              capture_output=True, text=True, timeout=60)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertEqual(sorted(p.name for p in self.out.glob("served.*")), [f"served.{r}" for r in range(4)])
+        for who in ("root", "node-0", "node-1"):
+            self.assertIn(f"[{who}] stopped", proc.stderr)
 
     def test_outside_an_allocation_it_refuses_to_start(self):
         proc = subprocess.run([str(LAUNCHER), "--", "true"], env={"PATH": os.environ["PATH"]},
