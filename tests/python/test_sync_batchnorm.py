@@ -94,7 +94,7 @@ def test_shadow_scope_gives_node_results_and_status_shows_divergence(pool):
         expected = np.mean(np.abs(xs[n].mean(axis=(0, 2, 3)) - g_mean) / np.sqrt(g_var + 1e-5))
         assert int(entries[n].get("rounds", 0)) >= 1
         assert entries[n]["meanShiftAvg"] == pytest.approx(expected, rel=1e-9)
-        assert expected > 0.5  # the nodes really differ
+        assert expected > 0.1  # the nodes really differ
 
 
 def test_eval_mode_uses_running_statistics_and_exchanges_nothing(pool):
