@@ -1,0 +1,419 @@
+// Failure semantics with real aggregator and worker processes: a killed worker is reported at
+// once, deadlines name the missing ranks, bad input fails only its round, a restarted sidecar
+// costs only the rounds in flight, SIGTERM exits cleanly.
+#include <signal.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "hsbn/client.h"
+#include "hsbn/hsbn.h"
+#include "hsbn/v1/hsbn.grpc.pb.h"
+#include "local_cluster.h"
+#include "wire.h"
+
+namespace hsbn {
+namespace {
+
+using cluster::LocalCluster;
+using cluster::Subprocess;
+using std::chrono::milliseconds;
+using std::chrono::steady_clock;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+bool WaitForText(const std::string& path, const std::string& text, milliseconds timeout) {
+  const auto until = steady_clock::now() + timeout;
+  while (steady_clock::now() < until) {
+    if (ReadFile(path).find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  return false;
+}
+
+std::unique_ptr<LocalCluster> StartCluster(int nodes, int per_node,
+                                           std::vector<std::string> flags = {}) {
+  cluster::ClusterOptions opts;
+  opts.nodes = nodes;
+  opts.workers_per_node = per_node;
+  opts.extra_flags = std::move(flags);
+  auto c = LocalCluster::Start(opts);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+std::unique_ptr<Subprocess> SpawnWorker(LocalCluster& c, int rank, const std::string& job,
+                                        std::vector<std::string> extra) {
+  std::vector<std::string> argv = {HSBN_SYNTHETIC, "--worker", "--rounds=20", "--channels=8",
+                                   "--scopes=global",
+                                   absl::StrCat("--report=", c.dir(), "/report", rank)};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  auto p = Subprocess::Spawn(argv, c.WorkerEnv(rank, job),
+                             absl::StrCat(c.dir(), "/worker", rank, ".log"));
+  EXPECT_TRUE(p.ok());
+  return std::move(*p);
+}
+
+TEST(Failures, KilledWorkerIsNamedToEveryOtherMemberWithinTwoSeconds) {
+  auto c = StartCluster(2, 2);  // round timeout 30 s: only the broken stream can explain speed
+  ASSERT_TRUE(c);
+  std::vector<std::unique_ptr<Subprocess>> w;
+  for (int r = 0; r < 4; ++r) {
+    w.push_back(SpawnWorker(*c, r, "kill", r == 3 ? std::vector<std::string>{"--hang-at=5"}
+                                                   : std::vector<std::string>{}));
+  }
+  ASSERT_TRUE(WaitForText(c->dir() + "/report3", "hang 5", milliseconds(30000)));
+  std::this_thread::sleep_for(milliseconds(300));  // the others are now waiting in round 5
+  const auto killed = steady_clock::now();
+  w[3]->Signal(SIGKILL);
+  for (int r = 0; r < 3; ++r) {
+    const int code = w[r]->Wait(milliseconds(2000) - std::chrono::duration_cast<milliseconds>(steady_clock::now() - killed));
+    EXPECT_EQ(code, 4) << "worker " << r << " did not fail within 2 s of the kill";
+    const std::string report = ReadFile(absl::StrCat(c->dir(), "/report", r));
+    EXPECT_NE(report.find("error forward 5 14 "), std::string::npos) << report;  // UNAVAILABLE
+    EXPECT_NE(report.find("rank 3"), std::string::npos) << report;
+  }
+}
+
+TEST(Failures, DeadlineErrorNamesTheMissingRanks) {
+  auto c = StartCluster(1, 3, {"--round-timeout-ms=800"});
+  ASSERT_TRUE(c);
+  std::vector<std::unique_ptr<Subprocess>> w;
+  for (int r = 0; r < 3; ++r) {
+    w.push_back(SpawnWorker(*c, r, "deadline", r == 2 ? std::vector<std::string>{"--hang-at=2"}
+                                                      : std::vector<std::string>{}));
+  }
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(w[r]->Wait(milliseconds(20000)), 4);
+    const std::string report = ReadFile(absl::StrCat(c->dir(), "/report", r));
+    EXPECT_NE(report.find("error forward 2 4 "), std::string::npos) << report;  // DEADLINE
+    EXPECT_NE(report.find("waiting for rank 2"), std::string::npos) << report;
+  }
+}
+
+// In-process clients (threads) against real aggregator processes.
+std::unique_ptr<Client> Connect(LocalCluster& c, int rank, const std::string& job) {
+  ClientOptions o;
+  o.address = c.sidecar_address(rank / c.workers_per_node());
+  o.job_id = job;
+  o.rank = rank;
+  o.world_size = c.world_size();
+  o.local_rank = rank % c.workers_per_node();
+  o.local_world_size = c.workers_per_node();
+  o.node_rank = rank / c.workers_per_node();
+  auto client = Client::Connect(o);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return client.ok() ? std::move(*client) : nullptr;
+}
+
+struct Contribution {
+  int64_t count;
+  std::vector<double> a, b;
+};
+
+// Starts one forward round on every client, then waits for all; returns their statuses.
+std::vector<absl::Status> Round(std::vector<std::unique_ptr<Client>>& clients, uint32_t op,
+                                uint64_t seq, const std::vector<Contribution>& in,
+                                std::vector<std::vector<double>>* means = nullptr) {
+  std::vector<absl::StatusOr<std::shared_ptr<PendingRound>>> started;
+  for (size_t i = 0; i < clients.size(); ++i) {
+    started.push_back(clients[i]->Start(Phase::kForward, op, seq, Scope::kNode,
+                                        int64_t(in[i].a.size()), in[i].count, in[i].a.data(),
+                                        in[i].b.data()));
+  }
+  std::vector<absl::Status> out;
+  if (means) means->assign(clients.size(), {});
+  for (size_t i = 0; i < clients.size(); ++i) {
+    if (!started[i].ok()) {
+      out.push_back(started[i].status());
+      continue;
+    }
+    std::vector<double> a(in[i].a.size()), b(in[i].a.size());
+    int64_t n = 0;
+    out.push_back(clients[i]->Wait(**started[i], &n, a.data(), b.data()));
+    if (means) (*means)[i] = a;
+  }
+  return out;
+}
+
+Contribution Good(double mean) { return {2, {mean, mean, mean, mean}, {1, 1, 1, 1}}; }
+
+TEST(Failures, BadInputFailsItsRoundNamingRankAndFieldAndNothingElse) {
+  auto c = StartCluster(1, 2, {"--max-channels=64"});
+  ASSERT_TRUE(c);
+  std::vector<std::unique_ptr<Client>> job;
+  job.push_back(Connect(*c, 0, "bad-input"));
+  job.push_back(Connect(*c, 1, "bad-input"));
+  std::vector<std::unique_ptr<Client>> other;  // an unrelated job on the same sidecar
+  other.push_back(Connect(*c, 0, "other-job"));
+  other.push_back(Connect(*c, 1, "other-job"));
+  ASSERT_TRUE(job[0] && job[1] && other[0] && other[1]);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  struct Case {
+    const char* name;
+    Contribution bad;
+    absl::StatusCode code;
+    const char* field;
+  } cases[] = {
+      {"NaN", {2, {0, nan, 0, 0}, {1, 1, 1, 1}}, absl::StatusCode::kInvalidArgument, "mean[1]"},
+      {"Inf", {2, {0, 0, 0, 0}, {1, 1, inf, 1}}, absl::StatusCode::kInvalidArgument, "m2[2]"},
+      {"negative count", {-3, {0, 0, 0, 0}, {1, 1, 1, 1}}, absl::StatusCode::kInvalidArgument,
+       "'count'"},
+      {"negative m2", {2, {0, 0, 0, 0}, {1, 1, 1, -0.5}}, absl::StatusCode::kInvalidArgument,
+       "m2[3]"},
+      {"channel mismatch", {2, {0, 0, 0}, {1, 1, 1}}, absl::StatusCode::kInvalidArgument,
+       "'channels'"},
+      {"oversized", {2, std::vector<double>(65, 0.0), std::vector<double>(65, 1.0)},
+       absl::StatusCode::kResourceExhausted, "--max-channels=64"},
+  };
+  uint64_t seq = 0;
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    auto st = Round(job, 0, seq++, {Good(1.0), k.bad});
+    for (const auto& s : st) {
+      EXPECT_EQ(s.code(), k.code) << s;
+      EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s;
+      EXPECT_NE(s.message().find(k.field), std::string::npos) << s;
+    }
+    // The next round of the same job works, and so does another job.
+    std::vector<std::vector<double>> means;
+    auto ok = Round(job, 0, seq++, {Good(1.0), Good(3.0)}, &means);
+    EXPECT_TRUE(ok[0].ok() && ok[1].ok()) << ok[0] << ok[1];
+    EXPECT_EQ(means[0][0], 2.0);
+    auto ok2 = Round(other, 0, seq, {Good(5.0), Good(7.0)}, &means);
+    EXPECT_TRUE(ok2[0].ok() && ok2[1].ok());
+    EXPECT_EQ(means[1][3], 6.0);
+  }
+}
+
+// Raw protocol access for what the client library refuses to send.
+struct Raw {
+  explicit Raw(const std::string& address)
+      : stub(v1::Aggregator::NewStub(grpc::CreateChannel(address,
+                                                         grpc::InsecureChannelCredentials()))) {}
+  grpc::Status Join(int rank, int world, int local_rank, int lws, int node, uint64_t* session) {
+    v1::JoinRequest req;
+    req.set_protocol_version(1);
+    req.set_job_id("raw");
+    req.set_kind(v1::MEMBER_KIND_WORKER);
+    req.set_rank(rank);
+    req.set_world_size(world);
+    req.set_local_rank(local_rank);
+    req.set_local_world_size(lws);
+    req.set_node_rank(node);
+    v1::JoinResponse resp;
+    grpc::ClientContext ctx;
+    grpc::Status s = stub->Join(&ctx, req, &resp);
+    if (session) *session = resp.session_id();
+    return s;
+  }
+  std::unique_ptr<v1::Aggregator::Stub> stub;
+};
+
+TEST(Failures, JoinValidatesTheLayout) {
+  auto c = StartCluster(1, 2);
+  ASSERT_TRUE(c);
+  Raw raw(c->sidecar_address(0));
+  grpc::Status s = raw.Join(5, 2, 1, 2, 0, nullptr);  // rank >= world size
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("rank 5"), std::string::npos) << s.error_message();
+  EXPECT_NE(s.error_message().find("RANK"), std::string::npos) << s.error_message();
+  ASSERT_TRUE(raw.Join(0, 2, 0, 2, 0, nullptr).ok());
+  s = raw.Join(1, 4, 1, 2, 0, nullptr);  // a different world size than rank 0 declared
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("world_size=4"), std::string::npos) << s.error_message();
+  s = raw.Join(0, 2, 0, 2, 0, nullptr);  // rank 0 again while its session is unattached: ok
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+TEST(Failures, ConflictingDuplicateFailsTheRound) {
+  auto c = StartCluster(1, 2);
+  ASSERT_TRUE(c);
+  Raw raw(c->sidecar_address(0));
+  uint64_t s0 = 0, s1 = 0;
+  ASSERT_TRUE(raw.Join(0, 2, 0, 2, 0, &s0).ok());
+  ASSERT_TRUE(raw.Join(1, 2, 1, 2, 0, &s1).ok());
+  grpc::ClientContext ctx;
+  auto stream = raw.stub->Exchange(&ctx);
+  v1::ClientFrame attach;
+  attach.mutable_attach()->add_session_ids(s0);
+  attach.mutable_attach()->add_session_ids(s1);
+  ASSERT_TRUE(stream->Write(attach));
+  auto send = [&](uint64_t session, double mean) {
+    v1::ClientFrame f;
+    v1::Contribution* c = f.mutable_contribution();
+    c->set_session_id(session);
+    c->set_op(1);
+    c->set_seq(0);
+    c->set_phase(v1::PHASE_FORWARD);
+    c->set_scope(v1::SCOPE_NODE);
+    c->set_channels(1);
+    c->set_count(1);
+    double m2 = 0;
+    wire::PackPayload(&mean, &m2, 1, c->mutable_data());
+    return stream->Write(f);
+  };
+  ASSERT_TRUE(send(s1, 1.0));
+  ASSERT_TRUE(send(s1, 2.0));  // same round, different payload
+  v1::ServerFrame frame;
+  ASSERT_TRUE(stream->Read(&frame));
+  EXPECT_EQ(frame.result().code(), int(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_NE(frame.result().message().find("rank 1"), std::string::npos);
+  EXPECT_NE(frame.result().message().find("duplicate"), std::string::npos)
+      << frame.result().message();
+  ctx.TryCancel();
+}
+
+TEST(Failures, RestartedSidecarFailsRoundsInFlightAndClientsReconnect) {
+  auto c = StartCluster(1, 2);
+  ASSERT_TRUE(c);
+  std::vector<std::unique_ptr<Client>> job;
+  job.push_back(Connect(*c, 0, "restart"));
+  job.push_back(Connect(*c, 1, "restart"));
+  ASSERT_TRUE(job[0] && job[1]);
+  auto ok = Round(job, 0, 0, {Good(1.0), Good(3.0)});
+  ASSERT_TRUE(ok[0].ok() && ok[1].ok());
+  Contribution in = Good(1.0);
+  auto pending = job[0]->Start(Phase::kForward, 0, 1, Scope::kNode, 4, 2, in.a.data(),
+                               in.b.data());
+  ASSERT_TRUE(pending.ok());
+  std::this_thread::sleep_for(milliseconds(100));
+  // SIGTERM: the sidecar fails the open round with UNAVAILABLE and exits with status 0.
+  EXPECT_EQ(c->sidecar(0)->Stop(), 0);
+  std::vector<double> a(4), b(4);
+  absl::Status s = job[0]->Wait(**pending, nullptr, a.data(), b.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  ASSERT_TRUE(c->RestartSidecar(0).ok());
+  std::vector<std::vector<double>> means;
+  auto again = Round(job, 0, 2, {Good(1.0), Good(5.0)}, &means);
+  EXPECT_TRUE(again[0].ok()) << again[0];
+  EXPECT_TRUE(again[1].ok()) << again[1];
+  EXPECT_EQ(means[1][0], 3.0);
+}
+
+TEST(Failures, RootRestartFailsGlobalRoundsInFlightAndLaterRoundsSucceed) {
+  auto c = StartCluster(2, 1);
+  ASSERT_TRUE(c);
+  std::vector<std::unique_ptr<Client>> job;
+  job.push_back(Connect(*c, 0, "root-restart"));
+  job.push_back(Connect(*c, 1, "root-restart"));
+  ASSERT_TRUE(job[0] && job[1]);
+  auto global = [&](uint64_t seq, double m0, double m1, std::vector<double>* mean) {
+    Contribution in0 = Good(m0), in1 = Good(m1);
+    auto p0 = job[0]->Start(Phase::kForward, 0, seq, Scope::kGlobal, 4, 2, in0.a.data(),
+                            in0.b.data());
+    auto p1 = job[1]->Start(Phase::kForward, 0, seq, Scope::kGlobal, 4, 2, in1.a.data(),
+                            in1.b.data());
+    std::vector<double> a(4), b(4);
+    absl::Status s0 = p0.ok() ? job[0]->Wait(**p0, nullptr, a.data(), b.data()) : p0.status();
+    if (mean) *mean = a;
+    absl::Status s1 = p1.ok() ? job[1]->Wait(**p1, nullptr, a.data(), b.data()) : p1.status();
+    return s0.ok() ? s1 : s0;
+  };
+  std::vector<double> mean;
+  ASSERT_TRUE(global(0, 1.0, 3.0, &mean).ok());
+  EXPECT_EQ(mean[0], 2.0);
+  ASSERT_TRUE(c->RestartRoot().ok());
+  // The first global round after the restart may fail while the sidecars notice; within a few
+  // rounds they reconnect and rounds succeed again.
+  absl::Status s;
+  for (uint64_t seq = 1; seq < 6; ++seq) {
+    s = global(seq, 2.0, 6.0, &mean);
+    if (s.ok()) break;
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  }
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(mean[0], 4.0);
+}
+
+TEST(CApi, ForwardRoundAndErrors) {
+  auto c = StartCluster(1, 1);
+  ASSERT_TRUE(c);
+  hsbn_options o;
+  hsbn_options_init(&o);
+  const std::string address = c->sidecar_address(0);
+  o.address = address.c_str();
+  o.job_id = "c-abi";
+  o.rank = 0;
+  o.world_size = 1;
+  o.local_rank = 0;
+  o.local_world_size = 1;
+  o.node_rank = 0;
+  hsbn_client* client = nullptr;
+  ASSERT_EQ(hsbn_client_create(&o, &client), HSBN_OK) << hsbn_last_error();
+  hsbn_client_info info;
+  ASSERT_EQ(hsbn_client_get_info(client, &info), HSBN_OK);
+  EXPECT_EQ(info.num_nodes, 1);
+  const double mean[2] = {1.5, -2.0}, m2[2] = {4.0, 0.25};
+  double out_mean[2], out_m2[2];
+  int64_t count = 0;
+  ASSERT_EQ(hsbn_forward(client, 3, 0, HSBN_SCOPE_NODE, 2, 7, mean, m2, &count, out_mean, out_m2),
+            HSBN_OK);
+  EXPECT_EQ(count, 7);
+  EXPECT_EQ(out_mean[0], 1.5);
+  EXPECT_EQ(out_m2[1], 0.25);
+  const double bad[2] = {std::nan(""), 0};
+  EXPECT_EQ(hsbn_forward(client, 3, 1, HSBN_SCOPE_NODE, 2, 7, bad, m2, &count, out_mean, out_m2),
+            HSBN_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(hsbn_last_error()).find("mean[0]"), std::string::npos);
+  EXPECT_STREQ(hsbn_result_string(HSBN_INVALID_ARGUMENT), "INVALID_ARGUMENT");
+  size_t needed = 0;
+  char buf[4096];
+  ASSERT_EQ(hsbn_status_json(client, 0, buf, sizeof buf, &needed), HSBN_OK);
+  EXPECT_NE(std::string(buf).find("\"jobId\":\"c-abi\""), std::string::npos) << buf;
+  hsbn_client_destroy(client);
+
+  o.address = "unix:/nonexistent/hsbn.sock";
+  o.connect_timeout_ms = 300;
+  EXPECT_EQ(hsbn_client_create(&o, &client), HSBN_UNAVAILABLE);
+  EXPECT_NE(std::string(hsbn_last_error()).find("no hsbn sidecar answered"), std::string::npos)
+      << hsbn_last_error();
+}
+
+TEST(ClientOptions, FromEnvNamesWhatIsWrong) {
+  for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                        "HSBN_JOB_ID", "TORCHELASTIC_RUN_ID", "HSBN_ADDRESS"}) {
+    unsetenv(v);
+  }
+  auto o = ClientOptions::FromEnv();
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(o.status().message().find("RANK is not set"), std::string::npos);
+  setenv("RANK", "5", 1);
+  setenv("WORLD_SIZE", "8", 1);
+  setenv("LOCAL_RANK", "1", 1);
+  setenv("LOCAL_WORLD_SIZE", "4", 1);
+  setenv("GROUP_RANK", "1", 1);
+  o = ClientOptions::FromEnv();
+  EXPECT_NE(o.status().message().find("HSBN_JOB_ID"), std::string::npos) << o.status();
+  setenv("HSBN_JOB_ID", "j", 1);
+  o = ClientOptions::FromEnv();
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->address, "unix:/tmp/hsbn.sock");
+  EXPECT_EQ(o->rank, 5);
+  setenv("GROUP_RANK", "0", 1);
+  o = ClientOptions::FromEnv();
+  EXPECT_NE(o.status().message().find("GROUP_RANK*LOCAL_WORLD_SIZE+LOCAL_RANK"),
+            std::string::npos)
+      << o.status();
+  setenv("WORLD_SIZE", "x", 1);
+  o = ClientOptions::FromEnv();
+  EXPECT_NE(o.status().message().find("WORLD_SIZE='x'"), std::string::npos) << o.status();
+}
+
+}  // namespace
+}  // namespace hsbn
