@@ -9,6 +9,7 @@
 #include <gloo/allreduce.h>
 #include <gloo/allreduce_halving_doubling.h>
 #include <gloo/allreduce_ring.h>
+#include <gloo/barrier.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/transport/tcp/device.h>
@@ -81,6 +82,11 @@ int Main(const Args& args) {
     slot.second->run();
     std::memcpy(out, slot.first.data(), n * sizeof(double));
   });
+  // Some algorithms let a rank finish before its peers have received its last message: wait
+  // for everyone before the context (and its connections) goes away.
+  gloo::BarrierOptions barrier(context);
+  barrier.setTag(tag + 1);
+  gloo::barrier(barrier);
   return 0;
 }
 

@@ -33,13 +33,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def mode_params(quick):
+    # rounds / resnet_steps are the most per case; an implementation measured slow at a smaller
+    # worker count gets fewer at the next (case_budget_s, step_budget_s), never below the minima.
     if quick:
         return dict(channels=[256], workers=[2], rounds=60, warmup=10, resnet_steps=3,
                     resnet_warmup=1, resnet_workers=[2], pingpong=True, timeout=40,
-                    load_seconds=1.5)
+                    load_seconds=1.5, min_rounds=60, min_steps=3, case_budget_s=1.0,
+                    step_budget_s=2.0)
     return dict(channels=[64, 256, 1024, 2048], workers=[2, 4, 8], rounds=400, warmup=40,
-                resnet_steps=20, resnet_warmup=2, resnet_workers=[4, 8], pingpong=True,
-                timeout=240, load_seconds=5.0)
+                resnet_steps=30, resnet_warmup=2, resnet_workers=[4, 8], pingpong=True,
+                timeout=240, load_seconds=5.0, min_rounds=100, min_steps=6, case_budget_s=1.2,
+                step_budget_s=4.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,6 +184,7 @@ class Bench:
         self.rows = []
         self.skipped = {}
         self.failures = []
+        self.est = {}  # est_key -> (workers, mean round us) of the last measurement
         self.tmp = tempfile.mkdtemp(prefix="hsbn-bench-")
         self.aggregator = args.aggregator or self._find_aggregator()
 
@@ -194,11 +199,21 @@ class Bench:
     def have(self, exe):
         return os.access(os.path.join(self.bin, exe), os.X_OK)
 
-    def plan_flags(self, channels, resnet, phases="fwd", scopes="node"):
-        flags = ["--channels=" + ",".join(map(str, channels)), "--rounds=%d" % self.p["rounds"],
-                 "--warmup=%d" % self.p["warmup"], "--phases=" + phases, "--scopes=" + scopes]
+    def plan_flags(self, channels, resnet, phases="fwd", scopes="node", est_key=None,
+                   workers=None):
+        rounds, steps, warmup = self.p["rounds"], self.p["resnet_steps"], self.p["warmup"]
+        prev = self.est.get(est_key)
+        if prev and workers:
+            # Mean round time at the last (smaller) worker count, scaled linearly in workers: a
+            # deliberate over-estimate on an oversubscribed machine, so counts only shrink.
+            est_s = prev[1] * 1e-6 * workers / prev[0]
+            rounds = max(self.p["min_rounds"], min(rounds, int(self.p["case_budget_s"] / est_s)))
+            steps = max(self.p["min_steps"], min(steps, int(self.p["step_budget_s"] / (106 * est_s))))
+            warmup = max(10, min(warmup, rounds // 10))
+        flags = ["--channels=" + ",".join(map(str, channels)), "--rounds=%d" % rounds,
+                 "--warmup=%d" % warmup, "--phases=" + phases, "--scopes=" + scopes]
         if resnet:
-            flags += ["--resnet-steps=%d" % self.p["resnet_steps"],
+            flags += ["--resnet-steps=%d" % steps,
                       "--resnet-warmup=%d" % self.p["resnet_warmup"]]
         return flags
 
@@ -208,7 +223,7 @@ class Bench:
         return d
 
     # One measurement: run `body(launch, dir)` -> sample files; record rows.
-    def measure(self, impl, transport, workers, nodes, body, label=None):
+    def measure(self, impl, transport, workers, nodes, body, est_key=None):
         name = "%s-w%d-n%d" % (impl, workers, nodes)
         d = self.new_dir(name)
         launch = Launch(d, self.p["timeout"])
@@ -238,6 +253,10 @@ class Bench:
                 row.update(p50_ms=percentile(ms, 50), p99_ms=percentile(ms, 99),
                            max_ms=ms[-1], mean_ms=sum(ms) / len(ms))
             self.rows.append(row)
+        lat = [v for k, v in pooled.items() if k[0] == "lat"]
+        if lat:
+            means = [sum(v) / len(v) / 1e3 for v in lat]
+            self.est[est_key or impl] = (workers, sum(means) / len(means))
         print("  %-14s workers=%d nodes=%d  %5.1f s" % (impl, workers, nodes,
                                                         time.monotonic() - t0), file=sys.stderr)
         return True
@@ -257,7 +276,8 @@ class Bench:
                 files.append(out)
                 launch.worker([os.path.join(self.bin, exe), "--role=worker", "--connect=" + addr,
                                "--rank=%d" % r, "--out=" + out]
-                              + self.plan_flags(self.p["channels"], resnet), "worker%d" % r)
+                              + self.plan_flags(self.p["channels"], resnet, est_key=impl,
+                                                workers=workers), "worker%d" % r)
             return files
         return self.measure(impl, transport, workers, 1, body)
 
@@ -274,7 +294,7 @@ class Bench:
                 cmd += ["--allow-run-as-root"]
             out = os.path.join(d, "rank%r.txt")
             cmd += [os.path.join(self.bin, "bench_mpi_allreduce"), "--out=" + out]
-            cmd += self.plan_flags(self.p["channels"], resnet)
+            cmd += self.plan_flags(self.p["channels"], resnet, est_key=impl, workers=workers)
             launch.worker(cmd, "mpirun", env={"OMPI_MCA_rmaps_base_oversubscribe": "1"})
             return [os.path.join(d, "rank%d.txt" % r) for r in range(workers)]
         return self.measure(impl, transport, workers, 1, body)
@@ -290,7 +310,8 @@ class Bench:
                 launch.worker([os.path.join(self.bin, "bench_gloo_allreduce"), "--rank=%d" % r,
                                "--world=%d" % workers, "--store-dir=" + store,
                                "--algorithm=" + algorithm, "--out=" + out]
-                              + self.plan_flags(self.p["channels"], resnet), "worker%d" % r)
+                              + self.plan_flags(self.p["channels"], resnet, est_key=impl,
+                                                workers=workers), "worker%d" % r)
             return files
         return self.measure(impl, "tcp", workers, 1, body)
 
@@ -306,7 +327,8 @@ class Bench:
                 files.append(out)
                 launch.worker([py, os.path.join(HERE, "torch_allreduce.py"), "--rank=%d" % r,
                                "--world=%d" % workers, "--init=" + init, "--out=" + out]
-                              + self.plan_flags(self.p["channels"], resnet), "worker%d" % r,
+                              + self.plan_flags(self.p["channels"], resnet, est_key="torch-gloo",
+                                                workers=workers), "worker%d" % r,
                               env={"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
             return files
         return self.measure("torch-gloo", "tcp", workers, 1, body)
@@ -344,10 +366,12 @@ class Bench:
                                "--rank=%d" % r, "--world=%d" % workers,
                                "--local-rank=%d" % (r % local), "--local-world=%d" % local,
                                "--node-rank=%d" % (r // local), "--out=" + out]
-                              + self.plan_flags(self.p["channels"], resnet, "fwd,bwd", scopes),
+                              + self.plan_flags(self.p["channels"], resnet, "fwd,bwd", scopes,
+                                                est_key="hsbn-%d" % nodes, workers=workers),
                               "worker%d" % r)
             return files
-        return self.measure("hsbn", "unix" if nodes == 1 else "unix+tcp", workers, nodes, body)
+        return self.measure("hsbn", "unix" if nodes == 1 else "unix+tcp", workers, nodes, body,
+                            est_key="hsbn-%d" % nodes)
 
     def hsbn_load(self, role):
         """Aggregator throughput: many concurrent jobs against one sidecar (node scope) or, through
@@ -536,6 +560,8 @@ def report(bench, params, machine, command):
     base_present = [(k, n) for k, n in BASELINES if any(r["impl"] == k for r in rows)]
     # Latency tables, one per worker count.
     for w in params["workers"] + ([1] if params["pingpong"] else []):
+        if not any(r["kind"] == "lat" and r["workers"] == w for r in rows):
+            continue
         lines.append("### Round latency, %d worker%s: p50 / p99 (us)" % (w, "s" if w > 1 else ""))
         lines.append("")
         chans = params["channels"]
@@ -554,7 +580,8 @@ def report(bench, params, machine, command):
     # Ratios: hsbn node fwd (1 node) and global fwd (2 nodes) p50 over each baseline's p50.
     for lbl_h, sel_h in (("hsbn node fwd, 1 node", dict(impl="hsbn", nodes=1, scope="node", phase="fwd")),
                          ("hsbn global fwd, 2 nodes", dict(impl="hsbn", nodes=2, scope="global", phase="fwd"))):
-        if not any(find(rows, kind="lat", workers=w, **sel_h) for w in params["workers"]):
+        if not base_present or not any(find(rows, kind="lat", workers=w, **sel_h)
+                                       for w in params["workers"]):
             continue
         lines.append("### Ratio p50(%s) / p50(baseline), same workers and C" % lbl_h)
         lines.append("")
