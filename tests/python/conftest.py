@@ -17,11 +17,14 @@ try:
     import hsbn  # noqa: F401  (installed, or PYTHONPATH=client/python)
 except ImportError:
     sys.path.insert(0, _PKG)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (_PKG, os.environ.get("PYTHONPATH")) if p)
     import hsbn  # noqa: F401
 
 from hsbn import _lib  # noqa: E402
+
+# Subprocesses (workers, the docs example) run elsewhere: give them this hsbn by absolute path.
+_HSBN_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(hsbn.__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_HSBN_PARENT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 _NATIVE_ERROR = None
 try:

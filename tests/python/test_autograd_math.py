@@ -87,8 +87,9 @@ def cpu_ops(request):
     """Both CPU backends: float64 torch ops, and hsbn's CPU kernels through their C ABI (the
     same binding the CUDA path uses for CUDA tensors)."""
     if request.param == "kernels" and hsbn._lib.bn_kernels() is None:
-        pytest.skip("%s does not export the hsbn_bn_ kernels (built without kernels/)"
-                    % hsbn.library_path())
+        pytest.fail("%s does not export the hsbn_bn_ kernels' C ABI (version %d); the client "
+                    "library should link hsbn_kernels" % (hsbn.library_path(),
+                                                          hsbn._lib.BN_ABI_VERSION))
     _ops.set_cpu_ops(request.param)
     yield request.param
     _ops.set_cpu_ops("torch")
