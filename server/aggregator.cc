@@ -371,7 +371,10 @@ absl::Status Aggregator::DoJoin(const v1::JoinRequest& req, v1::JoinResponse* re
 
   std::shared_ptr<Job> job;
   uint64_t session;
+  Actions actions;
   {
+    // One critical section from finding (or creating) the job to registering the member, so
+    // the deadline thread can never see a new job without members and drop it.
     std::lock_guard<std::mutex> lock(mu_);
     auto it = jobs_.find(req.job_id());
     if (it == jobs_.end()) {
@@ -383,9 +386,6 @@ absl::Status Aggregator::DoJoin(const v1::JoinRequest& req, v1::JoinResponse* re
       JobLimits limits = options_.limits;
       limits.has_parent = parent_ != nullptr;
       job = std::make_shared<Job>(req.job_id(), layout, limits);
-      jobs_.emplace(req.job_id(), job);
-      Log(LogLevel::kInfo, absl::StrCat("job '", req.job_id(), "' created: ", layout.world_size,
-                                        " workers on ", num_nodes, " node(s)"));
     } else {
       job = it->second;
       if (absl::Status s = job->CheckLayout(layout, who); !s.ok()) return s;
@@ -393,15 +393,19 @@ absl::Status Aggregator::DoJoin(const v1::JoinRequest& req, v1::JoinResponse* re
     do {
       session = rng_();
     } while (session == 0 || sessions_.count(session));
-  }
-  Actions actions;
-  if (absl::Status s = job->AddMember(index, session, req.previous_session_id(), &actions);
-      !s.ok()) {
-    return s;
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (req.previous_session_id() != 0) sessions_.erase(req.previous_session_id());
+    if (absl::Status s = job->AddMember(index, session, req.previous_session_id(), &actions);
+        !s.ok()) {
+      return s;
+    }
+    if (it == jobs_.end()) {
+      jobs_.emplace(req.job_id(), job);
+      Log(LogLevel::kInfo, absl::StrCat("job '", req.job_id(), "' created: ", layout.world_size,
+                                        " workers on ", num_nodes, " node(s)"));
+    }
+    if (auto prev = sessions_.find(req.previous_session_id());
+        prev != sessions_.end() && prev->second.job == job && prev->second.index == index) {
+      sessions_.erase(prev);
+    }
     sessions_[session] = SessionRef{job, index};
   }
   Execute(actions, job->id());

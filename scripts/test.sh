@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds, and runs every test: the C++ suites under ctest, then the
+# Python suite under pytest (Debian's /usr/bin/python3, which has PyTorch).
+#
+#   scripts/test.sh              everything
+#   HSBN_TEST_JOBS=N             ctest parallelism (default 2)
+#   HSBN_PYTEST_ARGS="..."       extra pytest arguments (e.g. "-k global -x")
+set -uo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh || exit 1
+build="${HSBN_BUILD_DIR:-build}"
+
+echo "== ctest"
+ctest --test-dir "$build" --output-on-failure -j "${HSBN_TEST_JOBS:-2}"
+ctest_status=$?
+
+pytest_status=0
+if [ -d tests/python ]; then
+  echo "== pytest"
+  export PYTHONPATH="$PWD/client/python${PYTHONPATH:+:$PYTHONPATH}"
+  export HSBN_LIBRARY="$PWD/$build/client/libhsbn.so"
+  export HSBN_AGGREGATOR="$PWD/$build/server/hsbn-aggregator"
+  # shellcheck disable=SC2086
+  /usr/bin/python3 -m pytest tests/python -q -p no:cacheprovider ${HSBN_PYTEST_ARGS:-}
+  pytest_status=$?
+fi
+
+if [ "$ctest_status" -ne 0 ] || [ "$pytest_status" -ne 0 ]; then
+  echo "test: FAILED (ctest status $ctest_status, pytest status $pytest_status)"
+  exit 1
+fi
+echo "test: all passed"
