@@ -15,13 +15,15 @@ ctest --test-dir "$build" --output-on-failure -j "${HSBN_TEST_JOBS:-2}"
 ctest_status=$?
 
 pytest_status=0
-if [ -d tests/python ]; then
+suites=()
+for d in tests/python tests/compare; do [ -d "$d" ] && suites+=("$d"); done
+if [ ${#suites[@]} -gt 0 ]; then
   echo "== pytest"
   export PYTHONPATH="$PWD/client/python${PYTHONPATH:+:$PYTHONPATH}"
   export HSBN_LIBRARY="$PWD/$build/client/libhsbn.so"
   export HSBN_AGGREGATOR="$PWD/$build/server/hsbn-aggregator"
   # shellcheck disable=SC2086
-  /usr/bin/python3 -m pytest tests/python -q -p no:cacheprovider ${HSBN_PYTEST_ARGS:-}
+  /usr/bin/python3 -m pytest "${suites[@]}" -q -p no:cacheprovider ${HSBN_PYTEST_ARGS:-}
   pytest_status=$?
 fi
 
