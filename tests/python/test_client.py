@@ -1,6 +1,7 @@
 """hsbn.Client: construction from the environment, rounds, status, and the errors a user meets
 first. The test process itself is the worker here (no PyTorch needed by Client)."""
 
+import operator
 import socket
 import time
 
@@ -137,3 +138,22 @@ def test_a_closed_client_says_so():
         client.close()
         with pytest.raises(hsbn.UnavailableError, match="closed"):
             client.forward(0, 0, "node", 1, [0.0], [0.0])
+
+
+def test_local_cluster_run_returns_values_by_rank_and_reports_failures(cluster):
+    assert cluster.run(operator.add, 2, 3, timeout=120) == [5, 5]
+    with pytest.raises(hsbn.cluster.ClusterError,
+                       match="(?s)2 of 2 workers failed.*rank 0.*ZeroDivisionError.*rank 1"):
+        cluster.run(operator.truediv, 1, 0, timeout=120)
+
+
+def test_worker_env_is_what_torchrun_would_set(cluster):
+    env = cluster.worker_env(1, base={})
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                "GROUP_RANK")} == {"RANK": "1", "WORLD_SIZE": "2",
+                                                   "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                                                   "GROUP_RANK": "1"}
+    assert env["HSBN_JOB_ID"] == cluster.job_id
+    assert env["HSBN_ADDRESS"] == cluster.node_addresses[1] != cluster.node_addresses[0]
+    with pytest.raises(ValueError, match="outside"):
+        cluster.worker_env(2)
