@@ -110,6 +110,7 @@ def main():
                     worst = float("inf")
                 stats = (mean.data_ptr(), m2.data_ptr(), F64, M2, 1e-5, count.value)
                 count_t = torch.full((1,), count.value, device=dev, dtype=torch.int32)
+                sdy_f, sdx_f = torch.zeros(c, device=dev), torch.zeros(c, device=dev)
                 ops = [
                     ("moments", 1, moments, lambda: torch.batch_norm_stats(x, 1e-5)),
                     ("normalize", 2,
@@ -129,7 +130,7 @@ def main():
                          *shp, dy.data_ptr(), x.data_ptr(), *stats, weight.data_ptr(), F32,
                          sdy.data_ptr(), sdx.data_ptr(), count.value, y.data_ptr(), stream)),
                      lambda: torch.batch_norm_backward_elemt(dy, x, tmean, tinvstd, weight,
-                                                             sdy.float(), sdx.float(), count_t)),
+                                                             sdy_f, sdx_f, count_t)),
                 ]
                 nbytes = x.numel() * x.element_size()
                 for name, traffic, ours, theirs in ops:
