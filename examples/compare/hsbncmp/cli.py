@@ -1,0 +1,422 @@
+"""The comparison: flags, data preparation, the distributed runs in a LocalCluster, the
+one-process references, the global vs reference check, and the report."""
+
+import argparse
+import multiprocessing
+import os
+import platform
+import shlex
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from . import data, models, report, train
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))))
+ALL_MODES = ["local", "node", "shadow", "global", "reference"]
+DIST_MODES = ["local", "node", "shadow", "global"]
+DEFAULT_LR = {"cls": 0.05, "seg": 0.05}
+CHECK_FACTOR = 10.0
+CHECK_FLOOR = 1e-6
+
+DESCRIPTION = """\
+Compare BatchNorm synchronization scopes on real data, with hsbn on this machine.
+
+A LocalCluster (a root aggregator and one sidecar per simulated node) runs NODES x
+WORKERS_PER_NODE worker processes that train the same model, from the same initial weights,
+on the same items in the same order, with the same global SGD batch, in each mode:
+  local      plain BatchNorm over each worker's own batch (DDP's default)
+  node       statistics of the node's batch (hsbn scope "node")
+  shadow     node statistics; the root records per layer how far they are from global
+  global     statistics of the global batch (hsbn scope "global")
+  reference  one process, plain BatchNorm over the concatenated global batch
+Gradients are averaged with DDP over gloo. `global` must match `reference` up to
+floating-point round-off; the program checks it (PASS/FAIL, exit status 1 on FAIL).
+
+Tasks (Fashion-MNIST from Debian's dataset-fashion-mnist):
+  cls  classification of 28x28 items, small CNN with BN after every conv; test accuracy
+  seg  semantic segmentation of 56x56 mosaics of 2x2 items (pixels labelled with their
+       item's class or background), small encoder-decoder with BN; test mIoU
+Each node's workers see class-skewed data (--skew): with 2 nodes, node 0 mostly classes
+0-4 (clothing), node 1 mostly 5-9 (shoes, bags). That is what makes node statistics differ
+from global ones; with --skew 0 the nodes see the same distribution.
+
+Writes to --out: results.md (the table, per-layer divergence, the check), compare.png
+(learning curves, metric vs time per step), results.json and runs.csv (raw results).
+The defaults take about 10 minutes on a 2-core machine.
+"""
+
+EPILOG = """\
+scaling up: more data and steps (--train-size 60000 --epochs 3), more seeds (--seeds 5),
+a bigger topology (--nodes 4 --workers-per-node 8 on a machine with the cores for it).
+A smoke run: --steps 3 --seeds 1 --test-size 64 (a minute).
+"""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="hsbn_compare.py", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("topology and batch")
+    g.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
+    g.add_argument("--workers-per-node", type=int, default=4,
+                   help="worker processes per node (default 4)")
+    g.add_argument("--batch", type=int, default=4,
+                   help="images (mosaics) per worker per step (default 4); the global batch is "
+                        "nodes x workers-per-node x batch")
+    g = p.add_argument_group("what to run")
+    g.add_argument("--task", choices=["both", "cls", "seg"], default="both",
+                   help="classification, segmentation or both (default both)")
+    g.add_argument("--modes", default=",".join(ALL_MODES),
+                   help="comma-separated modes to run (default all: %s)" % ",".join(ALL_MODES))
+    g.add_argument("--seeds", type=int, default=2,
+                   help="seeds per mode (default 2); each seed changes the initial weights, "
+                        "the data order and the node shards")
+    g.add_argument("--first-seed", type=int, default=0, help="first seed (default 0)")
+    g = p.add_argument_group("training budget")
+    g.add_argument("--train-size", type=int, default=4800,
+                   help="training items drawn from Fashion-MNIST's 60000 (default 4800)")
+    g.add_argument("--epochs", type=float, default=1.0,
+                   help="passes over the training items (default 1); one step consumes one "
+                        "global batch; a segmentation epoch has one mosaic per training item")
+    g.add_argument("--steps", type=int, default=None,
+                   help="train exactly this many steps instead (overrides --epochs)")
+    g.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate, cosine-decayed to 0 (default %s)"
+                        % ", ".join("%s %g" % kv for kv in DEFAULT_LR.items()))
+    g.add_argument("--skew", type=float, default=0.8,
+                   help="probability that an item goes to its class's home node rather than "
+                        "to a random node (default 0.8; 0 = the same distribution everywhere, "
+                        "1 = disjoint classes)")
+    g = p.add_argument_group("evaluation and output")
+    g.add_argument("--test-size", type=int, default=None,
+                   help="test items (classification, default all 10000) and test mosaics "
+                        "(segmentation, default 1000)")
+    g.add_argument("--evals", type=int, default=5,
+                   help="points on the learning curve (evaluations during training; default 5)")
+    g.add_argument("--out", default=os.path.join(REPO, "results", "compare"),
+                   help="output folder (default results/compare in the repository)")
+    g.add_argument("--data-dir", default=data.DEFAULT_DATA_DIR,
+                   help="folder with Fashion-MNIST's *-ubyte.gz files (default %s)"
+                        % data.DEFAULT_DATA_DIR)
+    g.add_argument("--round-timeout-ms", type=int, default=120000,
+                   help="aggregators' round deadline (default 120000; workers on an "
+                        "oversubscribed CPU can be slow)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ALL_MODES]
+    if bad or not modes:
+        p.error("--modes: unknown %s; choose from %s" % (", ".join(bad) or "(none)",
+                                                         ", ".join(ALL_MODES)))
+    args.modes = [m for m in ALL_MODES if m in modes]
+    for name in ("nodes", "workers_per_node", "batch", "seeds", "evals"):
+        if getattr(args, name) < 1:
+            p.error("--%s must be at least 1" % name.replace("_", "-"))
+    if args.steps is not None and args.steps < 1:
+        p.error("--steps must be at least 1")
+    if not 0.0 <= args.skew <= 1.0:
+        p.error("--skew must be in [0, 1]")
+    if args.nodes * args.workers_per_node * args.batch < 2:
+        p.error("the global batch needs at least 2 items")
+    return args
+
+
+# --- progress ----------------------------------------------------------------------------------
+
+class Progress:
+    """A progress bar on stderr over a shared counter [steps done, current job] that the
+    training processes advance."""
+
+    def __init__(self, counter, labels, totals, enabled):
+        self.counter = counter
+        self.labels = labels
+        self.totals = totals
+        self.total = sum(totals)
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self._stop = threading.Event()
+        self._thread = None
+        self._last_pct = -1
+
+    def __enter__(self):
+        self.start = time.monotonic()
+        if self.enabled:
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+            self._draw(final=True)
+
+    def _loop(self):
+        while not self._stop.wait(0.5):
+            self._draw()
+
+    def _draw(self, final=False):
+        done, job = int(self.counter[0]), int(self.counter[1])
+        frac = done / max(self.total, 1)
+        el = time.monotonic() - self.start
+        eta = el / frac - el if frac > 0.01 else float("nan")
+        width = 30
+        bar = "#" * int(frac * width) + "." * (width - int(frac * width))
+        label = self.labels[min(job, len(self.labels) - 1)] if self.labels else ""
+        text = "[%s] %3d%% %d/%d steps | %s | %s elapsed, %s left" % (
+            bar, 100 * frac, done, self.total, label, _clock(el), _clock(eta))
+        if self.tty:
+            sys.stderr.write("\r" + text.ljust(110)[:130] + ("\n" if final else ""))
+            sys.stderr.flush()
+        else:
+            pct = int(100 * frac) // 10 * 10
+            if pct != self._last_pct:
+                self._last_pct = pct
+                sys.stderr.write(text + "\n")
+                sys.stderr.flush()
+
+
+def _clock(seconds):
+    if seconds != seconds:  # nan
+        return "?"
+    seconds = int(seconds)
+    return "%d:%02d" % (seconds // 60, seconds % 60)
+
+
+# --- the parts ---------------------------------------------------------------------------------
+
+def prepare(args, tasks, tmp):
+    """Loads Fashion-MNIST and writes the arrays the workers read (memory-mapped) to `tmp`."""
+    d = data.load(args.data_dir)
+    cache = {}
+
+    def save(name, arr):
+        path = os.path.join(tmp, name + ".npy")
+        np.save(path, np.ascontiguousarray(arr))
+        cache[name] = path
+
+    save("train_x", d["train_x"])
+    save("train_y", d["train_y"])
+    if "cls" in tasks:
+        n = min(args.test_size or len(d["test_y"]), len(d["test_y"]))
+        save("cls_test_x", d["test_x"][:n])
+        save("cls_test_y", d["test_y"][:n])
+        c = min(n, 2000)
+        save("cls_curve_x", d["test_x"][:c])
+        save("cls_curve_y", d["test_y"][:c])
+    if "seg" in tasks:
+        n = args.test_size or 1000
+        img, lab = data.test_mosaics(d["test_x"], d["test_y"], n)
+        save("seg_test_x", img)
+        save("seg_test_y", lab)
+        c = min(n, 250)
+        save("seg_curve_x", img[:c])
+        save("seg_curve_y", lab[:c])
+    return d, cache
+
+
+def initial_state(task, seed):
+    import torch
+    torch.manual_seed(seed)
+    model = models.build(task)
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+_REF_PROGRESS = None
+
+
+def _ref_init(progress):
+    global _REF_PROGRESS
+    _REF_PROGRESS = progress
+
+
+def _ref_entry(job):
+    return train.reference_run(*job[:-1], _REF_PROGRESS, job[-1])
+
+
+def run_references(ref_jobs, processes, progress):
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(processes, initializer=_ref_init, initargs=(progress,)) as pool:
+        return pool.map(_ref_entry, ref_jobs, chunksize=1)
+
+
+def rel_gap(a, b):
+    """Max over the state's tensors of ||a - b|| / ||b|| (weights and running statistics)."""
+    gaps = []
+    for k in b:
+        x, y = np.asarray(a[k], np.float64), np.asarray(b[k], np.float64)
+        gaps.append(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
+    return float(max(gaps))
+
+
+def global_reference_check(runs, tasks, seeds):
+    by = {(r["task"], r["seed"], r["mode"]): r for r in runs}
+    rows = []
+    for task in tasks:
+        noise_run = by.get((task, seeds[0], "reference-reversed"))
+        ref0 = by.get((task, seeds[0], "reference"))
+        if noise_run is None or ref0 is None:
+            continue
+        noise = rel_gap(noise_run["state"], ref0["state"])
+        loss_noise = float(np.max(np.abs(np.subtract(noise_run["loss"], ref0["loss"]))))
+        tol = max(CHECK_FACTOR * noise, CHECK_FLOOR)
+        loss_tol = max(CHECK_FACTOR * loss_noise, CHECK_FLOOR)
+        for seed in seeds:
+            g, ref = by.get((task, seed, "global")), by.get((task, seed, "reference"))
+            if g is None or ref is None:
+                continue
+            node = by.get((task, seed, "node"))
+            gap = rel_gap(g["state"], ref["state"])
+            loss_gap = float(np.max(np.abs(np.subtract(g["loss"], ref["loss"]))))
+            rows.append({"task": task, "seed": seed, "weight_gap": gap, "loss_gap": loss_gap,
+                         "noise": noise, "loss_noise": loss_noise, "tolerance": tol,
+                         "loss_tolerance": loss_tol,
+                         "node_gap": rel_gap(node["state"], g["state"]) if node else None,
+                         "pass": bool(gap <= tol and loss_gap <= loss_tol)})
+    if not rows:
+        return None
+    explanation = (
+        "`global` and `reference` start from the same weights, see the same items in the same "
+        "order and take the same SGD steps; mathematically they are one computation. In floating "
+        "point they differ in the order of sums (hsbn merges per-worker statistics in float64; "
+        "DDP sums the convolutions' gradients per worker, then averages; the reference sums over "
+        "the whole batch in float32), and training amplifies such round-off over the run. The "
+        "reference run repeated with the workers' batches concatenated in reverse order — the "
+        "same mathematics, another summation order — measures that amplified round-off for seed "
+        "%d. The check passes when, for every seed, the relative gap of the final weights and "
+        "running statistics (max over tensors of ||a − b|| / ||b||) and the largest per-step "
+        "difference of the training loss are within %g× that noise (floor %g). A real "
+        "difference in the normalization shows as a gap of the size of the node–global gap."
+        % (seeds[0], CHECK_FACTOR, CHECK_FLOOR))
+    return {"rows": rows, "pass": all(r["pass"] for r in rows), "factor": CHECK_FACTOR,
+            "floor": CHECK_FLOOR, "explanation": explanation}
+
+
+def environment():
+    import torch
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (float("nan"),) * 3
+    cpus = os.cpu_count()
+    return {"torch": torch.__version__, "numpy": np.__version__,
+            "python": platform.python_version(), "cpus": cpus,
+            "platform": platform.platform(), "loadavg_start": list(load),
+            "machine": "%d CPU core(s), 1-minute load average %.1f at the start%s"
+                       % (cpus, load[0], " (shared: timings are noisy)"
+                          if load[0] > 0.5 * cpus else "")}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    tasks = ["cls", "seg"] if args.task == "both" else [args.task]
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    world = args.nodes * args.workers_per_node
+    try:
+        data.check_data_dir(args.data_dir)
+    except data.DataMissingError as e:
+        print("hsbn_compare: %s" % e, file=sys.stderr)
+        return 2
+    import hsbn
+    import hsbn.cluster
+    env = environment()
+    os.makedirs(args.out, exist_ok=True)
+    lr = {t: args.lr if args.lr is not None else DEFAULT_LR[t] for t in tasks}
+    cfg = {"nodes": args.nodes, "workers_per_node": args.workers_per_node, "world": world,
+           "batch": args.batch, "tasks": tasks, "seeds": seeds, "skew": args.skew,
+           "evals": args.evals, "lr": lr, "train_size": args.train_size,
+           "epochs": args.epochs, "modes": args.modes}
+    command = shlex.join(["python3", os.path.relpath(os.path.abspath(sys.argv[0]), REPO)
+                          if argv is None else "hsbn_compare.py"]
+                         + (sys.argv[1:] if argv is None else list(argv)))
+    print("hsbn_compare: %d nodes x %d workers, %d per worker, tasks %s, modes %s, seeds %s; "
+          "%s" % (args.nodes, args.workers_per_node, args.batch, ",".join(tasks),
+                  ",".join(args.modes), ",".join(map(str, seeds)), env["machine"]))
+    tmp = tempfile.mkdtemp(prefix="hsbn-compare-")
+    t_start = time.monotonic()
+    try:
+        d, cache = prepare(args, tasks, tmp)
+        pool = data.training_pool(d["train_y"], args.train_size)
+        plans, inits = {}, {}
+        for task in tasks:
+            for seed in seeds:
+                plans[(task, seed)] = data.make_plan(
+                    task, seed, d["train_y"], pool, args.nodes, args.workers_per_node,
+                    args.batch, args.epochs, args.steps, args.skew)
+                inits[(task, seed)] = initial_state(task, seed)
+        cfg["steps"] = {t: plans[(t, seeds[0])]["steps"] for t in tasks}
+        cfg["params"] = {t: models.parameter_count(t) for t in tasks}
+        print("hsbn_compare: %s" % "; ".join(
+            "%s: %d steps (%d per epoch), %d parameters" % (
+                report.TASK_NAME[t], cfg["steps"][t], plans[(t, seeds[0])]["per_epoch"],
+                cfg["params"][t]) for t in tasks))
+        # Seeds in the middle loop, modes in the inner one: load drifts hit every mode alike.
+        dist_jobs = [(t, s, m) for t in tasks for s in seeds for m in args.modes
+                     if m in DIST_MODES]
+        ref_jobs = []
+        if "reference" in args.modes:
+            for t in tasks:
+                for s in seeds:
+                    ref_jobs.append((cfg, t, s, "reference", "forward", inits[(t, s)],
+                                     plans[(t, s)], cache))
+                if "global" in args.modes:
+                    s = seeds[0]
+                    ref_jobs.append((cfg, t, s, "reference-reversed", "reversed",
+                                     inits[(t, s)], plans[(t, s)], cache))
+        runs = []
+        ctx = multiprocessing.get_context("spawn")
+        if dist_jobs:
+            counter = ctx.Array("q", 2)
+            labels = ["%s seed %d %s" % (report.TASK_NAME[t], s, m) for t, s, m in dist_jobs]
+            totals = [plans[(t, s)]["steps"] for t, s, m in dist_jobs]
+            print("hsbn_compare: %d distributed runs in a LocalCluster (a root, %d sidecars, "
+                  "%d workers)" % (len(dist_jobs), args.nodes, world))
+            with hsbn.cluster.LocalCluster(nodes=args.nodes, workers_per_node=args.workers_per_node,
+                                           round_timeout_ms=args.round_timeout_ms) as cluster:
+                with Progress(counter, labels, totals, not args.no_progress):
+                    out = cluster.run(train.cluster_worker, cfg, dist_jobs, inits, plans, cache,
+                                      counter)
+            runs += out[0]
+        if ref_jobs:
+            counter = ctx.Array("q", 2)
+            procs = max(1, min(len(ref_jobs), os.cpu_count() or 1))
+            labels = ["reference runs (%d at a time)" % procs]
+            totals = [j[6]["steps"] for j in ref_jobs]
+            print("hsbn_compare: %d one-process reference runs" % len(ref_jobs))
+            with Progress(counter, labels, totals, not args.no_progress):
+                runs += run_references(
+                    [j + (0,) for j in ref_jobs], procs, counter)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    wall = time.monotonic() - t_start
+    check = global_reference_check(runs, tasks, seeds)
+    summary = report.summarize(runs, cfg)
+    divergence = report.divergence_table(runs, cfg)
+    try:
+        env["loadavg_end"] = list(os.getloadavg())
+    except OSError:
+        pass
+    env["wall_s"] = wall
+    md = report.markdown(summary, divergence, check, cfg, command, env)
+    md += "\nTotal wall time %s.\n" % _clock(wall)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(md)
+    report.write_csv(os.path.join(args.out, "runs.csv"), runs, cfg)
+    report.write_json(os.path.join(args.out, "results.json"), {
+        "command": command, "config": cfg, "environment": env, "summary": summary,
+        "divergence": divergence, "check": check,
+        "runs": [{k: v for k, v in r.items() if k != "state"} for r in runs]})
+    report.plot(os.path.join(args.out, "compare.png"), runs, summary, cfg)
+    print()
+    print(md)
+    print("hsbn_compare: wrote %s/{results.md,results.json,runs.csv,compare.png}" % args.out)
+    if check is not None and not check["pass"]:
+        print("hsbn_compare: FAIL: global does not match reference beyond round-off noise; "
+              "that is a bug in the synchronization", file=sys.stderr)
+        return 1
+    return 0

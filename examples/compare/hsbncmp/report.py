@@ -1,0 +1,261 @@
+"""The comparison's outputs: a Markdown report (table, per-layer divergence, the global vs
+reference check), a PNG plot, and the raw results as JSON and CSV."""
+
+import csv
+import json
+import math
+import os
+
+import numpy as np
+
+from . import data
+
+MODE_ORDER = ["local", "node", "shadow", "global", "reference"]
+TASK_NAME = {"cls": "classification", "seg": "segmentation"}
+METRIC_NAME = {"cls": "test accuracy", "seg": "test mIoU"}
+
+
+def _mean_std(values):
+    v = np.asarray(values, np.float64)
+    if len(v) == 0:
+        return float("nan"), float("nan")
+    return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
+
+
+def norm_batch(mode, cfg):
+    b = cfg["batch"]
+    return {"local": b, "node": b * cfg["workers_per_node"], "shadow": b * cfg["workers_per_node"],
+            "global": b * cfg["world"], "reference": b * cfg["world"],
+            "reference-reversed": b * cfg["world"]}[mode]
+
+
+def summarize(runs, cfg):
+    """{task: {mode: {...}}}: metric mean/std over seeds, mean step and sync time."""
+    out = {}
+    for task in cfg["tasks"]:
+        out[task] = {}
+        for mode in MODE_ORDER:
+            rs = [r for r in runs if r["task"] == task and r["mode"] == mode]
+            if not rs:
+                continue
+            m, s = _mean_std([r["metric"] for r in rs])
+            ma, sa = _mean_std([r["metric_avg_stats"] for r in rs])
+            out[task][mode] = {
+                "seeds": len(rs), "metric_mean": m, "metric_std": s,
+                "metric_avg_stats_mean": ma, "metric_avg_stats_std": sa,
+                "step_ms": float(np.mean([r["step_ms"] for r in rs])),
+                "sync_ms": float(np.mean([r["sync_ms"] for r in rs])),
+                "final_loss": float(np.mean([np.mean(r["loss"][-max(1, len(r["loss"]) // 10):])
+                                             for r in rs])),
+                "norm_batch": norm_batch(mode, cfg),
+            }
+    return out
+
+
+def divergence_table(runs, cfg):
+    """{task: [rows]}: the shadow runs' per-layer, per-node divergence, averaged over seeds."""
+    out = {}
+    for task in cfg["tasks"]:
+        acc = {}
+        for r in runs:
+            if r["task"] != task or r["mode"] != "shadow" or not r.get("divergence"):
+                continue
+            for d in r["divergence"]:
+                key = (int(d.get("op", 0)) - min(int(e.get("op", 0)) for e in r["divergence"]),
+                       d["layer"], int(d.get("node", 0)))
+                acc.setdefault(key, []).append(d)
+        rows = []
+        for (idx, layer, node), ds in sorted(acc.items()):
+            def avg(field):
+                return float(np.mean([float(d.get(field, 0.0)) for d in ds]))
+            rows.append({"layer": layer, "node": node, "rounds": int(np.mean(
+                [int(d.get("rounds", 0)) for d in ds])), "mean_shift_avg": avg("meanShiftAvg"),
+                "mean_shift_max": avg("meanShiftMax"), "var_ratio_avg": avg("varRatioAvg"),
+                "log_var_ratio_abs_avg": avg("logVarRatioAbsAvg"), "seeds": len(ds)})
+        out[task] = rows
+    return out
+
+
+def _fmt_metric(mean, std):
+    if math.isnan(mean):
+        return "—"
+    return "%.2f ± %.2f" % (100 * mean, 100 * std)
+
+
+def markdown(summary, divergence, check, cfg, command, environment):
+    lines = ["# hsbn sync-scope comparison", ""]
+    lines.append("Command: `%s`" % command)
+    lines.append("")
+    lines.append(
+        "Topology %d nodes × %d workers (LocalCluster on this machine), %d image(s) per worker "
+        "(global batch %d), %s, seeds %s, per-node class skew %.2f. Metric: %s, as mean ± std "
+        "over seeds in %%, scored with rank 0's running statistics (what a checkpoint saved by "
+        "rank 0 holds). Times: mean over workers of the wall time of one training step "
+        "(forward, backward, optimizer) and of the time spent in hsbn rounds within it; "
+        "measured on %s."
+        % (cfg["nodes"], cfg["workers_per_node"], cfg["batch"], cfg["world"] * cfg["batch"],
+           ", ".join("%s %d steps" % (TASK_NAME[t], cfg["steps"][t]) for t in cfg["tasks"]),
+           ", ".join(str(s) for s in cfg["seeds"]), cfg["skew"],
+           " / ".join("%s %s" % (TASK_NAME[t], METRIC_NAME[t]) for t in cfg["tasks"]),
+           environment["machine"]))
+    lines.append("")
+    head = "| mode | norm. batch |"
+    sep = "|---|---:|"
+    for t in cfg["tasks"]:
+        head += " %s %s | ms/step | sync ms/step |" % (TASK_NAME[t], METRIC_NAME[t])
+        sep += "---:|---:|---:|"
+    lines += [head, sep]
+    for mode in MODE_ORDER:
+        if not any(mode in summary[t] for t in cfg["tasks"]):
+            continue
+        row = "| %s | %d |" % (mode, norm_batch(mode, cfg))
+        for t in cfg["tasks"]:
+            s = summary[t].get(mode)
+            if s is None:
+                row += " — | — | — |"
+            else:
+                row += " %s | %.1f | %.1f |" % (_fmt_metric(s["metric_mean"], s["metric_std"]),
+                                                 s["step_ms"], s["sync_ms"])
+        lines.append(row)
+    lines.append("")
+    lines.append("The reference row is one process over the global batch (its ms/step is not "
+                 "comparable: one process does all the work, without DDP or hsbn).")
+    lines.append("")
+    lines.append("Scored instead with the running statistics averaged over all workers:")
+    lines.append("")
+    lines.append("| mode |" + "".join(" %s |" % TASK_NAME[t] for t in cfg["tasks"]))
+    lines.append("|---|" + "---:|" * len(cfg["tasks"]))
+    for mode in MODE_ORDER:
+        if not any(mode in summary[t] for t in cfg["tasks"]):
+            continue
+        lines.append("| %s |" % mode + "".join(
+            " %s |" % (_fmt_metric(summary[t][mode]["metric_avg_stats_mean"],
+                                   summary[t][mode]["metric_avg_stats_std"])
+                       if mode in summary[t] else "—") for t in cfg["tasks"]))
+    lines.append("")
+    if any(divergence.get(t) for t in cfg["tasks"]):
+        lines.append("## Shadow mode: how far node statistics were from global, per layer")
+        lines.append("")
+        lines.append("From the root's record (`client.status(include_upstream=True)`) after the "
+                     "shadow runs, averaged over seeds. mean shift = |mean_node − mean_global| / "
+                     "sqrt(var_global + 1e-5), averaged over channels and rounds (max: the "
+                     "largest round's average); var ratio = var_node / var_global.")
+        lines.append("")
+        for t in cfg["tasks"]:
+            rows = divergence.get(t) or []
+            if not rows:
+                continue
+            lines.append("**%s**" % TASK_NAME[t])
+            lines.append("")
+            lines.append("| layer | node | rounds | mean shift avg | mean shift max | "
+                         "var ratio avg | abs log var ratio avg |")
+            lines.append("|---|---:|---:|---:|---:|---:|---:|")
+            for r in rows:
+                lines.append("| %s | %d | %d | %.3f | %.3f | %.3f | %.3f |"
+                             % (r["layer"], r["node"], r["rounds"], r["mean_shift_avg"],
+                                r["mean_shift_max"], r["var_ratio_avg"],
+                                r["log_var_ratio_abs_avg"]))
+            lines.append("")
+    if check:
+        lines.append("## global vs reference")
+        lines.append("")
+        lines.append(check["explanation"])
+        lines.append("")
+        lines.append("| task | seed | weight gap global–reference | loss gap | round-off "
+                     "noise (reference, reversed order) | tolerance | node–global gap "
+                     "(for scale) | result |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---|")
+        for c in check["rows"]:
+            lines.append("| %s | %s | %.2e | %.2e | %.2e | %.2e | %s | %s |"
+                         % (TASK_NAME[c["task"]], c["seed"], c["weight_gap"], c["loss_gap"],
+                            c["noise"], c["tolerance"],
+                            "%.2e" % c["node_gap"] if c["node_gap"] is not None else "—",
+                            "PASS" if c["pass"] else "FAIL"))
+        lines.append("")
+        lines.append("**%s**" % ("PASS: global matches reference" if check["pass"]
+                                 else "FAIL: global does not match reference — a bug"))
+        lines.append("")
+    lines.append("Outputs: `results.md` (this), `results.json`, `runs.csv`, `compare.png`.")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_csv(path, runs, cfg):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["task", "seed", "mode", "steps", "norm_batch", "metric", "metric_name",
+                    "metric_avg_stats", "step_ms", "sync_ms", "final_loss"])
+        for r in runs:
+            w.writerow([r["task"], r["seed"], r["mode"], r["steps"], norm_batch(r["mode"], cfg),
+                        "%.6f" % r["metric"], METRIC_NAME[r["task"]],
+                        "%.6f" % r["metric_avg_stats"], "%.3f" % r["step_ms"],
+                        "%.3f" % r["sync_ms"], "%.6f" % r["loss"][-1]])
+
+
+def write_json(path, payload):
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=float)
+        f.write("\n")
+
+
+def _smooth(y, k):
+    y = np.asarray(y, np.float64)
+    if k <= 1 or len(y) < k:
+        return y
+    c = np.cumsum(np.insert(y, 0, 0.0))
+    return (c[k:] - c[:-k]) / k
+
+
+def plot(path, runs, summary, cfg):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = cfg["tasks"]
+    colors = {"local": "tab:red", "node": "tab:orange", "shadow": "tab:olive",
+              "global": "tab:blue", "reference": "black"}
+    styles = {"reference": ":"}
+    fig, axes = plt.subplots(len(tasks), 3, figsize=(15, 4.2 * len(tasks)), squeeze=False)
+    for i, task in enumerate(tasks):
+        ax_loss, ax_curve, ax_trade = axes[i]
+        for mode in MODE_ORDER:
+            rs = [r for r in runs if r["task"] == task and r["mode"] == mode]
+            if not rs:
+                continue
+            loss = np.mean([r["loss"] for r in rs], axis=0)
+            k = max(1, len(loss) // 25)
+            ax_loss.plot(np.arange(len(_smooth(loss, k))) + k, _smooth(loss, k),
+                         color=colors[mode], ls=styles.get(mode, "-"), label=mode)
+            steps = [s for s, _ in rs[0]["curve"]]
+            vals = np.array([[v for _, v in r["curve"]] for r in rs]) * 100
+            ax_curve.plot(steps, vals.mean(0), marker="o", ms=3, color=colors[mode],
+                          ls=styles.get(mode, "-"), label=mode)
+            if len(rs) > 1:
+                ax_curve.fill_between(steps, vals.min(0), vals.max(0), color=colors[mode],
+                                      alpha=0.12)
+            s = summary[task][mode]
+            if mode != "reference":
+                ax_trade.errorbar(s["step_ms"], 100 * s["metric_mean"],
+                                  yerr=100 * s["metric_std"], fmt="o", color=colors[mode],
+                                  capsize=4, label="%s (sync %.1f ms)" % (mode, s["sync_ms"]))
+        ax_loss.set_title("%s: training loss (global batch, smoothed)" % TASK_NAME[task])
+        ax_loss.set_xlabel("step")
+        ax_loss.set_ylabel("cross-entropy")
+        ax_loss.legend()
+        ax_curve.set_title("%s: %s during training (test subset)"
+                           % (TASK_NAME[task], METRIC_NAME[task]))
+        ax_curve.set_xlabel("step")
+        ax_curve.set_ylabel("%")
+        ax_curve.legend()
+        ax_trade.set_title("%s: %s vs time per step" % (TASK_NAME[task], METRIC_NAME[task]))
+        ax_trade.set_xlabel("ms per training step (mean over workers)")
+        ax_trade.set_ylabel("%s, %% (mean ± std over seeds)" % METRIC_NAME[task])
+        ax_trade.legend(fontsize=8)
+        for ax in (ax_loss, ax_curve, ax_trade):
+            ax.grid(alpha=0.3)
+    fig.suptitle("hsbn: BatchNorm sync scope, %d nodes × %d workers, %d image(s)/worker, "
+                 "class skew %.2f" % (cfg["nodes"], cfg["workers_per_node"], cfg["batch"],
+                                      cfg["skew"]))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,310 @@
+"""One training run of the comparison.
+
+`cluster_worker` runs in every worker process of a hsbn.cluster.LocalCluster: it joins the gloo
+process group once, then trains every (task, seed, mode) job in turn with the model converted
+to hsbn.torch.SyncBatchNorm in that mode's scope and wrapped in DDP. `reference_run` trains one
+(task, seed) in one process with plain BatchNorm over the concatenated global batch.
+
+Every run starts from the same initial weights (made in the parent from the seed), reads the
+same items in the same order (the plan of data.make_plan), and takes the same SGD steps:
+momentum 0.9, cosine-decayed learning rate, cross-entropy averaged over the global batch (DDP
+averages the workers' gradients, whose losses are averages over equal-sized worker batches).
+"""
+
+import math
+import time
+
+import numpy as np
+
+from . import data, models
+
+SCOPE = {"local": "local", "node": "node", "global": "global", "shadow": "shadow"}
+
+
+class TimedClient:
+    """Wraps an hsbn.Client and adds up the time spent in its rounds (forward and backward),
+    which includes waiting for the other members of the round."""
+
+    def __init__(self, client):
+        self.client = client
+        self.seconds = 0.0
+        self.rounds = 0
+
+    def forward(self, *args):
+        t = time.perf_counter()
+        try:
+            return self.client.forward(*args)
+        finally:
+            self.seconds += time.perf_counter() - t
+            self.rounds += 1
+
+    def backward(self, *args):
+        t = time.perf_counter()
+        try:
+            return self.client.backward(*args)
+        finally:
+            self.seconds += time.perf_counter() - t
+            self.rounds += 1
+
+
+# --- data --------------------------------------------------------------------------------------
+
+def load_cache(cache):
+    return {k: np.load(p, mmap_mode="r") for k, p in cache.items()}
+
+
+def batch(torch, task, plan, arrays, step, ranks):
+    """Inputs and targets of the workers `ranks` at `step`, concatenated in that order."""
+    if task == "cls":
+        idx = np.concatenate([plan["idx"][step, r] for r in ranks])
+        x = data.to_input(np.asarray(arrays["train_x"][idx]))
+        y = np.asarray(arrays["train_y"][idx]).astype(np.int64)
+    else:
+        cells = np.concatenate([plan["cells"][step, r] for r in ranks])
+        shifts = np.concatenate([plan["shifts"][step, r] for r in ranks])
+        img, lab = data.compose(arrays["train_x"], arrays["train_y"], cells, shifts)
+        x, y = data.to_input(img), lab.astype(np.int64)
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def eval_counts(torch, model, task, xs, ys, chunk=256):
+    """Classification: [correct, total]; segmentation: the flattened confusion matrix."""
+    k = data.SEG_CLASSES
+    counts = np.zeros(2 if task == "cls" else k * k, np.float64)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(ys), chunk):
+            x = torch.from_numpy(data.to_input(np.asarray(xs[i:i + chunk])))
+            y = np.asarray(ys[i:i + chunk]).astype(np.int64)
+            pred = model(x).argmax(1).numpy()
+            if task == "cls":
+                counts[0] += (pred == y).sum()
+                counts[1] += len(y)
+            else:
+                counts += np.bincount(y.ravel() * k + pred.ravel(), minlength=k * k)
+    model.train(was_training)
+    return counts
+
+
+def metric(task, counts):
+    """Test accuracy (classification) or mean IoU over background + 10 classes (segmentation)."""
+    if task == "cls":
+        return float(counts[0] / max(counts[1], 1))
+    k = data.SEG_CLASSES
+    cm = counts.reshape(k, k)
+    tp = np.diag(cm)
+    union = cm.sum(0) + cm.sum(1) - tp
+    present = union > 0
+    return float(np.mean(tp[present] / union[present]))
+
+
+def eval_points(steps, evals):
+    return sorted({max(1, int(round(k * steps / evals))) for k in range(1, evals + 1)})
+
+
+def state_numpy(model):
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()
+            if not k.endswith("num_batches_tracked")}
+
+
+def _progress_tick(progress, job_index):
+    if progress is not None:
+        with progress.get_lock():
+            progress[0] += 1
+            progress[1] = job_index
+
+
+def _lr(cfg, task):
+    return cfg["lr"][task]
+
+
+# --- distributed runs --------------------------------------------------------------------------
+
+def cluster_worker(cfg, jobs, inits, plans, cache, progress):
+    """Runs every job of `jobs` ((task, seed, mode) tuples) on this worker; returns the results
+    on rank 0 (None elsewhere)."""
+    import torch
+    import torch.distributed as dist
+    import hsbn
+    import hsbn.torch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    client = hsbn.Client.from_env()
+    hsbn.set_default_client(client)
+    timed = TimedClient(client)
+    arrays = load_cache(cache)
+    results = []
+    for j, (task, seed, mode) in enumerate(jobs):
+        results.append(_distributed_run(torch, dist, hsbn, cfg, task, seed, mode,
+                                        inits[(task, seed)], plans[(task, seed)], arrays,
+                                        client, timed, rank, world, progress, j))
+    dist.barrier()
+    dist.destroy_process_group()
+    client.close()
+    return results if rank == 0 else None
+
+
+def _bn_layers(torch, model):
+    from torch.nn.modules.batchnorm import _BatchNorm
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
+
+
+def _distributed_eval(torch, dist, model, task, xs, ys, rank, world, stats):
+    """Evaluates `model` with rank 0's running statistics (stats="rank0": what a checkpoint
+    saved by rank 0 holds) or the average of every worker's (stats="avg"), each worker scoring
+    its share of the test set; returns the metric."""
+    bufs = []
+    for _, m in _bn_layers(torch, model):
+        bufs += [m.running_mean, m.running_var]
+    saved = [b.clone() for b in bufs]
+    for b in bufs:
+        if stats == "rank0":
+            dist.broadcast(b, 0)
+        else:
+            dist.all_reduce(b)
+            b.div_(world)
+    counts = torch.from_numpy(eval_counts(torch, model, task, xs[rank::world], ys[rank::world]))
+    dist.all_reduce(counts)
+    for b, s in zip(bufs, saved):
+        b.copy_(s)
+    return metric(task, counts.numpy())
+
+
+def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, arrays, client,
+                     timed, rank, world, progress, job_index):
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = models.build(task)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in init.items()})
+    model = hsbn.torch.convert_sync_batchnorm(model, scope=SCOPE[mode], client=timed)
+    ddp = DDP(model, broadcast_buffers=False)
+    opt = torch.optim.SGD(ddp.parameters(), lr=_lr(cfg, task), momentum=0.9)
+    steps = plan["steps"]
+    points = eval_points(steps, cfg["evals"])
+    xs_c, ys_c = arrays[task + "_curve_x"], arrays[task + "_curve_y"]
+    losses = np.zeros(steps, np.float64)
+    step_s = np.zeros(steps, np.float64)
+    sync_s = np.zeros(steps, np.float64)
+    curve = []
+    for step in range(steps):
+        x, y = batch(torch, task, plan, arrays, step, [rank])
+        for g in opt.param_groups:
+            g["lr"] = _lr(cfg, task) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+        t0, s0 = time.perf_counter(), timed.seconds
+        loss = F.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step_s[step] = time.perf_counter() - t0
+        sync_s[step] = timed.seconds - s0
+        losses[step] = loss.item()
+        if step + 1 in points:
+            curve.append((step + 1, _distributed_eval(torch, dist, model, task, xs_c, ys_c,
+                                                      rank, world, "rank0")))
+        if rank == 0:
+            _progress_tick(progress, job_index)
+    xs_t, ys_t = arrays[task + "_test_x"], arrays[task + "_test_y"]
+    final = _distributed_eval(torch, dist, model, task, xs_t, ys_t, rank, world, "rank0")
+    final_avg = _distributed_eval(torch, dist, model, task, xs_t, ys_t, rank, world, "avg")
+    # The global training loss (mean over the workers' equal-sized batches), and timings.
+    loss_t = torch.from_numpy(losses)
+    dist.all_reduce(loss_t)
+    warm = min(5, steps // 5)
+    mine = torch.tensor([step_s[warm:].mean(), sync_s[warm:].mean()], dtype=torch.float64)
+    gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    divergence = None
+    if mode == "shadow" and rank == 0:
+        divergence = _shadow_divergence(model, client, steps, hsbn)
+    dist.barrier()
+    if rank != 0:
+        return None
+    per_rank = torch.stack(gathered).numpy()
+    return {
+        "task": task, "seed": seed, "mode": mode, "steps": steps,
+        "metric": final, "metric_avg_stats": final_avg,
+        "curve": curve, "loss": (loss_t.numpy() / world).tolist(),
+        "step_ms": float(per_rank[:, 0].mean() * 1e3),
+        "step_ms_max_rank": float(per_rank[:, 0].max() * 1e3),
+        "sync_ms": float(per_rank[:, 1].mean() * 1e3),
+        "divergence": divergence,
+        "state": state_numpy(model),
+    }
+
+
+def _shadow_divergence(model, client, steps, hsbn):
+    """The root's per-layer record of how far each node's statistics were from the global ones
+    during the shadow run, once it has seen every forward round (the root computes it off the
+    critical path), or whatever it has after 20 s."""
+    ops = {m.op: name for name, m in model.named_modules()
+           if isinstance(m, hsbn.torch.SyncBatchNorm)}
+    deadline = time.monotonic() + 20.0
+    while True:
+        st = client.status(include_upstream=True)
+        jobs = (st.get("upstream") or {}).get("jobs", [])
+        job = next((j for j in jobs if j.get("jobId") == client.job_id), {})
+        entries = [d for d in job.get("divergence", []) if int(d.get("op", 0)) in ops]
+        done = (len(entries) >= len(ops) * client.num_nodes
+                and all(int(d.get("rounds", 0)) >= steps for d in entries))
+        if done or time.monotonic() > deadline:
+            out = []
+            for d in entries:
+                e = dict(d)
+                e["layer"] = ops[int(d.get("op", 0))]
+                out.append(e)
+            return sorted(out, key=lambda e: (int(e.get("op", 0)), int(e.get("node", 0))))
+        time.sleep(0.1)
+
+
+# --- the one-process reference -----------------------------------------------------------------
+
+def reference_run(cfg, task, seed, label, order, init, plan, cache, progress, job_index):
+    """One process, plain torch BatchNorm over the global batch: the workers' batches
+    concatenated in rank order (order="forward"), or in reverse rank order (order="reversed":
+    the same mathematics, a different floating-point summation order, which measures round-off
+    noise)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    arrays = load_cache(cache)
+    model = models.build(task)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in init.items()})
+    opt = torch.optim.SGD(model.parameters(), lr=_lr(cfg, task), momentum=0.9)
+    steps = plan["steps"]
+    world = cfg["nodes"] * cfg["workers_per_node"]
+    ranks = list(range(world)) if order == "forward" else list(reversed(range(world)))
+    points = eval_points(steps, cfg["evals"])
+    xs_c, ys_c = arrays[task + "_curve_x"], arrays[task + "_curve_y"]
+    losses = np.zeros(steps)
+    step_s = np.zeros(steps)
+    curve = []
+    for step in range(steps):
+        x, y = batch(torch, task, plan, arrays, step, ranks)
+        for g in opt.param_groups:
+            g["lr"] = _lr(cfg, task) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step_s[step] = time.perf_counter() - t0
+        losses[step] = loss.item()
+        if step + 1 in points:
+            curve.append((step + 1, metric(task, eval_counts(torch, model, task, xs_c, ys_c))))
+        _progress_tick(progress, job_index)
+    final = metric(task, eval_counts(torch, model, task, arrays[task + "_test_x"],
+                                     arrays[task + "_test_y"]))
+    warm = min(5, steps // 5)
+    return {
+        "task": task, "seed": seed, "mode": label, "steps": steps,
+        "metric": final, "metric_avg_stats": final,
+        "curve": curve, "loss": losses.tolist(),
+        "step_ms": float(step_s[warm:].mean() * 1e3), "step_ms_max_rank": None,
+        "sync_ms": 0.0, "divergence": None,
+        "state": state_numpy(model),
+    }
