@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "grpcpp/security/credentials.h"
 #include "parent_link.h"
 #include "wire.h"
 
@@ -15,10 +16,11 @@ namespace {
 // thread; one write is in flight at a time. Send never blocks on the network.
 class Outbox final : public ResultSink {
  public:
-  explicit Outbox(grpc::ServerBidiReactor<v1::ClientFrame, v1::ServerFrame>* reactor)
-      : reactor_(reactor) {}
+  Outbox(grpc::ServerBidiReactor<v1::ClientFrame, v1::ServerFrame>* reactor, Metrics* metrics)
+      : reactor_(reactor), metrics_(metrics) {}
 
   void Send(const v1::Result& result) override {
+    if (metrics_) metrics_->Sent(Metrics::Link::kMembers, result.ByteSizeLong());
     v1::ServerFrame* start = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -68,6 +70,7 @@ class Outbox final : public ResultSink {
 
  private:
   grpc::ServerBidiReactor<v1::ClientFrame, v1::ServerFrame>* const reactor_;
+  Metrics* const metrics_;
   std::mutex mu_;
   std::deque<v1::ServerFrame> pending_;
   v1::ServerFrame current_;
@@ -80,7 +83,9 @@ class Outbox final : public ResultSink {
 class StreamReactor final : public grpc::ServerBidiReactor<v1::ClientFrame, v1::ServerFrame> {
  public:
   explicit StreamReactor(Aggregator* aggregator)
-      : aggregator_(aggregator), outbox_(std::make_shared<Outbox>(this)) {
+      : aggregator_(aggregator),
+        metrics_(aggregator->metrics()),
+        outbox_(std::make_shared<Outbox>(this, metrics_)) {
     StartRead(&in_);
   }
 
@@ -90,6 +95,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::ClientFrame, v1::
       outbox_->ReadDone();
       return;
     }
+    if (metrics_) metrics_->Received(Metrics::Link::kMembers, in_.ByteSizeLong());
     switch (in_.frame_case()) {
       case v1::ClientFrame::kAttach:
         for (uint64_t s : in_.attach().session_ids()) Bind(s);
@@ -161,6 +167,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::ClientFrame, v1::
   }
 
   Aggregator* const aggregator_;
+  Metrics* const metrics_;
   std::shared_ptr<Outbox> outbox_;
   v1::ClientFrame in_;
   std::vector<uint64_t> sessions_;  // touched only by OnReadDone, which gRPC serialises
@@ -171,7 +178,20 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::ClientFrame, v1::
 Aggregator::Aggregator(AggregatorOptions options)
     : options_(std::move(options)), started_(Clock::now()), rng_(std::random_device{}()) {
   if (options_.role == AggregatorOptions::Role::kNode && !options_.upstream.empty()) {
-    parent_ = std::make_unique<ParentLink>(this, options_.upstream, options_.id);
+    std::shared_ptr<grpc::ChannelCredentials> credentials;
+    const bool tls = !options_.upstream_ca_pem.empty();
+    if (tls) {
+      grpc::SslCredentialsOptions ssl;
+      ssl.pem_root_certs = options_.upstream_ca_pem;
+      ssl.pem_cert_chain = options_.upstream_cert_pem;
+      ssl.pem_private_key = options_.upstream_key_pem;
+      credentials = grpc::SslCredentials(ssl);
+    } else {
+      credentials = grpc::InsecureChannelCredentials();
+    }
+    parent_ = std::make_unique<ParentLink>(this, options_.upstream, options_.id,
+                                           std::move(credentials), tls,
+                                           options_.upstream_tls_name);
   }
   ticker_ = std::thread([this] { TickLoop(); });
 }
@@ -230,7 +250,9 @@ void Aggregator::TickLoop() {
     for (auto& job : jobs) {
       Actions actions;
       job->Expire(now, &actions);
-      if (!actions.empty() || !actions.log.empty()) Execute(actions, job->id());
+      if (!actions.empty() || !actions.log.empty() || !actions.outcomes.empty()) {
+        Execute(actions, job->id());
+      }
     }
     lock.lock();
   }
@@ -253,6 +275,16 @@ void Aggregator::Execute(Actions& actions, const std::string& job_id) {
       sink->Send(r);
     }
   }
+  if (Metrics* m = options_.metrics.get()) {
+    const Clock::time_point now = Clock::now();
+    for (const auto& o : actions.outcomes) {
+      m->RoundFinished(o.scope, o.phase, o.code,
+                       o.opened == Clock::time_point{}
+                           ? -1.0
+                           : std::chrono::duration<double>(now - o.opened).count());
+    }
+    for (const auto& member : actions.timed_out) m->RoundTimedOut(job_id, member);
+  }
   if (!actions.forwards.empty() || !actions.aborts.empty()) {
     std::shared_ptr<Job> job;
     {
@@ -261,8 +293,9 @@ void Aggregator::Execute(Actions& actions, const std::string& job_id) {
       if (it != jobs_.end()) job = it->second;
     }
     if (job && parent_) {
-      for (const auto& f : actions.forwards) parent_->Forward(job_id, job->layout(), f);
-      for (const auto& a : actions.aborts) parent_->Abort(job_id, job->layout(), a);
+      std::shared_ptr<const std::string> token = job->token();
+      for (const auto& f : actions.forwards) parent_->Forward(job_id, job->layout(), token, f);
+      for (const auto& a : actions.aborts) parent_->Abort(job_id, job->layout(), token, a);
     }
   }
 }
@@ -332,6 +365,12 @@ absl::Status Aggregator::DoJoin(const v1::JoinRequest& req, v1::JoinResponse* re
   };
   if (req.job_id().empty()) return bad("job_id", "is empty: set HSBN_JOB_ID");
   if (req.job_id().size() > 256) return bad("job_id", "is longer than 256 bytes");
+  // Before anything touches the job: a refused Join creates no job and replaces no member.
+  if (options_.tokens) {
+    if (absl::Status s = options_.tokens->Check(req.job_id(), req.token(), who); !s.ok()) {
+      return s;
+    }
+  }
   if (req.world_size() <= 0) return bad("world_size (WORLD_SIZE)", "must be positive");
   if (req.local_world_size() <= 0 || req.world_size() % req.local_world_size() != 0) {
     return bad("local_world_size (LOCAL_WORLD_SIZE)",
@@ -408,6 +447,7 @@ absl::Status Aggregator::DoJoin(const v1::JoinRequest& req, v1::JoinResponse* re
     }
     sessions_[session] = SessionRef{job, index};
   }
+  if (!req.token().empty()) job->SetToken(req.token());
   Execute(actions, job->id());
   Log(LogLevel::kDebug, absl::StrCat("job '", req.job_id(), "': ", job->MemberName(index),
                                      " joined"));
@@ -425,6 +465,7 @@ grpc::ServerUnaryReactor* Aggregator::Join(grpc::CallbackServerContext* ctx,
   auto* reactor = ctx->DefaultReactor();
   absl::Status s = DoJoin(*req, resp);
   if (!s.ok()) Log(LogLevel::kWarn, absl::StrCat("Join refused: ", s.ToString()));
+  if (Metrics* m = options_.metrics.get()) m->JoinAnswered(s.code());
   reactor->Finish(wire::ToGrpc(s));
   return reactor;
 }

@@ -27,6 +27,8 @@
 #include "hsbn/v1/hsbn.grpc.pb.h"
 #include "job.h"
 #include "log.h"
+#include "metrics.h"
+#include "tokens.h"
 
 namespace hsbn::server {
 
@@ -40,6 +42,11 @@ struct AggregatorOptions {
   JobLimits limits;
   int32_t max_jobs = 256;
   std::chrono::milliseconds tick{10};  // deadline check period
+  // --upstream-ca/--upstream-cert/--upstream-key/--upstream-tls-name: TLS to the parent when
+  // upstream_ca_pem is set; a client certificate when upstream_cert_pem is set too.
+  std::string upstream_ca_pem, upstream_cert_pem, upstream_key_pem, upstream_tls_name;
+  std::shared_ptr<TokenStore> tokens;  // --token-file; null: Join needs no token
+  std::shared_ptr<Metrics> metrics;    // --metrics-listen; null: no metrics
 };
 
 class Aggregator final : public v1::Aggregator::CallbackService {
@@ -73,11 +80,13 @@ class Aggregator final : public v1::Aggregator::CallbackService {
   bool FindSession(uint64_t session, SessionRef* out);
   void Execute(Actions& actions, const std::string& job_id);
   void StreamClosed(const std::vector<uint64_t>& sessions, bool graceful);
+  // This aggregator's status (every job when job_id is empty), as the Status RPC answers it.
+  void FillStatus(const std::string& job_id, v1::StatusResponse* resp);
+  Metrics* metrics() const { return options_.metrics.get(); }
   const AggregatorOptions& options() const { return options_; }
 
  private:
   absl::Status DoJoin(const v1::JoinRequest& req, v1::JoinResponse* resp);
-  void FillStatus(const std::string& job_id, v1::StatusResponse* resp);
   void TickLoop();
 
   const AggregatorOptions options_;

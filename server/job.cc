@@ -226,9 +226,13 @@ void Job::FinishLocked(const RoundKey& key, Finished finished) {
 }
 
 void Job::FailRoundLocked(const RoundKey& key, const absl::Status& status, bool tell_parent,
-                          Actions* out) {
+                          Actions* out, v1::Scope scope) {
   auto error = MakeError(key, status);
   auto it = open_.find(key);
+  out->outcomes.push_back(Actions::Outcome{it != open_.end() ? it->second.scope : scope,
+                                           key.phase, status.code(),
+                                           it != open_.end() ? it->second.opened
+                                                             : Clock::time_point{}});
   if (it != open_.end()) {
     Actions::Delivery d;
     d.result = error;
@@ -291,7 +295,7 @@ void Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
       d.to.emplace_back(session, members_[index].sink);
       out->deliveries.push_back(std::move(d));
     }
-    FailRoundLocked(key, s, /*tell_parent=*/true, out);
+    FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
     return;
   }
   Member& member = members_[index];
@@ -310,7 +314,7 @@ void Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
           d.to.emplace_back(session, member.sink);
           out->deliveries.push_back(std::move(d));
         }
-        FailRoundLocked(key, s, /*tell_parent=*/true, out);
+        FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
         return;
       }
     }
@@ -325,7 +329,7 @@ void Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
         d.to.emplace_back(session, member.sink);
         out->deliveries.push_back(std::move(d));
       }
-      FailRoundLocked(key, s, /*tell_parent=*/true, out);
+      FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
       return;
     }
     Round round;
@@ -334,6 +338,7 @@ void Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
     round.channels = c.channels();
     round.first_contributor = index;
     round.slots.resize(members_.size());
+    round.opened = now;
     round.deadline = now + limits_.round_timeout;
     it = open_.emplace(key, std::move(round)).first;
     open = &it->second;
@@ -393,6 +398,8 @@ void Job::CompleteLocked(Round& round, Actions* out) {
     DeliverLocked(round, shared, out);
   }
   ++rounds_completed_;
+  out->outcomes.push_back(Actions::Outcome{round.scope, key.phase, absl::StatusCode::kOk,
+                                           round.opened});
   open_.erase(key);
   FinishLocked(key, Finished{absl::OkStatus(), shared});
 }
@@ -437,6 +444,8 @@ void Job::ChildAbort(int32_t index, const v1::Abort& abort, Actions* out) {
     FailRoundLocked(key, s, /*tell_parent=*/true, out);
   } else {
     ++rounds_failed_;
+    out->outcomes.push_back(
+        Actions::Outcome{v1::SCOPE_UNSPECIFIED, key.phase, s.code(), Clock::time_point{}});
     FinishLocked(key, Finished{s, nullptr});  // later partials of this round get the error
   }
 }
@@ -456,6 +465,8 @@ void Job::ParentResult(const v1::Result& result, Actions* out) {
   std::shared_ptr<const v1::Result> shared = copy;
   DeliverLocked(it->second, shared, out);
   ++rounds_completed_;
+  out->outcomes.push_back(Actions::Outcome{it->second.scope, key.phase, absl::StatusCode::kOk,
+                                           it->second.opened});
   open_.erase(it);
   FinishLocked(key, Finished{absl::OkStatus(), shared});
 }
@@ -476,6 +487,7 @@ void Job::Expire(Clock::time_point now, Actions* out) {
   for (auto& [key, round] : open_) {
     if (round.deadline > now) continue;
     if (round.forwarded) {
+      out->timed_out.push_back("upstream");
       doomed.emplace_back(key, absl::DeadlineExceededError(absl::StrCat(
                                    "round ", Describe(key), " of job '", id_,
                                    "': the root aggregator did not answer within ", ms,
@@ -484,7 +496,13 @@ void Job::Expire(Clock::time_point now, Actions* out) {
     }
     std::vector<std::string> missing;
     for (size_t i = 0; i < round.slots.size(); ++i) {
-      if (!round.slots[i].filled) missing.push_back(MemberName(int32_t(i)));
+      if (!round.slots[i].filled) {
+        missing.push_back(MemberName(int32_t(i)));
+        out->timed_out.push_back(
+            layout_.member_kind == v1::MEMBER_KIND_WORKER
+                ? absl::StrCat("rank ", layout_.node_rank * layout_.local_world_size + int32_t(i))
+                : absl::StrCat("node ", i));
+      }
     }
     doomed.emplace_back(
         key, absl::DeadlineExceededError(absl::StrCat(
@@ -501,6 +519,17 @@ void Job::FailAll(const absl::Status& status, Actions* out) {
   std::vector<RoundKey> doomed;
   for (auto& [key, round] : open_) doomed.push_back(key);
   for (const RoundKey& key : doomed) FailRoundLocked(key, status, /*tell_parent=*/false, out);
+}
+
+void Job::SetToken(const std::string& token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (token_ && *token_ == token) return;
+  token_ = std::make_shared<const std::string>(token);
+}
+
+std::shared_ptr<const std::string> Job::token() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return token_;
 }
 
 void Job::FillStatus(v1::JobStatus* s) const {

@@ -100,6 +100,18 @@ struct Actions {
   std::vector<Delivery> deliveries;
   std::vector<Forward> forwards;
   std::vector<Abort> aborts;
+  // For metrics: every round that finished here, once, OK (its result was sent, or at the root
+  // a shadow round was reduced) or failed.
+  struct Outcome {
+    v1::Scope scope;
+    v1::Phase phase;
+    absl::StatusCode code;
+    Clock::time_point opened;  // its first contribution here; {} when it never opened here
+  };
+  std::vector<Outcome> outcomes;
+  // Who rounds timed out waiting for, one entry per (round, member): "rank 3" at a sidecar,
+  // "node 1" at the root, "upstream" when the parent did not answer.
+  std::vector<std::string> timed_out;
   std::vector<std::string> log;  // things worth a log line, in words
   bool empty() const { return deliveries.empty() && forwards.empty() && aborts.empty(); }
 };
@@ -141,6 +153,11 @@ class Job {
   // Fails every open round (shutdown).
   void FailAll(const absl::Status& status, Actions* out);
 
+  // The token this job's members presented at Join here (empty: none). An aggregator presents
+  // it when it joins the job at its parent, so one token file format serves every level.
+  void SetToken(const std::string& token);
+  std::shared_ptr<const std::string> token() const;
+
   void FillStatus(v1::JobStatus* status) const;
   // Human name of a member: "rank 5 (node 1, local rank 1)" or "node 1 (ranks 4-7)".
   std::string MemberName(int32_t index) const;
@@ -159,6 +176,7 @@ class Job {
     std::vector<Slot> slots;
     int32_t filled = 0;
     bool forwarded = false;  // waiting for the parent
+    Clock::time_point opened;  // first contribution
     Clock::time_point deadline;
   };
   struct Finished {
@@ -179,8 +197,9 @@ class Job {
   };
 
   absl::Status ValidateLocked(int32_t index, const v1::Contribution& c, const Round* open) const;
+  // `scope` names the round's scope in metrics when it never opened here.
   void FailRoundLocked(const RoundKey& key, const absl::Status& status, bool tell_parent,
-                       Actions* out);
+                       Actions* out, v1::Scope scope = v1::SCOPE_UNSPECIFIED);
   void CompleteLocked(Round& round, Actions* out);
   void FinishLocked(const RoundKey& key, Finished finished);
   void DeliverLocked(const Round& round, std::shared_ptr<const v1::Result> result, Actions* out);
@@ -203,6 +222,7 @@ class Job {
   int64_t rounds_completed_ = 0;
   int64_t rounds_failed_ = 0;
   std::map<std::pair<uint32_t, int32_t>, DivergenceAcc> divergence_;  // (op, node)
+  std::shared_ptr<const std::string> token_;
 };
 
 }  // namespace hsbn::server

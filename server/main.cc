@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -57,15 +58,65 @@ Flags:
   --max-channels=N          Channels per round (BN layer width). Default 65536.
   --socket-mode=OCTAL       Permissions of Unix sockets created here. Default 0660.
   --log-level=LEVEL         debug, info, warn or error. Default info (or HSBN_LOG_LEVEL).
+
+ Metrics:
+  --metrics-listen=HOST:PORT  Serve Prometheus metrics at http://HOST:PORT/metrics (plain
+                            HTTP; port 0 picks a free port). The --ready-file then gets a last
+                            line metrics=http://HOST:PORT. Default: off.
+
+ TLS (TCP only; Unix sockets stay plaintext, protected by --socket-mode and their directory):
+  --tls-cert=FILE           PEM certificate chain this aggregator presents on its TCP
+                            listeners (with --tls-key). Clients must then use TLS.
+  --tls-key=FILE            PEM private key of --tls-cert.
+  --tls-client-ca=FILE      Require client certificates signed by this PEM CA (mutual TLS):
+                            connections without one are refused. Needs --tls-cert.
+  --upstream-ca=FILE        Node role: connect to --upstream over TLS and accept only a
+                            certificate signed by this PEM CA.
+  --upstream-cert=FILE      Node role: PEM client certificate for the upstream, for a root with
+                            --tls-client-ca (with --upstream-key; needs --upstream-ca).
+  --upstream-key=FILE       PEM private key of --upstream-cert.
+  --upstream-tls-name=NAME  The name the root's certificate must carry, when it differs from
+                            the host in --upstream.
+
+ Job tokens:
+  --token-file=FILE         Every Join must present its job's token (clients: HSBN_TOKEN or
+                            HSBN_TOKEN_FILE), else UNAUTHENTICATED. Lines `job_id token`; # starts
+                            a comment; job id * gives the token of every job without a line. A
+                            sidecar passes its workers' token on to the root. Read at start and
+                            again on SIGHUP. Refused if others can read it or its group can
+                            write it (mode & 0027).
+  --allow-insecure-token-file  Accept a --token-file that others can read.
+
   --help                    Show this text.
 
 Signals: SIGTERM or SIGINT fail every open round with UNAVAILABLE (clients reconnect to a
-restarted aggregator), stop the server and exit with status 0.
+restarted aggregator), stop the server and exit with status 0. SIGHUP reads --token-file again
+(on an error the old tokens stay in force).
 )";
 
 struct Flags {
   std::map<std::string, std::string> values;
 };
+
+// Flags that take no value (--name, or --name=true|false).
+const char* const kBoolFlags[] = {"allow-insecure-token-file"};
+
+bool ReadPem(const std::string& flag, const std::string& path, std::string* out) {
+  std::ifstream in(path);
+  if (!in) {
+    std::cerr << "hsbn-aggregator: --" << flag << "=" << path << " cannot be read: "
+              << std::strerror(errno) << "\n";
+    return false;
+  }
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  *out = ss.str();
+  if (out->find("-----BEGIN") == std::string::npos) {
+    std::cerr << "hsbn-aggregator: --" << flag << "=" << path << " is not a PEM file\n";
+    return false;
+  }
+  return true;
+}
 
 bool ParseInt(const std::string& flag, const std::string& text, int64_t min, int64_t* out) {
   if (!absl::SimpleAtoi(text, out) || *out < min) {
@@ -104,7 +155,9 @@ bool PrepareUnixSocket(const std::string& path) {
 int main(int argc, char** argv) {
   static const std::vector<std::string> kKnown = {
       "role", "listen", "upstream", "id", "ready-file", "round-timeout-ms", "max-jobs",
-      "max-open-rounds", "max-channels", "socket-mode", "log-level"};
+      "max-open-rounds", "max-channels", "socket-mode", "log-level", "metrics-listen",
+      "tls-cert", "tls-key", "tls-client-ca", "upstream-ca", "upstream-cert", "upstream-key",
+      "upstream-tls-name", "token-file", "allow-insecure-token-file"};
   Flags flags;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -118,9 +171,17 @@ int main(int argc, char** argv) {
     }
     std::string name = arg.substr(2), value;
     const size_t eq = name.find('=');
+    bool is_bool = false;
+    for (const char* b : kBoolFlags) is_bool = is_bool || name.substr(0, eq) == b;
     if (eq != std::string::npos) {
       value = name.substr(eq + 1);
       name = name.substr(0, eq);
+      if (is_bool && value != "true" && value != "false" && value != "1" && value != "0") {
+        std::cerr << "hsbn-aggregator: --" << name << " takes no value, or true/false\n";
+        return 2;
+      }
+    } else if (is_bool) {
+      value = "true";
     } else if (i + 1 < argc) {
       value = argv[++i];
     } else {
@@ -192,15 +253,109 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  // TLS on the TCP listeners.
+  const std::string tls_cert = get("tls-cert", ""), tls_key = get("tls-key", "");
+  const std::string tls_client_ca = get("tls-client-ca", "");
+  std::shared_ptr<grpc::ServerCredentials> tcp_credentials = grpc::InsecureServerCredentials();
+  if (tls_cert.empty() != tls_key.empty()) {
+    std::cerr << "hsbn-aggregator: --tls-cert and --tls-key go together\n";
+    return 2;
+  }
+  if (!tls_client_ca.empty() && tls_cert.empty()) {
+    std::cerr << "hsbn-aggregator: --tls-client-ca needs --tls-cert and --tls-key (mutual TLS "
+                 "is TLS plus client certificates)\n";
+    return 2;
+  }
+  if (!tls_cert.empty()) {
+    grpc::SslServerCredentialsOptions ssl(
+        tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                              : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+    if (!ReadPem("tls-cert", tls_cert, &pair.cert_chain)) return 2;
+    if (!ReadPem("tls-key", tls_key, &pair.private_key)) return 2;
+    ssl.pem_key_cert_pairs.push_back(std::move(pair));
+    if (!tls_client_ca.empty() && !ReadPem("tls-client-ca", tls_client_ca, &ssl.pem_root_certs)) {
+      return 2;
+    }
+    tcp_credentials = grpc::SslServerCredentials(ssl);
+    bool any_tcp = false;
+    for (const auto& l : listen) any_tcp = any_tcp || l.rfind("unix:", 0) != 0;
+    if (!any_tcp) {
+      Log(LogLevel::kWarn, "--tls-cert is set but every --listen address is a Unix socket, "
+                           "which stays plaintext; TLS is not used");
+    }
+  }
+
+  // TLS to the upstream.
+  const std::string up_ca = get("upstream-ca", ""), up_cert = get("upstream-cert", ""),
+                    up_key = get("upstream-key", ""), up_name = get("upstream-tls-name", "");
+  if (!up_ca.empty() || !up_cert.empty() || !up_key.empty() || !up_name.empty()) {
+    if (options.upstream.empty()) {
+      std::cerr << "hsbn-aggregator: --upstream-ca, --upstream-cert, --upstream-key and "
+                   "--upstream-tls-name configure the link to --upstream, which is not set\n";
+      return 2;
+    }
+    if (up_ca.empty()) {
+      std::cerr << "hsbn-aggregator: --upstream-cert, --upstream-key and --upstream-tls-name "
+                   "need --upstream-ca (the CA that signed the root's certificate)\n";
+      return 2;
+    }
+    if (up_cert.empty() != up_key.empty()) {
+      std::cerr << "hsbn-aggregator: --upstream-cert and --upstream-key go together\n";
+      return 2;
+    }
+    if (!ReadPem("upstream-ca", up_ca, &options.upstream_ca_pem)) return 2;
+    if (!up_cert.empty() && (!ReadPem("upstream-cert", up_cert, &options.upstream_cert_pem) ||
+                             !ReadPem("upstream-key", up_key, &options.upstream_key_pem))) {
+      return 2;
+    }
+    options.upstream_tls_name = up_name;
+  }
+
+  // Job tokens.
+  const std::string token_file = get("token-file", "");
+  const std::string insecure = get("allow-insecure-token-file", "false");
+  const bool allow_insecure = insecure == "true" || insecure == "1";
+  if (!token_file.empty()) {
+    auto store = hsbn::server::TokenStore::Load(token_file, allow_insecure);
+    if (!store.ok()) {
+      std::cerr << "hsbn-aggregator: " << store.status().message() << "\n";
+      return 2;
+    }
+    options.tokens = *store;
+    Log(LogLevel::kInfo, absl::StrCat("job tokens required: ", options.tokens->size(),
+                                      " entr", options.tokens->size() == 1 ? "y" : "ies",
+                                      " in ", token_file));
+  } else if (allow_insecure) {
+    std::cerr << "hsbn-aggregator: --allow-insecure-token-file without --token-file\n";
+    return 2;
+  }
+
+  // Metrics.
+  const std::string metrics_listen = get("metrics-listen", "");
+  if (!metrics_listen.empty()) {
+    options.metrics = std::make_shared<hsbn::server::Metrics>(role, !options.upstream.empty());
+    options.metrics->SetLimits(options.max_jobs, options.limits.max_open_rounds,
+                               options.limits.max_channels);
+  }
+
   // Signals are handled by a waiting thread (sigwait), so block them before threads start.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
   hsbn::server::Aggregator service(options);
+  // Stops the metrics endpoint (which reads `service`) before `service` goes, on every return.
+  struct StopMetrics {
+    std::shared_ptr<hsbn::server::Metrics> metrics;
+    ~StopMetrics() {
+      if (metrics) metrics->StopServing();
+    }
+  } stop_metrics{options.metrics};
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(64 << 20);
   builder.SetMaxSendMessageSize(64 << 20);
@@ -212,7 +367,10 @@ int main(int argc, char** argv) {
       if (!PrepareUnixSocket(path)) return 1;
       unix_paths.push_back(path);
     }
-    builder.AddListeningPort(listen[i], grpc::InsecureServerCredentials(), &ports[i]);
+    const bool unix_socket = listen[i].rfind("unix:", 0) == 0;
+    builder.AddListeningPort(listen[i],
+                             unix_socket ? grpc::InsecureServerCredentials() : tcp_credentials,
+                             &ports[i]);
   }
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -237,14 +395,34 @@ int main(int argc, char** argv) {
   }
   std::string joined;
   for (const auto& b : bound) joined += (joined.empty() ? "" : ", ") + b;
-  Log(LogLevel::kInfo, absl::StrCat("ready: ", role, " aggregator listening on ", joined,
-                                    options.upstream.empty() ? "" : ", root at " + options.upstream));
+  std::string metrics_line;
+  if (options.metrics) {
+    options.metrics->SetStateSource([&service] {
+      hsbn::v1::StatusResponse status;
+      service.FillStatus("", &status);
+      return status;
+    });
+    auto served = options.metrics->Serve(metrics_listen);
+    if (!served.ok()) {
+      std::cerr << "hsbn-aggregator: " << served.status().message() << "\n";
+      return 1;
+    }
+    metrics_line = absl::StrCat("metrics=http://", *served);
+  }
+  Log(LogLevel::kInfo,
+      absl::StrCat("ready: ", role, " aggregator listening on ", joined,
+                   tls_cert.empty() ? "" : (tls_client_ca.empty() ? " (TCP: TLS)"
+                                                                  : " (TCP: mutual TLS)"),
+                   options.upstream.empty() ? "" : ", root at " + options.upstream,
+                   options.upstream_ca_pem.empty() ? "" : " (TLS)",
+                   metrics_line.empty() ? "" : ", " + metrics_line));
   const std::string ready = get("ready-file", "");
   if (!ready.empty()) {
     const std::string tmp = ready + ".tmp";
     {
       std::ofstream out(tmp);
       for (const auto& b : bound) out << b << "\n";
+      if (!metrics_line.empty()) out << metrics_line << "\n";
     }
     if (std::rename(tmp.c_str(), ready.c_str()) != 0) {
       std::cerr << "hsbn-aggregator: cannot write --ready-file " << ready << ": "
@@ -254,9 +432,25 @@ int main(int argc, char** argv) {
   }
 
   int sig = 0;
-  sigwait(&signals, &sig);
+  for (;;) {
+    sigwait(&signals, &sig);
+    if (sig != SIGHUP) break;
+    if (!options.tokens) {
+      Log(LogLevel::kInfo, "SIGHUP: nothing to reload (no --token-file)");
+      continue;
+    }
+    auto n = options.tokens->Reload();
+    if (n.ok()) {
+      Log(LogLevel::kInfo, absl::StrCat("SIGHUP: reloaded ", options.tokens->path(), ": ", *n,
+                                        " entr", *n == 1 ? "y" : "ies"));
+    } else {
+      Log(LogLevel::kError, absl::StrCat("SIGHUP: ", n.status().message(),
+                                         "; the previous tokens stay in force"));
+    }
+  }
   Log(LogLevel::kInfo, absl::StrCat("received ", sig == SIGTERM ? "SIGTERM" : "SIGINT",
                                     "; failing open rounds and stopping"));
+  if (options.metrics) options.metrics->StopServing();
   service.Shutdown(sig == SIGTERM ? "SIGTERM" : "SIGINT");
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   server->Wait();

@@ -15,14 +15,17 @@ namespace {
 constexpr auto kConnectTimeout = std::chrono::seconds(5);
 }
 
-ParentLink::ParentLink(Aggregator* aggregator, std::string address, std::string id)
-    : aggregator_(aggregator), address_(std::move(address)), id_(std::move(id)) {
+ParentLink::ParentLink(Aggregator* aggregator, std::string address, std::string id,
+                       std::shared_ptr<grpc::ChannelCredentials> credentials, bool tls,
+                       const std::string& tls_name)
+    : aggregator_(aggregator), address_(std::move(address)), id_(std::move(id)), tls_(tls) {
   grpc::ChannelArguments args;
+  if (!tls_name.empty()) args.SetSslTargetNameOverride(tls_name);
   args.SetMaxReceiveMessageSize(64 << 20);
   args.SetMaxSendMessageSize(64 << 20);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args);
+  channel_ = grpc::CreateCustomChannel(address_, std::move(credentials), args);
   stub_ = v1::Aggregator::NewStub(channel_);
   writer_ = std::thread([this] { WriterLoop(); });
 }
@@ -49,10 +52,11 @@ void ParentLink::Enqueue(Item item) {
 }
 
 void ParentLink::Forward(const std::string& job_id, const JobLayout& layout,
-                         const Actions::Forward& f) {
+                         std::shared_ptr<const std::string> token, const Actions::Forward& f) {
   Item item;
   item.job_id = job_id;
   item.layout = layout;
+  item.token = std::move(token);
   item.key = f.key;
   item.wants_answer = f.scope == v1::SCOPE_GLOBAL;
   v1::Contribution* c = item.frame.mutable_contribution();
@@ -67,10 +71,11 @@ void ParentLink::Forward(const std::string& job_id, const JobLayout& layout,
 }
 
 void ParentLink::Abort(const std::string& job_id, const JobLayout& layout,
-                       const Actions::Abort& a) {
+                       std::shared_ptr<const std::string> token, const Actions::Abort& a) {
   Item item;
   item.job_id = job_id;
   item.layout = layout;
+  item.token = std::move(token);
   item.key = a.key;
   v1::Abort* ab = item.frame.mutable_abort();
   ab->set_op(a.key.op);
@@ -122,7 +127,12 @@ absl::Status ParentLink::Send(Item& item) {
     if (!channel_->WaitForConnected(std::chrono::system_clock::now() + kConnectTimeout)) {
       return absl::UnavailableError(absl::StrCat(
           "the root aggregator at ", address_, " did not answer within 5 s; is it running, and "
-          "is --upstream right?"));
+          "is --upstream right?",
+          tls_ ? " This sidecar uses TLS: check that --upstream-ca signed the root's "
+                 "certificate, that the certificate names the host in --upstream (or "
+                 "--upstream-tls-name), and, if the root has --tls-client-ca, that this sidecar "
+                 "has --upstream-cert and --upstream-key signed by that CA"
+               : " If the root uses TLS (--tls-cert), give this sidecar --upstream-ca"));
     }
     auto conn = std::make_unique<Conn>();
     conn->stream = stub_->Exchange(&conn->context);
@@ -130,7 +140,9 @@ absl::Status ParentLink::Send(Item& item) {
     Conn* raw = conn.get();
     conn_ = std::move(conn);
     conn_->reader = std::thread([this, raw] { ReaderLoop(raw); });
-    Log(LogLevel::kInfo, absl::StrCat("connected to the root aggregator at ", address_));
+    Log(LogLevel::kInfo, absl::StrCat("connected to the root aggregator at ", address_,
+                                      tls_ ? " (TLS)" : ""));
+    if (Metrics* m = aggregator_->metrics()) m->SetUpstreamConnected(true);
   }
   uint64_t session = 0;
   auto found = conn_->session_of_job.find(item.job_id);
@@ -144,6 +156,7 @@ absl::Status ParentLink::Send(Item& item) {
     req.set_node_rank(item.layout.node_rank);
     req.set_rank(-1);
     req.set_local_rank(-1);
+    if (item.token) req.set_token(*item.token);
     v1::JoinResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + kConnectTimeout);
@@ -161,9 +174,7 @@ absl::Status ParentLink::Send(Item& item) {
     }
     v1::ClientFrame attach;
     attach.mutable_attach()->add_session_ids(session);
-    std::lock_guard<std::mutex> lock(conn_->write_mu);
-    if (!conn_->stream->Write(attach)) {
-      conn_->broken = true;
+    if (!Write(conn_.get(), attach)) {
       return absl::UnavailableError(absl::StrCat("the stream to the root ", address_, " broke"));
     }
   } else {
@@ -171,12 +182,20 @@ absl::Status ParentLink::Send(Item& item) {
   }
   if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session_id(session);
   if (item.frame.has_abort()) item.frame.mutable_abort()->set_session_id(session);
-  std::lock_guard<std::mutex> lock(conn_->write_mu);
-  if (!conn_->stream->Write(item.frame)) {
-    conn_->broken = true;
+  if (!Write(conn_.get(), item.frame)) {
     return absl::UnavailableError(absl::StrCat("the stream to the root ", address_, " broke"));
   }
   return absl::OkStatus();
+}
+
+bool ParentLink::Write(Conn* conn, const v1::ClientFrame& frame) {
+  std::lock_guard<std::mutex> lock(conn->write_mu);
+  if (!conn->stream->Write(frame)) {
+    conn->broken = true;
+    return false;
+  }
+  if (Metrics* m = aggregator_->metrics()) m->Sent(Metrics::Link::kUpstream, frame.ByteSizeLong());
+  return true;
 }
 
 void ParentLink::WriterLoop() {
@@ -210,7 +229,9 @@ void ParentLink::WriterLoop() {
 
 void ParentLink::ReaderLoop(Conn* conn) {
   v1::ServerFrame frame;
+  Metrics* metrics = aggregator_->metrics();
   while (conn->stream->Read(&frame)) {
+    if (metrics) metrics->Received(Metrics::Link::kUpstream, frame.ByteSizeLong());
     if (!frame.has_result()) continue;
     std::string job_id;
     {
@@ -222,6 +243,7 @@ void ParentLink::ReaderLoop(Conn* conn) {
     aggregator_->OnParentResult(job_id, frame.result());
   }
   conn->broken = true;
+  if (metrics) metrics->SetUpstreamConnected(false);
   grpc::Status status;
   {
     std::lock_guard<std::mutex> lock(conn->write_mu);

@@ -20,6 +20,7 @@
 #include <string>
 #include <thread>
 
+#include "grpcpp/security/credentials.h"
 #include "hsbn/v1/hsbn.grpc.pb.h"
 #include "job.h"
 
@@ -29,11 +30,18 @@ class Aggregator;
 
 class ParentLink {
  public:
-  ParentLink(Aggregator* aggregator, std::string address, std::string id);
+  // `credentials`: insecure, or TLS (grpc::SslCredentials); `tls_name`, when not empty,
+  // overrides the name the parent's certificate must carry (default: the host in `address`).
+  ParentLink(Aggregator* aggregator, std::string address, std::string id,
+             std::shared_ptr<grpc::ChannelCredentials> credentials, bool tls,
+             const std::string& tls_name);
   ~ParentLink();
 
-  void Forward(const std::string& job_id, const JobLayout& layout, const Actions::Forward& f);
-  void Abort(const std::string& job_id, const JobLayout& layout, const Actions::Abort& a);
+  // `token`: the job's token at this aggregator, presented when joining the job at the parent.
+  void Forward(const std::string& job_id, const JobLayout& layout,
+               std::shared_ptr<const std::string> token, const Actions::Forward& f);
+  void Abort(const std::string& job_id, const JobLayout& layout,
+             std::shared_ptr<const std::string> token, const Actions::Abort& a);
   // Asks the parent for its status; `done` runs on a gRPC thread.
   void Status(const v1::StatusRequest& request,
               std::function<void(const grpc::Status&, const v1::StatusResponse&)> done);
@@ -44,6 +52,7 @@ class ParentLink {
   struct Item {
     std::string job_id;
     JobLayout layout;
+    std::shared_ptr<const std::string> token;
     v1::ClientFrame frame;
     RoundKey key;
     bool wants_answer = false;  // a global round: its failure to send must fail the round
@@ -61,11 +70,13 @@ class ParentLink {
   void WriterLoop();
   void ReaderLoop(Conn* conn);
   absl::Status Send(Item& item);
+  bool Write(Conn* conn, const v1::ClientFrame& frame);
   void FailItem(const Item& item, const absl::Status& status);
 
   Aggregator* const aggregator_;
   const std::string address_;
   const std::string id_;
+  const bool tls_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Aggregator::Stub> stub_;
 

@@ -1,0 +1,253 @@
+// Metrics: real hsbn-aggregator processes with --metrics-listen=127.0.0.1:0, real rounds run by
+// in-process C++ clients, /metrics scraped over plain HTTP, exact values asserted.
+#include <cmath>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "aggregator_process.h"
+#include "gtest/gtest.h"
+
+namespace hsbn {
+namespace {
+
+using testing::ForwardRound;
+using testing::HttpGet;
+using testing::Sample;
+using testing::StartAggregator;
+using testing::TempDir;
+using testing::WorkerOptions;
+
+std::string Scrape(const testing::Aggregator& a) {
+  auto body = HttpGet(a.metrics);
+  EXPECT_TRUE(body.ok()) << body.status();
+  return body.ok() ? *body : "";
+}
+
+std::map<std::string, std::string> L(std::initializer_list<std::pair<const std::string, std::string>> l) {
+  return std::map<std::string, std::string>(l);
+}
+
+TEST(Metrics, SidecarCountsRoundsLatencyMembersBytesAndTimeouts) {
+  TempDir dir;
+  auto agg = StartAggregator(dir.path(), "node0",
+                             {"--role=node", "--listen=unix:" + (dir / "node0.sock"),
+                              "--metrics-listen=127.0.0.1:0", "--round-timeout-ms=400",
+                              "--max-jobs=7"});
+  ASSERT_TRUE(agg.ok()) << agg.status();
+  // The ready file: the gRPC address first, then the metrics URL.
+  ASSERT_EQ(agg->ready_lines.size(), 2u);
+  EXPECT_EQ(agg->ready_lines[0], "unix:" + (dir / "node0.sock"));
+  EXPECT_EQ(agg->ready_lines[1].rfind("metrics=http://127.0.0.1:", 0), 0u) << agg->ready_lines[1];
+
+  std::string text = Scrape(*agg);
+  EXPECT_EQ(Sample(text, "hsbn_jobs", L({{"role", "node"}})), 0);
+  EXPECT_EQ(Sample(text, "hsbn_max_jobs"), 7);
+  EXPECT_EQ(Sample(text, "hsbn_rounds_total",
+                   L({{"scope", "node"}, {"phase", "forward"}, {"outcome", "ok"}})), 0);
+  EXPECT_TRUE(std::isnan(Sample(text, "hsbn_upstream_connected")));  // no --upstream
+
+  std::vector<std::unique_ptr<Client>> owned;
+  std::vector<Client*> clients;
+  for (int rank = 0; rank < 2; ++rank) {
+    auto c = Client::Connect(WorkerOptions(agg->address, "m-job", rank, 2, 2));
+    ASSERT_TRUE(c.ok()) << c.status();
+    clients.push_back(c->get());
+    owned.push_back(std::move(*c));
+  }
+  constexpr int kForward = 5, kBackward = 3;
+  for (int seq = 0; seq < kForward; ++seq) {
+    for (const auto& r : ForwardRound(clients, 1, seq, Scope::kNode)) {
+      ASSERT_TRUE(r.status.ok()) << r.status;
+    }
+  }
+  for (int seq = 0; seq < kBackward; ++seq) {
+    std::vector<std::thread> threads;
+    for (Client* c : clients) {
+      threads.emplace_back([c, seq] {
+        double dy[2] = {1, 2}, dyx[2] = {3, 4}, oa[2], ob[2];
+        int64_t n;
+        EXPECT_TRUE(c->Backward(1, seq, Scope::kNode, 2, 10, dy, dyx, &n, oa, ob).ok());
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+
+  text = Scrape(*agg);
+  const auto ok_fwd = L({{"role", "node"}, {"scope", "node"}, {"phase", "forward"}});
+  EXPECT_EQ(Sample(text, "hsbn_rounds_total",
+                   L({{"scope", "node"}, {"phase", "forward"}, {"outcome", "ok"}})), kForward);
+  EXPECT_EQ(Sample(text, "hsbn_rounds_total",
+                   L({{"scope", "node"}, {"phase", "backward"}, {"outcome", "ok"}})), kBackward);
+  EXPECT_EQ(Sample(text, "hsbn_rounds_total",
+                   L({{"scope", "global"}, {"phase", "forward"}, {"outcome", "ok"}})), 0);
+  EXPECT_EQ(Sample(text, "hsbn_round_duration_seconds_count", ok_fwd), kForward);
+  auto inf = ok_fwd;
+  inf["le"] = "+Inf";
+  EXPECT_EQ(Sample(text, "hsbn_round_duration_seconds_bucket", inf), kForward);
+  EXPECT_GT(Sample(text, "hsbn_round_duration_seconds_sum", ok_fwd), 0);
+  EXPECT_LT(Sample(text, "hsbn_round_duration_seconds_sum", ok_fwd), 30);
+  EXPECT_EQ(Sample(text, "hsbn_jobs"), 1);
+  EXPECT_EQ(Sample(text, "hsbn_members", L({{"job_id", "m-job"}})), 2);
+  EXPECT_EQ(Sample(text, "hsbn_members_expected", L({{"job_id", "m-job"}})), 2);
+  EXPECT_EQ(Sample(text, "hsbn_open_rounds", L({{"job_id", "m-job"}})), 0);
+  EXPECT_EQ(Sample(text, "hsbn_joins_total", L({{"outcome", "ok"}})), 2);
+  // Every contribution (2 clients x 8 rounds, each 4 or 2 channels) came in, every result out.
+  const double received = Sample(text, "hsbn_received_bytes_total", L({{"link", "members"}}));
+  const double sent = Sample(text, "hsbn_sent_bytes_total", L({{"link", "members"}}));
+  EXPECT_GT(received, 2 * (kForward * 4 * 16 + kBackward * 2 * 16));
+  EXPECT_GT(sent, 2 * (kForward * 4 * 16 + kBackward * 2 * 16));
+  EXPECT_TRUE(std::isnan(Sample(text, "hsbn_round_timeouts_total")));  // none yet
+
+  // A forced timeout: rank 0 contributes, rank 1 does not.
+  double mean[4] = {0, 1, 2, 3}, m2[4] = {1, 1, 1, 1}, om[4], om2[4];
+  int64_t n;
+  absl::Status s = clients[0]->Forward(2, 0, Scope::kNode, 4, 10, mean, m2, &n, om, om2);
+  ASSERT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s;
+
+  text = Scrape(*agg);
+  EXPECT_EQ(Sample(text, "hsbn_round_timeouts_total",
+                   L({{"role", "node"}, {"job_id", "m-job"}, {"member", "rank 1"}})), 1);
+  EXPECT_TRUE(std::isnan(
+      Sample(text, "hsbn_round_timeouts_total", L({{"member", "rank 0"}}))));
+  EXPECT_EQ(Sample(text, "hsbn_rounds_total",
+                   L({{"scope", "node"}, {"phase", "forward"}, {"outcome", "deadline_exceeded"}})),
+            1);
+  // A failed round is not a latency sample.
+  EXPECT_EQ(Sample(text, "hsbn_round_duration_seconds_count", ok_fwd), kForward);
+
+  // A Join refused (bad layout) is counted by outcome, and the job is dropped when all leave.
+  auto bad = Client::Connect(WorkerOptions(agg->address, "m-job", 1, 3, 3));
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  owned.clear();
+  for (int i = 0; i < 200; ++i) {
+    text = Scrape(*agg);
+    if (Sample(text, "hsbn_jobs") == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(Sample(text, "hsbn_jobs"), 0);
+  EXPECT_TRUE(std::isnan(Sample(text, "hsbn_members", L({{"job_id", "m-job"}}))));
+  EXPECT_EQ(Sample(text, "hsbn_joins_total", L({{"outcome", "invalid_argument"}})), 1);
+}
+
+TEST(Metrics, RootAndSidecarsCountGlobalRoundsAndTheRootExportsShadowDivergence) {
+  TempDir dir;
+  auto root = StartAggregator(dir.path(), "root",
+                              {"--role=root", "--listen=127.0.0.1:0",
+                               "--metrics-listen=127.0.0.1:0", "--round-timeout-ms=300"});
+  ASSERT_TRUE(root.ok()) << root.status();
+  std::vector<testing::Aggregator> sidecars;
+  std::vector<std::unique_ptr<Client>> owned;
+  std::vector<Client*> clients;
+  for (int node = 0; node < 2; ++node) {
+    const std::string name = "node" + std::to_string(node);
+    auto s = StartAggregator(dir.path(), name,
+                             {"--role=node", "--listen=unix:" + (dir / (name + ".sock")),
+                              "--upstream=" + root->address, "--metrics-listen=127.0.0.1:0",
+                              // longer than the root's, so that the root times out first
+                              "--round-timeout-ms=3000"});
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(Sample(Scrape(*s), "hsbn_upstream_connected"), 0);  // connects on first use
+    auto c = Client::Connect(WorkerOptions(s->address, "g-job", node, 2, 1));
+    ASSERT_TRUE(c.ok()) << c.status();
+    clients.push_back(c->get());
+    owned.push_back(std::move(*c));
+    sidecars.push_back(std::move(*s));
+  }
+  constexpr int kGlobal = 4, kShadow = 3;
+  for (int seq = 0; seq < kGlobal; ++seq) {
+    for (const auto& r : ForwardRound(clients, 0, seq, Scope::kGlobal)) {
+      ASSERT_TRUE(r.status.ok()) << r.status;
+      EXPECT_EQ(r.count, 20);
+    }
+  }
+  // Shadow rounds of op 3: node 0's batch has mean 0, node 1's mean 2, both variance 1 (one
+  // channel). Global: mean 1, variance 1 + 1 = 2. So each node's mean is 1/sqrt(2) global
+  // standard deviations off, and its variance is half the global one.
+  const std::vector<double> means = {0.0, 2.0};
+  for (int seq = 0; seq < kShadow; ++seq) {
+    auto out = ForwardRound(clients, 3, seq, Scope::kShadow, 1, &means);
+    for (const auto& r : out) {
+      ASSERT_TRUE(r.status.ok()) << r.status;
+      EXPECT_EQ(r.count, 10);  // answered with the node's statistics
+    }
+  }
+  // The root reduces shadow rounds off the critical path: wait until it has all of them.
+  std::string text;
+  for (int i = 0; i < 500; ++i) {
+    text = Scrape(*root);
+    if (Sample(text, "hsbn_shadow_rounds", L({{"job_id", "g-job"}, {"op", "3"}, {"node", "1"}})) ==
+        kShadow) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const double eps = 1e-5;
+  const double shift = 1.0 / std::sqrt(2.0 + eps), ratio = (1.0 + eps) / (2.0 + eps);
+  for (const char* node : {"0", "1"}) {
+    const auto l = L({{"role", "root"}, {"job_id", "g-job"}, {"op", "3"}, {"node", node}});
+    EXPECT_EQ(Sample(text, "hsbn_shadow_rounds", l), kShadow) << node;
+    EXPECT_NEAR(Sample(text, "hsbn_shadow_mean_shift", l), shift, 1e-12) << node;
+    EXPECT_NEAR(Sample(text, "hsbn_shadow_mean_shift_max", l), shift, 1e-12) << node;
+    EXPECT_NEAR(Sample(text, "hsbn_shadow_var_ratio", l), ratio, 1e-12) << node;
+    EXPECT_NEAR(Sample(text, "hsbn_shadow_log_var_ratio_abs", l), -std::log(ratio), 1e-12);
+  }
+  EXPECT_EQ(Sample(text, "hsbn_rounds_total",
+                   L({{"role", "root"}, {"scope", "global"}, {"phase", "forward"},
+                      {"outcome", "ok"}})), kGlobal);
+  EXPECT_EQ(Sample(text, "hsbn_rounds_total",
+                   L({{"scope", "shadow"}, {"phase", "forward"}, {"outcome", "ok"}})), kShadow);
+  EXPECT_EQ(Sample(text, "hsbn_members", L({{"job_id", "g-job"}})), 2);  // two sidecars
+  EXPECT_EQ(Sample(text, "hsbn_joins_total", L({{"outcome", "ok"}})), 2);
+  for (auto& s : sidecars) {
+    const std::string st = Scrape(s);
+    EXPECT_EQ(Sample(st, "hsbn_rounds_total",
+                     L({{"role", "node"}, {"scope", "global"}, {"phase", "forward"},
+                        {"outcome", "ok"}})), kGlobal);
+    EXPECT_EQ(Sample(st, "hsbn_rounds_total",
+                     L({{"scope", "shadow"}, {"phase", "forward"}, {"outcome", "ok"}})), kShadow);
+    EXPECT_EQ(Sample(st, "hsbn_round_duration_seconds_count",
+                     L({{"scope", "global"}, {"phase", "forward"}})), kGlobal);
+    EXPECT_EQ(Sample(st, "hsbn_upstream_connected"), 1);
+    EXPECT_GT(Sample(st, "hsbn_sent_bytes_total", L({{"link", "upstream"}})),
+              (kGlobal * 4 + kShadow) * 16);
+    EXPECT_GT(Sample(st, "hsbn_received_bytes_total", L({{"link", "upstream"}})),
+              kGlobal * 4 * 16);
+  }
+
+  // Node 1 misses a global round: the root times out waiting for node 1 and says so.
+  double mean[4] = {0, 1, 2, 3}, m2[4] = {1, 1, 1, 1}, om[4], om2[4];
+  int64_t n;
+  absl::Status s = clients[0]->Forward(0, 100, Scope::kGlobal, 4, 10, mean, m2, &n, om, om2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  for (int i = 0; i < 200; ++i) {
+    text = Scrape(*root);
+    if (Sample(text, "hsbn_round_timeouts_total", L({{"member", "node 1"}})) == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(Sample(text, "hsbn_round_timeouts_total",
+                   L({{"role", "root"}, {"job_id", "g-job"}, {"member", "node 1"}})), 1);
+  EXPECT_TRUE(std::isnan(Sample(text, "hsbn_round_timeouts_total", L({{"member", "node 0"}}))));
+  EXPECT_EQ(Sample(text, "hsbn_rounds_total",
+                   L({{"role", "root"}, {"scope", "global"}, {"phase", "forward"},
+                      {"outcome", "deadline_exceeded"}})), 1);
+}
+
+TEST(Metrics, MetricsAreOffWithoutTheFlagAndABadAddressIsRefused) {
+  TempDir dir;
+  auto agg = StartAggregator(dir.path(), "plain",
+                             {"--role=node", "--listen=unix:" + (dir / "plain.sock")});
+  ASSERT_TRUE(agg.ok()) << agg.status();
+  EXPECT_EQ(agg->ready_lines.size(), 1u);
+  EXPECT_TRUE(agg->metrics.empty());
+  auto [code, log] = testing::RunAggregatorToExit(
+      dir.path(), "bad", {"--role=node", "--listen=unix:" + (dir / "bad.sock"),
+                          "--metrics-listen=no-port-here"});
+  EXPECT_NE(code, 0);
+  EXPECT_NE(log.find("--metrics-listen"), std::string::npos) << log;
+}
+
+}  // namespace
+}  // namespace hsbn
