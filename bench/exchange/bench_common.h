@@ -9,6 +9,9 @@
 // Output format (text, one case per line):
 //   lat <channels> <phase> <scope> <ns> <ns> ...     one sample per timed round
 //   step <scope> <ns> <ns> ...                       one sample per ResNet-50 step (106 rounds)
+//   cost <rounds> <user ns> <sys ns> <voluntary csw> <involuntary csw>
+//                                                    this process during the plan (all
+//                                                    threads, warm-up included): CPU per round
 //
 // Every loop is bounded by a count fixed on the command line, identical on every rank (a
 // collective cannot stop on a per-rank timer); the driver bounds the wall time.
@@ -23,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <sys/resource.h>
 #include <functional>
 #include <map>
 #include <sstream>
@@ -156,10 +160,13 @@ inline void FillContribution(int rank, int channels, std::vector<double>* buf) {
 inline void RunPlan(const Plan& plan, int rank, const ExchangeFn& exchange) {
   std::FILE* f = std::fopen(plan.out.c_str(), "w");
   if (!f) Die("cannot write " + plan.out);
+  rusage ru0{};
+  ::getrusage(RUSAGE_SELF, &ru0);
   int max_c = 2048;
   for (int c : plan.channels) max_c = std::max(max_c, c);
   std::vector<double> in, out(2 * max_c + 1);
   std::vector<int64_t> samples;
+  int64_t rounds_total = 0;
   uint32_t case_op = 1000;
   for (int channels : plan.channels) {
     FillContribution(rank, channels, &in);
@@ -177,6 +184,7 @@ inline void RunPlan(const Plan& plan, int rank, const ExchangeFn& exchange) {
           exchange(channels, phase, scope, in.data(), out.data(), op, seq++);
           samples.push_back(NowNs() - t0);
         }
+        rounds_total += plan.warmup + plan.rounds;
         std::fprintf(f, "lat %d %s %s", channels, PhaseName(phase), ScopeName(scope));
         for (int64_t s : samples) std::fprintf(f, " %lld", static_cast<long long>(s));
         std::fprintf(f, "\n");
@@ -202,6 +210,7 @@ inline void RunPlan(const Plan& plan, int rank, const ExchangeFn& exchange) {
                    static_cast<uint32_t>(l), seq);
         }
         if (step >= plan.resnet_warmup) samples.push_back(NowNs() - t0);
+        rounds_total += 2 * static_cast<int64_t>(layers.size());
       }
       std::fprintf(f, "step %s", ScopeName(scope));
       for (int64_t s : samples) std::fprintf(f, " %lld", static_cast<long long>(s));
@@ -209,6 +218,14 @@ inline void RunPlan(const Plan& plan, int rank, const ExchangeFn& exchange) {
       std::fflush(f);
     }
   }
+  rusage ru{};
+  ::getrusage(RUSAGE_SELF, &ru);
+  auto ns = [](const timeval& tv) {
+    return static_cast<long long>(tv.tv_sec) * 1000000000LL + tv.tv_usec * 1000LL;
+  };
+  std::fprintf(f, "cost %lld %lld %lld %ld %ld\n", static_cast<long long>(rounds_total),
+               ns(ru.ru_utime) - ns(ru0.ru_utime), ns(ru.ru_stime) - ns(ru0.ru_stime),
+               ru.ru_nvcsw - ru0.ru_nvcsw, ru.ru_nivcsw - ru0.ru_nivcsw);
   std::fclose(f);
 }
 

@@ -149,6 +149,9 @@ def read_samples(paths):
                 elif parts[0] == "step":
                     key = ("step", parts[1])
                     vals = parts[2:]
+                elif parts[0] == "cost":
+                    pooled.setdefault(("cost",), []).append(tuple(int(v) for v in parts[1:6]))
+                    continue
                 else:
                     continue
                 pooled.setdefault(key, []).extend(int(v) for v in vals)
@@ -160,6 +163,20 @@ def percentile(sorted_vals, q):
         return float("nan")
     i = min(len(sorted_vals) - 1, max(0, int(round(q / 100.0 * len(sorted_vals) + 0.5)) - 1))
     return sorted_vals[i]
+
+
+def proc_cost(pid):
+    """(CPU seconds, context switches of its live threads) of a process, from /proc."""
+    csw = 0
+    try:
+        for t in os.listdir("/proc/%d/task" % pid):
+            with open("/proc/%d/task/%s/status" % (pid, t)) as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        csw += int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return cpu_seconds(pid), csw
 
 
 def cpu_seconds(pid):
@@ -230,7 +247,9 @@ class Bench:
         t0 = time.monotonic()
         try:
             files = body(launch, d)
+            s0 = [proc_cost(p.pid) for p in launch.servers]
             launch.wait_workers()
+            s1 = [proc_cost(p.pid) for p in launch.servers]
             pooled = read_samples(files)
         except Exception as e:  # a failed launch is a failed row, not a failed benchmark
             self.failures.append("%s: %s" % (name, e))
@@ -238,6 +257,17 @@ class Bench:
             return None
         finally:
             launch.close()
+        costs = pooled.pop(("cost",), [])
+        if costs:
+            rounds = costs[0][0]
+            self.rows.append(dict(
+                kind="cost", impl=impl, transport=transport, workers=workers, nodes=nodes,
+                rounds=rounds,
+                client_cpu_us=sum((c[1] + c[2]) / c[0] for c in costs) / len(costs) / 1e3,
+                client_csw=sum((c[3] + c[4]) / c[0] for c in costs) / len(costs),
+                server_cpu_us=(sum(b[0] - a[0] for a, b in zip(s0, s1)) * 1e6 / rounds
+                               if s0 else 0.0),
+                server_csw=(sum(b[1] - a[1] for a, b in zip(s0, s1)) / rounds if s0 else 0.0)))
         for key, vals in sorted(pooled.items(), key=lambda kv: str(kv[0])):
             vals.sort()
             row = dict(impl=impl, transport=transport, workers=workers, nodes=nodes,
@@ -615,6 +645,24 @@ def report(bench, params, machine, command):
                                                                fmt(r["p99_ms"], 2), fmt(r["max_ms"], 2),
                                                                fmt(rr, 2) if rr else ""))
         lines.append("")
+    costs = [r for r in rows if r["kind"] == "cost"]
+    if costs:
+        lines.append("### CPU and context switches per round (all cases of a launch, warm-up included)")
+        lines.append("")
+        lines.append("Client: per worker process, all its threads. Server: the aggregators (sidecars"
+                     " and root) or the baseline's server; none for MPI, Gloo and torch, which have"
+                     " no server.")
+        lines.append("")
+        lines.append("| workers | implementation | client CPU us | client csw | server CPU us | server csw |")
+        lines.append("|---|---|---|---|---|---|")
+        for r in sorted(costs, key=lambda r: (r["workers"], r["impl"] != "hsbn", r["impl"], r["nodes"])):
+            name = ("hsbn, %d node%s" % (r["nodes"], "s" if r["nodes"] > 1 else "")
+                    if r["impl"] == "hsbn" else dict(BASELINES).get(r["impl"], r["impl"]))
+            lines.append("| %d | %s | %.1f | %.2f | %s | %s |" % (
+                r["workers"], name, r["client_cpu_us"], r["client_csw"],
+                fmt(r["server_cpu_us"], 1) if r["server_cpu_us"] else "—",
+                fmt(r["server_csw"], 2) if r["server_cpu_us"] else "—"))
+        lines.append("")
     loads = [r for r in rows if r["kind"] == "load"]
     if loads:
         lines.append("### Aggregator throughput (C=256, %d jobs x %d ranks/node, %d rounds in flight per worker)"
@@ -683,12 +731,12 @@ def check(rows, failures):
         problems.append("no rows")
     for r in rows:
         keys = {"lat": ("p50_us", "p90_us", "p99_us", "max_us"), "step": ("p50_ms", "p99_ms"),
-                "load": ("rounds_per_s", "cpu_us_per_round")}[r["kind"]]
+                "load": ("rounds_per_s", "cpu_us_per_round"), "cost": ("client_cpu_us",)}[r["kind"]]
         for k in keys:
             v = r.get(k)
             if not isinstance(v, (int, float)) or not v > 0:
                 problems.append("%s %s: %s = %r" % (r["impl"], r["kind"], k, v))
-        if r["kind"] != "load" and r["n"] <= 0:
+        if r["kind"] in ("lat", "step") and r["n"] <= 0:
             problems.append("%s: no samples" % r["impl"])
     return problems
 

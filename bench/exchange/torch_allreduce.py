@@ -7,6 +7,7 @@ bench_common.h's RunPlan.
 """
 import argparse
 import os
+import resource
 import time
 
 import torch
@@ -49,6 +50,8 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=a.init, rank=a.rank, world_size=a.world)
     clock = time.perf_counter_ns
+    rounds_total = 0
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     with open(a.out, "w") as f:
         for c in [int(x) for x in a.channels.split(",") if x]:
             src = contribution(a.rank, c)
@@ -62,6 +65,7 @@ def main():
                 buf.copy_(src)
                 dist.all_reduce(buf)
                 samples.append(clock() - t0)
+            rounds_total += a.warmup + a.rounds
             f.write("lat %d fwd node %s\n" % (c, " ".join(map(str, samples))))
             f.flush()
         if a.resnet_steps > 0:
@@ -79,7 +83,13 @@ def main():
                     dist.all_reduce(bufs[l])
                 if step >= a.resnet_warmup:
                     samples.append(clock() - t0)
+                rounds_total += 2 * len(layers)
             f.write("step node %s\n" % " ".join(map(str, samples)))
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        f.write("cost %d %d %d %d %d\n" % (
+            rounds_total, int((ru.ru_utime - ru0.ru_utime) * 1e9),
+            int((ru.ru_stime - ru0.ru_stime) * 1e9), ru.ru_nvcsw - ru0.ru_nvcsw,
+            ru.ru_nivcsw - ru0.ru_nivcsw))
     dist.barrier()
     dist.destroy_process_group()
 
