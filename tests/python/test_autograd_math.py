@@ -5,7 +5,6 @@ the process-level tests in test_sync_batchnorm.py check both together."""
 
 import threading
 
-import numpy as np
 import pytest
 
 import hsbn

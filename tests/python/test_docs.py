@@ -5,7 +5,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "PYTORCH.md")
 

@@ -39,8 +39,17 @@ def _serve(env, conn):
             conn.send((False, traceback.format_exc()))
 
 
+def _warm_up():
+    # Import PyTorch and join the job before any case runs: under load, process start-up takes
+    # seconds and a round must not wait for a worker that is still importing.
+    import torch  # noqa: F401
+    import hsbn
+    import hsbn.torch  # noqa: F401
+    return hsbn.default_client().rank
+
+
 class WorkerPool:
-    def __init__(self, cluster, job_id=None):
+    def __init__(self, cluster, job_id=None, startup_timeout=300.0):
         ctx = multiprocessing.get_context("spawn")
         self.world_size = cluster.world_size
         self.conns, self.procs = [], []
@@ -52,6 +61,13 @@ class WorkerPool:
             child.close()
             self.conns.append(parent)
             self.procs.append(p)
+        self.broken = None
+        try:
+            ranks = self.call(_warm_up, [()] * self.world_size, timeout=startup_timeout)
+        except BaseException:
+            self.close()
+            raise
+        assert ranks == list(range(self.world_size)), ranks
 
     def send(self, calls):
         """Starts calls[rank] = (fn, args) on every worker; collect with gather()."""
@@ -81,8 +97,15 @@ class WorkerPool:
     def call(self, fn, per_rank_args, timeout=120.0):
         """Runs fn(*per_rank_args[rank]) on every rank; returns the values by rank, or raises
         WorkerError with every failing rank's traceback."""
+        if self.broken:
+            raise WorkerError("the worker pool is out of step since an earlier case: "
+                              + self.broken)
         self.send([(fn, a) for a in per_rank_args])
-        answers = self.gather(timeout=timeout)
+        try:
+            answers = self.gather(timeout=timeout)
+        except WorkerError as e:
+            self.broken = str(e)
+            raise
         failed = {r: v for r, (ok, v) in answers.items() if not ok}
         if failed:
             raise WorkerError("\n".join("--- rank %d ---\n%s" % (r, failed[r])

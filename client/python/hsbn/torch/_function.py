@@ -8,7 +8,6 @@ workers (which is what DDP's gradient all-reduce does, up to its 1/world_size av
 are BatchNorm's gradients over the scope's batch.
 """
 
-import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
