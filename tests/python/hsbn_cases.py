@@ -15,6 +15,10 @@ def _dtype(name):
     return getattr(torch, name)
 
 
+def _np(t):
+    return t.detach().to(device="cpu", dtype=torch.float64).numpy()
+
+
 def bn_steps(spec, steps, client=None, op=None):
     """Builds one hsbn SyncBatchNorm from `spec` and runs `steps` training steps (forward, then
     backward of sum(y * g)); then, if spec asks, one eval-mode forward. Returns per-step outputs
@@ -23,40 +27,42 @@ def bn_steps(spec, steps, client=None, op=None):
     bn = hsbn.torch.SyncBatchNorm(spec["C"], eps=spec.get("eps", 1e-5),
                                   momentum=spec.get("momentum", 0.1), scope=spec["scope"],
                                   client=client, op=op)
-    bn.to(_dtype(spec.get("param_dtype", spec["dtype"])))
+    device = torch.device(spec.get("device", "cpu"))
+    bn.to(device=device, dtype=_dtype(spec.get("param_dtype", spec["dtype"])))
     with torch.no_grad():
         bn.weight.copy_(torch.from_numpy(spec["weight"]))
         bn.bias.copy_(torch.from_numpy(spec["bias"]))
     out = {"y": [], "dx": [], "dw": [], "db": [], "channels_last": [], "y_dtype": None,
            "op": bn.op}
     for x_np, g_np in steps:
-        x = torch.from_numpy(x_np).to(dtype)
+        x = torch.from_numpy(x_np).to(device=device, dtype=dtype)
         if spec.get("channels_last"):
             fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
             x = x.contiguous(memory_format=fmt)
         x.requires_grad_()
         bn.zero_grad()
         y = bn(x)
-        (y * torch.from_numpy(g_np).to(dtype)).sum().backward()
-        out["y"].append(y.detach().double().numpy())
-        out["dx"].append(x.grad.double().numpy())
-        out["dw"].append(bn.weight.grad.double().numpy())
-        out["db"].append(bn.bias.grad.double().numpy())
+        (y * torch.from_numpy(g_np).to(device=device, dtype=dtype)).sum().backward()
+        out["y"].append(_np(y))
+        out["dx"].append(_np(x.grad))
+        out["dw"].append(_np(bn.weight.grad))
+        out["db"].append(_np(bn.bias.grad))
         if spec.get("channels_last"):
             fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
             out["channels_last"].append((y.is_contiguous(memory_format=fmt),
                                          x.grad.is_contiguous(memory_format=fmt)))
         out["y_dtype"] = str(y.dtype)
         out["grad_dtype"] = str(x.grad.dtype)
-    out["running_mean"] = bn.running_mean.double().numpy()
-    out["running_var"] = bn.running_var.double().numpy()
+    out["running_mean"] = _np(bn.running_mean)
+    out["running_var"] = _np(bn.running_var)
     out["running_dtype"] = str(bn.running_mean.dtype)
     out["num_batches_tracked"] = int(bn.num_batches_tracked)
     if spec.get("eval_input") is not None:
         rounds_before = _rounds_completed()
         bn.eval()
         with torch.no_grad():
-            out["y_eval"] = bn(torch.from_numpy(spec["eval_input"]).to(dtype)).double().numpy()
+            out["y_eval"] = _np(bn(torch.from_numpy(spec["eval_input"]).to(device=device,
+                                                                            dtype=dtype)))
         out["rounds_before_eval"] = rounds_before
         out["rounds_after_eval"] = _rounds_completed()
     return out

@@ -17,7 +17,8 @@ Backends:
              current stream, statistics in float32 (float64 for float64 input).
   CpuOps     CPU tensors: float64 arithmetic with plain torch ops (any input dtype). The
              environment variable HSBN_TORCH_CPU_OPS=kernels (or set_cpu_ops("kernels"))
-             selects hsbn's CPU kernels instead.
+             selects hsbn's CPU kernels instead; HSBN_TORCH_CUDA_OPS=torch|kernels (or
+             set_cuda_ops) forces a CUDA backend.
 Outputs keep the input's dtype and memory format (channels-last stays channels-last).
 """
 
@@ -350,7 +351,8 @@ _CUDA = CudaOps()
 _KERNELS_CPU = KernelOps(_lib.BN_CPU)
 _KERNELS_CUDA = KernelOps(_lib.BN_CUDA)
 _cpu_choice = os.environ.get("HSBN_TORCH_CPU_OPS", "torch")
-_cuda_kernels = None  # decided at the first CUDA tensor
+_cuda_choice = os.environ.get("HSBN_TORCH_CUDA_OPS", "auto")
+_cuda_kernels = None  # "auto": decided at the first CUDA tensor
 
 
 def set_cpu_ops(which):
@@ -359,6 +361,15 @@ def set_cpu_ops(which):
     if which not in ("torch", "kernels"):
         raise ValueError("set_cpu_ops takes 'torch' or 'kernels', not %r" % (which,))
     _cpu_choice = which
+
+
+def set_cuda_ops(which):
+    """Selects the CUDA backend: "auto" (hsbn's kernels when libhsbn.so has them and sees a
+    GPU, else torch's; the default), "kernels" or "torch"."""
+    global _cuda_choice
+    if which not in ("auto", "torch", "kernels"):
+        raise ValueError("set_cuda_ops takes 'auto', 'torch' or 'kernels', not %r" % (which,))
+    _cuda_choice = which
 
 
 def ops_for(x):
@@ -372,6 +383,15 @@ def ops_for(x):
             return _KERNELS_CPU
         return _CPU
     if x.device.type == "cuda":
+        if _cuda_choice == "torch":
+            return _CUDA
+        if _cuda_choice == "kernels":
+            k = _lib.bn_kernels()
+            if k is None or not k.hsbn_bn_cuda_available():
+                raise RuntimeError("HSBN_TORCH_CUDA_OPS=kernels, but %s has no usable CUDA "
+                                   "kernels (built without CUDA, or no GPU visible)"
+                                   % _lib.library_path())
+            return _KERNELS_CUDA
         if _cuda_kernels is None:
             k = _lib.bn_kernels()
             _cuda_kernels = bool(k is not None and k.hsbn_bn_cuda_available())
