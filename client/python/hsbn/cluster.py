@@ -12,6 +12,7 @@ Worker ranks are laid out as torchrun lays them out: rank = node * workers_per_n
 
 import multiprocessing
 import os
+import queue as queue_module
 import shutil
 import signal
 import socket
@@ -214,36 +215,33 @@ class LocalCluster:
             p = ctx.Process(target=_run_worker, args=(env, rank, fn, args, queue), daemon=True)
             p.start()
             procs.append(p)
-        results, failures = {}, {}
+        results, failures, exited_at = {}, {}, {}
         deadline = None if timeout is None else time.monotonic() + timeout
-        grace_end = None
+        grace_end = None  # after the first failure, the others get 15 s to finish
         try:
             while len(results) + len(failures) < self.world_size:
                 now = time.monotonic()
-                if deadline is not None and now > deadline:
-                    break
-                if grace_end is not None and now > grace_end:
+                if (deadline is not None and now > deadline) or (
+                        grace_end is not None and now > grace_end):
                     break
                 try:
-                    rank, ok, value = queue.get(timeout=0.1)
-                except Exception:  # queue.Empty
+                    rank, ok, value = queue.get(timeout=0.2)
+                except queue_module.Empty:
+                    # A worker that exited without a message (killed, os._exit) failed; give
+                    # its last message a second to arrive first.
                     for r, p in enumerate(procs):
-                        if r not in results and r not in failures and p.exitcode is not None:
-                            # Give a late message from a process that just exited a moment.
-                            try:
-                                rank, ok, value = queue.get(timeout=0.5)
-                            except Exception:
-                                failures[r] = "worker exited with status %s without a result" % (
-                                    p.exitcode)
-                                if grace_end is None:
-                                    grace_end = time.monotonic() + 15
-                            else:
-                                (results if ok else failures)[rank] = value
-                            break
+                        if p.exitcode is None or r in results or r in failures:
+                            continue
+                        if now - exited_at.setdefault(r, now) > 1.0:
+                            failures[r] = "worker exited with status %s without a result" % (
+                                p.exitcode)
+                            grace_end = grace_end or now + 15
                     continue
-                (results if ok else failures)[rank] = value
-                if not ok and grace_end is None:
-                    grace_end = time.monotonic() + 15
+                if ok:
+                    results[rank] = value
+                else:
+                    failures[rank] = value
+                    grace_end = grace_end or now + 15
         finally:
             for p in procs:
                 if p.is_alive():
