@@ -157,3 +157,23 @@ def test_worker_env_is_what_torchrun_would_set(cluster):
     assert env["HSBN_ADDRESS"] == cluster.node_addresses[1] != cluster.node_addresses[0]
     with pytest.raises(ValueError, match="outside"):
         cluster.worker_env(2)
+
+
+def test_a_wrong_library_path_is_named_in_the_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HSBN_LIBRARY", str(tmp_path / "nope.so"))
+    with pytest.raises(hsbn.NativeNotFoundError, match="HSBN_LIBRARY=.*nope.so does not name"):
+        hsbn.library_path()
+    monkeypatch.setenv("HSBN_AGGREGATOR", str(tmp_path))
+    with pytest.raises(hsbn.NativeNotFoundError, match="does not name a file"):
+        hsbn.aggregator_path()
+
+
+def test_python_m_hsbn_reports_the_native_parts():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "hsbn"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, timeout=120)
+    text = out.stdout.decode()
+    assert out.returncode == 0, text
+    assert hsbn.library_path() in text and hsbn.aggregator_path() in text
+    assert "BN kernels       CPU" in text

@@ -1,0 +1,37 @@
+"""`python -m hsbn`: says which native parts this hsbn uses and what they support."""
+
+import sys
+
+from . import _lib, __version__
+
+
+def main():
+    print("hsbn %s (%s)" % (__version__, __file__.rsplit("/", 1)[0]))
+    ok = True
+    try:
+        lib = _lib.lib()
+        print("libhsbn.so       %s (C ABI %d)" % (lib.hsbn_path, lib.hsbn_abi_version()))
+        k = _lib.bn_kernels()
+        if k is None:
+            print("BN kernels       not in the library (torch's ops are used)")
+        else:
+            print("BN kernels       CPU%s" % (" and CUDA" if k.hsbn_bn_cuda_available()
+                                              else "; CUDA not built or no GPU visible"))
+    except _lib.NativeNotFoundError as e:
+        print("libhsbn.so       MISSING: %s" % e)
+        ok = False
+    try:
+        print("hsbn-aggregator  %s" % _lib.aggregator_path())
+    except _lib.NativeNotFoundError as e:
+        print("hsbn-aggregator  MISSING: %s" % e)
+        ok = False
+    try:
+        import torch
+        print("torch            %s (CUDA %s)" % (torch.__version__, torch.cuda.is_available()))
+    except ImportError:
+        print("torch            not installed (hsbn.torch needs it)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
