@@ -41,6 +41,11 @@ std::string OutcomeLabel(int code) {
 }
 
 int Clamp(int v, int n) { return v >= 0 && v < n ? v : 0; }
+// A code outside gRPC's 0..16 (e.g. from a peer's Abort) counts as "unknown", never as "ok".
+int CodeIndex(absl::StatusCode code) {
+  const int c = int(code);
+  return c >= 0 && c <= 16 ? c : int(absl::StatusCode::kUnknown);
+}
 
 // Round latencies from 50 µs (a node round on a Unix socket) to 30 s (the default timeout).
 const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
@@ -216,7 +221,7 @@ prometheus::Counter& Metrics::RoundCounter(int scope, int phase, int code) {
 void Metrics::RoundFinished(v1::Scope scope, v1::Phase phase, absl::StatusCode code,
                             double seconds) {
   const int s = Clamp(int(scope), kScopes), p = Clamp(int(phase), kPhases);
-  RoundCounter(s, p, Clamp(int(code), kCodes)).Increment();
+  RoundCounter(s, p, CodeIndex(code)).Increment();
   if (code == absl::StatusCode::kOk && seconds >= 0 && latency_[s][p] != nullptr) {
     latency_[s][p]->Observe(seconds);
   }
@@ -251,7 +256,7 @@ void Metrics::Sent(Link link, size_t bytes) {
 }
 
 void Metrics::JoinAnswered(absl::StatusCode code) {
-  const int k = Clamp(int(code), kCodes);
+  const int k = CodeIndex(code);
   prometheus::Counter* c = joins_[k].load(std::memory_order_acquire);
   if (c == nullptr) {
     c = &joins_family_->Add({{"outcome", OutcomeLabel(k)}});
