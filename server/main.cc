@@ -79,12 +79,12 @@ Flags:
                             the host in --upstream.
 
  Job tokens:
-  --token-file=FILE         Every Join must present its job's token (clients: HSBN_TOKEN or
-                            HSBN_TOKEN_FILE), else UNAUTHENTICATED. Lines `job_id token`; # starts
-                            a comment; job id * gives the token of every job without a line. A
-                            sidecar passes its workers' token on to the root. Read at start and
-                            again on SIGHUP. Refused if others can read it or its group can
-                            write it (mode & 0027).
+  --token-file=FILE         Every Join must present its job's token (clients: HSBN_TOKEN
+                            or HSBN_TOKEN_FILE), else UNAUTHENTICATED. Lines `job_id token`;
+                            # starts a comment; job id * gives the token of every job without
+                            a line. A sidecar passes its workers' token on to the root. Read
+                            at start and again on SIGHUP. Refused if others can read it or its
+                            group can write it (mode & 0027).
   --allow-insecure-token-file  Accept a --token-file that others can read.
 
   --help                    Show this text.
