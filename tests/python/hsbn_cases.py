@@ -24,14 +24,17 @@ def bn_steps(spec, steps, client=None, op=None):
     backward of sum(y * g)); then, if spec asks, one eval-mode forward. Returns per-step outputs
     and gradients and the final running statistics, as float64 numpy arrays."""
     dtype = _dtype(spec["dtype"])
+    affine = spec.get("affine", True)
     bn = hsbn.torch.SyncBatchNorm(spec["C"], eps=spec.get("eps", 1e-5),
-                                  momentum=spec.get("momentum", 0.1), scope=spec["scope"],
-                                  client=client, op=op)
+                                  momentum=spec.get("momentum", 0.1), affine=affine,
+                                  track_running_stats=spec.get("track_running_stats", True),
+                                  scope=spec["scope"], client=client, op=op)
     device = torch.device(spec.get("device", "cpu"))
     bn.to(device=device, dtype=_dtype(spec.get("param_dtype", spec["dtype"])))
-    with torch.no_grad():
-        bn.weight.copy_(torch.from_numpy(spec["weight"]))
-        bn.bias.copy_(torch.from_numpy(spec["bias"]))
+    if affine:
+        with torch.no_grad():
+            bn.weight.copy_(torch.from_numpy(spec["weight"]))
+            bn.bias.copy_(torch.from_numpy(spec["bias"]))
     out = {"y": [], "dx": [], "dw": [], "db": [], "channels_last": [], "y_dtype": None,
            "op": bn.op}
     for x_np, g_np in steps:
@@ -45,18 +48,20 @@ def bn_steps(spec, steps, client=None, op=None):
         (y * torch.from_numpy(g_np).to(device=device, dtype=dtype)).sum().backward()
         out["y"].append(_np(y))
         out["dx"].append(_np(x.grad))
-        out["dw"].append(_np(bn.weight.grad))
-        out["db"].append(_np(bn.bias.grad))
+        if affine:
+            out["dw"].append(_np(bn.weight.grad))
+            out["db"].append(_np(bn.bias.grad))
         if spec.get("channels_last"):
             fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
             out["channels_last"].append((y.is_contiguous(memory_format=fmt),
                                          x.grad.is_contiguous(memory_format=fmt)))
         out["y_dtype"] = str(y.dtype)
         out["grad_dtype"] = str(x.grad.dtype)
-    out["running_mean"] = _np(bn.running_mean)
-    out["running_var"] = _np(bn.running_var)
-    out["running_dtype"] = str(bn.running_mean.dtype)
-    out["num_batches_tracked"] = int(bn.num_batches_tracked)
+    if bn.track_running_stats:
+        out["running_mean"] = _np(bn.running_mean)
+        out["running_var"] = _np(bn.running_var)
+        out["running_dtype"] = str(bn.running_mean.dtype)
+        out["num_batches_tracked"] = int(bn.num_batches_tracked)
     if spec.get("eval_input") is not None:
         rounds_before = _rounds_completed()
         bn.eval()

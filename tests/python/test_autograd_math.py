@@ -104,6 +104,15 @@ def test_layer_math_equals_batchnorm_over_the_concatenated_batch(cpu_ops, spatia
     assert_group_matches(results, spec, data, [[0, 1, 2, 3]], tol)
 
 
+@pytest.mark.parametrize("affine,track", [(False, True), (True, False), (False, False)])
+def test_without_affine_parameters_or_running_statistics(cpu_ops, affine, track):
+    spec, data = make_spec("global", "float64", seed=12, affine=affine,
+                           track_running_stats=track)
+    results = run_threads(spec, data)
+    assert_group_matches(results, spec, data, [[0, 1, 2, 3]], 1e-12)
+    assert all(("running_mean" in r) == track and bool(r["dw"]) == affine for r in results)
+
+
 def test_one_value_per_channel_in_the_scope_is_an_error_like_batchnorm():
     spec, data = make_spec("global", "float64", spatial=(), sizes=[1, 0], steps=1)
     with pytest.raises(ValueError, match="more than 1 value per channel.*got 1"):

@@ -88,6 +88,11 @@ class SyncBatchNorm(_BatchNorm):
         if input.shape[1] != self.num_features:
             raise ValueError("expected input with %d channels, got shape %s"
                              % (self.num_features, list(input.shape)))
+        sync = self.training and self.scope != "local"
+        # Resolve the client before touching any state: a missing sidecar changes nothing.
+        client = None
+        if sync:
+            client = self.client if self.client is not None else default_client()
         # Exponential average factor, exactly as torch.nn.modules.batchnorm._BatchNorm.
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
@@ -95,14 +100,12 @@ class SyncBatchNorm(_BatchNorm):
             factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
                       else self.momentum)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
-        sync = self.training and self.scope != "local"
         if not sync:
             return F.batch_norm(
                 input,
                 self.running_mean if not self.training or self.track_running_stats else None,
                 self.running_var if not self.training or self.track_running_stats else None,
                 self.weight, self.bias, bn_training, factor, self.eps)
-        client = self.client if self.client is not None else default_client()
         seq = self._seq
         self._seq += 1
         running_mean = self.running_mean if self.track_running_stats else None
