@@ -268,13 +268,7 @@ bool Aggregator::FindSession(uint64_t session, SessionRef* out) {
 
 void Aggregator::Execute(Actions& actions, const std::string& job_id) {
   for (const std::string& line : actions.log) Log(LogLevel::kInfo, line);
-  for (auto& d : actions.deliveries) {
-    v1::Result r = *d.result;
-    for (auto& [session, sink] : d.to) {
-      r.set_session_id(session);
-      sink->Send(r);
-    }
-  }
+  // Metrics first: whoever receives a result below must find its round already counted.
   if (Metrics* m = options_.metrics.get()) {
     const Clock::time_point now = Clock::now();
     for (const auto& o : actions.outcomes) {
@@ -284,6 +278,13 @@ void Aggregator::Execute(Actions& actions, const std::string& job_id) {
                            : std::chrono::duration<double>(now - o.opened).count());
     }
     for (const auto& member : actions.timed_out) m->RoundTimedOut(job_id, member);
+  }
+  for (auto& d : actions.deliveries) {
+    v1::Result r = *d.result;
+    for (auto& [session, sink] : d.to) {
+      r.set_session_id(session);
+      sink->Send(r);
+    }
   }
   if (!actions.forwards.empty() || !actions.aborts.empty()) {
     std::shared_ptr<Job> job;

@@ -165,8 +165,8 @@ Metrics::Metrics(const std::string& role, bool has_upstream)
                        .Register(*registry_);
   auto& latency = prometheus::BuildHistogram()
                       .Name("hsbn_round_duration_seconds")
-                      .Help("Completed rounds: first contribution to result sent, by scope and "
-                            "phase.")
+                      .Help("Completed rounds: first contribution until the result goes out, by "
+                            "scope and phase.")
                       .Labels(constant)
                       .Register(*registry_);
   for (int s = 1; s < kScopes; ++s) {

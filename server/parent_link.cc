@@ -189,12 +189,13 @@ absl::Status ParentLink::Send(Item& item) {
 }
 
 bool ParentLink::Write(Conn* conn, const v1::ClientFrame& frame) {
+  // Counted before the write: the answer may reach the workers before Write returns.
+  if (Metrics* m = aggregator_->metrics()) m->Sent(Metrics::Link::kUpstream, frame.ByteSizeLong());
   std::lock_guard<std::mutex> lock(conn->write_mu);
   if (!conn->stream->Write(frame)) {
     conn->broken = true;
     return false;
   }
-  if (Metrics* m = aggregator_->metrics()) m->Sent(Metrics::Link::kUpstream, frame.ByteSizeLong());
   return true;
 }
 

@@ -179,7 +179,9 @@ TEST(Metrics, RootAndSidecarsCountGlobalRoundsAndTheRootExportsShadowDivergence)
   for (int i = 0; i < 500; ++i) {
     text = Scrape(*root);
     if (Sample(text, "hsbn_shadow_rounds", L({{"job_id", "g-job"}, {"op", "3"}, {"node", "1"}})) ==
-        kShadow) {
+            kShadow &&
+        Sample(text, "hsbn_rounds_total",
+               L({{"scope", "shadow"}, {"phase", "forward"}, {"outcome", "ok"}})) == kShadow) {
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
