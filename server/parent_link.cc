@@ -124,8 +124,14 @@ absl::Status ParentLink::Send(Item& item) {
     conn_.reset();
   }
   if (!conn_) {
+    // After a failed connect, forwards fail at once for a second instead of each waiting out
+    // the connect timeout behind the previous one.
+    if (!last_connect_error_.ok() && std::chrono::steady_clock::now() < retry_after_) {
+      return last_connect_error_;
+    }
     if (!channel_->WaitForConnected(std::chrono::system_clock::now() + kConnectTimeout)) {
-      return absl::UnavailableError(absl::StrCat(
+      retry_after_ = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+      return last_connect_error_ = absl::UnavailableError(absl::StrCat(
           "the root aggregator at ", address_, " did not answer within 5 s; is it running, and "
           "is --upstream right?",
           tls_ ? " This sidecar uses TLS: check that --upstream-ca signed the root's "
@@ -134,6 +140,7 @@ absl::Status ParentLink::Send(Item& item) {
                  "has --upstream-cert and --upstream-key signed by that CA"
                : " If the root uses TLS (--tls-cert), give this sidecar --upstream-ca"));
     }
+    last_connect_error_ = absl::OkStatus();
     auto conn = std::make_unique<Conn>();
     conn->stream = stub_->Exchange(&conn->context);
     if (!conn->stream) return absl::UnavailableError("could not open a stream to the root");

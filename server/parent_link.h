@@ -11,6 +11,7 @@
 #define HSBN_SERVER_PARENT_LINK_H_
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -87,6 +88,8 @@ class ParentLink {
   std::mutex jobs_mu_;  // guards job_of_session_ (read by the reader thread)
   std::map<uint64_t, std::string> job_of_session_;
   std::unique_ptr<Conn> conn_;  // owned by the writer thread
+  absl::Status last_connect_error_;                  // writer thread only
+  std::chrono::steady_clock::time_point retry_after_;  // writer thread only
   std::thread writer_;
 };
 

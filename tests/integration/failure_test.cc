@@ -341,6 +341,36 @@ TEST(Failures, RootRestartFailsGlobalRoundsInFlightAndLaterRoundsSucceed) {
   EXPECT_EQ(mean[0], 4.0);
 }
 
+TEST(Failures, UnreachableRootFailsGlobalRoundsWithoutQueueingBehindTheConnectTimeout) {
+  auto c = StartCluster(2, 1);
+  ASSERT_TRUE(c);
+  std::vector<std::unique_ptr<Client>> job;
+  job.push_back(Connect(*c, 0, "no-root"));
+  job.push_back(Connect(*c, 1, "no-root"));
+  ASSERT_TRUE(job[0] && job[1]);
+  EXPECT_EQ(c->root()->Stop(), 0);
+  std::vector<double> a(4), b(4);
+  Contribution in = Good(1.0);
+  for (uint64_t seq = 0; seq < 4; ++seq) {
+    const auto t0 = steady_clock::now();
+    auto p0 = job[0]->Start(Phase::kForward, 0, seq, Scope::kGlobal, 4, 2, in.a.data(),
+                            in.b.data());
+    auto p1 = job[1]->Start(Phase::kForward, 0, seq, Scope::kGlobal, 4, 2, in.a.data(),
+                            in.b.data());
+    ASSERT_TRUE(p0.ok() && p1.ok());
+    absl::Status s0 = job[0]->Wait(**p0, nullptr, a.data(), b.data());
+    absl::Status s1 = job[1]->Wait(**p1, nullptr, a.data(), b.data());
+    const auto took = steady_clock::now() - t0;
+    EXPECT_EQ(s0.code(), absl::StatusCode::kUnavailable) << s0;
+    EXPECT_NE(s0.message().find(c->root_address()), std::string::npos) << s0;
+    EXPECT_EQ(s1.code(), absl::StatusCode::kUnavailable) << s1;
+    // The first round waits for the connect attempt (5 s); the next ones fail at once.
+    if (seq > 0) {
+      EXPECT_LT(took, milliseconds(1500)) << "round " << seq;
+    }
+  }
+}
+
 TEST(CApi, ForwardRoundAndErrors) {
   auto c = StartCluster(1, 1);
   ASSERT_TRUE(c);
