@@ -124,13 +124,13 @@ absl::Status ParentLink::Send(Item& item) {
     conn_.reset();
   }
   if (!conn_) {
-    // After a failed connect, forwards fail at once for a second instead of each waiting out
+    // After a failed connect, forwards fail at once for 2 s instead of each waiting out
     // the connect timeout behind the previous one.
     if (!last_connect_error_.ok() && std::chrono::steady_clock::now() < retry_after_) {
       return last_connect_error_;
     }
     if (!channel_->WaitForConnected(std::chrono::system_clock::now() + kConnectTimeout)) {
-      retry_after_ = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+      retry_after_ = std::chrono::steady_clock::now() + std::chrono::seconds(2);
       return last_connect_error_ = absl::UnavailableError(absl::StrCat(
           "the root aggregator at ", address_, " did not answer within 5 s; is it running, and "
           "is --upstream right?",
