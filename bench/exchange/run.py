@@ -166,9 +166,13 @@ def percentile(sorted_vals, q):
 
 
 def proc_cost(pid):
-    """(CPU seconds, context switches of its live threads) of a process, from /proc."""
+    """(CPU seconds, context switches of its live threads) of a process, from /proc. A process
+    that already exited (a zombie) still has its CPU time but no threads: csw is None."""
     csw = 0
     try:
+        with open("/proc/%d/stat" % pid) as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return cpu_seconds(pid), None
         for t in os.listdir("/proc/%d/task" % pid):
             with open("/proc/%d/task/%s/status" % (pid, t)) as f:
                 for line in f:
@@ -267,7 +271,8 @@ class Bench:
                 client_csw=sum((c[3] + c[4]) / c[0] for c in costs) / len(costs),
                 server_cpu_us=(sum(b[0] - a[0] for a, b in zip(s0, s1)) * 1e6 / rounds
                                if s0 else 0.0),
-                server_csw=(sum(b[1] - a[1] for a, b in zip(s0, s1)) / rounds if s0 else 0.0)))
+                server_csw=(sum(b[1] - a[1] for a, b in zip(s0, s1)) / rounds
+                            if s0 and all(x[1] is not None for x in s0 + s1) else None)))
         for key, vals in sorted(pooled.items(), key=lambda kv: str(kv[0])):
             vals.sort()
             row = dict(impl=impl, transport=transport, workers=workers, nodes=nodes,
@@ -661,7 +666,8 @@ def report(bench, params, machine, command):
             lines.append("| %d | %s | %.1f | %.2f | %s | %s |" % (
                 r["workers"], name, r["client_cpu_us"], r["client_csw"],
                 fmt(r["server_cpu_us"], 1) if r["server_cpu_us"] else "—",
-                fmt(r["server_csw"], 2) if r["server_cpu_us"] else "—"))
+                fmt(r["server_csw"], 2) if r["server_cpu_us"] and r["server_csw"] is not None
+                else "—"))
         lines.append("")
     loads = [r for r in rows if r["kind"] == "load"]
     if loads:
@@ -715,9 +721,11 @@ def machine_info(torch_python, quick):
     info["grpc"] = out(["pkg-config", "--modversion", "grpc++"])
     info["openmpi"] = (out(["mpirun", "--version"]).splitlines() or [""])[0]
     info["gloo"] = out(["dpkg-query", "-W", "-f=${Version}", "libgloo-dev"])
+    info["commit"] = out(["git", "-C", HERE, "rev-parse", "--short", "HEAD"])
     if not quick:
         info["torch"] = out([torch_python, "-c", "import torch; print(torch.__version__)"])
-    info["summary"] = "%s, %s cores, %s GiB, Linux %s; gRPC %s, %s, Gloo %s%s" % (
+    info["summary"] = "commit %s; %s, %s cores, %s GiB, Linux %s; gRPC %s, %s, Gloo %s%s" % (
+        info["commit"] or "?",
         info.get("cpu", "?"), info["cores"], info.get("mem_gib", "?"), info["kernel"],
         info["grpc"] or "?", info["openmpi"] or "no Open MPI", info["gloo"] or "?",
         (", torch " + info["torch"]) if info.get("torch") else "")
@@ -777,6 +785,7 @@ def main():
 
     bench = Bench(args, p)
     started = time.monotonic()
+    load_before = os.getloadavg()
     have_torch = subprocess.run([args.torch_python, "-c", "import torch.distributed as d; "
                                  "assert d.is_available() and d.is_gloo_available()"],
                                 capture_output=True).returncode == 0 if want("torch-gloo") else False
@@ -822,6 +831,11 @@ def main():
         bench.hsbn_load("root")
 
     machine = machine_info(args.torch_python, args.quick)
+    # Other work on the machine skews every number: say how busy it was.
+    machine["loadavg_before"] = [round(x, 2) for x in load_before]
+    machine["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    machine["summary"] += "; load average %.1f before, %.1f after (1 min)" % (
+        load_before[0], machine["loadavg_after"][0])
     command = "bench/exchange/run.sh" + (" --quick" if args.quick else "")
     text, g = report(bench, p, machine, command)
     print(text)
