@@ -125,27 +125,31 @@ def make_plan(task, seed, train_y, pool, nodes, workers_per_node, batch, epochs,
     """The data order of one seed: for classification int[steps, world, batch] indices into
     the training set; for segmentation a dict of mosaic definitions cells[steps, world, batch,
     4] and shifts[steps, world, batch, 4, 2]. Node n's workers get items of node n's shard
-    (class-skewed as described above), reshuffled every epoch."""
+    (class-skewed as described above), reshuffled whenever the node has gone through it."""
     rng = np.random.default_rng([seed, 0 if task == "cls" else 1, 777])
     home = home_node(train_y[pool], nodes)
     to_home = rng.random(len(pool)) < skew
     node_of = np.where(to_home, home, rng.integers(0, nodes, len(pool)))
     shards = [pool[node_of == n] for n in range(nodes)]
     node_batch = workers_per_node * batch
-    per_epoch = min(len(s) for s in shards) // node_batch
-    if per_epoch < 1:
+    world = nodes * workers_per_node
+    if min(len(s) for s in shards) < node_batch:
         raise ValueError("the training subset is too small for a node batch of %d; raise "
                          "--train-size" % node_batch)
+    # An epoch is len(pool) items over the whole job; every node walks through its own shard
+    # and reshuffles it when it runs out (the skew makes shards of different sizes), so the
+    # number of steps is the same for every seed.
+    per_epoch = max(1, len(pool) // (world * batch))
     total = steps if steps else max(1, int(round(epochs * per_epoch)))
-    world = nodes * workers_per_node
     idx = np.empty((total, world, batch), np.int64)
-    orders = [None] * nodes
+    orders = [rng.permutation(s) for s in shards]
+    pos = [0] * nodes
     for step in range(total):
-        k = step % per_epoch
         for n in range(nodes):
-            if k == 0:
-                orders[n] = rng.permutation(shards[n])
-            chunk = orders[n][k * node_batch:(k + 1) * node_batch]
+            if pos[n] + node_batch > len(orders[n]):
+                orders[n], pos[n] = rng.permutation(shards[n]), 0
+            chunk = orders[n][pos[n]:pos[n] + node_batch]
+            pos[n] += node_batch
             idx[step, n * workers_per_node:(n + 1) * workers_per_node] = chunk.reshape(
                 workers_per_node, batch)
     if task == "cls":

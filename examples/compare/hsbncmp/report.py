@@ -161,15 +161,20 @@ def markdown(summary, divergence, check, cfg, command, environment):
         lines.append("")
         lines.append(check["explanation"])
         lines.append("")
-        lines.append("| task | seed | weight gap global–reference | loss gap | round-off "
-                     "noise (reference, reversed order) | tolerance | node–global gap "
-                     "(for scale) | result |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---|")
+        lines.append("| task | seed | gap after %d steps (noise, tolerance) | final gap (noise, "
+                     "tolerance) | max loss gap (noise, tolerance) | node–global gap after %d "
+                     "steps / final (for scale) | result |"
+                     % (check["rows"][0]["early_steps"], check["rows"][0]["early_steps"]))
+        lines.append("|---|---:|---:|---:|---:|---:|---|")
+
+        def trio(c, a):
+            return "%.1e (%.1e, %.1e)" % (c[a + "_gap"], c[a + "_noise"], c[a + "_tolerance"])
         for c in check["rows"]:
-            lines.append("| %s | %s | %.2e | %.2e | %.2e | %.2e | %s | %s |"
-                         % (TASK_NAME[c["task"]], c["seed"], c["weight_gap"], c["loss_gap"],
-                            c["noise"], c["tolerance"],
-                            "%.2e" % c["node_gap"] if c["node_gap"] is not None else "—",
+            node = ("%.1e / %.1e" % (c["node_early_gap"], c["node_gap"])
+                    if c["node_gap"] is not None else "—")
+            lines.append("| %s | %s | %s | %s | %s | %s | %s |"
+                         % (TASK_NAME[c["task"]], c["seed"],
+                            trio(c, "early"), trio(c, "weight"), trio(c, "loss"), node,
                             "PASS" if c["pass"] else "FAIL"))
         lines.append("")
         lines.append("**%s**" % ("PASS: global matches reference" if check["pass"]

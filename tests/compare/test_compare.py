@@ -1,0 +1,123 @@
+"""The sync-scope comparison (examples/compare/hsbn_compare.py): its data plan and mosaics,
+and a smoke run of every mode on both tasks through a real LocalCluster."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import COMPARE, REPO
+from hsbncmp import cli, data
+
+SCRIPT = os.path.join(COMPARE, "hsbn_compare.py")
+MODES = ["local", "node", "shadow", "global", "reference"]
+
+
+@pytest.fixture(scope="module")
+def fmnist():
+    try:
+        return data.load(None)
+    except data.DataMissingError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+def test_missing_data_says_how_to_install_it(tmp_path):
+    with pytest.raises(data.DataMissingError, match="apt-get install dataset-fashion-mnist"):
+        data.check_data_dir(str(tmp_path))
+    proc = subprocess.run([sys.executable, SCRIPT, "--data-dir", str(tmp_path), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "dataset-fashion-mnist" in proc.stderr and "scripts/setup.sh" in proc.stderr
+
+
+def test_help_explains_the_flags():
+    out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True,
+                         timeout=60).stdout
+    for flag in ("--nodes", "--workers-per-node", "--batch", "--epochs", "--seeds", "--task",
+                 "--out", "--skew", "--data-dir", "--steps"):
+        assert flag in out
+
+
+def test_plan_is_deterministic_skewed_and_the_same_for_every_mode(fmnist):
+    y = fmnist["train_y"]
+    pool = data.training_pool(y, 4800)
+    a = data.make_plan("cls", 3, y, pool, 2, 4, 4, 1.0, None, 0.8)
+    b = data.make_plan("cls", 3, y, pool, 2, 4, 4, 1.0, None, 0.8)
+    assert np.array_equal(a["idx"], b["idx"])
+    assert a["idx"].shape == (a["steps"], 8, 4)
+    # Until a node has gone through its shard no item is repeated; every item is from the pool.
+    assert len(np.unique(a["idx"][:100])) == a["idx"][:100].size
+    assert np.isin(a["idx"], pool).all()
+    # Node 0 (ranks 0-3) mostly sees classes 0-4, node 1 mostly 5-9: with skew 0.8 about
+    # 0.8 + 0.2 / 2 = 90 % of a node's items are of its home classes.
+    home0 = (y[a["idx"][:, :4]] < 5).mean()
+    home1 = (y[a["idx"][:, 4:]] >= 5).mean()
+    assert 0.85 < home0 < 0.95 and 0.85 < home1 < 0.95
+    flat = data.make_plan("cls", 3, y, pool, 2, 4, 4, 1.0, None, 0.0)
+    assert 0.4 < (y[flat["idx"][:, :4]] < 5).mean() < 0.6
+
+
+def test_mosaic_labels_mark_each_items_foreground_with_its_class(fmnist):
+    x, y = fmnist["test_x"], fmnist["test_y"]
+    cells = np.array([[0, -1, 1, 2]])
+    shifts = np.zeros((1, 4, 2), np.int64)
+    img, lab = data.compose(x, y, cells, shifts)
+    assert img.shape == lab.shape == (1, 56, 56)
+    assert np.array_equal(img[0, :28, :28], x[0])
+    assert (lab[0, :28, 28:] == 0).all() and (img[0, :28, 28:] == 0).all()
+    fg = x[2] >= data.FOREGROUND
+    assert (lab[0, 28:, 28:][fg] == 1 + y[2]).all() and (lab[0, 28:, 28:][~fg] == 0).all()
+    seg = data.make_plan("seg", 0, fmnist["train_y"], data.training_pool(fmnist["train_y"], 800),
+                         2, 2, 2, 1.0, 4, 1.0)
+    assert seg["cells"].shape == (4, 4, 2, 4)
+    # Disjoint classes at skew 1: node 1's mosaics hold only classes 5-9.
+    items = seg["cells"][:, 2:][seg["cells"][:, 2:] >= 0]
+    assert (fmnist["train_y"][items] >= 5).all()
+
+
+def test_smoke_every_mode_both_tasks(tmp_path, native_parts):
+    out = tmp_path / "out"
+    cmd = [sys.executable, SCRIPT, "--nodes", "2", "--workers-per-node", "2", "--steps", "3",
+           "--seeds", "1", "--test-size", "48", "--evals", "2", "--out", str(out),
+           "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for name in ("results.md", "results.json", "runs.csv", "compare.png"):
+        assert (out / name).stat().st_size > 0, name
+    res = json.loads((out / "results.json").read_text())
+    for task in ("cls", "seg"):
+        assert sorted(res["summary"][task]) == sorted(MODES)
+        for mode, s in res["summary"][task].items():
+            assert 0.0 <= s["metric_mean"] <= 1.0 and s["step_ms"] > 0, (task, mode)
+        assert res["summary"][task]["global"]["sync_ms"] > 0
+        assert res["summary"][task]["local"]["sync_ms"] == 0
+        assert res["summary"][task]["node"]["norm_batch"] == 2 * res["config"]["batch"]
+        # shadow: the root's divergence record has every BN layer on both nodes
+        rows = res["divergence"][task]
+        assert rows and {r["node"] for r in rows} == {0, 1}
+        assert all(r["rounds"] == 3 for r in rows)
+    assert res["check"]["pass"] and len(res["check"]["rows"]) == 2
+    md = (out / "results.md").read_text()
+    assert "PASS: global matches reference" in md and "| reference |" in md
+    with open(out / "runs.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 * 6  # every mode of both tasks, plus the reversed references
+
+
+def test_check_fails_on_a_real_difference():
+    state = {"w": np.ones(4, np.float32)}
+    noisy = {"w": state["w"] * np.float32(1 + 1e-6)}
+    off = {"w": np.array([1, 1, 1, 1.01], np.float32)}
+
+    def run(mode, s):
+        return {"task": "cls", "seed": 0, "mode": mode, "state": s, "early_state": s,
+                "loss": [1.0, 0.5]}
+    runs = [run("reference", state), run("reference-reversed", noisy), run("global", off)]
+    check = cli.global_reference_check(runs, ["cls"], [0])
+    assert not check["pass"]
+    runs[2] = run("global", noisy)
+    assert cli.global_reference_check(runs, ["cls"], [0])["pass"]
