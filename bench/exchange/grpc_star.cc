@@ -5,8 +5,14 @@
 // message) and nothing else: no validation, no round keys, no membership.
 //
 //   grpc_star --role=server --listen=unix:PATH|HOST:PORT --workers=N --ready-file=F
-//   grpc_star --role=worker --connect=ADDR --rank=R <plan flags, see bench_common.h>
+//   grpc_star --role=worker --connect=ADDR --rank=R [--reader-thread] <plan flags>
+//
+// --reader-thread gives the worker the shape of hsbn's client today: the caller writes, a
+// dedicated thread blocks in Read and hands each answer to the caller through a condition
+// variable. Measured beside the plain worker, it prices that thread hop alone.
 #include <grpcpp/grpcpp.h>
+
+#include <thread>
 
 #include <condition_variable>
 #include <mutex>
@@ -172,6 +178,37 @@ int Worker(const Args& args) {
   grpc::ClientContext ctx;
   auto stream = stub->Exchange(&ctx);
   Blob msg, reply;
+  if (args.Has("reader-thread")) {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool ready = false, broken = false;
+    std::thread reader([&] {
+      Blob r;
+      while (stream->Read(&r)) {
+        std::lock_guard<std::mutex> lock(mu);
+        reply.Swap(&r);
+        ready = true;
+        cv.notify_all();
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      broken = true;
+      cv.notify_all();
+    });
+    RunPlan(plan, rank, [&](int channels, Phase, Scope, const double* in, double* out, uint32_t,
+                            uint64_t) {
+      const size_t len = (2 * channels + 1) * sizeof(double);
+      msg.set_data(reinterpret_cast<const char*>(in), len);
+      if (!stream->Write(msg)) Die("stream broke");
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return ready || broken; });
+      if (!ready || reply.data().size() != len) Die("stream broke");
+      ready = false;
+      std::memcpy(out, reply.data().data(), len);
+    });
+    stream->WritesDone();
+    reader.join();
+    return stream->Finish().ok() ? 0 : 1;
+  }
   RunPlan(plan, rank, [&](int channels, Phase, Scope, const double* in, double* out, uint32_t,
                           uint64_t) {
     const size_t len = (2 * channels + 1) * sizeof(double);

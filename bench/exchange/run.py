@@ -297,7 +297,7 @@ class Bench:
         return True
 
     # ---- raw sockets and bare gRPC: one server, W workers ---------------------------------
-    def star(self, exe, impl, transport, workers, resnet):
+    def star(self, exe, impl, transport, workers, resnet, extra=()):
         def body(launch, d):
             listen = ("unix:" + os.path.join(d, "s.sock")) if transport == "unix" else (
                 ("tcp:" if exe == "bench_raw_star" else "") + "127.0.0.1:0")
@@ -310,7 +310,7 @@ class Bench:
                 out = os.path.join(d, "rank%d.txt" % r)
                 files.append(out)
                 launch.worker([os.path.join(self.bin, exe), "--role=worker", "--connect=" + addr,
-                               "--rank=%d" % r, "--out=" + out]
+                               "--rank=%d" % r, "--out=" + out] + list(extra)
                               + self.plan_flags(self.p["channels"], resnet, est_key=impl,
                                                 workers=workers), "worker%d" % r)
             return files
@@ -476,6 +476,7 @@ class Bench:
 BASELINES = [
     ("raw-unix", "raw socket star, Unix"), ("raw-tcp", "raw socket star, TCP"),
     ("grpc-unix", "bare gRPC stream, Unix"), ("grpc-tcp", "bare gRPC stream, TCP"),
+    ("grpc-unix-hop", "bare gRPC, Unix, + reader thread"),
     ("mpi-shm", "Open MPI Allreduce, shm"), ("mpi-tcp", "Open MPI Allreduce, TCP"),
     ("gloo-default", "Gloo allreduce (default)"), ("gloo-ring", "Gloo AllreduceRing"),
     ("gloo-hd", "Gloo halving-doubling"), ("torch-gloo", "torch.distributed gloo"),
@@ -813,6 +814,9 @@ def main():
             for tr in ("unix", "tcp"):
                 if want("%s-%s" % (fam, tr)) and bench.have(exe):
                     bench.star(exe, "%s-%s" % (fam, tr), tr, w, resnet)
+        # The bare gRPC worker with hsbn's client shape (a reader thread): prices that hop.
+        if (only is None or "grpc-unix-hop" in only) and bench.have("bench_grpc_star"):
+            bench.star("bench_grpc_star", "grpc-unix-hop", "unix", w, False, ["--reader-thread"])
         if w == 1:
             continue
         if "mpi" not in bench.skipped:
