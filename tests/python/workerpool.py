@@ -51,6 +51,7 @@ def _warm_up():
 class WorkerPool:
     def __init__(self, cluster, job_id=None, startup_timeout=300.0):
         ctx = multiprocessing.get_context("spawn")
+        self.cluster = cluster
         self.world_size = cluster.world_size
         self.conns, self.procs = [], []
         for rank in range(cluster.world_size):
@@ -105,12 +106,21 @@ class WorkerPool:
             answers = self.gather(timeout=timeout)
         except WorkerError as e:
             self.broken = str(e)
-            raise
+            raise WorkerError(str(e) + self.aggregator_report())
         failed = {r: v for r, (ok, v) in answers.items() if not ok}
         if failed:
             raise WorkerError("\n".join("--- rank %d ---\n%s" % (r, failed[r])
-                                        for r in sorted(failed)))
+                                        for r in sorted(failed)) + self.aggregator_report())
         return [answers[r][1] for r in range(self.world_size)]
+
+    def aggregator_report(self):
+        """The aggregators' state and the end of their logs, to explain a failed case."""
+        lines = ["", "--- aggregators ---"]
+        for agg in ([self.cluster.root] if self.cluster.root else []) + self.cluster.sidecars:
+            lines.append("%s: %s; log tail:\n%s" % (
+                agg.name, "running" if agg.proc.poll() is None
+                else "EXITED with status %s" % agg.proc.returncode, agg.log_tail(1500)))
+        return "\n".join(lines)
 
     def close(self):
         for conn in self.conns:
