@@ -43,12 +43,37 @@ void ParentLink::Shutdown() {
 }
 
 void ParentLink::Enqueue(Item item) {
+  std::shared_ptr<Conn> conn;
+  uint64_t session = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;
-    queue_.push_back(std::move(item));
+    if (queue_.empty() && published_ && !published_->broken) {
+      auto it = published_sessions_.find(item.job_id);
+      if (it != published_sessions_.end()) {
+        conn = published_;
+        session = it->second;
+      }
+    }
+    if (!conn) {
+      queue_.push_back(std::move(item));
+      cv_.notify_one();
+      return;
+    }
   }
-  cv_.notify_one();
+  // Fast path: the stream is up and the job joined at the parent; write from this thread.
+  if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session_id(session);
+  if (item.frame.has_abort()) item.frame.mutable_abort()->set_session_id(session);
+  if (!Write(conn.get(), item.frame)) {
+    FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
+                                                       " broke")));
+  }
+}
+
+void ParentLink::Unpublish() {
+  std::lock_guard<std::mutex> lock(mu_);
+  published_.reset();
+  published_sessions_.clear();
 }
 
 void ParentLink::Forward(const std::string& job_id, const JobLayout& layout,
@@ -120,6 +145,7 @@ void ParentLink::FailItem(const Item& item, const absl::Status& status) {
 
 absl::Status ParentLink::Send(Item& item) {
   if (conn_ && conn_->broken) {
+    Unpublish();
     if (conn_->reader.joinable()) conn_->reader.join();
     conn_.reset();
   }
@@ -141,7 +167,7 @@ absl::Status ParentLink::Send(Item& item) {
                : " If the root uses TLS (--tls-cert), give this sidecar --upstream-ca"));
     }
     last_connect_error_ = absl::OkStatus();
-    auto conn = std::make_unique<Conn>();
+    auto conn = std::make_shared<Conn>();
     conn->stream = stub_->Exchange(&conn->context);
     if (!conn->stream) return absl::UnavailableError("could not open a stream to the root");
     Conn* raw = conn.get();
@@ -192,6 +218,11 @@ absl::Status ParentLink::Send(Item& item) {
   if (!Write(conn_.get(), item.frame)) {
     return absl::UnavailableError(absl::StrCat("the stream to the root ", address_, " broke"));
   }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    published_ = conn_;
+    published_sessions_[item.job_id] = session;
+  }
   return absl::OkStatus();
 }
 
@@ -199,7 +230,7 @@ bool ParentLink::Write(Conn* conn, const v1::ClientFrame& frame) {
   // Counted before the write: the answer may reach the workers before Write returns.
   if (Metrics* m = aggregator_->metrics()) m->Sent(Metrics::Link::kUpstream, frame.ByteSizeLong());
   std::lock_guard<std::mutex> lock(conn->write_mu);
-  if (!conn->stream->Write(frame)) {
+  if (conn->broken || !conn->stream->Write(frame)) {
     conn->broken = true;
     return false;
   }
@@ -228,6 +259,7 @@ void ParentLink::WriterLoop() {
   for (const Item& item : left) {
     FailItem(item, absl::UnavailableError("the sidecar is shutting down"));
   }
+  Unpublish();
   if (conn_) {
     conn_->context.TryCancel();
     if (conn_->reader.joinable()) conn_->reader.join();

@@ -68,6 +68,7 @@ class ParentLink {
   };
 
   void Enqueue(Item item);
+  void Unpublish();
   void WriterLoop();
   void ReaderLoop(Conn* conn);
   absl::Status Send(Item& item);
@@ -87,7 +88,12 @@ class ParentLink {
   bool stopping_ = false;
   std::mutex jobs_mu_;  // guards job_of_session_ (read by the reader thread)
   std::map<uint64_t, std::string> job_of_session_;
-  std::unique_ptr<Conn> conn_;  // owned by the writer thread
+  std::shared_ptr<Conn> conn_;  // owned by the writer thread
+  // The writer thread publishes an established stream and the jobs joined on it (under mu_),
+  // so that Forward/Abort can write at once from the calling thread when nothing is queued,
+  // without a hop to the writer thread.
+  std::shared_ptr<Conn> published_;
+  std::map<std::string, uint64_t> published_sessions_;
   absl::Status last_connect_error_;                  // writer thread only
   std::chrono::steady_clock::time_point retry_after_;  // writer thread only
   std::thread writer_;
