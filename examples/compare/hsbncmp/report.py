@@ -138,8 +138,9 @@ def markdown(summary, divergence, check, cfg, command, environment):
         lines.append("")
         lines.append("From the root's record (`client.status(include_upstream=True)`) after the "
                      "shadow runs, averaged over seeds. mean shift = |mean_node − mean_global| / "
-                     "sqrt(var_global + 1e-5), averaged over channels and rounds (max: the "
-                     "largest round's average); var ratio = var_node / var_global.")
+                     "sqrt(var_global + 1e-5) per channel, averaged over channels and rounds "
+                     "(max: the largest of any channel in any round); var ratio = (var_node + "
+                     "1e-5) / (var_global + 1e-5), averaged over channels and rounds.")
         lines.append("")
         for t in cfg["tasks"]:
             rows = divergence.get(t) or []
@@ -219,7 +220,7 @@ def plot(path, runs, summary, cfg):
     tasks = cfg["tasks"]
     colors = {"local": "tab:red", "node": "tab:orange", "shadow": "tab:olive",
               "global": "tab:blue", "reference": "black"}
-    styles = {"reference": ":"}
+    styles = {"reference": ":", "shadow": "--"}  # shadow computes what node does: dashed on it
     fig, axes = plt.subplots(len(tasks), 3, figsize=(15, 4.2 * len(tasks)), squeeze=False)
     for i, task in enumerate(tasks):
         ax_loss, ax_curve, ax_trade = axes[i]
