@@ -196,9 +196,11 @@ inline void RunPlan(const Plan& plan, int rank, const ExchangeFn& exchange) {
     const std::vector<int> layers = ResNet50Channels();
     std::vector<std::vector<double>> inputs(layers.size());
     for (size_t l = 0; l < layers.size(); ++l) FillContribution(rank, layers[l], &inputs[l]);
+    // One invocation per layer and phase per step. seq keeps counting across scopes: a round's
+    // key is (op, seq, phase), so restarting it would replay rounds the aggregator has finished.
+    uint64_t seq = 0;
     for (Scope scope : plan.resnet_scopes) {
       samples.clear();
-      uint64_t seq = 0;  // one invocation per layer and phase per step
       for (int step = 0; step < plan.resnet_warmup + plan.resnet_steps; ++step, ++seq) {
         const int64_t t0 = NowNs();
         for (size_t l = 0; l < layers.size(); ++l) {
