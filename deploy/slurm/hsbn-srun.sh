@@ -89,12 +89,20 @@ task_sidecar() {
 task_trainer() {
   local dir; dir="$(run_dir)"
   local waited=0 timeout="${HSBN_READY_TIMEOUT:-60}"
-  until [[ -e "$dir/ready" ]]; do
-    if (( waited >= timeout * 10 )); then
-      echo "hsbn-srun: rank ${SLURM_PROCID}: the sidecar on $(hostname) did not become ready in ${timeout}s ($dir/ready)" >&2
-      exit 3
-    fi
-    sleep 0.1; waited=$((waited + 1))
+  # Every trainer waits for its node's sidecar; on the first node of a multi-node job, where the
+  # root runs too, it also waits for the root, so training never starts before the root is up.
+  local -a needs=("$dir/ready")
+  if (( _HSBN_NNODES > 1 )) && [[ "$SLURM_NODEID" == 0 ]]; then needs+=("$dir/root.ready"); fi
+  local f
+  for f in "${needs[@]}"; do
+    until [[ -e "$f" ]]; do
+      if (( waited >= timeout * 10 )); then
+        local what="sidecar"; [[ "$f" == */root.ready ]] && what="root aggregator"
+        echo "hsbn-srun: rank ${SLURM_PROCID}: the $what on $(hostname) did not become ready in ${timeout}s ($f)" >&2
+        exit 3
+      fi
+      sleep 0.1; waited=$((waited + 1))
+    done
   done
   export RANK="$SLURM_PROCID" WORLD_SIZE="$SLURM_NTASKS"
   export LOCAL_RANK="$SLURM_LOCALID" LOCAL_WORLD_SIZE="$_HSBN_GPUS_PER_NODE"
