@@ -12,6 +12,20 @@
 
 namespace hsbn::server {
 
+namespace {
+uint64_t ContributionHash(int64_t count, const std::string& data) {
+  const uint64_t h = std::hash<std::string>{}(data);
+  return h ^ (uint64_t(count) * 0x9e3779b97f4a7c15ull);
+}
+}  // namespace
+
+std::vector<uint64_t> Job::HashContributions(const Round& round) {
+  std::vector<uint64_t> hashes;
+  hashes.reserve(round.slots.size());
+  for (const Slot& slot : round.slots) hashes.push_back(ContributionHash(slot.count, slot.data));
+  return hashes;
+}
+
 std::string Describe(const RoundKey& key) { return wire::RoundName(key.op, key.seq, key.phase); }
 
 Job::Job(std::string id, JobLayout layout, JobLimits limits)
@@ -254,7 +268,7 @@ void Job::FailRoundLocked(const RoundKey& key, const absl::Status& status, bool 
   ++rounds_failed_;
   out->log.push_back(absl::StrCat("job '", id_, "': round ", Describe(key), " failed: ",
                                   status.ToString()));
-  FinishLocked(key, Finished{status, nullptr});
+  FinishLocked(key, Finished{status, nullptr, {}});
 }
 
 void Job::DeliverLocked(const Round& round, std::shared_ptr<const v1::Result> result,
@@ -283,6 +297,25 @@ void Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
   std::lock_guard<std::mutex> lock(mu_);
   const RoundKey key{c.op(), c.seq(), c.phase()};
   if (auto f = finished_.find(key); f != finished_.end()) {
+    const auto& hashes = f->second.contribution_hashes;
+    if (f->second.status.ok() && size_t(index) < hashes.size() &&
+        hashes[index] != ContributionHash(c.count(), c.data())) {
+      // Not a retransmission: the same key was reused for new data. Answering with the old
+      // result would be silently wrong.
+      if (members_[index].sink) {
+        Actions::Delivery d;
+        d.result = MakeError(
+            key, absl::InvalidArgumentError(absl::StrCat(
+                     MemberName(index), " sent a new contribution to round ", Describe(key),
+                     " of job '", id_, "', which already completed with a different "
+                     "contribution from it. Round keys (op, seq, phase) must not be reused in a "
+                     "job: count seq up on every call of a layer, or use a new HSBN_JOB_ID for a "
+                     "new run")));
+        d.to.emplace_back(session, members_[index].sink);
+        out->deliveries.push_back(std::move(d));
+      }
+      return;
+    }
     SendFinishedLocked(index, session, key, f->second, out);  // late or repeated contribution
     return;
   }
@@ -400,8 +433,9 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   ++rounds_completed_;
   out->outcomes.push_back(Actions::Outcome{round.scope, key.phase, absl::StatusCode::kOk,
                                            round.opened});
+  std::vector<uint64_t> hashes = HashContributions(round);
   open_.erase(key);
-  FinishLocked(key, Finished{absl::OkStatus(), shared});
+  FinishLocked(key, Finished{absl::OkStatus(), shared, std::move(hashes)});
 }
 
 void Job::RecordDivergenceLocked(const Round& round, const v1::Result& global) {
@@ -446,7 +480,7 @@ void Job::ChildAbort(int32_t index, const v1::Abort& abort, Actions* out) {
     ++rounds_failed_;
     out->outcomes.push_back(
         Actions::Outcome{v1::SCOPE_UNSPECIFIED, key.phase, s.code(), Clock::time_point{}});
-    FinishLocked(key, Finished{s, nullptr});  // later partials of this round get the error
+    FinishLocked(key, Finished{s, nullptr, {}});  // later partials of this round get the error
   }
 }
 
@@ -467,8 +501,9 @@ void Job::ParentResult(const v1::Result& result, Actions* out) {
   ++rounds_completed_;
   out->outcomes.push_back(Actions::Outcome{it->second.scope, key.phase, absl::StatusCode::kOk,
                                            it->second.opened});
+  std::vector<uint64_t> hashes = HashContributions(it->second);
   open_.erase(it);
-  FinishLocked(key, Finished{absl::OkStatus(), shared});
+  FinishLocked(key, Finished{absl::OkStatus(), shared, std::move(hashes)});
 }
 
 void Job::ParentLost(const absl::Status& status, Actions* out) {

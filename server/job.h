@@ -182,6 +182,9 @@ class Job {
   struct Finished {
     absl::Status status;
     std::shared_ptr<const v1::Result> result;  // OK rounds only
+    // OK rounds: a hash of each member's contribution, to tell a retransmission (same payload:
+    // answered with the result again) from a reused round key (different payload: refused).
+    std::vector<uint64_t> contribution_hashes;
   };
   struct Member {
     uint64_t session = 0;
@@ -201,6 +204,7 @@ class Job {
   void FailRoundLocked(const RoundKey& key, const absl::Status& status, bool tell_parent,
                        Actions* out, v1::Scope scope = v1::SCOPE_UNSPECIFIED);
   void CompleteLocked(Round& round, Actions* out);
+  static std::vector<uint64_t> HashContributions(const Round& round);
   void FinishLocked(const RoundKey& key, Finished finished);
   void DeliverLocked(const Round& round, std::shared_ptr<const v1::Result> result, Actions* out);
   void SendFinishedLocked(int32_t index, uint64_t session, const RoundKey& key,

@@ -142,6 +142,23 @@ TEST(Job, IdenticalRepeatIsIgnoredAndRepeatAfterCompletionGetsTheResultAgain) {
   EXPECT_EQ(f.sinks[0]->results[1].data(), f.sinks[0]->results[0].data());
 }
 
+TEST(Job, ReusedRoundKeyWithNewDataIsRefusedNotAnsweredWithTheOldResult) {
+  Fixture f(2);
+  f.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}));
+  f.Send(1, Fwd(0, 0, 1, {3.0}, {0.0}));
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  f.Send(0, Fwd(0, 0, 1, {7.0}, {0.0}));  // same key, new data: a reused key
+  ASSERT_EQ(f.sinks[0]->results.size(), 2u);
+  EXPECT_EQ(f.sinks[0]->results[1].code(), int(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(f.sinks[0]->results[1].message().find("must not be reused"), std::string::npos)
+      << f.sinks[0]->results[1].message();
+  EXPECT_NE(f.sinks[0]->results[1].message().find("rank 0"), std::string::npos);
+  f.Send(1, Fwd(0, 0, 1, {3.0}, {0.0}));  // a true retransmission still gets the result
+  ASSERT_EQ(f.sinks[1]->results.size(), 2u);
+  EXPECT_EQ(f.sinks[1]->results[1].code(), 0);
+  EXPECT_EQ(A(f.sinks[1]->results[1])[0], 2.0);
+}
+
 struct BadCase {
   const char* name;
   v1::Contribution contribution;
