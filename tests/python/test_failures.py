@@ -8,11 +8,12 @@ import time
 
 import pytest
 
+import hsbn
 import hsbn.cluster
 import hsbn_cases
 from workerpool import WorkerPool
 
-ROUND_TIMEOUT_MS = 60000
+ROUND_TIMEOUT_MS = 15000  # well above the 10 s the tests allow for noticing a death
 
 
 @pytest.fixture(scope="module")
@@ -26,17 +27,48 @@ def pool():
             workers.close()
 
 
+def contributions(observer, job_id):
+    """(rank 2's contributions at node 1's sidecar, node 0's contributions at the root)."""
+    st = observer.status(include_upstream=True)
+
+    def members(status):
+        for job in status.get("jobs", []):
+            if job.get("jobId") == job_id:
+                return {int(m.get("index", 0)): int(m.get("contributions", 0))
+                        for m in job.get("members", [])}
+        return {}
+    return members(st).get(0, 0), members(st.get("upstream") or {}).get(0, 0)
+
+
+def wait_until_contributed(observer, job_id, before, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        now = contributions(observer, job_id)
+        if now[0] > before[0] and now[1] > before[1]:
+            return
+        assert time.monotonic() < deadline, "ranks 0-2 did not contribute: %s" % (now,)
+        time.sleep(0.02)
+
+
 def test_killed_peer_makes_the_others_raise_naming_its_rank_within_seconds(pool):
     # One good step first, so that every rank is a live member of the job.
     assert all(r["raised"] is None
                for r in pool.call(hsbn_cases.forward_round_timed, [(3,)] * 4, timeout=60))
     victim = 3
     pids = pool.call(hsbn_cases.pid, [()] * 4)
+    job_id = pool.call(hsbn_cases.client_info, [()] * 4)[0]["job_id"]
+    # An observer (its own one-worker job at node 1's sidecar) watches the job's status.
+    observer = hsbn.Client(address=pool.cluster.node_addresses[1], job_id=job_id + "-observer",
+                           rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0)
+    before = contributions(observer, job_id)
     pool.send([(hsbn_cases.forward_round_timed, (3,))] * 3 + [(hsbn_cases.hang_then_die, ())])
-    time.sleep(1.0)  # ranks 0-2 are now waiting in the round for rank 3
+    # Kill rank 3 once ranks 0-2 are waiting in the round for it: rank 2 has contributed at
+    # node 1 and node 0's partial has reached the root.
+    wait_until_contributed(observer, job_id, before)
+    observer.close()
     t_kill = time.monotonic()
     os.kill(pids[victim], signal.SIGKILL)
-    answers = pool.gather(ranks=[0, 1, 2], timeout=ROUND_TIMEOUT_MS / 1000.0 / 2)
+    answers = pool.gather(ranks=[0, 1, 2], timeout=ROUND_TIMEOUT_MS / 1000.0 + 30)
     elapsed = time.monotonic() - t_kill
     for rank, (ok, value) in sorted(answers.items()):
         assert ok, value
@@ -45,3 +77,15 @@ def test_killed_peer_makes_the_others_raise_naming_its_rank_within_seconds(pool)
         assert "rank 3" in value["message"] or "ranks 3" in value["message"] \
             or "rank=3" in value["message"], "rank %d: %s" % (rank, value["message"])
     assert elapsed < 10.0, "the others learned of the death after %.1f s" % elapsed
+
+
+def test_a_round_after_a_peer_died_fails_at_once_naming_it(pool):
+    # Runs after the test above: rank 3 is dead, ranks 0-2 start a new step.
+    assert pool.procs[3].exitcode is not None, "needs the previous test's dead rank 3"
+    pool.send([(hsbn_cases.forward_round_timed, (3,))] * 3)
+    answers = pool.gather(ranks=[0, 1, 2], timeout=ROUND_TIMEOUT_MS / 1000.0 + 30)
+    for rank, (ok, value) in sorted(answers.items()):
+        assert ok, value
+        assert value["is_hsbn"] and "rank 3" in value["message"], (rank, value)
+        assert value["seconds"] < 10.0, "rank %d waited %.1f s: %s" % (
+            rank, value["seconds"], value["message"])
