@@ -120,10 +120,14 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::ClientFrame, v1::
     Aggregator::SessionRef ref;
     if (!aggregator_->FindSession(session, &ref)) return false;
     if (!ref.job->Attach(ref.index, session, outbox_).ok()) return false;
-    for (uint64_t s : sessions_) {
-      if (s == session) return true;
+    for (auto& [s, r] : bound_) {
+      if (s == session) {
+        r = ref;
+        return true;
+      }
     }
     sessions_.push_back(session);
+    bound_.emplace_back(session, ref);
     return true;
   }
 
@@ -139,24 +143,36 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::ClientFrame, v1::
   }
 
   void HandleContribution(const v1::Contribution& c) {
-    Aggregator::SessionRef ref;
-    if (!aggregator_->FindSession(c.session_id(), &ref)) {
-      SendError(c, absl::NotFoundError(
-                       "unknown session: the aggregator restarted or the job was dropped; the "
-                       "client must Join again (hsbn clients do this by themselves)"));
-      return;
+    // The sessions bound to this stream are cached here: no aggregator-wide lock per round.
+    const Aggregator::SessionRef* ref = nullptr;
+    for (const auto& [s, r] : bound_) {
+      if (s == c.session_id()) ref = &r;
     }
-    bool bound = false;
-    for (uint64_t s : sessions_) bound = bound || s == c.session_id();
-    if (!bound && !Bind(c.session_id())) {
-      SendError(c, absl::NotFoundError("this session was replaced by a newer Join of the same "
-                                       "rank; this connection is stale"));
-      return;
+    if (ref == nullptr) {
+      Aggregator::SessionRef found;
+      if (!aggregator_->FindSession(c.session_id(), &found)) {
+        SendError(c, absl::NotFoundError(
+                         "unknown session: the aggregator restarted or the job was dropped; the "
+                         "client must Join again (hsbn clients do this by themselves)"));
+        return;
+      }
+      if (!Bind(c.session_id())) {
+        SendError(c, absl::NotFoundError(kStaleSession));
+        return;
+      }
+      ref = &bound_.back().second;
     }
     Actions actions;
-    ref.job->Contribute(ref.index, c.session_id(), c, Clock::now(), &actions);
-    aggregator_->Execute(actions, ref.job->id());
+    if (!ref->job->Contribute(ref->index, c.session_id(), c, Clock::now(), &actions)) {
+      SendError(c, absl::NotFoundError(kStaleSession));
+      return;
+    }
+    aggregator_->Execute(actions, ref->job->id());
   }
+
+  static constexpr const char* kStaleSession =
+      "this session was replaced by a newer Join of the same rank, or it left the job; this "
+      "connection is stale";
 
   void HandleAbort(const v1::Abort& a) {
     Aggregator::SessionRef ref;
@@ -170,7 +186,9 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::ClientFrame, v1::
   Metrics* const metrics_;
   std::shared_ptr<Outbox> outbox_;
   v1::ClientFrame in_;
-  std::vector<uint64_t> sessions_;  // touched only by OnReadDone, which gRPC serialises
+  // Touched only by OnReadDone, which gRPC serialises.
+  std::vector<uint64_t> sessions_;
+  std::vector<std::pair<uint64_t, Aggregator::SessionRef>> bound_;
 };
 
 }  // namespace

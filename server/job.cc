@@ -156,7 +156,7 @@ absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const
   if (c.channels() == 0) return bad("channels", "is 0; a BatchNorm layer has at least 1 channel");
   if (c.channels() > uint32_t(limits_.max_channels)) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        who, " sent ", c.channels(), " channels to round ", round,
+        who, " sent ", c.channels(), " channels (field 'channels') to round ", round,
         ", more than this aggregator's limit --max-channels=", limits_.max_channels,
         "; raise the limit or split the layer"));
   }
@@ -292,9 +292,10 @@ void Job::SendFinishedLocked(int32_t index, uint64_t session, const RoundKey& ke
   out->deliveries.push_back(std::move(d));
 }
 
-void Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
+bool Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
                      Clock::time_point now, Actions* out) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!members_[index].joined || members_[index].session != session) return false;
   const RoundKey key{c.op(), c.seq(), c.phase()};
   if (auto f = finished_.find(key); f != finished_.end()) {
     const auto& hashes = f->second.contribution_hashes;
@@ -314,10 +315,10 @@ void Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
         d.to.emplace_back(session, members_[index].sink);
         out->deliveries.push_back(std::move(d));
       }
-      return;
+      return true;
     }
     SendFinishedLocked(index, session, key, f->second, out);  // late or repeated contribution
-    return;
+    return true;
   }
   auto it = open_.find(key);
   Round* open = it == open_.end() ? nullptr : &it->second;
@@ -329,7 +330,7 @@ void Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
       out->deliveries.push_back(std::move(d));
     }
     FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
-    return;
+    return true;
   }
   Member& member = members_[index];
   ++member.contributions;
@@ -348,7 +349,7 @@ void Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
           out->deliveries.push_back(std::move(d));
         }
         FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
-        return;
+        return true;
       }
     }
     if (int32_t(open_.size()) >= limits_.max_open_rounds) {
@@ -363,7 +364,7 @@ void Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
         out->deliveries.push_back(std::move(d));
       }
       FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
-      return;
+      return true;
     }
     Round round;
     round.key = key;
@@ -377,11 +378,12 @@ void Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
     open = &it->second;
   }
   Slot& slot = open->slots[index];
-  if (slot.filled) return;  // an identical repeat of what it sent before
+  if (slot.filled) return true;  // an identical repeat of what it sent before
   slot.filled = true;
   slot.count = c.count();
   slot.data = c.data();
   if (++open->filled == int32_t(open->slots.size())) CompleteLocked(*open, out);
+  return true;
 }
 
 void Job::CompleteLocked(Round& round, Actions* out) {

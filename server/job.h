@@ -140,7 +140,9 @@ class Job {
   bool Abandoned() const;
 
   // A member's contribution. Validates it first; a bad one fails the round for everyone.
-  void Contribute(int32_t index, uint64_t session, const v1::Contribution& c, Clock::time_point now,
+  // Returns false, touching nothing, when `session` is no longer the member's session (it was
+  // replaced by a newer Join, or the member left): the caller answers NOT_FOUND.
+  bool Contribute(int32_t index, uint64_t session, const v1::Contribution& c, Clock::time_point now,
                   Actions* out);
   // A child aggregator says a round failed below it.
   void ChildAbort(int32_t index, const v1::Abort& abort, Actions* out);

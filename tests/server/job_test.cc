@@ -301,6 +301,13 @@ TEST(Job, SecondLiveSessionForTheSameRankIsRefused) {
   EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_NE(s.message().find("rank 1"), std::string::npos);
   EXPECT_TRUE(f.job->AddMember(1, 556, 101, &a).ok());  // a reconnect names its old session
+  // The replaced session can no longer contribute; nothing is touched.
+  Actions c;
+  EXPECT_FALSE(f.job->Contribute(1, 101, Fwd(0, 0, 1, {1.0}, {0.0}), Clock::now(), &c));
+  EXPECT_TRUE(c.deliveries.empty());
+  v1::JobStatus status;
+  f.job->FillStatus(&status);
+  EXPECT_EQ(status.open_rounds(), 0);
 }
 
 TEST(Job, GlobalScopeIsForwardedAndAnsweredWithTheParentsResult) {
