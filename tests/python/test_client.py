@@ -120,6 +120,15 @@ def test_two_nodes_reduce_in_node_order_through_the_root(cluster):
 def test_workers_disagreeing_on_the_layout_are_refused(cluster):
     first = hsbn.Client.from_env(cluster.worker_env(0, job_id="layout-job"))
     try:
+        # Wait until the sidecar lists the first worker as connected (its stream attached).
+        deadline = time.monotonic() + 10
+        while True:
+            jobs = {j["jobId"]: j for j in first.status(include_upstream=False)["jobs"]}
+            members = jobs.get("layout-job", {}).get("members", [])
+            if any(m.get("connected") for m in members):
+                break
+            assert time.monotonic() < deadline, jobs
+            time.sleep(0.01)
         # Same sidecar (node 0), same job, but a 2 x 2 layout where the first said 2 x 1.
         wrong = dict(cluster.worker_env(0, job_id="layout-job"), WORLD_SIZE="4",
                      LOCAL_WORLD_SIZE="2", LOCAL_RANK="1", GROUP_RANK="0", RANK="1")
