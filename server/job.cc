@@ -416,7 +416,11 @@ void Job::CompleteLocked(Round& round, Actions* out) {
                                              std::make_shared<const std::string>(result->data())});
     if (round.scope == v1::SCOPE_GLOBAL) {
       round.forwarded = true;
-      round.deadline = Clock::now() + limits_.round_timeout;
+      // The root's own deadline for this round fires first (its round opened no later than
+      // ours was forwarded), and its error names the missing nodes and ranks; ours is only the
+      // backstop for a root that does not answer at all.
+      round.deadline = Clock::now() + limits_.round_timeout +
+                       std::max<Clock::duration>(std::chrono::seconds(1), limits_.round_timeout / 10);
       return;
     }
     result->set_scope(v1::SCOPE_NODE);  // shadow: answer with the node's statistics now

@@ -371,6 +371,21 @@ TEST(Failures, UnreachableRootFailsGlobalRoundsWithoutQueueingBehindTheConnectTi
   }
 }
 
+TEST(Failures, GlobalDeadlineNamesTheNodeWhoseWorkersAreAllGone) {
+  auto c = StartCluster(2, 1, {"--round-timeout-ms=1000"});
+  ASSERT_TRUE(c);
+  auto rank0 = Connect(*c, 0, "node-gone");
+  auto rank1 = Connect(*c, 1, "node-gone");
+  ASSERT_TRUE(rank0 && rank1);
+  rank1.reset();  // node 1 has no worker left: its sidecar never opens the round
+  Contribution in = Good(1.0);
+  std::vector<double> a(4), b(4);
+  absl::Status s = rank0->Forward(0, 0, Scope::kGlobal, 4, 2, in.a.data(), in.b.data(), nullptr,
+                                  a.data(), b.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("waiting for node 1 (ranks 1-1)"), std::string::npos) << s;
+}
+
 TEST(CApi, ForwardRoundAndErrors) {
   auto c = StartCluster(1, 1);
   ASSERT_TRUE(c);
