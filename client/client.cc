@@ -4,12 +4,12 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <cstdlib>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <sstream>
-#include <thread>
 #include <tuple>
 
 #include "absl/strings/numbers.h"
@@ -123,15 +123,81 @@ absl::Status ClientOptions::Validate() const {
   return absl::OkStatus();
 }
 
+// How results reach the caller (leader/follower, no reader thread).
+//
+// A connection is one gRPC bidi stream driven through the async API on its own completion
+// queue. Nobody reads it in the background: a thread that needs an event from the stream (a
+// Wait whose round is not done yet, or a Start that must wait for the previous write to finish)
+// takes the connection's *poller role* if it is free, posts a Read if none is posted, and calls
+// AsyncNext on the completion queue itself. It dispatches every event it gets: its own result
+// ends its wait; other rounds' results complete their PendingRound and wake that waiter (one
+// notify). When its own round is done it gives the role back and wakes one other waiter of that
+// connection, who then polls in its turn. Waiters that do not hold the role sleep on their
+// round's condition variable until their round is done or the role is handed to them. In the
+// common case (one thread, one round at a time) the caller reads its own answer: no thread hop.
+// All of this state (pending_, every PendingRound's fields, every Conn's poll state) is guarded
+// by one mutex, rounds_mu_; it is never held while polling.
+//
+// Timeouts. The poller polls with its own round's deadline (AsyncNext takes one; a blocking
+// sync Read could not), so a poller never stays past its deadline: it gives the role back,
+// returns DEADLINE_EXCEEDED, and the Read it posted stays posted for the next poller, so no
+// result is lost. A follower's deadline passing while someone else polls makes it return
+// DEADLINE_EXCEEDED at once; the poller keeps polling for its own round. A round that timed
+// out is forgotten (removed from pending_); its late result is dropped.
+//
+// Broken streams. A failed Read (or Write) marks the connection broken; its poller then posts
+// Finish, and when Finish completes every round still in flight on that connection fails with
+// UNAVAILABLE. Start reconnects (joining again with previous_session_id) when it finds the
+// current connection broken. Since nobody polls while nobody waits, a break is noticed at the
+// next Start or Wait, not when it happens. When no other thread polls, Start first handles the
+// events already ready without blocking (a closed stream among them: replaced before sending),
+// then, like a sync Write, sees its write complete; a failed write (the stream was dead before
+// the contribution left) marks the stream broken and sends the contribution again, once, on a
+// new stream. A
+// contribution written on a stream that breaks afterwards (or whose write completes in another
+// thread's poll) fails with UNAVAILABLE at its Wait. A broken connection lives on (it may still
+// deliver results read before the break) until its last round is done; its destructor cancels
+// the call and drains its completion queue.
+struct ClientConn {
+  ~ClientConn() {
+    context.TryCancel();
+    cq.Shutdown();
+    void* tag;
+    bool ok;
+    while (cq.Next(&tag, &ok)) {
+    }
+  }
+
+  grpc::ClientContext context;  // declared first: the stream lives in the call's arena
+  grpc::CompletionQueue cq;
+  std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::ClientFrame, v1::ServerFrame>> stream;
+  uint64_t generation = 0;
+  std::atomic<bool> broken{false};  // no new rounds on this stream; set under rounds_mu_
+
+  // Guarded by Client::Impl::rounds_mu_.
+  v1::ServerFrame in;         // the posted Read's buffer
+  bool polling = false;       // a thread holds the poller role
+  bool read_posted = false;
+  bool read_failed = false;
+  bool write_in_flight = false;
+  bool write_failed = false;  // the last write's outcome
+  bool finish_posted = false;
+  bool finished = false;      // Finish completed; every round of this stream has failed
+  int waiters = 0;            // threads sleeping in Wait or Start on this connection
+  grpc::Status final_status;  // Finish's
+  std::condition_variable write_cv;  // Starts waiting for the write slot
+};
+
 class PendingRound {
  public:
   uint32_t op = 0;
   uint64_t seq = 0;
   Phase phase = Phase::kForward;
   int64_t channels = 0;
-  uint64_t generation = 0;
-  std::mutex mu;
+  std::shared_ptr<ClientConn> conn;  // the stream it was sent on
+  // Guarded by Client::Impl::rounds_mu_ until done; after that, read only by its waiter.
   std::condition_variable cv;
+  bool waiting = false;
   bool done = false;
   absl::Status status;
   int64_t count = 0;
@@ -140,10 +206,23 @@ class PendingRound {
 
 namespace {
 using Key = std::tuple<uint32_t, uint64_t, int>;
+
+enum Tag : intptr_t { kStartCall = 1, kRead, kWrite, kFinish };
+void* TagOf(Tag t) { return reinterpret_cast<void*>(t); }
+
+std::chrono::system_clock::time_point ToSystem(std::chrono::steady_clock::time_point t) {
+  const auto now = std::chrono::steady_clock::now();
+  if (t <= now) return std::chrono::system_clock::now();
+  return std::chrono::system_clock::now() +
+         std::chrono::duration_cast<std::chrono::system_clock::duration>(t - now);
 }
+}  // namespace
 
 class Client::Impl {
  public:
+  using Conn = ClientConn;
+  using Clock = std::chrono::steady_clock;
+
   explicit Impl(ClientOptions options) : options_(std::move(options)) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(64 << 20);
@@ -160,8 +239,7 @@ class Client::Impl {
     std::shared_ptr<Conn> conn;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      conn = conn_;
-      conn_.reset();
+      conn = std::move(conn_);
     }
     if (session_ != 0) {
       v1::LeaveRequest req;
@@ -171,14 +249,9 @@ class Client::Impl {
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
       stub_->Leave(&ctx, req, &resp);  // best effort
     }
-    if (conn) {
-      {
-        std::lock_guard<std::mutex> lock(conn->write_mu);
-        if (!conn->broken) conn->stream->WritesDone();
-      }
-      conn->context.TryCancel();
-      if (conn->reader.joinable()) conn->reader.join();
-    }
+    // The stream is cancelled and drained when its last reference goes (rounds not waited for
+    // through the C ABI may hold it a little longer).
+    if (conn) conn->context.TryCancel();
   }
 
   absl::Status Connect() {
@@ -190,7 +263,8 @@ class Client::Impl {
                                                       Scope scope, int64_t channels,
                                                       int64_t count, const double* a,
                                                       const double* b) {
-    const std::string round = wire::RoundName(op, seq, v1::Phase(int(phase)));
+    // The round's name is only built for an error message.
+    auto round = [&] { return wire::RoundName(op, seq, v1::Phase(int(phase))); };
     if (phase != Phase::kForward && phase != Phase::kBackward) {
       return absl::InvalidArgumentError("phase must be forward or backward");
     }
@@ -198,22 +272,18 @@ class Client::Impl {
       return absl::InvalidArgumentError("scope must be node, global or shadow");
     }
     if (channels <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat("round ", round, ": channels=", channels,
+      return absl::InvalidArgumentError(absl::StrCat("round ", round(), ": channels=", channels,
                                                      " must be at least 1"));
     }
     if (a == nullptr || b == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("round ", round, ": null statistics array"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("round ", round(), ": null statistics array"));
     }
     // Large enough to hold the payload; gRPC refuses bigger messages.
     if (wire::PayloadBytes(channels) > (60 << 20)) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "round ", round, ": ", channels, " channels do not fit in one message"));
+          "round ", round(), ": ", channels, " channels do not fit in one message"));
     }
-    auto pending = std::make_shared<PendingRound>();
-    pending->op = op;
-    pending->seq = seq;
-    pending->phase = phase;
-    pending->channels = channels;
     v1::ClientFrame frame;
     v1::Contribution* c = frame.mutable_contribution();
     c->set_op(op);
@@ -223,66 +293,133 @@ class Client::Impl {
     c->set_channels(uint32_t(channels));
     c->set_count(count);
     wire::PackPayload(a, b, channels, c->mutable_data());
-
-    std::shared_ptr<Conn> conn;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!conn_ || conn_->broken) {
-        if (absl::Status s = ConnectLocked(); !s.ok()) return s;
-      }
-      conn = conn_;
-      c->set_session_id(session_);
-    }
-    pending->generation = conn->generation;
     const Key key{op, seq, int(phase)};
-    {
-      std::lock_guard<std::mutex> lock(pending_mu_);
+    const auto deadline = Clock::now() + RoundTimeout();
+
+    // Twice at most: when the stream turns out broken before the contribution left (the
+    // previous write failed, or ours did), it is sent again once on a new stream.
+    for (int attempt = 0;; ++attempt) {
+      std::shared_ptr<Conn> conn;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!conn_ || conn_->broken) {
+          if (absl::Status s = ConnectLocked(); !s.ok()) return s;
+        }
+        conn = conn_;
+        c->set_session_id(session_);
+      }
+      auto pending = std::make_shared<PendingRound>();
+      pending->op = op;
+      pending->seq = seq;
+      pending->phase = phase;
+      pending->channels = channels;
+      pending->conn = conn;
+      std::unique_lock<std::mutex> lk(rounds_mu_);
+      // Nobody polls: handle what is ready without blocking (results read meanwhile, and a
+      // stream closed meanwhile, which is replaced before sending). gRPC's poller handles one
+      // ready socket per pass, hence a second pass.
+      if (!conn->polling) {
+        conn->polling = true;
+        for (int pass = 0; pass < 2 && !conn->broken; ++pass) {
+          Poll(conn, lk, Clock::now(), [] { return false; });
+        }
+        conn->polling = false;
+        HandOff(*conn);
+        if (conn->broken) {
+          if (attempt == 0) continue;
+          return Broken(round());
+        }
+      }
       if (!pending_.emplace(key, pending).second) {
         return absl::AlreadyExistsError(absl::StrCat(
-            "round ", round, " is already in flight on this client; each (op, seq, phase) is "
+            "round ", round(), " is already in flight on this client; each (op, seq, phase) is "
             "one round"));
       }
+      // One write in flight per stream: wait for the previous one to complete.
+      while (conn->write_in_flight && !conn->broken) {
+        if (Clock::now() >= deadline) {
+          Forget(*pending);
+          return absl::DeadlineExceededError(absl::StrCat(
+              "round ", round(), ": could not send to the hsbn sidecar at ", options_.address,
+              " within ", RoundTimeout().count(), " ms"));
+        }
+        if (!conn->polling) {
+          conn->polling = true;
+          Poll(conn, lk, deadline, [&] { return !conn->write_in_flight || conn->broken; });
+          conn->polling = false;
+          HandOff(*conn);
+        } else {
+          ++conn->waiters;
+          conn->write_cv.wait_until(lk, deadline);
+          --conn->waiters;
+        }
+      }
+      if (conn->broken) {  // our contribution was not sent
+        Forget(*pending);
+        if (attempt == 0) continue;
+        return Broken(round());
+      }
+      conn->write_in_flight = true;
+      conn->write_failed = false;
+      conn->stream->Write(frame, TagOf(kWrite));  // serialised here: frame may go
+      // Like a sync Write, see it complete when nobody else polls (usually it already has: the
+      // transport writes inline). A failed write means the stream was dead before the
+      // contribution left: send it again on a new stream. When another thread polls, return
+      // at once; that thread sees the completion, and a failure fails the round at its Wait.
+      if (conn->polling) return pending;
+      conn->polling = true;
+      Poll(conn, lk, deadline, [&] { return !conn->write_in_flight; });
+      conn->polling = false;
+      HandOff(*conn);
+      if (!conn->write_in_flight && conn->write_failed) {
+        Forget(*pending);
+        if (attempt == 0) continue;
+        return Broken(round());
+      }
+      return pending;  // a write still in flight at the deadline fails the round at its Wait
     }
-    bool ok;
-    {
-      std::lock_guard<std::mutex> lock(conn->write_mu);
-      ok = !conn->broken && conn->stream->Write(frame);
-    }
-    if (!ok) {
-      conn->broken = true;
-      std::lock_guard<std::mutex> lock(pending_mu_);
-      pending_.erase(key);
-      return absl::UnavailableError(absl::StrCat(
-          "round ", round, ": the stream to the hsbn sidecar at ", options_.address,
-          " broke while sending; the next call reconnects"));
-    }
-    return pending;
   }
 
   absl::Status Wait(PendingRound& p, int64_t* out_count, double* out_a, double* out_b) {
-    std::chrono::milliseconds timeout = options_.round_timeout;
-    if (timeout.count() <= 0) timeout = aggregator_timeout_ + std::chrono::seconds(5);
-    std::unique_lock<std::mutex> lock(p.mu);
-    if (!p.cv.wait_for(lock, timeout, [&] { return p.done; })) {
-      lock.unlock();
-      {
-        std::lock_guard<std::mutex> g(pending_mu_);
-        auto it = pending_.find(Key{p.op, p.seq, int(p.phase)});
-        if (it != pending_.end() && it->second.get() == &p) pending_.erase(it);
+    const auto deadline = Clock::now() + RoundTimeout();
+    {
+      std::unique_lock<std::mutex> lk(rounds_mu_);
+      Conn& conn = *p.conn;
+      while (!p.done) {
+        if (Clock::now() >= deadline) {
+          Forget(p);
+          if (!conn.polling) HandOff(conn);
+          lk.unlock();
+          return absl::DeadlineExceededError(absl::StrCat(
+              "round ", wire::RoundName(p.op, p.seq, v1::Phase(int(p.phase))),
+              ": no answer from the hsbn sidecar at ", options_.address, " within ",
+              RoundTimeout().count(), " ms"));
+        }
+        if (!conn.polling) {
+          conn.polling = true;
+          Poll(p.conn, lk, deadline, [&] { return p.done; });
+          conn.polling = false;
+          HandOff(conn);
+        } else {
+          p.waiting = true;
+          ++conn.waiters;
+          p.cv.wait_until(lk, deadline);
+          --conn.waiters;
+          p.waiting = false;
+        }
       }
-      return absl::DeadlineExceededError(absl::StrCat(
-          "round ", wire::RoundName(p.op, p.seq, v1::Phase(int(p.phase))), ": no answer from the "
-          "hsbn sidecar at ", options_.address, " within ", timeout.count(), " ms"));
+      if (!conn.polling) HandOff(conn);  // a hand-off meant for us may have raced our result
     }
+    // Done: nobody else touches p now.
     if (!p.status.ok()) return p.status;
     if (int64_t(p.data.size()) != wire::PayloadBytes(p.channels)) {
       return absl::InternalError("the sidecar answered with a payload of the wrong size");
     }
     if (out_count) *out_count = p.count;
-    std::vector<double> a(p.channels), b(p.channels);
-    wire::UnpackPayload(p.data, p.channels, a.data(), b.data());
-    if (out_a) std::copy(a.begin(), a.end(), out_a);
-    if (out_b) std::copy(b.begin(), b.end(), out_b);
+    const size_t half = size_t(p.channels) * sizeof(double);
+    // Straight into the caller's arrays (the inputs were copied by Start, so they may alias).
+    if (out_a) std::memcpy(out_a, p.data.data(), half);
+    if (out_b) std::memcpy(out_b, p.data.data() + half, half);
     return absl::OkStatus();
   }
 
@@ -303,21 +440,127 @@ class Client::Impl {
   std::chrono::milliseconds aggregator_timeout_{30000};
 
  private:
-  struct Conn {
-    grpc::ClientContext context;
-    std::unique_ptr<grpc::ClientReaderWriter<v1::ClientFrame, v1::ServerFrame>> stream;
-    std::mutex write_mu;
-    std::atomic<bool> broken{false};
-    std::thread reader;
-    uint64_t generation = 0;
-  };
+  std::chrono::milliseconds RoundTimeout() const {
+    std::chrono::milliseconds timeout = options_.round_timeout;
+    if (timeout.count() <= 0) timeout = aggregator_timeout_ + std::chrono::seconds(5);
+    return timeout;
+  }
+
+  absl::Status Broken(const std::string& round) const {
+    return absl::UnavailableError(absl::StrCat(
+        "round ", round, ": the stream to the hsbn sidecar at ", options_.address,
+        " broke while sending; the next call reconnects"));
+  }
+
+  // Removes a round from pending_ (if it is still there). rounds_mu_ held.
+  void Forget(PendingRound& p) {
+    auto it = pending_.find(Key{p.op, p.seq, int(p.phase)});
+    if (it != pending_.end() && it->second.get() == &p) pending_.erase(it);
+  }
+
+  // After the poller role was given back: wake one thread that may take it. rounds_mu_ held.
+  void HandOff(Conn& conn) {
+    if (conn.waiters == 0) return;
+    conn.write_cv.notify_all();  // Starts waiting for the write slot (rare)
+    for (auto& [key, r] : pending_) {
+      if (r->conn.get() == &conn && r->waiting && !r->done) {
+        r->cv.notify_one();
+        return;
+      }
+    }
+  }
+
+  // The poller's loop: rounds_mu_ held on entry and exit, released while in AsyncNext. Handles
+  // events until `stop()` or `deadline` (a deadline in the past handles what is ready and
+  // returns). The caller holds conn's poller role.
+  template <typename Stop>
+  void Poll(const std::shared_ptr<Conn>& conn, std::unique_lock<std::mutex>& lk,
+            Clock::time_point deadline, Stop stop) {
+    const auto sys_deadline = ToSystem(deadline);
+    const bool now_only = deadline <= Clock::now();
+    while (!stop()) {
+      if (!conn->read_posted && !conn->read_failed) {
+        conn->read_posted = true;
+        conn->stream->Read(&conn->in, TagOf(kRead));
+      }
+      void* tag = nullptr;
+      bool ok = false;
+      lk.unlock();
+      // A deadline already passed is given as "infinitely past": gRPC rounds deadlines up to
+      // the next millisecond, so "now" would block up to 1 ms in epoll_wait.
+      const auto got = now_only ? conn->cq.AsyncNext(&tag, &ok, gpr_inf_past(GPR_CLOCK_MONOTONIC))
+                                : conn->cq.AsyncNext(&tag, &ok, sys_deadline);
+      lk.lock();
+      if (got != grpc::CompletionQueue::GOT_EVENT) return;  // TIMEOUT (SHUTDOWN: never here)
+      switch (static_cast<Tag>(reinterpret_cast<intptr_t>(tag))) {
+        case kRead:
+          conn->read_posted = false;
+          if (ok) {
+            Dispatch(*conn);
+          } else {
+            conn->read_failed = true;
+            conn->broken = true;
+            if (!conn->finish_posted) {
+              conn->finish_posted = true;
+              conn->stream->Finish(&conn->final_status, TagOf(kFinish));
+            }
+          }
+          break;
+        case kWrite:
+          conn->write_in_flight = false;
+          conn->write_failed = !ok;
+          if (!ok) conn->broken = true;  // the Read fails too, and then Finish is posted
+          if (conn->waiters > 0) conn->write_cv.notify_all();
+          break;
+        case kFinish:
+          conn->finished = true;
+          FailRounds(*conn);
+          break;
+        case kStartCall:
+          break;
+      }
+    }
+  }
+
+  // A result read from conn: complete its round. rounds_mu_ held.
+  void Dispatch(Conn& conn) {
+    if (!conn.in.has_result()) return;
+    v1::Result* r = conn.in.mutable_result();
+    auto it = pending_.find(Key{r->op(), r->seq(), int(r->phase())});
+    // A round we gave up on, a repeat, or a key reused on a newer stream: drop it.
+    if (it == pending_.end() || it->second->conn.get() != &conn) return;
+    PendingRound& p = *it->second;
+    p.status = wire::StatusFromCode(r->code(), r->message());
+    p.count = r->count();
+    p.data.swap(*r->mutable_data());
+    p.done = true;
+    if (p.waiting) p.cv.notify_one();
+    pending_.erase(it);  // p stays alive: its waiter holds it
+  }
+
+  // conn's stream is finished: every round still in flight on it fails. rounds_mu_ held.
+  void FailRounds(Conn& conn) {
+    const std::string why = conn.final_status.error_message();
+    const absl::Status lost = absl::UnavailableError(absl::StrCat(
+        "the stream to the hsbn sidecar at ", options_.address, " broke (",
+        why.empty() ? "closed" : why, "); rounds in flight were lost. The next call reconnects"));
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      PendingRound& p = *it->second;
+      if (p.conn.get() != &conn) {
+        ++it;
+        continue;
+      }
+      p.status = lost;
+      p.done = true;
+      if (p.waiting) p.cv.notify_one();
+      it = pending_.erase(it);
+    }
+  }
 
   absl::Status ConnectLocked() {
-    if (conn_) {  // a broken stream: its reader has failed the rounds in flight
-      conn_->context.TryCancel();
-      if (conn_->reader.joinable()) conn_->reader.join();
-      conn_.reset();
-    }
+    // A broken stream is dropped here; rounds still in flight on it keep it alive until their
+    // waits have seen them fail (or their results, read before the break).
+    conn_.reset();
     const auto deadline = std::chrono::system_clock::now() + options_.connect_timeout;
     if (!channel_->WaitForConnected(deadline)) {
       std::string hint;
@@ -357,78 +600,38 @@ class Client::Impl {
     aggregator_timeout_ = std::chrono::milliseconds(resp.round_timeout_ms());
     auto conn = std::make_shared<Conn>();
     conn->generation = ++generation_;
-    conn->stream = stub_->Exchange(&conn->context);
-    v1::ClientFrame attach;
-    attach.mutable_attach()->add_session_ids(session_);
-    if (!conn->stream->Write(attach)) {
-      conn->context.TryCancel();
-      conn->stream->Finish();
+    // Not shared yet: start the call, then send the attach frame, synchronously on its queue
+    // (StartCall uses the write slot: the attach Write waits for it).
+    conn->stream = stub_->AsyncExchange(&conn->context, &conn->cq, TagOf(kStartCall));
+    const auto op_deadline = deadline + std::chrono::seconds(5);
+    auto await = [&](Tag want) {
+      void* tag = nullptr;
+      bool ok = false;
+      return conn->cq.AsyncNext(&tag, &ok, op_deadline) == grpc::CompletionQueue::GOT_EVENT &&
+             ok && tag == TagOf(want);
+    };
+    bool attached = await(kStartCall);
+    if (attached) {
+      v1::ClientFrame attach;
+      attach.mutable_attach()->add_session_ids(session_);
+      conn->stream->Write(attach, TagOf(kWrite));
+      attached = await(kWrite);
+    }
+    if (!attached) {
       return absl::UnavailableError(absl::StrCat("the hsbn sidecar at ", options_.address,
                                                  " closed the stream at once"));
     }
-    Conn* raw = conn.get();
-    conn->reader = std::thread([this, raw] { ReadLoop(raw); });
     conn_ = std::move(conn);
     return absl::OkStatus();
   }
 
-  void ReadLoop(Conn* conn) {
-    v1::ServerFrame frame;
-    while (conn->stream->Read(&frame)) {
-      if (!frame.has_result()) continue;
-      v1::Result* r = frame.mutable_result();
-      std::shared_ptr<PendingRound> p;
-      {
-        std::lock_guard<std::mutex> lock(pending_mu_);
-        auto it = pending_.find(Key{r->op(), r->seq(), int(r->phase())});
-        if (it == pending_.end()) continue;  // a round we gave up on, or a repeat
-        p = it->second;
-        pending_.erase(it);
-      }
-      std::lock_guard<std::mutex> lock(p->mu);
-      p->status = wire::StatusFromCode(r->code(), r->message());
-      p->count = r->count();
-      p->data = std::move(*r->mutable_data());
-      p->done = true;
-      p->cv.notify_all();
-    }
-    conn->broken = true;
-    grpc::Status status;
-    {
-      std::lock_guard<std::mutex> lock(conn->write_mu);
-      status = conn->stream->Finish();
-    }
-    const absl::Status lost = absl::UnavailableError(absl::StrCat(
-        "the stream to the hsbn sidecar at ", options_.address, " broke (",
-        status.error_message().empty() ? "closed" : status.error_message(),
-        "); rounds in flight were lost. The next call reconnects"));
-    std::vector<std::shared_ptr<PendingRound>> failed;
-    {
-      std::lock_guard<std::mutex> lock(pending_mu_);
-      for (auto it = pending_.begin(); it != pending_.end();) {
-        if (it->second->generation == conn->generation) {
-          failed.push_back(it->second);
-          it = pending_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-    }
-    for (auto& p : failed) {
-      std::lock_guard<std::mutex> lock(p->mu);
-      p->status = lost;
-      p->done = true;
-      p->cv.notify_all();
-    }
-  }
-
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Aggregator::Stub> stub_;
-  std::mutex mu_;  // connection state
+  std::mutex mu_;  // connection state; taken before rounds_mu_, never while holding it
   std::shared_ptr<Conn> conn_;
   uint64_t session_ = 0;
   uint64_t generation_ = 0;
-  std::mutex pending_mu_;
+  std::mutex rounds_mu_;  // pending_, the PendingRounds, the Conns' poll state
   std::map<Key, std::shared_ptr<PendingRound>> pending_;
 };
 
