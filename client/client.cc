@@ -64,7 +64,11 @@ absl::StatusOr<ClientOptions> ClientOptions::FromEnv() {
     *field = int32_t(v);
   }
   const char* job = std::getenv("HSBN_JOB_ID");
-  if (job == nullptr || *job == '\0') job = std::getenv("TORCHELASTIC_RUN_ID");
+  if (job == nullptr || *job == '\0') {
+    job = std::getenv("TORCHELASTIC_RUN_ID");
+    // torchrun sets "none" when no --rdzv-id is given: not an id that tells jobs apart.
+    if (job != nullptr && std::string(job) == "none") job = nullptr;
+  }
   if (job == nullptr || *job == '\0') {
     return absl::InvalidArgumentError(
         "HSBN_JOB_ID is not set (nor torchrun's TORCHELASTIC_RUN_ID): give every process of the "
@@ -435,14 +439,17 @@ class Client::Impl {
   }
 
   const ClientOptions options_;
-  int32_t num_nodes_ = 0;
-  int32_t max_channels_ = 0;
-  std::chrono::milliseconds aggregator_timeout_{30000};
+  // Written on (re)connect under mu_, read without it by rounds and info calls.
+  std::atomic<int32_t> num_nodes_{0};
+  std::atomic<int32_t> max_channels_{0};
+  std::atomic<int64_t> aggregator_timeout_ms_{30000};
 
  private:
   std::chrono::milliseconds RoundTimeout() const {
     std::chrono::milliseconds timeout = options_.round_timeout;
-    if (timeout.count() <= 0) timeout = aggregator_timeout_ + std::chrono::seconds(5);
+    if (timeout.count() <= 0) {
+      timeout = std::chrono::milliseconds(aggregator_timeout_ms_.load()) + std::chrono::seconds(5);
+    }
     return timeout;
   }
 
@@ -597,7 +604,7 @@ class Client::Impl {
     session_ = resp.session_id();
     num_nodes_ = resp.num_nodes();
     max_channels_ = resp.max_channels();
-    aggregator_timeout_ = std::chrono::milliseconds(resp.round_timeout_ms());
+    aggregator_timeout_ms_ = resp.round_timeout_ms();
     auto conn = std::make_shared<Conn>();
     conn->generation = ++generation_;
     // Not shared yet: start the call, then send the attach frame, synchronously on its queue
@@ -692,7 +699,7 @@ const ClientOptions& Client::options() const { return impl_->options_; }
 int32_t Client::num_nodes() const { return impl_->num_nodes_; }
 int32_t Client::max_channels() const { return impl_->max_channels_; }
 std::chrono::milliseconds Client::aggregator_round_timeout() const {
-  return impl_->aggregator_timeout_;
+  return std::chrono::milliseconds(impl_->aggregator_timeout_ms_.load());
 }
 
 }  // namespace hsbn

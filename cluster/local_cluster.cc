@@ -14,6 +14,8 @@
 
 #include "absl/strings/str_cat.h"
 
+extern char** environ;
+
 namespace hsbn::cluster {
 
 absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Spawn(
@@ -28,19 +30,29 @@ absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Spawn(
     log_fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     if (log_fd < 0) return absl::InternalError(absl::StrCat("cannot open log ", log_path));
   }
+  // The child's environment is built here, before fork: after fork in a multithreaded parent
+  // the child may only do async-signal-safe work (setenv allocates).
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    const std::string name = entry.substr(0, entry.find('='));
+    if (env.count(name) == 0) env_strings.push_back(entry);
+  }
+  for (const auto& [k, v] : env) env_strings.push_back(k + "=" + v);
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
   const pid_t pid = fork();
   if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
   if (pid == 0) {
-    // Child: only async-signal-safe work until exec.
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
-    for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
     if (log_fd >= 0) {
       dup2(log_fd, 1);
       dup2(log_fd, 2);
     }
-    execv(args[0], args.data());
+    execve(args[0], args.data(), envp.data());
     _exit(127);
   }
   if (log_fd >= 0) close(log_fd);

@@ -249,11 +249,13 @@ void Aggregator::TickLoop() {
     if (stopping_) break;
     lock.unlock();
     std::vector<std::shared_ptr<Job>> jobs;
+    std::vector<std::string> dropped;
     {
       std::lock_guard<std::mutex> g(mu_);
       for (auto it = jobs_.begin(); it != jobs_.end();) {
         if (it->second->Abandoned()) {
           Log(LogLevel::kInfo, absl::StrCat("job '", it->first, "' dropped: all members are gone"));
+          dropped.push_back(it->first);
           for (auto s = sessions_.begin(); s != sessions_.end();) {
             s = s->second.job == it->second ? sessions_.erase(s) : std::next(s);
           }
@@ -263,6 +265,10 @@ void Aggregator::TickLoop() {
           ++it;
         }
       }
+    }
+    // The root holds the job while this node is a member of it: leave, so it can drop it too.
+    if (parent_) {
+      for (const std::string& id : dropped) parent_->Leave(id);
     }
     const Clock::time_point now = Clock::now();
     for (auto& job : jobs) {

@@ -87,10 +87,12 @@ absl::Status Job::AddMember(int32_t index, uint64_t session, uint64_t previous_s
 absl::Status Job::Attach(int32_t index, uint64_t session, std::shared_ptr<ResultSink> sink) {
   std::lock_guard<std::mutex> lock(mu_);
   Member& m = members_.at(index);
-  if (!m.joined || m.session != session) {
+  if (!m.joined || m.session != session || m.gone) {
+    // A session whose stream broke stays gone: its rounds already failed, so it must Join
+    // again (hsbn's client does) rather than quietly resume.
     return absl::NotFoundError(absl::StrCat(
         "session of ", MemberName(index), " in job '", id_,
-        "' was replaced by a newer Join; this connection is stale and must rejoin"));
+        "' was replaced by a newer Join or lost its stream; this connection must rejoin"));
   }
   m.connected = true;
   m.sink = std::move(sink);
@@ -260,9 +262,9 @@ void Job::FailRoundLocked(const RoundKey& key, const absl::Status& status, bool 
       out->aborts.push_back(Actions::Abort{key, status});
     }
     open_.erase(it);
-  } else if (tell_parent && limits_.has_parent && layout_.member_kind == v1::MEMBER_KIND_WORKER &&
-             layout_.num_nodes > 1) {
+  } else if (tell_parent && limits_.has_parent && ScopeReachesParent(scope)) {
     // The round never opened here (rejected first contribution). Other nodes may be waiting.
+    // (A node-scope round never reaches the root; an unknown scope might.)
     out->aborts.push_back(Actions::Abort{key, status});
   }
   ++rounds_failed_;

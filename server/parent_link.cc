@@ -48,7 +48,7 @@ void ParentLink::Enqueue(Item item) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;
-    if (queue_.empty() && published_ && !published_->broken) {
+    if (!item.leave && queue_.empty() && published_ && !published_->broken) {
       auto it = published_sessions_.find(item.job_id);
       if (it != published_sessions_.end()) {
         conn = published_;
@@ -143,7 +143,46 @@ void ParentLink::FailItem(const Item& item, const absl::Status& status) {
   aggregator_->OnParentResult(item.job_id, r);
 }
 
+void ParentLink::Leave(const std::string& job_id) {
+  Item item;
+  item.job_id = job_id;
+  item.leave = true;
+  Enqueue(std::move(item));
+}
+
 absl::Status ParentLink::Send(Item& item) {
+  if (item.leave) {  // never connects just to leave
+    uint64_t session = 0;
+    if (conn_ && !conn_->broken) {
+      auto it = conn_->session_of_job.find(item.job_id);
+      if (it != conn_->session_of_job.end()) {
+        session = it->second;
+        conn_->session_of_job.erase(it);
+      }
+    }
+    last_session_.erase(item.job_id);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      published_sessions_.erase(item.job_id);
+    }
+    if (session != 0) {
+      {
+        std::lock_guard<std::mutex> lock(jobs_mu_);
+        job_of_session_.erase(session);
+      }
+      v1::LeaveRequest req;
+      req.set_session_id(session);
+      v1::LeaveResponse resp;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      grpc::Status s = stub_->Leave(&ctx, req, &resp);
+      if (!s.ok()) {
+        Log(LogLevel::kDebug, absl::StrCat("leaving job '", item.job_id, "' at the root: ",
+                                           s.error_message()));
+      }
+    }
+    return absl::OkStatus();
+  }
   if (conn_ && conn_->broken) {
     Unpublish();
     if (conn_->reader.joinable()) conn_->reader.join();
@@ -189,6 +228,9 @@ absl::Status ParentLink::Send(Item& item) {
     req.set_node_rank(item.layout.node_rank);
     req.set_rank(-1);
     req.set_local_rank(-1);
+    if (auto last = last_session_.find(item.job_id); last != last_session_.end()) {
+      req.set_previous_session_id(last->second);
+    }
     if (item.token) req.set_token(*item.token);
     v1::JoinResponse resp;
     grpc::ClientContext ctx;
@@ -201,6 +243,7 @@ absl::Status ParentLink::Send(Item& item) {
     }
     session = resp.session_id();
     conn_->session_of_job[item.job_id] = session;
+    last_session_[item.job_id] = session;
     {
       std::lock_guard<std::mutex> lock(jobs_mu_);
       job_of_session_[session] = item.job_id;

@@ -43,6 +43,8 @@ class ParentLink {
                std::shared_ptr<const std::string> token, const Actions::Forward& f);
   void Abort(const std::string& job_id, const JobLayout& layout,
              std::shared_ptr<const std::string> token, const Actions::Abort& a);
+  // The job was dropped here: leave it at the parent too, so the parent can drop it.
+  void Leave(const std::string& job_id);
   // Asks the parent for its status; `done` runs on a gRPC thread.
   void Status(const v1::StatusRequest& request,
               std::function<void(const grpc::Status&, const v1::StatusResponse&)> done);
@@ -57,6 +59,7 @@ class ParentLink {
     v1::ClientFrame frame;
     RoundKey key;
     bool wants_answer = false;  // a global round: its failure to send must fail the round
+    bool leave = false;         // not a frame: leave job_id at the parent
   };
   struct Conn {
     grpc::ClientContext context;
@@ -94,6 +97,10 @@ class ParentLink {
   // without a hop to the writer thread.
   std::shared_ptr<Conn> published_;
   std::map<std::string, uint64_t> published_sessions_;
+  // Writer thread only: the last session each job had at the parent, sent as
+  // previous_session_id when joining again on a new stream (the parent may not have noticed
+  // that the old stream is gone, and would refuse a second live session for the node).
+  std::map<std::string, uint64_t> last_session_;
   absl::Status last_connect_error_;                  // writer thread only
   std::chrono::steady_clock::time_point retry_after_;  // writer thread only
   std::thread writer_;

@@ -386,6 +386,37 @@ TEST(Failures, GlobalDeadlineNamesTheNodeWhoseWorkersAreAllGone) {
   EXPECT_NE(s.message().find("waiting for node 1 (ranks 1-1)"), std::string::npos) << s;
 }
 
+TEST(Failures, FinishedJobIsDroppedAtTheRootToo) {
+  auto c = StartCluster(2, 1);
+  ASSERT_TRUE(c);
+  {
+    std::vector<std::unique_ptr<Client>> job;
+    job.push_back(Connect(*c, 0, "finished"));
+    job.push_back(Connect(*c, 1, "finished"));
+    ASSERT_TRUE(job[0] && job[1]);
+    Contribution in = Good(1.0);
+    auto p0 = job[0]->Start(Phase::kForward, 0, 0, Scope::kGlobal, 4, 2, in.a.data(),
+                            in.b.data());
+    auto p1 = job[1]->Start(Phase::kForward, 0, 0, Scope::kGlobal, 4, 2, in.a.data(),
+                            in.b.data());
+    ASSERT_TRUE(p0.ok() && p1.ok());
+    std::vector<double> a(4), b(4);
+    ASSERT_TRUE(job[0]->Wait(**p0, nullptr, a.data(), b.data()).ok());
+    ASSERT_TRUE(job[1]->Wait(**p1, nullptr, a.data(), b.data()).ok());
+  }  // both workers leave: the sidecars drop the job and leave it at the root
+  Raw root(c->root_address());
+  int jobs = -1;
+  for (int i = 0; i < 200 && jobs != 0; ++i) {
+    v1::StatusRequest req;
+    v1::StatusResponse resp;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(root.stub->Status(&ctx, req, &resp).ok());
+    jobs = resp.jobs_size();
+    if (jobs != 0) std::this_thread::sleep_for(milliseconds(25));
+  }
+  EXPECT_EQ(jobs, 0) << "the root still holds the finished job";
+}
+
 TEST(CApi, ForwardRoundAndErrors) {
   auto c = StartCluster(1, 1);
   ASSERT_TRUE(c);
@@ -445,6 +476,10 @@ TEST(ClientOptions, FromEnvNamesWhatIsWrong) {
   setenv("GROUP_RANK", "1", 1);
   o = ClientOptions::FromEnv();
   EXPECT_NE(o.status().message().find("HSBN_JOB_ID"), std::string::npos) << o.status();
+  setenv("TORCHELASTIC_RUN_ID", "none", 1);  // torchrun without --rdzv-id: not a job id
+  o = ClientOptions::FromEnv();
+  EXPECT_NE(o.status().message().find("HSBN_JOB_ID"), std::string::npos) << o.status();
+  unsetenv("TORCHELASTIC_RUN_ID");
   setenv("HSBN_JOB_ID", "j", 1);
   o = ClientOptions::FromEnv();
   ASSERT_TRUE(o.ok()) << o.status();

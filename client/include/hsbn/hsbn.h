@@ -118,7 +118,8 @@ hsbn_result hsbn_backward(hsbn_client* client, uint32_t op, uint64_t seq, hsbn_s
                           double* out_sum_dy_xmu);
 
 /* Asynchronous rounds: start copies the inputs and sends them; wait blocks for the result,
- * writes the outputs and frees the round (also when it fails). */
+ * writes the outputs and frees the round (also when it fails). Wait for every started round
+ * before hsbn_client_destroy: a round refers to its client. */
 hsbn_result hsbn_round_start(hsbn_client* client, hsbn_phase phase, uint32_t op, uint64_t seq,
                              hsbn_scope scope, int64_t channels, int64_t count, const double* a,
                              const double* b, hsbn_round** out);
