@@ -10,6 +10,7 @@ import ctypes
 import json
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -47,7 +48,7 @@ def _check_layout(rank, world_size, local_rank, local_world_size, node_rank, sou
         bad("RANK must equal GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK")
 
 
-def _check_address(address):
+def _check_address(address, connect_timeout_ms):
     if not address or not isinstance(address, str):
         raise ConfigurationError("the sidecar address is empty; set HSBN_ADDRESS to "
                                  "unix:/path/to.sock or host:port")
@@ -55,6 +56,11 @@ def _check_address(address):
         path = address[len("unix:"):]
         if path.startswith("//"):
             path = path[2:]
+        # A trainer may start before its sidecar: wait for the socket as long as the connect
+        # timeout allows (as the C ABI does), then say plainly what is missing.
+        deadline = time.monotonic() + (connect_timeout_ms if connect_timeout_ms > 0 else 10000) / 1e3
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if not os.path.exists(path):
             raise UnavailableError(
                 "UNAVAILABLE: no sidecar at %s: the socket file %s does not exist. Start the "
@@ -83,7 +89,7 @@ class Client:
                                      "non-empty job id (HSBN_JOB_ID)")
         layout = [int(v) for v in (rank, world_size, local_rank, local_world_size, node_rank)]
         _check_layout(*layout, source="worker layout")
-        _check_address(address)
+        _check_address(address, int(connect_timeout_ms))
         lib = _lib.lib()
         opts = _lib.Options()
         lib.hsbn_options_init(ctypes.byref(opts))
