@@ -188,3 +188,14 @@ def test_python_m_hsbn_reports_the_native_parts():
     assert out.returncode == 0, text
     assert hsbn.library_path() in text and hsbn.aggregator_path() in text
     assert "BN kernels       CPU" in text
+
+
+def test_keyword_overrides_stand_in_for_missing_layout_variables():
+    env = {k: v for k, v in LAYOUT.items() if k != "GROUP_RANK"}
+    with pytest.raises(hsbn.ConfigurationError, match="lacks GROUP_RANK"):
+        hsbn.Client.from_env(env)
+    # node_rank= supplies GROUP_RANK: the layout is complete and it goes on to connect.
+    with pytest.raises(hsbn.UnavailableError, match="no sidecar"):
+        hsbn.Client.from_env(dict(env, HSBN_ADDRESS="unix:/nonexistent/hsbn.sock",
+                                  HSBN_CONNECT_TIMEOUT_MS="100"),
+                             node_rank=int(LAYOUT["GROUP_RANK"]))

@@ -139,15 +139,15 @@ class Client:
         what the environment says.
         """
         env = os.environ if env is None else env
-        missing = [k for k in _ENV_LAYOUT if k not in env and k.lower() not in overrides]
+        names = {"RANK": "rank", "WORLD_SIZE": "world_size", "LOCAL_RANK": "local_rank",
+                 "LOCAL_WORLD_SIZE": "local_world_size", "GROUP_RANK": "node_rank"}
+        missing = [k for k in _ENV_LAYOUT if k not in env and names[k] not in overrides]
         if missing:
             raise ConfigurationError(
                 "the environment lacks %s: run the trainer under torchrun (which sets RANK, "
                 "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK), or set them, or "
                 "construct hsbn.Client(...) explicitly" % ", ".join(missing))
         kw = {}
-        names = {"RANK": "rank", "WORLD_SIZE": "world_size", "LOCAL_RANK": "local_rank",
-                 "LOCAL_WORLD_SIZE": "local_world_size", "GROUP_RANK": "node_rank"}
         for var, name in names.items():
             if var in env:
                 try:
