@@ -120,6 +120,13 @@ std::unique_ptr<Client> Connect(LocalCluster& c, int rank, const std::string& jo
   return client.ok() ? std::move(*client) : nullptr;
 }
 
+// One client per rank of the cluster, all in `job`.
+std::vector<std::unique_ptr<Client>> ConnectAll(LocalCluster& c, const std::string& job) {
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int r = 0; r < c.world_size(); ++r) clients.push_back(Connect(c, r, job));
+  return clients;
+}
+
 struct Contribution {
   int64_t count;
   std::vector<double> a, b;
@@ -155,9 +162,7 @@ Contribution Good(double mean) { return {2, {mean, mean, mean, mean}, {1, 1, 1, 
 TEST(Failures, BadInputFailsItsRoundNamingRankAndFieldAndNothingElse) {
   auto c = StartCluster(1, 2, {"--max-channels=64"});
   ASSERT_TRUE(c);
-  std::vector<std::unique_ptr<Client>> job;
-  job.push_back(Connect(*c, 0, "bad-input"));
-  job.push_back(Connect(*c, 1, "bad-input"));
+  auto job = ConnectAll(*c, "bad-input");
   std::vector<std::unique_ptr<Client>> other;  // an unrelated job on the same sidecar
   other.push_back(Connect(*c, 0, "other-job"));
   other.push_back(Connect(*c, 1, "other-job"));
@@ -282,9 +287,7 @@ TEST(Failures, ConflictingDuplicateFailsTheRound) {
 TEST(Failures, RestartedSidecarFailsRoundsInFlightAndClientsReconnect) {
   auto c = StartCluster(1, 2);
   ASSERT_TRUE(c);
-  std::vector<std::unique_ptr<Client>> job;
-  job.push_back(Connect(*c, 0, "restart"));
-  job.push_back(Connect(*c, 1, "restart"));
+  auto job = ConnectAll(*c, "restart");
   ASSERT_TRUE(job[0] && job[1]);
   auto ok = Round(job, 0, 0, {Good(1.0), Good(3.0)});
   ASSERT_TRUE(ok[0].ok() && ok[1].ok());
@@ -309,9 +312,7 @@ TEST(Failures, RestartedSidecarFailsRoundsInFlightAndClientsReconnect) {
 TEST(Failures, RootRestartFailsGlobalRoundsInFlightAndLaterRoundsSucceed) {
   auto c = StartCluster(2, 1);
   ASSERT_TRUE(c);
-  std::vector<std::unique_ptr<Client>> job;
-  job.push_back(Connect(*c, 0, "root-restart"));
-  job.push_back(Connect(*c, 1, "root-restart"));
+  auto job = ConnectAll(*c, "root-restart");
   ASSERT_TRUE(job[0] && job[1]);
   auto global = [&](uint64_t seq, double m0, double m1, std::vector<double>* mean) {
     Contribution in0 = Good(m0), in1 = Good(m1);
@@ -344,9 +345,7 @@ TEST(Failures, RootRestartFailsGlobalRoundsInFlightAndLaterRoundsSucceed) {
 TEST(Failures, UnreachableRootFailsGlobalRoundsWithoutQueueingBehindTheConnectTimeout) {
   auto c = StartCluster(2, 1);
   ASSERT_TRUE(c);
-  std::vector<std::unique_ptr<Client>> job;
-  job.push_back(Connect(*c, 0, "no-root"));
-  job.push_back(Connect(*c, 1, "no-root"));
+  auto job = ConnectAll(*c, "no-root");
   ASSERT_TRUE(job[0] && job[1]);
   EXPECT_EQ(c->root()->Stop(), 0);
   std::vector<double> a(4), b(4);
@@ -390,9 +389,7 @@ TEST(Failures, FinishedJobIsDroppedAtTheRootToo) {
   auto c = StartCluster(2, 1);
   ASSERT_TRUE(c);
   {
-    std::vector<std::unique_ptr<Client>> job;
-    job.push_back(Connect(*c, 0, "finished"));
-    job.push_back(Connect(*c, 1, "finished"));
+    auto job = ConnectAll(*c, "finished");
     ASSERT_TRUE(job[0] && job[1]);
     Contribution in = Good(1.0);
     auto p0 = job[0]->Start(Phase::kForward, 0, 0, Scope::kGlobal, 4, 2, in.a.data(),
