@@ -1,4 +1,6 @@
 // The C ABI (hsbn.h) over hsbn::Client.
+#include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -178,6 +180,41 @@ hsbn_result hsbn_round_wait(hsbn_round* round, int64_t* out_count, double* out_a
   if (round == nullptr) return Invalid("null round");
   std::unique_ptr<hsbn_round> owned(round);
   return Done(owned->client->client->Wait(*owned->pending, out_count, out_a, out_b));
+}
+
+hsbn_result hsbn_client_stats(const hsbn_client* client, hsbn_stats* out) {
+  g_last_error.clear();
+  if (client == nullptr || out == nullptr) return Invalid("null client or output pointer");
+  // The first version of hsbn_stats ends with elapsed_seconds.
+  constexpr size_t kMinSize = offsetof(hsbn_stats, elapsed_seconds) + sizeof(double);
+  if (out->struct_size < kMinSize) {
+    return Invalid("hsbn_stats.struct_size is too small: set it to sizeof(hsbn_stats)");
+  }
+  const hsbn::ClientStats s = client->client->Stats();
+  hsbn_stats full;
+  std::memset(&full, 0, sizeof full);
+  static_assert(sizeof full.rounds / sizeof full.rounds[0] == hsbn::ClientStats::kScopes);
+  static_assert(sizeof full.rounds[0] / sizeof full.rounds[0][0] == hsbn::ClientStats::kPhases);
+  for (int si = 0; si < hsbn::ClientStats::kScopes; ++si) {
+    for (int pi = 0; pi < hsbn::ClientStats::kPhases; ++pi) {
+      const hsbn::RoundStats& r = s.rounds[si][pi];
+      full.rounds[si][pi] = {r.completed, r.failed, r.blocked_seconds, r.max_blocked_seconds};
+    }
+  }
+  full.bytes_sent = s.bytes_sent;
+  full.bytes_received = s.bytes_received;
+  full.elapsed_seconds = s.elapsed_seconds;
+  const size_t n = std::min(out->struct_size, sizeof full);
+  full.struct_size = n;
+  std::memcpy(out, &full, n);
+  return HSBN_OK;
+}
+
+hsbn_result hsbn_client_reset_stats(hsbn_client* client) {
+  g_last_error.clear();
+  if (client == nullptr) return Invalid("null client");
+  client->client->ResetStats();
+  return HSBN_OK;
 }
 
 hsbn_result hsbn_status_json(hsbn_client* client, int include_upstream, char* buf,

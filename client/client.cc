@@ -197,8 +197,10 @@ class PendingRound {
   uint32_t op = 0;
   uint64_t seq = 0;
   Phase phase = Phase::kForward;
+  Scope scope = Scope::kNode;
   int64_t channels = 0;
   std::shared_ptr<ClientConn> conn;  // the stream it was sent on
+  bool counted = false;  // in the client's stats already; touched only by its waiter
   // Guarded by Client::Impl::rounds_mu_ until done; after that, read only by its waiter.
   std::condition_variable cv;
   bool waiting = false;
@@ -316,6 +318,7 @@ class Client::Impl {
       pending->op = op;
       pending->seq = seq;
       pending->phase = phase;
+      pending->scope = scope;
       pending->channels = channels;
       pending->conn = conn;
       std::unique_lock<std::mutex> lk(rounds_mu_);
@@ -365,6 +368,7 @@ class Client::Impl {
       }
       conn->write_in_flight = true;
       conn->write_failed = false;
+      bytes_sent_.fetch_add(int64_t(frame.ByteSizeLong()), std::memory_order_relaxed);
       conn->stream->Write(frame, TagOf(kWrite));  // serialised here: frame may go
       // Like a sync Write, see it complete when nobody else polls (usually it already has: the
       // transport writes inline). A failed write means the stream was dead before the
@@ -384,7 +388,71 @@ class Client::Impl {
     }
   }
 
-  absl::Status Wait(PendingRound& p, int64_t* out_count, double* out_a, double* out_b) {
+  // A blocking round (Forward, Backward): Start and Wait, blocked time counted from the call.
+  absl::Status Blocking(Phase phase, uint32_t op, uint64_t seq, Scope scope, int64_t channels,
+                        int64_t count, const double* a, const double* b, int64_t* out_count,
+                        double* out_a, double* out_b) {
+    const auto since = Clock::now();
+    auto p = Start(phase, op, seq, scope, channels, count, a, b);
+    if (!p.ok()) {
+      Record(scope, phase, false, true, Clock::now() - since);
+      return p.status();
+    }
+    return Wait(**p, out_count, out_a, out_b, since);
+  }
+
+  // Wait, counted in the stats: the caller has been blocked since `blocked_since`.
+  absl::Status Wait(PendingRound& p, int64_t* out_count, double* out_a, double* out_b,
+                    Clock::time_point blocked_since) {
+    absl::Status s = WaitResult(p, out_count, out_a, out_b);
+    Record(p.scope, p.phase, s.ok(), !p.counted, Clock::now() - blocked_since);
+    p.counted = true;
+    return s;
+  }
+
+  // Adds one blocked call to the stats; count_round: also count its round as completed (ok) or
+  // failed. Ignores scopes and phases that are not valid (refused calls).
+  void Record(Scope scope, Phase phase, bool ok, bool count_round, Clock::duration blocked) {
+    const int si = int(scope) - 1, pi = int(phase) - 1;
+    if (si < 0 || si >= ClientStats::kScopes || pi < 0 || pi >= ClientStats::kPhases) return;
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    Counters& c = counters_[si][pi];
+    if (count_round) ++(ok ? c.completed : c.failed);
+    c.blocked += blocked;
+    if (blocked > c.max_blocked) c.max_blocked = blocked;
+  }
+
+  ClientStats Stats() const {
+    ClientStats out;
+    const auto now = Clock::now();
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    for (int si = 0; si < ClientStats::kScopes; ++si) {
+      for (int pi = 0; pi < ClientStats::kPhases; ++pi) {
+        const Counters& c = counters_[si][pi];
+        RoundStats& r = out.rounds[si][pi];
+        r.completed = c.completed;
+        r.failed = c.failed;
+        r.blocked_seconds = Seconds(c.blocked);
+        r.max_blocked_seconds = Seconds(c.max_blocked);
+      }
+    }
+    out.bytes_sent = bytes_sent_.load(std::memory_order_relaxed);
+    out.bytes_received = bytes_received_.load(std::memory_order_relaxed);
+    out.elapsed_seconds = Seconds(now - stats_since_);
+    return out;
+  }
+
+  void ResetStats() {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    for (auto& row : counters_) {
+      for (Counters& c : row) c = Counters{};
+    }
+    bytes_sent_.store(0, std::memory_order_relaxed);
+    bytes_received_.store(0, std::memory_order_relaxed);
+    stats_since_ = Clock::now();
+  }
+
+  absl::Status WaitResult(PendingRound& p, int64_t* out_count, double* out_a, double* out_b) {
     const auto deadline = Clock::now() + RoundTimeout();
     {
       std::unique_lock<std::mutex> lk(rounds_mu_);
@@ -503,6 +571,8 @@ class Client::Impl {
         case kRead:
           conn->read_posted = false;
           if (ok) {
+            bytes_received_.fetch_add(int64_t(conn->in.ByteSizeLong()),
+                                      std::memory_order_relaxed);
             Dispatch(*conn);
           } else {
             conn->read_failed = true;
@@ -621,6 +691,7 @@ class Client::Impl {
     if (attached) {
       v1::ClientFrame attach;
       attach.mutable_attach()->add_session_ids(session_);
+      bytes_sent_.fetch_add(int64_t(attach.ByteSizeLong()), std::memory_order_relaxed);
       conn->stream->Write(attach, TagOf(kWrite));
       attached = await(kWrite);
     }
@@ -640,6 +711,20 @@ class Client::Impl {
   uint64_t generation_ = 0;
   std::mutex rounds_mu_;  // pending_, the PendingRounds, the Conns' poll state
   std::map<Key, std::shared_ptr<PendingRound>> pending_;
+
+  // Round statistics: a leaf lock, taken once per round, never while waiting.
+  struct Counters {
+    int64_t completed = 0;
+    int64_t failed = 0;
+    Clock::duration blocked{0};
+    Clock::duration max_blocked{0};
+  };
+  static double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+  mutable std::mutex stats_mu_;
+  Counters counters_[ClientStats::kScopes][ClientStats::kPhases];
+  Clock::time_point stats_since_ = Clock::now();
+  std::atomic<int64_t> bytes_sent_{0};
+  std::atomic<int64_t> bytes_received_{0};
 };
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -656,28 +741,56 @@ absl::StatusOr<std::shared_ptr<PendingRound>> Client::Start(Phase phase, uint32_
                                                             uint64_t seq, Scope scope,
                                                             int64_t channels, int64_t count,
                                                             const double* a, const double* b) {
-  return impl_->Start(phase, op, seq, scope, channels, count, a, b);
+  auto p = impl_->Start(phase, op, seq, scope, channels, count, a, b);
+  // Start's own time is not blocked time (see RoundStats); a failed Start is a failed round.
+  if (!p.ok()) impl_->Record(scope, phase, false, true, Impl::Clock::duration::zero());
+  return p;
 }
 
 absl::Status Client::Wait(PendingRound& round, int64_t* out_count, double* out_a,
                           double* out_b) {
-  return impl_->Wait(round, out_count, out_a, out_b);
+  return impl_->Wait(round, out_count, out_a, out_b, Impl::Clock::now());
 }
 
 absl::Status Client::Forward(uint32_t op, uint64_t seq, Scope scope, int64_t channels,
                              int64_t count, const double* mean, const double* m2,
                              int64_t* out_count, double* out_mean, double* out_m2) {
-  auto p = Start(Phase::kForward, op, seq, scope, channels, count, mean, m2);
-  if (!p.ok()) return p.status();
-  return Wait(**p, out_count, out_mean, out_m2);
+  return impl_->Blocking(Phase::kForward, op, seq, scope, channels, count, mean, m2, out_count,
+                         out_mean, out_m2);
 }
 
 absl::Status Client::Backward(uint32_t op, uint64_t seq, Scope scope, int64_t channels,
                               int64_t count, const double* sum_dy, const double* sum_dy_xmu,
                               int64_t* out_count, double* out_sum_dy, double* out_sum_dy_xmu) {
-  auto p = Start(Phase::kBackward, op, seq, scope, channels, count, sum_dy, sum_dy_xmu);
-  if (!p.ok()) return p.status();
-  return Wait(**p, out_count, out_sum_dy, out_sum_dy_xmu);
+  return impl_->Blocking(Phase::kBackward, op, seq, scope, channels, count, sum_dy, sum_dy_xmu,
+                         out_count, out_sum_dy, out_sum_dy_xmu);
+}
+
+ClientStats Client::Stats() const { return impl_->Stats(); }
+void Client::ResetStats() { impl_->ResetStats(); }
+
+RoundStats& RoundStats::operator+=(const RoundStats& other) {
+  completed += other.completed;
+  failed += other.failed;
+  blocked_seconds += other.blocked_seconds;
+  if (other.max_blocked_seconds > max_blocked_seconds) {
+    max_blocked_seconds = other.max_blocked_seconds;
+  }
+  return *this;
+}
+
+RoundStats ClientStats::of(Scope scope) const {
+  RoundStats sum;
+  for (int pi = 0; pi < kPhases; ++pi) sum += rounds[int(scope) - 1][pi];
+  return sum;
+}
+
+RoundStats ClientStats::total() const {
+  RoundStats sum;
+  for (const auto& row : rounds) {
+    for (const RoundStats& r : row) sum += r;
+  }
+  return sum;
 }
 
 absl::StatusOr<v1::StatusResponse> Client::Status(bool include_upstream) {

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -445,6 +446,61 @@ TEST(CApi, ForwardRoundAndErrors) {
             HSBN_INVALID_ARGUMENT);
   EXPECT_NE(std::string(hsbn_last_error()).find("mean[0]"), std::string::npos);
   EXPECT_STREQ(hsbn_result_string(HSBN_INVALID_ARGUMENT), "INVALID_ARGUMENT");
+  // Round statistics: one node forward round completed, one failed (refused by the sidecar).
+  hsbn_stats st;
+  std::memset(&st, 0xff, sizeof st);
+  st.struct_size = sizeof st;
+  ASSERT_EQ(hsbn_client_stats(client, &st), HSBN_OK) << hsbn_last_error();
+  EXPECT_EQ(st.struct_size, sizeof st);
+  const hsbn_round_stats& nf = st.rounds[HSBN_SCOPE_NODE - 1][HSBN_PHASE_FORWARD - 1];
+  EXPECT_EQ(nf.completed, 1);
+  EXPECT_EQ(nf.failed, 1);
+  EXPECT_GT(nf.blocked_seconds, 0.0);
+  EXPECT_GT(nf.max_blocked_seconds, 0.0);
+  EXPECT_LE(nf.max_blocked_seconds, nf.blocked_seconds);
+  EXPECT_LE(nf.blocked_seconds, st.elapsed_seconds);
+  for (int sc = 0; sc < 3; ++sc) {
+    for (int ph = 0; ph < 2; ++ph) {
+      if (sc == HSBN_SCOPE_NODE - 1 && ph == HSBN_PHASE_FORWARD - 1) continue;
+      EXPECT_EQ(st.rounds[sc][ph].completed + st.rounds[sc][ph].failed, 0) << sc << ph;
+      EXPECT_EQ(st.rounds[sc][ph].blocked_seconds, 0.0) << sc << ph;
+    }
+  }
+  EXPECT_GE(st.bytes_sent, 2 * 2 * 2 * int64_t(sizeof(double)));  // two contributions
+  EXPECT_GE(st.bytes_received, 2 * 2 * int64_t(sizeof(double)));  // one result with data
+  // A caller built against a later, larger hsbn_stats: only what this library knows is
+  // written, and struct_size says how much.
+  struct {
+    hsbn_stats known;
+    double later_field;
+  } larger;
+  larger.known.struct_size = sizeof larger;
+  larger.later_field = 42.0;
+  ASSERT_EQ(hsbn_client_stats(client, &larger.known), HSBN_OK);
+  EXPECT_EQ(larger.known.struct_size, sizeof(hsbn_stats));
+  EXPECT_EQ(larger.known.rounds[HSBN_SCOPE_NODE - 1][HSBN_PHASE_FORWARD - 1].completed, 1);
+  EXPECT_EQ(larger.later_field, 42.0);
+  // A struct_size that is not set is refused.
+  st.struct_size = 8;
+  EXPECT_EQ(hsbn_client_stats(client, &st), HSBN_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(hsbn_last_error()).find("struct_size"), std::string::npos);
+  EXPECT_EQ(hsbn_client_stats(nullptr, &st), HSBN_INVALID_ARGUMENT);
+  EXPECT_EQ(hsbn_client_reset_stats(nullptr), HSBN_INVALID_ARGUMENT);
+  // Reset, then one more round through the asynchronous calls (a backward one).
+  ASSERT_EQ(hsbn_client_reset_stats(client), HSBN_OK);
+  st.struct_size = sizeof st;
+  ASSERT_EQ(hsbn_client_stats(client, &st), HSBN_OK);
+  EXPECT_EQ(st.rounds[HSBN_SCOPE_NODE - 1][HSBN_PHASE_FORWARD - 1].completed, 0);
+  EXPECT_EQ(st.rounds[HSBN_SCOPE_NODE - 1][HSBN_PHASE_FORWARD - 1].failed, 0);
+  EXPECT_EQ(st.bytes_sent, 0);
+  hsbn_round* round = nullptr;
+  ASSERT_EQ(hsbn_round_start(client, HSBN_PHASE_BACKWARD, 3, 2, HSBN_SCOPE_NODE, 2, 7, mean, m2,
+                             &round),
+            HSBN_OK);
+  ASSERT_EQ(hsbn_round_wait(round, &count, out_mean, out_m2), HSBN_OK);
+  ASSERT_EQ(hsbn_client_stats(client, &st), HSBN_OK);
+  EXPECT_EQ(st.rounds[HSBN_SCOPE_NODE - 1][HSBN_PHASE_BACKWARD - 1].completed, 1);
+  EXPECT_EQ(st.rounds[HSBN_SCOPE_NODE - 1][HSBN_PHASE_FORWARD - 1].completed, 0);
   size_t needed = 0;
   char buf[4096];
   ASSERT_EQ(hsbn_status_json(client, 0, buf, sizeof buf, &needed), HSBN_OK);

@@ -61,6 +61,44 @@ struct ClientOptions {
 // A round that was started and not yet waited for.
 class PendingRound;
 
+// Counters of one kind of round (one scope and phase, or a sum of several): see ClientStats.
+struct RoundStats {
+  int64_t completed = 0;  // rounds whose result arrived (Wait, Forward or Backward returned OK)
+  int64_t failed = 0;     // rounds whose Start, Wait, Forward or Backward returned an error
+  // Wall time callers spent blocked on these rounds (completed and failed), in seconds: the
+  // whole call for Forward and Backward, the time inside Wait for Start/Wait (Start itself,
+  // which copies and sends, is not counted). Rounds waited for concurrently by several threads
+  // each count their own wait, so this can exceed elapsed wall time.
+  double blocked_seconds = 0;
+  double max_blocked_seconds = 0;  // the longest single blocked call
+
+  int64_t rounds() const { return completed + failed; }
+  RoundStats& operator+=(const RoundStats& other);
+};
+
+// What a Client did since it connected or since its last ResetStats (Client::Stats).
+//
+// Rounds are counted by the scope and phase they were started with; a round is counted once,
+// when its first Wait (or its Forward/Backward) returns, or when Start fails. Calls refused
+// before they name a valid scope and phase are not counted. There is no "local" scope at this
+// level: a local BatchNorm layer makes no rounds.
+struct ClientStats {
+  static constexpr int kScopes = 3;  // node, global, shadow
+  static constexpr int kPhases = 2;  // forward, backward
+  RoundStats rounds[kScopes][kPhases];  // [int(scope) - 1][int(phase) - 1]
+  // Serialized protobuf bytes of the frames written to and read from the round streams
+  // (contributions, results; gRPC and HTTP/2 framing not included).
+  int64_t bytes_sent = 0;
+  int64_t bytes_received = 0;
+  double elapsed_seconds = 0;  // wall time since Connect or the last ResetStats
+
+  const RoundStats& of(Scope scope, Phase phase) const {
+    return rounds[int(scope) - 1][int(phase) - 1];
+  }
+  RoundStats of(Scope scope) const;  // both phases
+  RoundStats total() const;          // every scope and phase
+};
+
 class Client {
  public:
   // Joins the job and opens the stream. Fails with UNAVAILABLE if no sidecar answers within
@@ -85,6 +123,13 @@ class Client {
   absl::Status Backward(uint32_t op, uint64_t seq, Scope scope, int64_t channels, int64_t count,
                         const double* sum_dy, const double* sum_dy_xmu, int64_t* out_count,
                         double* out_sum_dy, double* out_sum_dy_xmu);
+
+  // Round counters and blocked time since Connect or the last ResetStats. Cheap (one short
+  // lock); safe to call from any thread, also while rounds are in flight.
+  ClientStats Stats() const;
+  // Zeroes every counter and restarts elapsed_seconds. Rounds in flight are counted when they
+  // end, in the new period.
+  void ResetStats();
 
   // The sidecar's status, and the root's with include_upstream.
   absl::StatusOr<v1::StatusResponse> Status(bool include_upstream);

@@ -86,6 +86,35 @@ typedef struct hsbn_client_info {
   int64_t round_timeout_ms;    /* the aggregator's round timeout */
 } hsbn_client_info;
 
+/* Round statistics (hsbn_client_stats): counters of one scope and phase. */
+typedef struct hsbn_round_stats {
+  int64_t completed;           /* rounds whose result arrived (the call returned HSBN_OK) */
+  int64_t failed;              /* rounds whose start, wait, forward or backward call failed */
+  /* Wall time callers spent blocked on these rounds (completed and failed), in seconds: the
+   * whole call for hsbn_forward / hsbn_backward, the time inside hsbn_round_wait for
+   * asynchronous rounds (hsbn_round_start itself is not counted). Threads waiting at the same
+   * time each count their own wait. */
+  double blocked_seconds;
+  double max_blocked_seconds;  /* the longest single blocked call */
+} hsbn_round_stats;
+
+/* What a client did since it was created or since hsbn_client_reset_stats. A round is counted
+ * once, under the scope and phase it was started with, when its wait (or its blocking call)
+ * returns, or when its start fails; calls refused for an invalid scope or phase are not
+ * counted. There is no local scope at this level: a local BatchNorm layer makes no rounds.
+ *
+ * Versioned by size: set struct_size = sizeof(hsbn_stats) before the call. The library fills
+ * at most struct_size bytes (fields it does not know stay as they were) and sets struct_size
+ * to the number of bytes it filled; fields may be added at the end in later versions. */
+typedef struct hsbn_stats {
+  size_t struct_size;
+  hsbn_round_stats rounds[3][2];  /* [scope - 1][phase - 1], e.g. rounds[HSBN_SCOPE_GLOBAL - 1]
+                                     [HSBN_PHASE_BACKWARD - 1] */
+  int64_t bytes_sent;             /* serialized bytes of the frames written to the round stream */
+  int64_t bytes_received;         /* ... and read from it (gRPC / HTTP/2 framing not included) */
+  double elapsed_seconds;         /* wall time since creation or the last reset */
+} hsbn_stats;
+
 /* Name of a result code ("INVALID_ARGUMENT"); never NULL. */
 const char* hsbn_result_string(hsbn_result code);
 /* Message of the last failed hsbn call on this thread ("" if none); never NULL. */
@@ -124,6 +153,14 @@ hsbn_result hsbn_round_start(hsbn_client* client, hsbn_phase phase, uint32_t op,
                              hsbn_scope scope, int64_t channels, int64_t count, const double* a,
                              const double* b, hsbn_round** out);
 hsbn_result hsbn_round_wait(hsbn_round* round, int64_t* out_count, double* out_a, double* out_b);
+
+/* The client's round statistics (see hsbn_stats); cheap, callable from any thread at any time.
+ * INVALID_ARGUMENT if struct_size is smaller than the first version of hsbn_stats (one that
+ * ends with elapsed_seconds). */
+hsbn_result hsbn_client_stats(const hsbn_client* client, hsbn_stats* out);
+/* Zeroes the client's round statistics and restarts elapsed_seconds. Rounds in flight are
+ * counted when they end. */
+hsbn_result hsbn_client_reset_stats(hsbn_client* client);
 
 /* The sidecar's status (jobs, members, open rounds, shadow divergence) as JSON text.
  * Writes at most buf_len bytes including the terminating NUL; *needed gets the full size. */
