@@ -1,6 +1,7 @@
 """hsbn: hierarchical synchronized BatchNorm as a service — the Python client.
 
   hsbn.Client            a worker's connection to its node's sidecar aggregator
+                         (Client.stats(): rounds and time blocked in them, per scope and phase)
   hsbn.torch             SyncBatchNorm with a scope, convert_sync_batchnorm (needs PyTorch)
   hsbn.cluster           LocalCluster: a root and one sidecar per simulated node on this machine
 
@@ -9,7 +10,8 @@ The package binds libhsbn.so's C ABI with ctypes; see hsbn._lib for how it is fo
 
 import importlib
 
-from .client import Client, default_client, set_default_client, SCOPES
+from .client import (Client, ClientStats, RoundStats, default_client, set_default_client,
+                     SCOPES)
 from .errors import (HsbnError, ConfigurationError, UnavailableError, DeadlineExceededError,
                      RoundFailedError, InvalidArgumentError, ResourceExhaustedError)
 from ._lib import NativeNotFoundError, library_path, aggregator_path
@@ -17,8 +19,8 @@ from ._lib import NativeNotFoundError, library_path, aggregator_path
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "default_client", "set_default_client", "SCOPES", "HsbnError",
-    "ConfigurationError", "UnavailableError", "DeadlineExceededError", "RoundFailedError",
+    "Client", "ClientStats", "RoundStats", "default_client", "set_default_client", "SCOPES",
+    "HsbnError", "ConfigurationError", "UnavailableError", "DeadlineExceededError", "RoundFailedError",
     "InvalidArgumentError", "ResourceExhaustedError", "NativeNotFoundError", "library_path",
     "aggregator_path", "torch", "cluster",
 ]

@@ -107,6 +107,26 @@ class ClientInfo(ctypes.Structure):
     ]
 
 
+class CRoundStats(ctypes.Structure):
+    _fields_ = [
+        ("completed", ctypes.c_int64),
+        ("failed", ctypes.c_int64),
+        ("blocked_seconds", ctypes.c_double),
+        ("max_blocked_seconds", ctypes.c_double),
+    ]
+
+
+class CStats(ctypes.Structure):
+    """hsbn_stats: rounds[scope - 1][phase - 1]; struct_size versions it."""
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("rounds", (CRoundStats * 2) * 3),
+        ("bytes_sent", ctypes.c_int64),
+        ("bytes_received", ctypes.c_int64),
+        ("elapsed_seconds", ctypes.c_double),
+    ]
+
+
 SCOPE_NODE = 1
 SCOPE_GLOBAL = 2
 SCOPE_SHADOW = 3
@@ -139,6 +159,8 @@ _SIGNATURES = {
     "hsbn_round_start": (_c_int, [_p_void, _c_int, _c_u32, _c_u64, _c_int, _c_i64, _c_i64, _p_dbl,
                                   _p_dbl, ctypes.POINTER(_p_void)]),
     "hsbn_round_wait": (_c_int, [_p_void, _p_i64, _p_dbl, _p_dbl]),
+    "hsbn_client_stats": (_c_int, [_p_void, ctypes.POINTER(CStats)]),
+    "hsbn_client_reset_stats": (_c_int, [_p_void]),
     "hsbn_status_json": (_c_int, [_p_void, _c_int, ctypes.c_char_p, ctypes.c_size_t,
                                   ctypes.POINTER(ctypes.c_size_t)]),
 }

@@ -7,6 +7,7 @@ the torchrun environment at the first synchronized forward.
 """
 
 import ctypes
+import dataclasses
 import json
 import os
 import threading
@@ -18,6 +19,7 @@ from . import _lib
 from .errors import ConfigurationError, UnavailableError, error_for, UNAVAILABLE
 
 SCOPES = {"node": _lib.SCOPE_NODE, "global": _lib.SCOPE_GLOBAL, "shadow": _lib.SCOPE_SHADOW}
+PHASES = {"forward": _lib.PHASE_FORWARD, "backward": _lib.PHASE_BACKWARD}
 
 DEFAULT_ADDRESS = "unix:/tmp/hsbn.sock"
 
@@ -66,6 +68,85 @@ def _check_address(address, connect_timeout_ms):
                 "UNAVAILABLE: no sidecar at %s: the socket file %s does not exist. Start the "
                 "node's aggregator (hsbn-aggregator --role=node --listen=%s), or point "
                 "HSBN_ADDRESS at the one that runs." % (address, path, address), UNAVAILABLE)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundStats:
+    """Counters of one kind of round (a scope and phase, or a sum of several); see Client.stats.
+
+    completed: rounds whose result arrived.
+    failed: rounds whose call raised an error from the library (refused by the aggregator, past
+      the deadline, lost with a broken stream, refused before sending).
+    blocked_seconds: wall time callers spent blocked in these rounds' calls, completed and
+      failed: the whole forward()/backward() call (measured in the library, so without this
+      package's small argument conversion). Threads blocked at the same time each count theirs.
+    max_blocked_seconds: the longest single call.
+    """
+    completed: int = 0
+    failed: int = 0
+    blocked_seconds: float = 0.0
+    max_blocked_seconds: float = 0.0
+
+    @property
+    def rounds(self):
+        """completed + failed."""
+        return self.completed + self.failed
+
+    def __add__(self, other):
+        if not isinstance(other, RoundStats):
+            return NotImplemented
+        return RoundStats(self.completed + other.completed, self.failed + other.failed,
+                          self.blocked_seconds + other.blocked_seconds,
+                          max(self.max_blocked_seconds, other.max_blocked_seconds))
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientStats:
+    """What a Client did since it connected or since its last reset_stats() (Client.stats).
+
+    rounds: {(scope, phase): RoundStats} for every scope in "node", "global", "shadow" and
+      phase in "forward", "backward" (all six keys always present). There is no "local" entry:
+      a local BatchNorm layer makes no rounds.
+    bytes_sent, bytes_received: serialized bytes of the frames written to and read from the
+      round stream (contributions and results; gRPC/HTTP/2 framing not included).
+    elapsed_seconds: wall time since the client connected or its last reset_stats().
+    """
+    rounds: dict
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    elapsed_seconds: float = 0.0
+
+    def get(self, scope=None, phase=None):
+        """RoundStats of one scope and phase; None sums over all scopes (or phases)."""
+        if scope is not None and scope not in SCOPES:
+            raise ConfigurationError("scope must be one of %s, not %r" % (sorted(SCOPES), scope))
+        if phase is not None and phase not in PHASES:
+            raise ConfigurationError("phase must be one of %s, not %r" % (sorted(PHASES), phase))
+        total = RoundStats()
+        for (s, p), r in self.rounds.items():
+            if (scope is None or s == scope) and (phase is None or p == phase):
+                total = total + r
+        return total
+
+    @property
+    def total(self):
+        """RoundStats summed over every scope and phase."""
+        return self.get()
+
+    def as_dict(self):
+        """Plain nested dicts (JSON-ready): {"node": {"forward": {...}, ...}, ..., "bytes_sent":
+        ..., "bytes_received": ..., "elapsed_seconds": ...}."""
+        out = {}
+        for (s, p), r in self.rounds.items():
+            out.setdefault(s, {})[p] = dataclasses.asdict(r)
+        out.update(bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
+                   elapsed_seconds=self.elapsed_seconds)
+        return out
+
+    @classmethod
+    def empty(cls):
+        """All zeros (what a model whose layers make no rounds has)."""
+        return cls({(s, p): RoundStats() for s in SCOPES for p in PHASES})
 
 
 class Client:
@@ -237,6 +318,35 @@ class Client:
             if needed.value <= size:
                 return json.loads(buf.value.decode("utf-8"))
             size = needed.value
+
+    def stats(self):
+        """This client's round statistics as a ClientStats (a frozen dataclass, not a dict;
+        .as_dict() gives one): per scope and phase, rounds completed and failed and seconds
+        blocked in them, since the client connected or its last reset_stats(). Counts every
+        round made through this client, by every layer and thread sharing it. Cheap (one C
+        call, no round trip)."""
+        self._check_open()
+        raw = _lib.CStats()
+        raw.struct_size = ctypes.sizeof(raw)
+        rc = self._lib.hsbn_client_stats(self._handle, ctypes.byref(raw))
+        if rc != 0:
+            raise error_for(rc, "stats call failed: %s" % _lib.last_error())
+        rounds = {}
+        for scope, sc in SCOPES.items():
+            for phase, ph in PHASES.items():
+                r = raw.rounds[sc - 1][ph - 1]
+                rounds[(scope, phase)] = RoundStats(int(r.completed), int(r.failed),
+                                                    float(r.blocked_seconds),
+                                                    float(r.max_blocked_seconds))
+        return ClientStats(rounds, int(raw.bytes_sent), int(raw.bytes_received),
+                           float(raw.elapsed_seconds))
+
+    def reset_stats(self):
+        """Zeroes this client's round statistics (rounds in flight count when they end)."""
+        self._check_open()
+        rc = self._lib.hsbn_client_reset_stats(self._handle)
+        if rc != 0:
+            raise error_for(rc, "reset_stats call failed: %s" % _lib.last_error())
 
     # --- lifetime --------------------------------------------------------------------------------
 

@@ -25,32 +25,6 @@ EARLY_STEPS = 3
 SCOPE = {"local": "local", "node": "node", "global": "global", "shadow": "shadow"}
 
 
-class TimedClient:
-    """Wraps an hsbn.Client and adds up the time spent in its rounds (forward and backward),
-    which includes waiting for the other members of the round."""
-
-    def __init__(self, client):
-        self.client = client
-        self.seconds = 0.0
-        self.rounds = 0
-
-    def forward(self, *args):
-        t = time.perf_counter()
-        try:
-            return self.client.forward(*args)
-        finally:
-            self.seconds += time.perf_counter() - t
-            self.rounds += 1
-
-    def backward(self, *args):
-        t = time.perf_counter()
-        try:
-            return self.client.backward(*args)
-        finally:
-            self.seconds += time.perf_counter() - t
-            self.rounds += 1
-
-
 # --- data --------------------------------------------------------------------------------------
 
 def load_cache(cache):
@@ -138,13 +112,12 @@ def cluster_worker(cfg, jobs, inits, plans, cache, progress):
     rank, world = dist.get_rank(), dist.get_world_size()
     client = hsbn.Client.from_env()
     hsbn.set_default_client(client)
-    timed = TimedClient(client)
     arrays = load_cache(cache)
     results = []
     for j, (task, seed, mode) in enumerate(jobs):
         results.append(_distributed_run(torch, dist, hsbn, cfg, task, seed, mode,
                                         inits[(task, seed)], plans[(task, seed)], arrays,
-                                        client, timed, rank, world, progress, j))
+                                        client, rank, world, progress, j))
     dist.barrier()
     dist.destroy_process_group()
     client.close()
@@ -177,14 +150,20 @@ def _distributed_eval(torch, dist, model, task, xs, ys, rank, world, stats):
     return metric(task, counts.numpy())
 
 
+def _blocked_seconds(client):
+    """Seconds this worker has spent blocked in hsbn rounds (forward and backward, every scope),
+    including waiting for the other members of each round: the client's own counter."""
+    return client.stats().total.blocked_seconds
+
+
 def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, arrays, client,
-                     timed, rank, world, progress, job_index):
+                     rank, world, progress, job_index):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = models.build(task)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in init.items()})
-    model = hsbn.torch.convert_sync_batchnorm(model, scope=SCOPE[mode], client=timed)
+    model = hsbn.torch.convert_sync_batchnorm(model, scope=SCOPE[mode], client=client)
     ddp = DDP(model, broadcast_buffers=False)
     opt = torch.optim.SGD(ddp.parameters(), lr=_lr(cfg, task), momentum=0.9)
     steps = plan["steps"]
@@ -199,13 +178,15 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
         x, y = batch(torch, task, plan, arrays, step, [rank])
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, task) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
-        t0, s0 = time.perf_counter(), timed.seconds
+        # Sync time: what the step spent blocked in hsbn rounds (read outside the timed step).
+        s0 = _blocked_seconds(client)
+        t0 = time.perf_counter()
         loss = F.cross_entropy(ddp(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         step_s[step] = time.perf_counter() - t0
-        sync_s[step] = timed.seconds - s0
+        sync_s[step] = _blocked_seconds(client) - s0
         losses[step] = loss.item()
         if step + 1 == early and rank == 0:
             early_state = state_numpy(model)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..client import default_client
+from ..client import ClientStats, default_client
 from ..errors import ConfigurationError
 from ._function import SyncBatchNormFunction
 
@@ -186,3 +186,32 @@ def convert_sync_batchnorm(module, scope="global", client=None, layer_scopes=Non
                 "layer_scopes names no BatchNorm layer for %s; the layers are: %s"
                 % (", ".join(repr(k) for k in unused), ", ".join(sorted(names_seen)) or "none"))
     return result
+
+
+def model_client(module):
+    """The hsbn.Client that the synchronized layers (scope other than "local") of `module` use:
+    the one given to convert_sync_batchnorm / SyncBatchNorm as client=, or else the process's
+    hsbn.default_client() (created from the environment if no synchronized forward has created
+    it yet, as that forward would). None when `module` has no synchronized layer. Raises
+    ConfigurationError when its layers use different clients."""
+    found = []
+    for _, m in module.named_modules():
+        if isinstance(m, SyncBatchNorm) and m.scope != "local":
+            c = m.client if m.client is not None else default_client()
+            if not any(c is f for f in found):
+                found.append(c)
+    if len(found) > 1:
+        raise ConfigurationError(
+            "the synchronized layers of this module use %d different clients (%s); ask each "
+            "one for its .stats()" % (len(found), ", ".join(repr(c) for c in found)))
+    return found[0] if found else None
+
+
+def stats(module):
+    """Round statistics of the client `module`'s synchronized layers use (model_client), as an
+    hsbn.ClientStats: rounds completed and failed and seconds blocked in them, per scope and
+    phase. They count every round made through that client, so models and threads sharing it
+    share the counts; take differences (or reset_stats()) to measure one stretch of training.
+    All zeros for a module without synchronized layers."""
+    client = model_client(module)
+    return ClientStats.empty() if client is None else client.stats()
