@@ -13,25 +13,25 @@ namespace hsbn::server {
 namespace {
 
 // The write side of one Exchange stream. Results for its members are queued here from any
-// thread; one write is in flight at a time. Send never blocks on the network.
+// thread; one write is in flight at a time. Send never blocks on the network. On a stream whose
+// peer accepts batches (a sidecar), whatever queued while a write was in flight goes out as one
+// ResultBatch frame; workers get one Result per frame.
 class Outbox final : public ResultSink {
  public:
   Outbox(grpc::ServerBidiReactor<v1::ClientFrame, v1::ServerFrame>* reactor, Metrics* metrics)
       : reactor_(reactor), metrics_(metrics) {}
 
+  void EnableBatches() { batches_.store(true, std::memory_order_relaxed); }
+
   void Send(const v1::Result& result) override {
-    if (metrics_) metrics_->Sent(Metrics::Link::kMembers, result.ByteSizeLong());
     v1::ServerFrame* start = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (finishing_) return;
-      pending_.emplace_back();
-      *pending_.back().mutable_result() = result;
+      pending_.push_back(result);
       if (writing_) return;
       writing_ = true;
-      current_ = std::move(pending_.front());
-      pending_.pop_front();
-      start = &current_;
+      start = TakeLocked();
     }
     reactor_->StartWrite(start);  // outside the lock: reactions may run inline
   }
@@ -46,9 +46,7 @@ class Outbox final : public ResultSink {
         pending_.clear();
       }
       if (!pending_.empty() && !finishing_) {
-        current_ = std::move(pending_.front());
-        pending_.pop_front();
-        start = &current_;
+        start = TakeLocked();
       } else {
         writing_ = false;
         if (read_done_ && !finishing_) finish = finishing_ = true;
@@ -69,10 +67,35 @@ class Outbox final : public ResultSink {
   }
 
  private:
+  // Most bytes of results put in one batch frame (a single larger result still goes alone).
+  static constexpr size_t kMaxBatchBytes = 4 << 20;
+
+  // Moves the next frame's worth of pending results into current_.
+  v1::ServerFrame* TakeLocked() {
+    current_.Clear();
+    if (pending_.size() == 1 || !batches_.load(std::memory_order_relaxed)) {
+      *current_.mutable_result() = std::move(pending_.front());
+      pending_.pop_front();
+    } else {
+      v1::ResultBatch* batch = current_.mutable_batch();
+      size_t bytes = 0;
+      while (!pending_.empty() &&
+             (batch->results_size() == 0 ||
+              bytes + pending_.front().data().size() <= kMaxBatchBytes)) {
+        bytes += pending_.front().data().size();
+        *batch->add_results() = std::move(pending_.front());
+        pending_.pop_front();
+      }
+    }
+    if (metrics_) metrics_->Sent(Metrics::Link::kMembers, current_.ByteSizeLong());
+    return &current_;
+  }
+
   grpc::ServerBidiReactor<v1::ClientFrame, v1::ServerFrame>* const reactor_;
   Metrics* const metrics_;
+  std::atomic<bool> batches_{false};
   std::mutex mu_;
-  std::deque<v1::ServerFrame> pending_;
+  std::deque<v1::Result> pending_;
   v1::ServerFrame current_;
   bool writing_ = false;
   bool read_done_ = false;
@@ -96,18 +119,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::ClientFrame, v1::
       return;
     }
     if (metrics_) metrics_->Received(Metrics::Link::kMembers, in_.ByteSizeLong());
-    switch (in_.frame_case()) {
-      case v1::ClientFrame::kAttach:
-        for (uint64_t s : in_.attach().session_ids()) Bind(s);
-        break;
-      case v1::ClientFrame::kContribution:
-        HandleContribution(in_.contribution());
-        break;
-      case v1::ClientFrame::kAbort:
-        HandleAbort(in_.abort());
-        break;
-      default:
-        break;
+    if (in_.has_batch()) {
+      for (const v1::ClientFrame& frame : in_.batch().frames()) Handle(frame);
+    } else {
+      Handle(in_);
     }
     StartRead(&in_);
   }
@@ -116,6 +131,23 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::ClientFrame, v1::
   void OnDone() override { delete this; }
 
  private:
+  void Handle(const v1::ClientFrame& frame) {
+    switch (frame.frame_case()) {
+      case v1::ClientFrame::kAttach:
+        if (frame.attach().accepts_batches()) outbox_->EnableBatches();
+        for (uint64_t s : frame.attach().session_ids()) Bind(s);
+        break;
+      case v1::ClientFrame::kContribution:
+        HandleContribution(frame.contribution());
+        break;
+      case v1::ClientFrame::kAbort:
+        HandleAbort(frame.abort());
+        break;
+      default:  // an empty frame, or a batch nested in a batch: nothing to do
+        break;
+    }
+  }
+
   bool Bind(uint64_t session) {
     Aggregator::SessionRef ref;
     if (!aggregator_->FindSession(session, &ref)) return false;
@@ -482,6 +514,7 @@ absl::Status Aggregator::DoJoin(const v1::JoinRequest& req, v1::JoinResponse* re
   resp->set_max_channels(options_.limits.max_channels);
   resp->set_round_timeout_ms(options_.limits.round_timeout.count());
   resp->set_aggregator_id(options_.id);
+  resp->set_accepts_batches(true);
   return absl::OkStatus();
 }
 

@@ -188,11 +188,29 @@ Metrics::Metrics(const std::string& role, bool has_upstream)
                          "the parent (link=upstream).")
                    .Labels(constant)
                    .Register(*registry_);
+  auto& received_messages =
+      prometheus::BuildCounter()
+          .Name("hsbn_received_messages_total")
+          .Help("Protocol messages received, from the members below or from the parent "
+                "(link=upstream). A batch (several frames in one message) counts once.")
+          .Labels(constant)
+          .Register(*registry_);
+  auto& sent_messages =
+      prometheus::BuildCounter()
+          .Name("hsbn_sent_messages_total")
+          .Help("Protocol messages sent, to the members below or to the parent (link=upstream). "
+                "A batch (several frames in one message) counts once.")
+          .Labels(constant)
+          .Register(*registry_);
   received_[0] = &received.Add({{"link", "members"}});
   sent_[0] = &sent.Add({{"link", "members"}});
+  received_messages_[0] = &received_messages.Add({{"link", "members"}});
+  sent_messages_[0] = &sent_messages.Add({{"link", "members"}});
   if (has_upstream) {
     received_[1] = &received.Add({{"link", "upstream"}});
     sent_[1] = &sent.Add({{"link", "upstream"}});
+    received_messages_[1] = &received_messages.Add({{"link", "upstream"}});
+    sent_messages_[1] = &sent_messages.Add({{"link", "upstream"}});
     upstream_connected_ = &prometheus::BuildGauge()
                                .Name("hsbn_upstream_connected")
                                .Help("1 while this sidecar's stream to its parent (root) is up.")
@@ -249,10 +267,12 @@ void Metrics::RoundTimedOut(const std::string& job_id, const std::string& member
 
 void Metrics::Received(Link link, size_t bytes) {
   if (auto* c = received_[int(link)]) c->Increment(double(bytes));
+  if (auto* c = received_messages_[int(link)]) c->Increment();
 }
 
 void Metrics::Sent(Link link, size_t bytes) {
   if (auto* c = sent_[int(link)]) c->Increment(double(bytes));
+  if (auto* c = sent_messages_[int(link)]) c->Increment();
 }
 
 void Metrics::JoinAnswered(absl::StatusCode code) {

@@ -56,6 +56,7 @@ class Metrics {
   void RoundFinished(v1::Scope scope, v1::Phase phase, absl::StatusCode code, double seconds);
   // A round of `job_id` timed out waiting for `member` ("rank 3", "node 1", "upstream").
   void RoundTimedOut(const std::string& job_id, const std::string& member);
+  // One protocol message (of `bytes` serialized bytes) received or sent on `link`.
   void Received(Link link, size_t bytes);
   void Sent(Link link, size_t bytes);
   void JoinAnswered(absl::StatusCode code);
@@ -94,6 +95,8 @@ class Metrics {
   prometheus::Histogram* latency_[kScopes][kPhases] = {};
   prometheus::Counter* received_[2] = {};
   prometheus::Counter* sent_[2] = {};
+  prometheus::Counter* received_messages_[2] = {};
+  prometheus::Counter* sent_messages_[2] = {};
   prometheus::Gauge* upstream_connected_ = nullptr;  // with an upstream only
 
   std::mutex timeouts_mu_;

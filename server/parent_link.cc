@@ -13,7 +13,160 @@ namespace hsbn::server {
 
 namespace {
 constexpr auto kConnectTimeout = std::chrono::seconds(5);
-}
+// Most bytes of frames put in one FrameBatch (a single larger frame still goes alone).
+constexpr size_t kMaxBatchBytes = 4 << 20;
+}  // namespace
+
+// One Exchange stream to the parent, on gRPC's callback API. Send() queues a frame and starts a
+// write when none is in flight; OnWriteDone sends whatever queued meanwhile, as one FrameBatch
+// when the parent accepts batches. A hold keeps the reactor alive while frames may still be
+// started from outside its reactions; it is released once the stream is broken and no write is
+// in flight, and Send() refuses frames from then on. The reactor owns itself (self_) until
+// OnDone.
+class ParentLink::Conn final
+    : public grpc::ClientBidiReactor<v1::ClientFrame, v1::ServerFrame> {
+ public:
+  explicit Conn(ParentLink* link) : link_(link) {}
+
+  void Start(const std::shared_ptr<Conn>& self, v1::Aggregator::Stub* stub) {
+    self_ = self;
+    stub->async()->Exchange(&context_, this);
+    AddHold();
+    StartRead(&in_);
+    StartCall();
+  }
+
+  // The parent's JoinResponse said it accepts batches.
+  void EnableBatches() { batches_.store(true, std::memory_order_relaxed); }
+
+  // False when the stream is broken: the frame was not queued.
+  bool Send(v1::ClientFrame frame) {
+    v1::ClientFrame* start = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (broken_) return false;
+      pending_.push_back(std::move(frame));
+      if (writing_) return true;
+      writing_ = true;
+      start = TakeLocked();
+    }
+    StartWrite(start);
+    return true;
+  }
+
+  bool broken() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return broken_;
+  }
+  void Cancel() { context_.TryCancel(); }
+
+  // Waits (at most `timeout`) until OnDone has told the link that this stream is gone, so that
+  // its failure report cannot fail rounds already sent on the next stream.
+  void WaitDone(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait_for(lock, timeout, [this] { return done_; });
+  }
+
+  // Writer (connect) thread only.
+  std::map<std::string, uint64_t> session_of_job;
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      Break();
+      return;
+    }
+    Metrics* metrics = link_->aggregator_->metrics();
+    if (metrics) metrics->Received(Metrics::Link::kUpstream, in_.ByteSizeLong());
+    if (in_.has_result()) {
+      link_->Deliver(in_.result());
+    } else if (in_.has_batch()) {
+      for (const v1::Result& r : in_.batch().results()) link_->Deliver(r);
+    }
+    StartRead(&in_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    v1::ClientFrame* start = nullptr;
+    bool release = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!ok) broken_ = true;
+      if (broken_) {
+        pending_.clear();  // the rounds behind them fail through ConnDone -> OnParentLost
+        writing_ = false;
+        release = ReleaseLocked();
+      } else if (!pending_.empty()) {
+        start = TakeLocked();
+      } else {
+        writing_ = false;
+      }
+    }
+    if (!ok) context_.TryCancel();
+    if (start) StartWrite(start);
+    if (release) RemoveHold();
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    link_->ConnDone(status);  // the last use of link_
+    std::shared_ptr<Conn> self = std::move(self_);  // may delete this on return
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    done_cv_.notify_all();
+  }
+
+ private:
+  void Break() {
+    bool release;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      broken_ = true;
+      release = ReleaseLocked();
+    }
+    if (release) RemoveHold();
+  }
+
+  bool ReleaseLocked() {
+    if (!broken_ || writing_ || released_) return false;
+    released_ = true;
+    return true;
+  }
+
+  v1::ClientFrame* TakeLocked() {
+    if (pending_.size() == 1 || !batches_.load(std::memory_order_relaxed)) {
+      current_ = std::move(pending_.front());
+      pending_.pop_front();
+    } else {
+      current_.Clear();
+      v1::FrameBatch* batch = current_.mutable_batch();
+      size_t bytes = 0;
+      while (!pending_.empty()) {
+        const size_t size = pending_.front().contribution().data().size();
+        if (batch->frames_size() > 0 && bytes + size > kMaxBatchBytes) break;
+        bytes += size;
+        *batch->add_frames() = std::move(pending_.front());
+        pending_.pop_front();
+      }
+    }
+    if (Metrics* m = link_->aggregator_->metrics()) {
+      m->Sent(Metrics::Link::kUpstream, current_.ByteSizeLong());
+    }
+    return &current_;
+  }
+
+  ParentLink* const link_;
+  std::shared_ptr<Conn> self_;
+  grpc::ClientContext context_;
+  v1::ServerFrame in_;
+  std::atomic<bool> batches_{false};
+  std::mutex mu_;
+  std::deque<v1::ClientFrame> pending_;
+  v1::ClientFrame current_;
+  bool writing_ = false;
+  bool broken_ = false;
+  bool released_ = false;
+  bool done_ = false;
+  std::condition_variable done_cv_;
+};
 
 ParentLink::ParentLink(Aggregator* aggregator, std::string address, std::string id,
                        std::shared_ptr<grpc::ChannelCredentials> credentials, bool tls,
@@ -25,6 +178,12 @@ ParentLink::ParentLink(Aggregator* aggregator, std::string address, std::string 
   args.SetMaxSendMessageSize(64 << 20);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  // Ping an idle link every 10 s and give up on it after 5 s without an answer: a root whose
+  // machine vanished (no RST) is noticed without waiting for a write to fail. The root allows
+  // pings this often (main.cc sets its minimum ping interval).
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);  // keep pinging an idle stream
   channel_ = grpc::CreateCustomChannel(address_, std::move(credentials), args);
   stub_ = v1::Aggregator::NewStub(channel_);
   writer_ = std::thread([this] { WriterLoop(); });
@@ -40,6 +199,9 @@ void ParentLink::Shutdown() {
   }
   cv_.notify_all();
   if (writer_.joinable()) writer_.join();
+  // A stream's reactions call into this object and the aggregator until its OnDone.
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return live_conns_ == 0; });
 }
 
 void ParentLink::Enqueue(Item item) {
@@ -48,7 +210,7 @@ void ParentLink::Enqueue(Item item) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;
-    if (!item.leave && queue_.empty() && published_ && !published_->broken) {
+    if (!item.leave && queue_.empty() && published_ && !published_->broken()) {
       auto it = published_sessions_.find(item.job_id);
       if (it != published_sessions_.end()) {
         conn = published_;
@@ -61,10 +223,11 @@ void ParentLink::Enqueue(Item item) {
       return;
     }
   }
-  // Fast path: the stream is up and the job joined at the parent; write from this thread.
+  // Fast path: the stream is up and the job joined at the parent; queue on the stream from this
+  // thread (never blocks).
   if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session_id(session);
   if (item.frame.has_abort()) item.frame.mutable_abort()->set_session_id(session);
-  if (!Write(conn.get(), item.frame)) {
+  if (!conn->Send(std::move(item.frame))) {
     FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
                                                        " broke")));
   }
@@ -153,7 +316,7 @@ void ParentLink::Leave(const std::string& job_id) {
 absl::Status ParentLink::Send(Item& item) {
   if (item.leave) {  // never connects just to leave
     uint64_t session = 0;
-    if (conn_ && !conn_->broken) {
+    if (conn_ && !conn_->broken()) {
       auto it = conn_->session_of_job.find(item.job_id);
       if (it != conn_->session_of_job.end()) {
         session = it->second;
@@ -183,9 +346,9 @@ absl::Status ParentLink::Send(Item& item) {
     }
     return absl::OkStatus();
   }
-  if (conn_ && conn_->broken) {
+  if (conn_ && conn_->broken()) {
     Unpublish();
-    if (conn_->reader.joinable()) conn_->reader.join();
+    conn_->WaitDone(std::chrono::seconds(10));
     conn_.reset();
   }
   if (!conn_) {
@@ -206,12 +369,13 @@ absl::Status ParentLink::Send(Item& item) {
                : " If the root uses TLS (--tls-cert), give this sidecar --upstream-ca"));
     }
     last_connect_error_ = absl::OkStatus();
-    auto conn = std::make_shared<Conn>();
-    conn->stream = stub_->Exchange(&conn->context);
-    if (!conn->stream) return absl::UnavailableError("could not open a stream to the root");
-    Conn* raw = conn.get();
+    auto conn = std::make_shared<Conn>(this);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++live_conns_;
+    }
+    conn->Start(conn, stub_.get());
     conn_ = std::move(conn);
-    conn_->reader = std::thread([this, raw] { ReaderLoop(raw); });
     Log(LogLevel::kInfo, absl::StrCat("connected to the root aggregator at ", address_,
                                       tls_ ? " (TLS)" : ""));
     if (Metrics* m = aggregator_->metrics()) m->SetUpstreamConnected(true);
@@ -242,6 +406,7 @@ absl::Status ParentLink::Send(Item& item) {
                                        " failed: ", s.error_message()));
     }
     session = resp.session_id();
+    if (resp.accepts_batches()) conn_->EnableBatches();
     conn_->session_of_job[item.job_id] = session;
     last_session_[item.job_id] = session;
     {
@@ -250,7 +415,8 @@ absl::Status ParentLink::Send(Item& item) {
     }
     v1::ClientFrame attach;
     attach.mutable_attach()->add_session_ids(session);
-    if (!Write(conn_.get(), attach)) {
+    attach.mutable_attach()->set_accepts_batches(true);
+    if (!conn_->Send(std::move(attach))) {
       return absl::UnavailableError(absl::StrCat("the stream to the root ", address_, " broke"));
     }
   } else {
@@ -258,7 +424,7 @@ absl::Status ParentLink::Send(Item& item) {
   }
   if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session_id(session);
   if (item.frame.has_abort()) item.frame.mutable_abort()->set_session_id(session);
-  if (!Write(conn_.get(), item.frame)) {
+  if (!conn_->Send(std::move(item.frame))) {
     return absl::UnavailableError(absl::StrCat("the stream to the root ", address_, " broke"));
   }
   {
@@ -267,17 +433,6 @@ absl::Status ParentLink::Send(Item& item) {
     published_sessions_[item.job_id] = session;
   }
   return absl::OkStatus();
-}
-
-bool ParentLink::Write(Conn* conn, const v1::ClientFrame& frame) {
-  // Counted before the write: the answer may reach the workers before Write returns.
-  if (Metrics* m = aggregator_->metrics()) m->Sent(Metrics::Link::kUpstream, frame.ByteSizeLong());
-  std::lock_guard<std::mutex> lock(conn->write_mu);
-  if (conn->broken || !conn->stream->Write(frame)) {
-    conn->broken = true;
-    return false;
-  }
-  return true;
 }
 
 void ParentLink::WriterLoop() {
@@ -304,34 +459,24 @@ void ParentLink::WriterLoop() {
   }
   Unpublish();
   if (conn_) {
-    conn_->context.TryCancel();
-    if (conn_->reader.joinable()) conn_->reader.join();
+    conn_->Cancel();
     conn_.reset();
   }
 }
 
-void ParentLink::ReaderLoop(Conn* conn) {
-  v1::ServerFrame frame;
-  Metrics* metrics = aggregator_->metrics();
-  while (conn->stream->Read(&frame)) {
-    if (metrics) metrics->Received(Metrics::Link::kUpstream, frame.ByteSizeLong());
-    if (!frame.has_result()) continue;
-    std::string job_id;
-    {
-      std::lock_guard<std::mutex> lock(jobs_mu_);
-      auto it = job_of_session_.find(frame.result().session_id());
-      if (it == job_of_session_.end()) continue;
-      job_id = it->second;
-    }
-    aggregator_->OnParentResult(job_id, frame.result());
-  }
-  conn->broken = true;
-  if (metrics) metrics->SetUpstreamConnected(false);
-  grpc::Status status;
+void ParentLink::Deliver(const v1::Result& result) {
+  std::string job_id;
   {
-    std::lock_guard<std::mutex> lock(conn->write_mu);
-    status = conn->stream->Finish();
+    std::lock_guard<std::mutex> lock(jobs_mu_);
+    auto it = job_of_session_.find(result.session_id());
+    if (it == job_of_session_.end()) return;
+    job_id = it->second;
   }
+  aggregator_->OnParentResult(job_id, result);
+}
+
+void ParentLink::ConnDone(const grpc::Status& status) {
+  if (Metrics* m = aggregator_->metrics()) m->SetUpstreamConnected(false);
   bool stopping;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -344,6 +489,9 @@ void ParentLink::ReaderLoop(Conn* conn) {
         "this node's sidecar lost its link to the root aggregator at ", address_, " (",
         status.error_message(), "); global rounds in flight failed, later rounds reconnect")));
   }
+  std::lock_guard<std::mutex> lock(mu_);
+  --live_conns_;
+  cv_.notify_all();
 }
 
 }  // namespace hsbn::server

@@ -1,16 +1,21 @@
 // server/parent_link.h — a sidecar's one persistent stream to its parent (root) aggregator.
 //
-// Forward() and Abort() queue a frame and return at once; a writer thread connects (lazily,
-// and again after a failure), joins each job at the parent once, and writes the frames in
-// order. A reader thread hands the parent's results back to the Aggregator. When the stream
-// breaks, the Aggregator is told at once so that every round waiting on the parent fails with
-// UNAVAILABLE instead of at its deadline; the next forward reconnects.
+// Forward() and Abort() never block. When the stream is up and the job already joined at the
+// parent, the frame goes straight to the stream's write queue from the calling thread; otherwise
+// it queues for a connect thread, which connects (lazily, and again after a failure), joins
+// each job at the parent once, and then hands the frame to the stream. The stream is a gRPC
+// callback-API reactor (Conn): one write in flight at a time, and whatever queued meanwhile goes
+// out as one FrameBatch message when the root accepts batches, so many rounds in flight cost
+// one message, not one each. Results (single or batched) are handed to the Aggregator from the
+// reactor's read callback. When the stream breaks, the Aggregator is told at once so that every
+// round waiting on the parent fails with UNAVAILABLE instead of at its deadline; the next
+// forward reconnects. gRPC keepalive pings the root every 10 s when the link is idle, so a
+// half-open link (the root's machine vanished) is noticed within about 15 s.
 //
 // Thread safety: all public methods are thread-safe.
 #ifndef HSBN_SERVER_PARENT_LINK_H_
 #define HSBN_SERVER_PARENT_LINK_H_
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -61,22 +66,16 @@ class ParentLink {
     bool wants_answer = false;  // a global round: its failure to send must fail the round
     bool leave = false;         // not a frame: leave job_id at the parent
   };
-  struct Conn {
-    grpc::ClientContext context;
-    std::unique_ptr<grpc::ClientReaderWriter<v1::ClientFrame, v1::ServerFrame>> stream;
-    std::mutex write_mu;
-    std::atomic<bool> broken{false};
-    std::thread reader;
-    std::map<std::string, uint64_t> session_of_job;
-  };
+  class Conn;
 
   void Enqueue(Item item);
   void Unpublish();
   void WriterLoop();
-  void ReaderLoop(Conn* conn);
   absl::Status Send(Item& item);
-  bool Write(Conn* conn, const v1::ClientFrame& frame);
   void FailItem(const Item& item, const absl::Status& status);
+  // Called by Conn's reactions.
+  void Deliver(const v1::Result& result);
+  void ConnDone(const grpc::Status& status);
 
   Aggregator* const aggregator_;
   const std::string address_;
@@ -89,9 +88,10 @@ class ParentLink {
   std::condition_variable cv_;
   std::deque<Item> queue_;
   bool stopping_ = false;
-  std::mutex jobs_mu_;  // guards job_of_session_ (read by the reader thread)
+  std::mutex jobs_mu_;  // guards job_of_session_ (read by the stream's read callback)
   std::map<uint64_t, std::string> job_of_session_;
   std::shared_ptr<Conn> conn_;  // owned by the writer thread
+  int live_conns_ = 0;          // under mu_: streams whose OnDone has not run yet
   // The writer thread publishes an established stream and the jobs joined on it (under mu_),
   // so that Forward/Abort can write at once from the calling thread when nothing is queued,
   // without a hop to the writer thread.

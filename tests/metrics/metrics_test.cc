@@ -1,5 +1,6 @@
 // Metrics: real hsbn-aggregator processes with --metrics-listen=127.0.0.1:0, real rounds run by
 // in-process C++ clients, /metrics scraped over plain HTTP, exact values asserted.
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -235,6 +236,90 @@ TEST(Metrics, RootAndSidecarsCountGlobalRoundsAndTheRootExportsShadowDivergence)
   EXPECT_EQ(Sample(text, "hsbn_rounds_total",
                    L({{"role", "root"}, {"scope", "global"}, {"phase", "forward"},
                       {"outcome", "deadline_exceeded"}})), 1);
+}
+
+// Many global rounds in flight: a sidecar sends what queued while its previous write to the
+// root was in flight as one batch message, and the root answers a batch-capable sidecar the
+// same way. Every round must still get exactly its own result. Batching depends on timing (a
+// write that completes before the next round is ready goes alone), so bursts repeat until both
+// directions have been seen batching, at most 20 times.
+TEST(Metrics, ConcurrentGlobalRoundsTravelInBatchesBetweenSidecarAndRoot) {
+  TempDir dir;
+  auto root = StartAggregator(dir.path(), "root",
+                              {"--role=root", "--listen=127.0.0.1:0",
+                               "--metrics-listen=127.0.0.1:0"});
+  ASSERT_TRUE(root.ok()) << root.status();
+  std::vector<testing::Aggregator> sidecars;
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int node = 0; node < 2; ++node) {
+    const std::string name = "node" + std::to_string(node);
+    auto s = StartAggregator(dir.path(), name,
+                             {"--role=node", "--listen=unix:" + (dir / (name + ".sock")),
+                              "--upstream=" + root->address, "--metrics-listen=127.0.0.1:0"});
+    ASSERT_TRUE(s.ok()) << s.status();
+    auto c = Client::Connect(WorkerOptions(s->address, "b-job", node, 2, 1));
+    ASSERT_TRUE(c.ok()) << c.status();
+    clients.push_back(std::move(*c));
+    sidecars.push_back(std::move(*s));
+  }
+  constexpr int kChannels = 8, kRounds = 300;
+  // Round r of node n: count 10 + n, mean (n + r) in every channel, m2 = count (variance 1).
+  auto start_burst = [&](int burst, int node, std::vector<std::shared_ptr<PendingRound>>* out) {
+    std::vector<double> mean(kChannels), m2(kChannels, 10.0 + node);
+    for (int r = 0; r < kRounds; ++r) {
+      std::fill(mean.begin(), mean.end(), double(node + r));
+      auto p = clients[node]->Start(Phase::kForward, uint32_t(r), uint64_t(burst), Scope::kGlobal,
+                                    kChannels, 10 + node, mean.data(), m2.data());
+      ASSERT_TRUE(p.ok()) << p.status();
+      out->push_back(*p);
+    }
+  };
+  double up_sent = 0, root_received = 0, root_sent = 0;
+  int bursts = 0;
+  bool batched_up = false, batched_down = false;
+  for (; bursts < 20 && !(batched_up && batched_down); ++bursts) {
+    std::vector<std::shared_ptr<PendingRound>> p0, p1;
+    std::thread t([&] { start_burst(bursts, 1, &p1); });
+    start_burst(bursts, 0, &p0);
+    t.join();
+    ASSERT_EQ(p0.size(), size_t(kRounds));
+    ASSERT_EQ(p1.size(), size_t(kRounds));
+    for (int node = 0; node < 2; ++node) {
+      for (int r = 0; r < kRounds; ++r) {
+        int64_t n = 0;
+        std::vector<double> mean(kChannels), m2(kChannels);
+        absl::Status st =
+            clients[node]->Wait(*(node == 0 ? p0 : p1)[r], &n, mean.data(), m2.data());
+        ASSERT_TRUE(st.ok()) << st;
+        // Global: 10 values at mean r and 11 at mean r + 1, each with variance 1.
+        ASSERT_EQ(n, 21);
+        const double mu = (10.0 * r + 11.0 * (r + 1)) / 21.0;
+        const double want_m2 = 21.0 + 10.0 * (r - mu) * (r - mu) + 11.0 * (r + 1 - mu) * (r + 1 - mu);
+        for (int c = 0; c < kChannels; ++c) {
+          ASSERT_NEAR(mean[c], mu, 1e-12 * (1 + std::abs(mu))) << "round " << r;
+          ASSERT_NEAR(m2[c], want_m2, 1e-10 * want_m2) << "round " << r;
+        }
+      }
+    }
+    const double rounds = double(kRounds) * (bursts + 1);
+    up_sent = Sample(Scrape(sidecars[0]), "hsbn_sent_messages_total", L({{"link", "upstream"}}));
+    const std::string rt = Scrape(*root);
+    root_received = Sample(rt, "hsbn_received_messages_total", L({{"link", "members"}}));
+    root_sent = Sample(rt, "hsbn_sent_messages_total", L({{"link", "members"}}));
+    // Each sidecar forwards `rounds` partials (plus an Attach); the root receives 2 * rounds
+    // partials and sends 2 * rounds results. Fewer messages than that means batches.
+    batched_up = up_sent < rounds && root_received < 2 * rounds;
+    batched_down = root_sent < 2 * rounds;
+  }
+  EXPECT_TRUE(batched_up) << bursts << " bursts of " << kRounds << " rounds: node 0 sent "
+                          << up_sent << " messages upstream, the root received " << root_received;
+  EXPECT_TRUE(batched_down) << bursts << " bursts of " << kRounds << " rounds: the root sent "
+                            << root_sent << " messages";
+  const std::string rt = Scrape(*root);
+  EXPECT_EQ(Sample(rt, "hsbn_rounds_total",
+                   L({{"role", "root"}, {"scope", "global"}, {"phase", "forward"},
+                      {"outcome", "ok"}})),
+            double(kRounds) * bursts);
 }
 
 TEST(Metrics, MetricsAreOffWithoutTheFlagAndABadAddressIsRefused) {
