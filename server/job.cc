@@ -390,17 +390,20 @@ bool Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
 
 void Job::CompleteLocked(Round& round, Actions* out) {
   const int64_t channels = round.channels;
-  std::vector<double> a(channels, 0.0), b(channels, 0.0), sa(channels), sb(channels);
+  std::vector<double> scratch(4 * size_t(channels), 0.0);  // one allocation: a, b, sa, sb
+  double* a = scratch.data();
+  double* b = a + channels;
+  double* sa = b + channels;
+  double* sb = sa + channels;
   int64_t count = 0;
   // Fixed order: member index 0, 1, ... — the same bits for every member and every rerun.
   for (const Slot& slot : round.slots) {
-    wire::UnpackPayload(slot.data, channels, sa.data(), sb.data());
+    wire::UnpackPayload(slot.data, channels, sa, sb);
     if (round.key.phase == v1::PHASE_FORWARD) {
-      count = MergeChannelMoments(count, a.data(), b.data(), slot.count, sa.data(), sb.data(),
-                                  channels);
+      count = MergeChannelMoments(count, a, b, slot.count, sa, sb, channels);
     } else {
-      AddChannelSums(a.data(), sa.data(), channels);
-      AddChannelSums(b.data(), sb.data(), channels);
+      AddChannelSums(a, sa, channels);
+      AddChannelSums(b, sb, channels);
       count += slot.count;
     }
   }
@@ -410,7 +413,7 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   result->set_phase(round.key.phase);
   result->set_channels(round.channels);
   result->set_count(count);
-  wire::PackPayload(a.data(), b.data(), channels, result->mutable_data());
+  wire::PackPayload(a, b, channels, result->mutable_data());
 
   const RoundKey key = round.key;
   if (ScopeReachesParent(round.scope) && limits_.has_parent) {

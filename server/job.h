@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "hsbn/v1/hsbn.pb.h"
@@ -54,6 +55,10 @@ struct RoundKey {
   }
   bool operator==(const RoundKey& o) const {
     return op == o.op && seq == o.seq && phase == o.phase;
+  }
+  template <typename H>
+  friend H AbslHashValue(H h, const RoundKey& k) {
+    return H::combine(std::move(h), k.op, k.seq, int(k.phase));
   }
 };
 std::string Describe(const RoundKey& key);
@@ -222,7 +227,7 @@ class Job {
   mutable std::mutex mu_;
   std::vector<Member> members_;
   std::map<RoundKey, Round> open_;
-  std::map<RoundKey, Finished> finished_;
+  absl::flat_hash_map<RoundKey, Finished> finished_;  // looked up for every contribution
   std::deque<RoundKey> finished_order_;
   int64_t finished_bytes_ = 0;
   int64_t rounds_completed_ = 0;
