@@ -343,6 +343,39 @@ TEST(Failures, RootRestartFailsGlobalRoundsInFlightAndLaterRoundsSucceed) {
   EXPECT_EQ(mean[0], 4.0);
 }
 
+// A root that stops answering without closing its connections (its machine froze or vanished:
+// here SIGSTOP) is noticed by the sidecars' keepalive pings (every 10 s, 5 s to answer), so a
+// global round waiting on it fails with UNAVAILABLE naming the link within about 15 s, not at
+// the 60 s round deadline.
+TEST(Failures, FrozenRootIsNoticedByKeepaliveLongBeforeTheRoundDeadline) {
+  auto c = StartCluster(2, 1, {"--round-timeout-ms=60000"});
+  ASSERT_TRUE(c);
+  auto job = ConnectAll(*c, "frozen-root");
+  ASSERT_TRUE(job[0] && job[1]);
+  auto global = [&](uint64_t seq, std::string* message) {
+    Contribution in = Good(1.0);
+    auto p0 = job[0]->Start(Phase::kForward, 0, seq, Scope::kGlobal, 4, 2, in.a.data(),
+                            in.b.data());
+    auto p1 = job[1]->Start(Phase::kForward, 0, seq, Scope::kGlobal, 4, 2, in.a.data(),
+                            in.b.data());
+    std::vector<double> a(4), b(4);
+    absl::Status s0 = p0.ok() ? job[0]->Wait(**p0, nullptr, a.data(), b.data()) : p0.status();
+    absl::Status s1 = p1.ok() ? job[1]->Wait(**p1, nullptr, a.data(), b.data()) : p1.status();
+    if (message) *message = absl::StrCat(s0.ToString(), " | ", s1.ToString());
+    return s0.ok() ? s1 : s0;
+  };
+  ASSERT_TRUE(global(0, nullptr).ok());  // both sidecars are connected to the root
+  c->root()->Signal(SIGSTOP);
+  const auto t0 = steady_clock::now();
+  std::string message;
+  absl::Status s = global(1, &message);
+  const double seconds = std::chrono::duration<double>(steady_clock::now() - t0).count();
+  c->root()->Signal(SIGCONT);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << message;
+  EXPECT_NE(message.find("lost its link to the root aggregator"), std::string::npos) << message;
+  EXPECT_LT(seconds, 30.0) << message;
+}
+
 TEST(Failures, UnreachableRootFailsGlobalRoundsWithoutQueueingBehindTheConnectTimeout) {
   auto c = StartCluster(2, 1);
   ASSERT_TRUE(c);
