@@ -193,6 +193,31 @@ def cpu_seconds(pid):
         return float("nan")
 
 
+def read_server_stats(path, launch):
+    """The bare gRPC server's own counters (its --stats-file, written when its streams have
+    ended; see grpc_star.cc), per round it answered: the server has usually exited before the
+    driver's /proc sample, which then has no context switches. Waits for the file briefly (the
+    server writes it as the last worker ends); None if it never comes."""
+    end = min(launch.deadline, time.monotonic() + 3)
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.01)
+    try:
+        with open(path) as f:
+            v = f.read().split()
+    except OSError:
+        return None
+    if len(v) != 12 or v[0] != "server" or int(v[1]) <= 0:
+        return None
+    rounds, wall, user, sys_, vcsw, icsw, tuser, tsys, tvcsw, ticsw, threads = map(int, v[1:])
+    return dict(srv_rounds=rounds, srv_wall_s=wall / 1e9,
+                srv_cpu_us=(user + sys_) / 1e3 / rounds, srv_csw=(vcsw + icsw) / rounds,
+                srv_vcsw=vcsw / rounds, srv_icsw=icsw / rounds,
+                srv_main_cpu_us=(tuser + tsys) / 1e3 / rounds,
+                srv_main_busy=(tuser + tsys) / wall if wall > 0 else float("nan"),
+                srv_cpu_busy=(user + sys_) / wall if wall > 0 else float("nan"),
+                srv_threads=threads)
+
+
 # --------------------------------------------------------------------------------------------
 # The implementations. Each returns the sample files of its ranks.
 
@@ -244,17 +269,20 @@ class Bench:
         return d
 
     # One measurement: run `body(launch, dir)` -> sample files; record rows.
-    def measure(self, impl, transport, workers, nodes, body, est_key=None):
+    def measure(self, impl, transport, workers, nodes, body, est_key=None, stats_file=None):
         name = "%s-w%d-n%d" % (impl, workers, nodes)
         d = self.new_dir(name)
         launch = Launch(d, self.p["timeout"])
         t0 = time.monotonic()
+        stats = None
         try:
             files = body(launch, d)
             s0 = [proc_cost(p.pid) for p in launch.servers]
             launch.wait_workers()
             s1 = [proc_cost(p.pid) for p in launch.servers]
             pooled = read_samples(files)
+            if stats_file:
+                stats = read_server_stats(stats_file, launch)
         except Exception as e:  # a failed launch is a failed row, not a failed benchmark
             self.failures.append("%s: %s" % (name, e))
             print("  FAILED %s: %s" % (name, e), file=sys.stderr)
@@ -273,6 +301,8 @@ class Bench:
                                if s0 else 0.0),
                 server_csw=(sum(b[1] - a[1] for a, b in zip(s0, s1)) / rounds
                             if s0 and all(x[1] is not None for x in s0 + s1) else None)))
+            if stats:
+                self.rows[-1].update(stats)
         for key, vals in sorted(pooled.items(), key=lambda kv: str(kv[0])):
             vals.sort()
             row = dict(impl=impl, transport=transport, workers=workers, nodes=nodes,
@@ -297,14 +327,22 @@ class Bench:
         return True
 
     # ---- raw sockets and bare gRPC: one server, W workers ---------------------------------
-    def star(self, exe, impl, transport, workers, resnet, extra=()):
+    def star(self, exe, impl, transport, workers, resnet, extra=(), server_extra=()):
+        # The gRPC server reports its own counters (see read_server_stats).
+        stats = (os.path.join(self.tmp, "%s-w%d-n1" % (impl, workers), "server.stats")
+                 if exe == "bench_grpc_star" else None)
+
         def body(launch, d):
+            if stats and os.path.exists(stats):
+                os.remove(stats)
             listen = ("unix:" + os.path.join(d, "s.sock")) if transport == "unix" else (
                 ("tcp:" if exe == "bench_raw_star" else "") + "127.0.0.1:0")
             ready = os.path.join(d, "server.ready")
             addr = launch.server([os.path.join(self.bin, exe), "--role=server",
                                   "--listen=" + listen, "--workers=%d" % workers,
-                                  "--ready-file=" + ready], "server", ready)[0]
+                                  "--ready-file=" + ready]
+                                 + (["--stats-file=" + stats] if stats else [])
+                                 + list(server_extra), "server", ready)[0]
             files = []
             for r in range(workers):
                 out = os.path.join(d, "rank%d.txt" % r)
@@ -314,7 +352,7 @@ class Bench:
                               + self.plan_flags(self.p["channels"], resnet, est_key=impl,
                                                 workers=workers), "worker%d" % r)
             return files
-        return self.measure(impl, transport, workers, 1, body)
+        return self.measure(impl, transport, workers, 1, body, stats_file=stats)
 
     # ---- Open MPI ---------------------------------------------------------------------------
     def mpi(self, btl, impl, transport, workers, resnet):
@@ -476,6 +514,8 @@ class Bench:
 BASELINES = [
     ("raw-unix", "raw socket star, Unix"), ("raw-tcp", "raw socket star, TCP"),
     ("grpc-unix", "bare gRPC stream, Unix"), ("grpc-tcp", "bare gRPC stream, TCP"),
+    ("grpc-unix-async", "bare gRPC stream, Unix, async 1 thread"),
+    ("grpc-tcp-async", "bare gRPC stream, TCP, async 1 thread"),
     ("grpc-unix-hop", "bare gRPC, Unix, + reader thread"),
     ("mpi-shm", "Open MPI Allreduce, shm"), ("mpi-tcp", "Open MPI Allreduce, TCP"),
     ("gloo-default", "Gloo allreduce (default)"), ("gloo-ring", "Gloo AllreduceRing"),
@@ -595,7 +635,7 @@ def report(bench, params, machine, command):
     variants = hsbn_variants(rows)
     base_present = [(k, n) for k, n in BASELINES if any(r["impl"] == k for r in rows)]
     # Latency tables, one per worker count.
-    for w in params["workers"] + ([1] if params["pingpong"] else []):
+    for w in params["workers"] + ([1] if params["pingpong"] and 1 not in params["workers"] else []):
         if not any(r["kind"] == "lat" and r["workers"] == w for r in rows):
             continue
         lines.append("### Round latency, %d worker%s: p50 / p99 (us)" % (w, "s" if w > 1 else ""))
@@ -669,6 +709,23 @@ def report(bench, params, machine, command):
                 fmt(r["server_cpu_us"], 1) if r["server_cpu_us"] else "—",
                 fmt(r["server_csw"], 2) if r["server_cpu_us"] and r["server_csw"] is not None
                 else "—"))
+        lines.append("")
+    srv = [r for r in costs if r.get("srv_rounds")]
+    if srv:
+        lines.append("### Bare gRPC servers, their own counters per round (first stream to last)")
+        lines.append("")
+        lines.append("getrusage of the server process (all threads, ended ones included) over its"
+                     " streams' life, divided by the rounds it answered; `main thread busy`: its"
+                     " thread's CPU over that wall time (the async server's only working thread;"
+                     " the callback server's main thread just waits).")
+        lines.append("")
+        lines.append("| workers | implementation | rounds | CPU us | csw (vol + invol) | main thread busy | process CPU / wall | threads |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for r in sorted(srv, key=lambda r: (r["workers"], r["impl"])):
+            lines.append("| %d | %s | %d | %.1f | %.2f (%.2f + %.2f) | %.0f%% | %.0f%% | %d |" % (
+                r["workers"], dict(BASELINES).get(r["impl"], r["impl"]), r["srv_rounds"],
+                r["srv_cpu_us"], r["srv_csw"], r["srv_vcsw"], r["srv_icsw"],
+                100 * r["srv_main_busy"], 100 * r["srv_cpu_busy"], r["srv_threads"]))
         lines.append("")
     loads = [r for r in rows if r["kind"] == "load"]
     if loads:
@@ -801,8 +858,10 @@ def main():
             print("skipping %s: %s" % (name, why), file=sys.stderr)
 
     worker_counts = list(p["workers"])
-    if p["pingpong"]:
-        worker_counts.append(1)  # the classic two-process ping-pong, raw and gRPC only
+    if p["pingpong"] and 1 not in worker_counts:
+        # The classic two-process ping-pong, raw and gRPC only. Once: a second launch of a case
+        # would reuse its directory, and with it the first launch's ready file (a stale port).
+        worker_counts.append(1)
     for w in worker_counts:
         resnet = w in p["resnet_workers"]
         print("workers=%d" % w, file=sys.stderr)
@@ -814,6 +873,11 @@ def main():
             for tr in ("unix", "tcp"):
                 if want("%s-%s" % (fam, tr)) and bench.have(exe):
                     bench.star(exe, "%s-%s" % (fam, tr), tr, w, resnet)
+        # The bare gRPC server on the async API, one thread, no callback executor.
+        for tr in ("unix", "tcp"):
+            if want("grpc-%s-async" % tr) and bench.have("bench_grpc_star"):
+                bench.star("bench_grpc_star", "grpc-%s-async" % tr, tr, w, resnet,
+                           server_extra=["--async"])
         # The bare gRPC worker with hsbn's client shape (a reader thread): prices that hop.
         if (only is None or "grpc-unix-hop" in only) and bench.have("bench_grpc_star"):
             bench.star("bench_grpc_star", "grpc-unix-hop", "unix", w, False, ["--reader-thread"])
