@@ -715,7 +715,7 @@ def report(bench, params, machine, command):
         lines.append("### Bare gRPC servers, their own counters per round (first stream to last)")
         lines.append("")
         lines.append("getrusage of the server process (all threads, ended ones included) over its"
-                     " streams' life, divided by the rounds it answered; `main thread busy`: its"
+                     " streams' life, divided by the rounds it answered; `main thread busy`: the main"
                      " thread's CPU over that wall time (the async server's only working thread;"
                      " the callback server's main thread just waits).")
         lines.append("")
