@@ -9,10 +9,10 @@
 
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 
 #include "coeffs.h"
 #include "convert.h"
+#include "convert_cpu.h"
 #include "hsbn/moments.h"
 
 namespace hsbn::kernels::cpu {
@@ -25,34 +25,63 @@ struct Half {
 struct BFloat16 {
   uint16_t bits;
 };
+static_assert(sizeof(Half) == 2 && sizeof(BFloat16) == 2, "arrays of them are uint16_t arrays");
 
-inline double ToDouble(float v) { return v; }
-inline double ToDouble(double v) { return v; }
-inline double ToDouble(Half v) { return HalfBitsToFloat(v.bits); }
-inline double ToDouble(BFloat16 v) { return Bf16BitsToFloat(v.bits); }
+inline const uint16_t* Bits(const Half* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline const uint16_t* Bits(const BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline uint16_t* Bits(Half* p) { return reinterpret_cast<uint16_t*>(p); }
+inline uint16_t* Bits(BFloat16* p) { return reinterpret_cast<uint16_t*>(p); }
 
-template <typename T>
-inline typename AccOf<T>::type ToAcc(T v) {
-  return static_cast<typename AccOf<T>::type>(ToDouble(v));
+// The elementwise kernels read their elements as V = AccOf<T> (float for fp16 / bf16 / fp32,
+// double for fp64; the conversion is exact), a block at a time: Load returns the values
+// themselves when T is already V, else converts the block into a stack buffer with the block
+// conversions of convert_cpu.h (baseline or AVX2 + F16C build, chosen at run time; same bits).
+// They compute a block into OutBuf (the output itself when T is V) and Flush converts it back
+// (round to nearest even). The arithmetic is the same code, in the same order, for every dtype.
+inline const float* Load(const float* p, int64_t, float*) { return p; }
+inline const double* Load(const double* p, int64_t, double*) { return p; }
+inline const float* Load(const Half* p, int64_t k, float* buf) {
+  Converters().half_to_float(Bits(p), k, buf);
+  return buf;
+}
+inline const float* Load(const BFloat16* p, int64_t k, float* buf) {
+  Converters().bf16_to_float(Bits(p), k, buf);
+  return buf;
 }
 
-template <typename T>
-inline T FromAcc(float v);
-template <>
-inline float FromAcc<float>(float v) { return v; }
-template <>
-inline Half FromAcc<Half>(float v) { return Half{FloatToHalfBits(v)}; }
-template <>
-inline BFloat16 FromAcc<BFloat16>(float v) { return BFloat16{FloatToBf16Bits(v)}; }
+inline float* OutBuf(float* p, float*) { return p; }
+inline double* OutBuf(double* p, double*) { return p; }
+inline float* OutBuf(Half*, float* buf) { return buf; }
+inline float* OutBuf(BFloat16*, float* buf) { return buf; }
 
-template <typename T, typename Acc>
-inline T Store(Acc v) {
-  if constexpr (std::is_same_v<T, double>) {
-    return v;
-  } else {
-    return FromAcc<T>(v);
-  }
+inline void Flush(const float*, int64_t, float*) {}
+inline void Flush(const double*, int64_t, double*) {}
+inline void Flush(const float* buf, int64_t k, Half* p) {
+  Converters().float_to_half(buf, k, Bits(p));
 }
+inline void Flush(const float* buf, int64_t k, BFloat16* p) {
+  Converters().float_to_bf16(buf, k, Bits(p));
+}
+
+// The reductions read fp32, fp64 and bf16 in place (bf16 -> fp32 is a shift, fused into the
+// loop) and fp16 through a converted block (ReadBlock); Val reads element i as V.
+inline float Val(const float* p, int64_t i) { return p[i]; }
+inline double Val(const double* p, int64_t i) { return p[i]; }
+inline float Val(const BFloat16* p, int64_t i) { return Bf16BitsToFloatFast(p[i].bits); }
+
+template <typename T>
+struct ReadOf {
+  using type = T;
+};
+template <>
+struct ReadOf<Half> {
+  using type = float;
+};
+template <typename T>
+inline const T* ReadBlock(const T* p, int64_t, typename AccOf<T>::type*) {
+  return p;
+}
+inline const float* ReadBlock(const Half* p, int64_t k, float* buf) { return Load(p, k, buf); }
 
 template <typename Fn>
 void DispatchDType(DType dtype, Fn&& fn) {
@@ -67,29 +96,34 @@ void DispatchDType(DType dtype, Fn&& fn) {
 constexpr int64_t kChunk = 2048;         // values per two-pass chunk (NCHW)
 constexpr int64_t kChannelBlock = 256;   // channels per block (channels-last)
 constexpr int64_t kBlockValues = 8192;   // values per two-pass row chunk (channels-last)
+constexpr int64_t kElemBlock = 1024;     // values per block of the elementwise kernels (NCHW)
 constexpr int kLanes = 8;                // independent accumulators
 
-inline double Sum(const double* v, int64_t k) {
+// The reductions accumulate values read as float or double (Val) in fp64; float -> double is
+// exact, so this gives the same sums as widening to a double buffer first.
+template <typename V>
+inline double Sum(const V* v, int64_t k) {
   double acc[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= k; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += v[i + l];
-  for (int l = 0; i < k; ++i, ++l) acc[l] += v[i];
+    for (int l = 0; l < kLanes; ++l) acc[l] += static_cast<double>(Val(v, i + l));
+  for (int l = 0; i < k; ++i, ++l) acc[l] += static_cast<double>(Val(v, i));
   double s = 0;
   for (int l = 0; l < kLanes; ++l) s += acc[l];
   return s;
 }
 
-inline double SumSquaredDeviation(const double* v, int64_t k, double mean) {
+template <typename V>
+inline double SumSquaredDeviation(const V* v, int64_t k, double mean) {
   double acc[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= k; i += kLanes)
     for (int l = 0; l < kLanes; ++l) {
-      const double d = v[i + l] - mean;
+      const double d = static_cast<double>(Val(v, i + l)) - mean;
       acc[l] += d * d;
     }
   for (int l = 0; i < k; ++i, ++l) {
-    const double d = v[i] - mean;
+    const double d = static_cast<double>(Val(v, i)) - mean;
     acc[l] += d * d;
   }
   double s = 0;
@@ -97,34 +131,33 @@ inline double SumSquaredDeviation(const double* v, int64_t k, double mean) {
   return s;
 }
 
-inline double SumProductDeviation(const double* dy, const double* x, int64_t k, double mean) {
+template <typename V>
+inline double SumProductDeviation(const V* dy, const V* x, int64_t k, double mean) {
   double acc[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= k; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += dy[i + l] * (x[i + l] - mean);
-  for (int l = 0; i < k; ++i, ++l) acc[l] += dy[i] * (x[i] - mean);
+    for (int l = 0; l < kLanes; ++l)
+      acc[l] += static_cast<double>(Val(dy, i + l)) * (static_cast<double>(Val(x, i + l)) - mean);
+  for (int l = 0; i < k; ++i, ++l)
+    acc[l] += static_cast<double>(Val(dy, i)) * (static_cast<double>(Val(x, i)) - mean);
   double s = 0;
   for (int l = 0; l < kLanes; ++l) s += acc[l];
   return s;
 }
 
 template <typename T>
-inline void Widen(const T* p, int64_t k, double* out) {
-  for (int64_t i = 0; i < k; ++i) out[i] = ToDouble(p[i]);
-}
-
-template <typename T>
 void MomentsNchw(const BnInput& in, const T* x, double* mean, double* m2) {
-  double buf[kChunk];
+  using R = typename ReadOf<T>::type;
+  typename AccOf<T>::type buf[kChunk];
   for (int64_t c = 0; c < in.c; ++c) {
     Moments<double> acc = EmptyMoments<double>();
     for (int64_t n = 0; n < in.n; ++n) {
       const T* plane = x + (n * in.c + c) * in.s;
       for (int64_t s0 = 0; s0 < in.s; s0 += kChunk) {
         const int64_t k = std::min(kChunk, in.s - s0);
-        Widen(plane + s0, k, buf);
-        const double m = Sum(buf, k) / static_cast<double>(k);
-        acc = ChanMerge(acc, Moments<double>{k, m, SumSquaredDeviation(buf, k, m)});
+        const R* v = ReadBlock(plane + s0, k, buf);
+        const double m = Sum(v, k) / static_cast<double>(k);
+        acc = ChanMerge(acc, Moments<double>{k, m, SumSquaredDeviation(v, k, m)});
       }
     }
     mean[c] = acc.mean;
@@ -134,8 +167,10 @@ void MomentsNchw(const BnInput& in, const T* x, double* mean, double* m2) {
 
 template <typename T>
 void MomentsChannelsLast(const BnInput& in, const T* x, double* mean, double* m2) {
+  using R = typename ReadOf<T>::type;
   const int64_t rows = in.n * in.s;
   double sum[kChannelBlock], dev[kChannelBlock], cmean[kChannelBlock];
+  typename AccOf<T>::type buf[kChannelBlock];
   for (int64_t c0 = 0; c0 < in.c; c0 += kChannelBlock) {
     const int64_t nc = std::min(kChannelBlock, in.c - c0);
     const int64_t chunk_rows = std::max<int64_t>(1, kBlockValues / nc);
@@ -146,14 +181,14 @@ void MomentsChannelsLast(const BnInput& in, const T* x, double* mean, double* m2
       std::fill(sum, sum + nc, 0.0);
       std::fill(dev, dev + nc, 0.0);
       for (int64_t r = r0; r < r0 + k; ++r) {
-        const T* row = x + r * in.c + c0;
-        for (int64_t j = 0; j < nc; ++j) sum[j] += ToDouble(row[j]);
+        const R* row = ReadBlock(x + r * in.c + c0, nc, buf);
+        for (int64_t j = 0; j < nc; ++j) sum[j] += static_cast<double>(Val(row, j));
       }
       for (int64_t j = 0; j < nc; ++j) cmean[j] = sum[j] / static_cast<double>(k);
       for (int64_t r = r0; r < r0 + k; ++r) {
-        const T* row = x + r * in.c + c0;
+        const R* row = ReadBlock(x + r * in.c + c0, nc, buf);
         for (int64_t j = 0; j < nc; ++j) {
-          const double d = ToDouble(row[j]) - cmean[j];
+          const double d = static_cast<double>(Val(row, j)) - cmean[j];
           dev[j] += d * d;
         }
       }
@@ -168,20 +203,29 @@ void MomentsChannelsLast(const BnInput& in, const T* x, double* mean, double* m2
   }
 }
 
+template <typename Acc>
+inline Acc NormalizeValue(Acc v, const NormalizeCoeffs<Acc>& k, bool relu) {
+  const Acc r = (v - k.mean) * k.alpha + k.beta;
+  return relu ? (r > Acc(0) ? r : Acc(0)) : r;
+}
+
 template <typename T>
 void NormalizeTyped(const BnInput& in, const T* x, T* y, const BnStats& stats,
                     const BnAffine& affine, bool relu) {
   using Acc = typename AccOf<T>::type;
-  auto apply = [relu](Acc v, const NormalizeCoeffs<Acc>& k) {
-    Acc r = (v - k.mean) * k.alpha + k.beta;
-    return relu ? (r > Acc(0) ? r : Acc(0)) : r;
-  };
+  Acc xbuf[kElemBlock], ybuf[kElemBlock];
   if (in.layout == Layout::kNchw) {
     for (int64_t n = 0; n < in.n; ++n)
       for (int64_t c = 0; c < in.c; ++c) {
         const NormalizeCoeffs<Acc> k = MakeNormalizeCoeffs<Acc>(stats, affine, c);
         const int64_t base = (n * in.c + c) * in.s;
-        for (int64_t s = 0; s < in.s; ++s) y[base + s] = Store<T>(apply(ToAcc(x[base + s]), k));
+        for (int64_t s0 = 0; s0 < in.s; s0 += kElemBlock) {
+          const int64_t len = std::min(kElemBlock, in.s - s0);
+          const Acc* xv = Load(x + base + s0, len, xbuf);
+          Acc* yv = OutBuf(y + base + s0, ybuf);
+          for (int64_t s = 0; s < len; ++s) yv[s] = NormalizeValue(xv[s], k, relu);
+          Flush(yv, len, y + base + s0);
+        }
       }
     return;
   }
@@ -192,7 +236,10 @@ void NormalizeTyped(const BnInput& in, const T* x, T* y, const BnStats& stats,
     for (int64_t j = 0; j < nc; ++j) k[j] = MakeNormalizeCoeffs<Acc>(stats, affine, c0 + j);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t base = r * in.c + c0;
-      for (int64_t j = 0; j < nc; ++j) y[base + j] = Store<T>(apply(ToAcc(x[base + j]), k[j]));
+      const Acc* xv = Load(x + base, nc, xbuf);
+      Acc* yv = OutBuf(y + base, ybuf);
+      for (int64_t j = 0; j < nc; ++j) yv[j] = NormalizeValue(xv[j], k[j], relu);
+      Flush(yv, nc, y + base);
     }
   }
 }
@@ -200,8 +247,10 @@ void NormalizeTyped(const BnInput& in, const T* x, T* y, const BnStats& stats,
 template <typename T>
 void BackwardReduceTyped(const BnInput& in, const T* dy, const T* x, const BnStats& stats,
                          double* sum_dy, double* sum_dy_xmu) {
+  using V = typename AccOf<T>::type;
+  using R = typename ReadOf<T>::type;
   if (in.layout == Layout::kNchw) {
-    double dbuf[kChunk], xbuf[kChunk];
+    V dbuf[kChunk], xbuf[kChunk];
     for (int64_t c = 0; c < in.c; ++c) {
       const double mean = LoadAsDouble(stats.mean, stats.dtype, c);
       double a = 0, b = 0;
@@ -209,10 +258,10 @@ void BackwardReduceTyped(const BnInput& in, const T* dy, const T* x, const BnSta
         const int64_t base = (n * in.c + c) * in.s;
         for (int64_t s0 = 0; s0 < in.s; s0 += kChunk) {
           const int64_t k = std::min(kChunk, in.s - s0);
-          Widen(dy + base + s0, k, dbuf);
-          Widen(x + base + s0, k, xbuf);
-          a += Sum(dbuf, k);
-          b += SumProductDeviation(dbuf, xbuf, k, mean);
+          const R* g = ReadBlock(dy + base + s0, k, dbuf);
+          const R* v = ReadBlock(x + base + s0, k, xbuf);
+          a += Sum(g, k);
+          b += SumProductDeviation(g, v, k, mean);
         }
       }
       sum_dy[c] = a;
@@ -221,6 +270,7 @@ void BackwardReduceTyped(const BnInput& in, const T* dy, const T* x, const BnSta
     return;
   }
   double mean[kChannelBlock];
+  V dbuf[kChannelBlock], xbuf[kChannelBlock];
   const int64_t rows = in.n * in.s;
   for (int64_t c0 = 0; c0 < in.c; c0 += kChannelBlock) {
     const int64_t nc = std::min(kChannelBlock, in.c - c0);
@@ -230,15 +280,22 @@ void BackwardReduceTyped(const BnInput& in, const T* dy, const T* x, const BnSta
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t base = r * in.c + c0;
+      const R* gv = ReadBlock(dy + base, nc, dbuf);
+      const R* xv = ReadBlock(x + base, nc, xbuf);
       double* a = sum_dy + c0;
       double* b = sum_dy_xmu + c0;
       for (int64_t j = 0; j < nc; ++j) {
-        const double g = ToDouble(dy[base + j]);
+        const double g = static_cast<double>(Val(gv, j));
         a[j] += g;
-        b[j] += g * (ToDouble(x[base + j]) - mean[j]);
+        b[j] += g * (static_cast<double>(Val(xv, j)) - mean[j]);
       }
     }
   }
+}
+
+template <typename Acc>
+inline Acc BackwardValue(Acc g, Acc v, const BackwardCoeffs<Acc>& k) {
+  return g * k.alpha + (v - k.mean) * k.gamma + k.beta;
 }
 
 template <typename T>
@@ -246,17 +303,21 @@ void BackwardElementwiseTyped(const BnInput& in, const T* dy, const T* x, const 
                               const BnAffine& affine, const double* sum_dy,
                               const double* sum_dy_xmu, int64_t count, T* dx) {
   using Acc = typename AccOf<T>::type;
-  auto apply = [](Acc g, Acc v, const BackwardCoeffs<Acc>& k) {
-    return g * k.alpha + (v - k.mean) * k.gamma + k.beta;
-  };
+  Acc gbuf[kElemBlock], xbuf[kElemBlock], obuf[kElemBlock];
   if (in.layout == Layout::kNchw) {
     for (int64_t n = 0; n < in.n; ++n)
       for (int64_t c = 0; c < in.c; ++c) {
         const BackwardCoeffs<Acc> k =
             MakeBackwardCoeffs<Acc>(stats, affine, sum_dy, sum_dy_xmu, count, c);
         const int64_t base = (n * in.c + c) * in.s;
-        for (int64_t s = 0; s < in.s; ++s)
-          dx[base + s] = Store<T>(apply(ToAcc(dy[base + s]), ToAcc(x[base + s]), k));
+        for (int64_t s0 = 0; s0 < in.s; s0 += kElemBlock) {
+          const int64_t len = std::min(kElemBlock, in.s - s0);
+          const Acc* gv = Load(dy + base + s0, len, gbuf);
+          const Acc* xv = Load(x + base + s0, len, xbuf);
+          Acc* ov = OutBuf(dx + base + s0, obuf);
+          for (int64_t s = 0; s < len; ++s) ov[s] = BackwardValue(gv[s], xv[s], k);
+          Flush(ov, len, dx + base + s0);
+        }
       }
     return;
   }
@@ -268,11 +329,15 @@ void BackwardElementwiseTyped(const BnInput& in, const T* dy, const T* x, const 
       k[j] = MakeBackwardCoeffs<Acc>(stats, affine, sum_dy, sum_dy_xmu, count, c0 + j);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t base = r * in.c + c0;
-      for (int64_t j = 0; j < nc; ++j)
-        dx[base + j] = Store<T>(apply(ToAcc(dy[base + j]), ToAcc(x[base + j]), k[j]));
+      const Acc* gv = Load(dy + base, nc, gbuf);
+      const Acc* xv = Load(x + base, nc, xbuf);
+      Acc* ov = OutBuf(dx + base, obuf);
+      for (int64_t j = 0; j < nc; ++j) ov[j] = BackwardValue(gv[j], xv[j], k[j]);
+      Flush(ov, nc, dx + base);
     }
   }
 }
+
 
 }  // namespace
 
