@@ -4,9 +4,13 @@
 // backward elementwise and prints GB/s (bytes the kernel must move / time) and, on a GPU, the
 // fraction of the device's peak memory bandwidth (from its memory clock and bus width). On the
 // CPU it reports the CPU path's GB/s. --json FILE writes one JSON object per measurement.
+// --cpu-time (CPU device) times with this thread's CPU time instead of wall time, so that other
+// processes on a shared, loaded machine slow the numbers down less (the kernels are
+// single-threaded).
 //
-//   bn_kernels_bench [--device cpu|cuda] [--iters N] [--json FILE] [--quick]
+//   bn_kernels_bench [--device cpu|cuda] [--iters N] [--json FILE] [--quick] [--cpu-time]
 #include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -88,6 +92,14 @@ void Fill(Device d, void* p, DType dtype, int64_t numel) {
   std::memcpy(p, host.data(), host.size());
 }
 
+bool g_cpu_time = false;
+
+double ThreadCpuSeconds() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
 // Seconds per call of fn, averaged over iters calls after a warm-up.
 double Time(Device d, int iters, const std::function<void()>& fn) {
   fn();
@@ -108,6 +120,11 @@ double Time(Device d, int iters, const std::function<void()>& fn) {
     return ms * 1e-3 / iters;
   }
 #endif
+  if (g_cpu_time) {
+    const double t0 = ThreadCpuSeconds();
+    for (int i = 0; i < iters; ++i) fn();
+    return (ThreadCpuSeconds() - t0) / iters;
+  }
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < iters; ++i) fn();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
@@ -162,8 +179,10 @@ int main(int argc, char** argv) {
       json_path = argv[++i];
     } else if (!std::strcmp(argv[i], "--quick")) {
       quick = true;
+    } else if (!std::strcmp(argv[i], "--cpu-time")) {
+      g_cpu_time = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--device cpu|cuda] [--iters N] [--json FILE] [--quick]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--device cpu|cuda] [--iters N] [--json FILE] [--quick] [--cpu-time]\n", argv[0]);
       return 2;
     }
   }
