@@ -81,6 +81,15 @@ absl::Status Job::AddMember(int32_t index, uint64_t session, uint64_t previous_s
   m.connected = false;
   m.gone = false;
   m.sink.reset();
+  m.down.clear();  // a child aggregator's new session starts healthy; it says so if not
+  if (reported_down_) {
+    bool all_back = true;
+    for (const Member& other : members_) all_back = all_back && !other.gone;
+    if (all_back) {
+      reported_down_ = false;
+      out->node_states.push_back(Actions::NodeState{true, ""});
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -123,6 +132,17 @@ void Job::MemberGone(int32_t index, uint64_t session, bool left, Actions* out) {
   out->log.push_back(absl::StrCat("job '", id_, "': ", MemberName(index),
                                   left ? " left" : " disconnected", "; ", doomed.size(),
                                   " open round(s) failed"));
+  // A crashed worker (not one that left when it was done): the node cannot contribute to new
+  // rounds until it rejoins, so the root need not wait for the deadline of rounds other nodes
+  // open meanwhile.
+  if (!left && !reported_down_ && limits_.has_parent &&
+      layout_.member_kind == v1::MEMBER_KIND_WORKER && layout_.num_nodes > 1) {
+    reported_down_ = true;
+    out->node_states.push_back(Actions::NodeState{
+        false, absl::StrCat(MemberName(index),
+                            " disconnected from its node's sidecar (its stream broke: the "
+                            "process probably exited or was killed)")});
+  }
 }
 
 bool Job::Abandoned() const {
@@ -337,22 +357,15 @@ bool Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
   Member& member = members_[index];
   ++member.contributions;
   if (open == nullptr) {
-    for (size_t i = 0; i < members_.size(); ++i) {
-      if (members_[i].gone) {
-        // A member that took part before and whose stream is gone cannot contribute.
+    if (absl::Status s = BlockedLocked(key); !s.ok()) {
+      if (member.sink) {
         Actions::Delivery d;
-        absl::Status s = absl::UnavailableError(absl::StrCat(
-            "round ", Describe(key), " of job '", id_, "' cannot complete: ", MemberName(i),
-            members_[i].joined ? " is disconnected (its stream broke)" : " left the job",
-            "; the job cannot make progress until that process rejoins"));
         d.result = MakeError(key, s);
-        if (member.sink) {
-          d.to.emplace_back(session, member.sink);
-          out->deliveries.push_back(std::move(d));
-        }
-        FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
-        return true;
+        d.to.emplace_back(session, member.sink);
+        out->deliveries.push_back(std::move(d));
       }
+      FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
+      return true;
     }
     if (int32_t(open_.size()) >= limits_.max_open_rounds) {
       absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
@@ -478,6 +491,52 @@ void Job::RecordDivergenceLocked(const Round& round, const v1::Result& global) {
   }
 }
 
+absl::Status Job::BlockedLocked(const RoundKey& key) const {
+  for (size_t i = 0; i < members_.size(); ++i) {
+    if (members_[i].gone) {
+      // A member that took part before and whose stream is gone cannot contribute.
+      return absl::UnavailableError(absl::StrCat(
+          "round ", Describe(key), " of job '", id_, "' cannot complete: ", MemberName(int32_t(i)),
+          members_[i].joined ? " is disconnected (its stream broke)" : " left the job",
+          "; the job cannot make progress until that process rejoins"));
+    }
+    if (!members_[i].down.empty()) {
+      return absl::UnavailableError(absl::StrCat(
+          "round ", Describe(key), " of job '", id_, "' cannot complete: ",
+          MemberName(int32_t(i)), " is down: ", members_[i].down,
+          "; the job cannot make progress until that process rejoins"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Job::ChildState(int32_t index, const v1::NodeState& state, Actions* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Member& m = members_.at(index);
+  if (state.healthy()) {
+    if (!m.down.empty()) {
+      out->log.push_back(absl::StrCat("job '", id_, "': ", MemberName(index), " is back"));
+    }
+    m.down.clear();
+    return;
+  }
+  m.down = state.message().empty() ? "a worker there disconnected" : state.message();
+  std::vector<RoundKey> doomed;
+  for (auto& [key, round] : open_) {
+    if (!round.slots[index].filled) doomed.push_back(key);
+  }
+  for (const RoundKey& key : doomed) {
+    FailRoundLocked(key,
+                    absl::UnavailableError(absl::StrCat(
+                        "round ", Describe(key), " of job '", id_, "' cannot complete: ",
+                        MemberName(index), " is down: ", m.down,
+                        "; the job cannot make progress until that process rejoins")),
+                    /*tell_parent=*/true, out);
+  }
+  out->log.push_back(absl::StrCat("job '", id_, "': ", MemberName(index), " is down (", m.down,
+                                  "); ", doomed.size(), " open round(s) failed"));
+}
+
 void Job::ChildAbort(int32_t index, const v1::Abort& abort, Actions* out) {
   std::lock_guard<std::mutex> lock(mu_);
   const RoundKey key{abort.op(), abort.seq(), abort.phase()};
@@ -592,6 +651,7 @@ void Job::FillStatus(v1::JobStatus* s) const {
                     : -1);
     m->set_connected(members_[i].connected);
     m->set_contributions(members_[i].contributions);
+    m->set_down(members_[i].down);
   }
   s->set_open_rounds(int64_t(open_.size()));
   s->set_rounds_completed(rounds_completed_);

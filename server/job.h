@@ -102,9 +102,14 @@ struct Actions {
     RoundKey key;
     absl::Status status;
   };
+  struct NodeState {  // tell the parent that this node is down (a worker is gone) or back
+    bool healthy;
+    std::string message;
+  };
   std::vector<Delivery> deliveries;
   std::vector<Forward> forwards;
   std::vector<Abort> aborts;
+  std::vector<NodeState> node_states;
   // For metrics: every round that finished here, once, OK (its result was sent, or at the root
   // a shadow round was reduced) or failed.
   struct Outcome {
@@ -118,7 +123,9 @@ struct Actions {
   // "node 1" at the root, "upstream" when the parent did not answer.
   std::vector<std::string> timed_out;
   std::vector<std::string> log;  // things worth a log line, in words
-  bool empty() const { return deliveries.empty() && forwards.empty() && aborts.empty(); }
+  bool empty() const {
+    return deliveries.empty() && forwards.empty() && aborts.empty() && node_states.empty();
+  }
 };
 
 class Job {
@@ -151,6 +158,9 @@ class Job {
                   Actions* out);
   // A child aggregator says a round failed below it.
   void ChildAbort(int32_t index, const v1::Abort& abort, Actions* out);
+  // A child aggregator says its node is down (a worker is gone: every open round still waiting
+  // for that node fails at once, and so does every new round, until it is back) or back.
+  void ChildState(int32_t index, const v1::NodeState& state, Actions* out);
   // The parent's answer to a round this aggregator forwarded.
   void ParentResult(const v1::Result& result, Actions* out);
   // The link to the parent broke: every round waiting for it fails with `status`.
@@ -198,6 +208,7 @@ class Job {
     bool joined = false;
     bool connected = false;  // attached to a live stream
     bool gone = false;       // its stream broke or it left; rounds cannot complete without it
+    std::string down;        // a child aggregator whose node is down: why (empty: it is not)
     std::shared_ptr<ResultSink> sink;
     int64_t contributions = 0;
   };
@@ -219,6 +230,8 @@ class Job {
   void RecordDivergenceLocked(const Round& round, const v1::Result& global);
   std::shared_ptr<const v1::Result> MakeError(const RoundKey& key, const absl::Status& s) const;
   bool ScopeReachesParent(v1::Scope scope) const;
+  // Why a new round cannot complete here (a member gone, or a node below down); OK if it can.
+  absl::Status BlockedLocked(const RoundKey& key) const;
 
   const std::string id_;
   const JobLayout layout_;
@@ -234,6 +247,7 @@ class Job {
   int64_t rounds_failed_ = 0;
   std::map<std::pair<uint32_t, int32_t>, DivergenceAcc> divergence_;  // (op, node)
   std::shared_ptr<const std::string> token_;
+  bool reported_down_ = false;  // a sidecar that told its parent that its node is down
 };
 
 }  // namespace hsbn::server

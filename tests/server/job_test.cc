@@ -405,6 +405,72 @@ TEST(Job, ChildAbortFailsTheRoundForTheOtherNodesAtOnce) {
   EXPECT_EQ(root.sinks[0]->results[0].message(), "rank 5 missing");
 }
 
+TEST(Job, SidecarTellsItsParentWhenAWorkerCrashesAndWhenEveryWorkerIsBack) {
+  Fixture f(2, 2, 1, /*parent=*/true);  // node 1 of 2: ranks 2 and 3
+  Actions a;
+  f.job->MemberGone(1, 101, /*left=*/false, &a);
+  ASSERT_EQ(a.node_states.size(), 1u);
+  EXPECT_FALSE(a.node_states[0].healthy);
+  EXPECT_NE(a.node_states[0].message.find("rank 3"), std::string::npos) << a.node_states[0].message;
+  Actions b;  // a second crash: the parent already knows the node is down
+  f.job->MemberGone(0, 100, /*left=*/false, &b);
+  EXPECT_TRUE(b.node_states.empty());
+  Actions c;  // one of the two is back: still down
+  ASSERT_TRUE(f.job->AddMember(0, 200, 100, &c).ok());
+  EXPECT_TRUE(c.node_states.empty());
+  Actions d;  // both back
+  ASSERT_TRUE(f.job->AddMember(1, 201, 101, &d).ok());
+  ASSERT_EQ(d.node_states.size(), 1u);
+  EXPECT_TRUE(d.node_states[0].healthy);
+  // A worker that leaves when it is done is not a crash: nothing goes to the parent.
+  Actions e;
+  f.job->MemberGone(0, 200, /*left=*/true, &e);
+  EXPECT_TRUE(e.node_states.empty());
+  // Without a parent (single-node jobs, or no --upstream) there is nobody to tell.
+  Fixture alone(2, 2, 1, /*parent=*/false);
+  Actions g;
+  alone.job->MemberGone(1, 101, /*left=*/false, &g);
+  EXPECT_TRUE(g.node_states.empty());
+}
+
+TEST(Job, RootFailsRoundsWaitingForANodeThatIsDownAtOnceUntilItIsBack) {
+  Fixture root(2, 2, 0, false, v1::MEMBER_KIND_AGGREGATOR);  // nodes 0 and 1, 2 ranks each
+  root.Send(0, Fwd(0, 0, 10, {0.0}, {10.0}, v1::SCOPE_GLOBAL));  // waits for node 1
+  root.Send(1, Fwd(1, 0, 10, {0.0}, {10.0}, v1::SCOPE_GLOBAL));  // node 1 sent op 1 already
+  v1::NodeState down;
+  down.set_healthy(false);
+  down.set_message("rank 3 (node 1, local rank 1) disconnected");
+  Actions a;
+  root.job->ChildState(1, down, &a);
+  root.Deliver(a);
+  ASSERT_EQ(root.sinks[0]->results.size(), 1u);  // op 0 failed at once; op 1 still open
+  const v1::Result& r = root.sinks[0]->results[0];
+  EXPECT_EQ(r.op(), 0u);
+  EXPECT_EQ(r.code(), int(absl::StatusCode::kUnavailable));
+  EXPECT_NE(r.message().find("node 1"), std::string::npos) << r.message();
+  EXPECT_NE(r.message().find("rank 3 (node 1, local rank 1) disconnected"), std::string::npos);
+  EXPECT_TRUE(root.sinks[1]->results.empty());
+  // op 1 has node 1's partial: node 0 can still complete it.
+  root.Send(0, Fwd(1, 0, 10, {2.0}, {10.0}, v1::SCOPE_GLOBAL));
+  EXPECT_EQ(root.sinks[0]->results.back().code(), 0);
+  EXPECT_EQ(root.sinks[0]->results.back().count(), 20);
+  // A new round cannot complete while node 1 is down.
+  root.Send(0, Fwd(2, 0, 10, {0.0}, {10.0}, v1::SCOPE_GLOBAL));
+  EXPECT_EQ(root.sinks[0]->results.back().op(), 2u);
+  EXPECT_EQ(root.sinks[0]->results.back().code(), int(absl::StatusCode::kUnavailable));
+  EXPECT_NE(root.sinks[0]->results.back().message().find("rank 3"), std::string::npos);
+  // Back: rounds complete again.
+  v1::NodeState up;
+  up.set_healthy(true);
+  Actions b;
+  root.job->ChildState(1, up, &b);
+  root.Send(0, Fwd(3, 0, 10, {0.0}, {10.0}, v1::SCOPE_GLOBAL));
+  root.Send(1, Fwd(3, 0, 10, {2.0}, {10.0}, v1::SCOPE_GLOBAL));
+  EXPECT_EQ(root.sinks[0]->results.back().op(), 3u);
+  EXPECT_EQ(root.sinks[0]->results.back().code(), 0);
+  EXPECT_EQ(root.sinks[1]->results.back().code(), 0);
+}
+
 TEST(Job, LayoutMismatchNamesTheField) {
   Fixture f(2, 2, 0);
   JobLayout other = f.layout;
