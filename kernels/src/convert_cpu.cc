@@ -5,6 +5,9 @@
 // every version returns the same bits (tests/kernels/convert_test.cc checks each one).
 #include "convert_cpu.h"
 
+#include <cstdlib>
+#include <cstring>
+
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define HSBN_CONVERT_AVX2 1
 #include <immintrin.h>
@@ -104,8 +107,12 @@ const BlockConverters* Avx2Converters() {
 }
 
 const BlockConverters& Converters() {
-  static const BlockConverters& best =
-      Avx2Converters() ? *Avx2Converters() : BaselineConverters();
+  // HSBN_KERNELS_CONVERT=baseline keeps the baseline version (to measure or rule it out).
+  static const BlockConverters& best = [&]() -> const BlockConverters& {
+    const char* force = std::getenv("HSBN_KERNELS_CONVERT");
+    if (force && std::strcmp(force, "baseline") == 0) return BaselineConverters();
+    return Avx2Converters() ? *Avx2Converters() : BaselineConverters();
+  }();
   return best;
 }
 

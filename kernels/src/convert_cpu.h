@@ -96,7 +96,8 @@ struct BlockConverters {
 const BlockConverters& BaselineConverters();
 // The AVX2 + F16C version, or null when it is not built (not x86-64) or this CPU lacks either.
 const BlockConverters* Avx2Converters();
-// The fastest version this CPU runs (chosen once).
+// The fastest version this CPU runs (chosen once; HSBN_KERNELS_CONVERT=baseline forces the
+// baseline version).
 const BlockConverters& Converters();
 
 }  // namespace hsbn::kernels
