@@ -1,5 +1,7 @@
 #include "aggregator.h"
 
+#include <pthread.h>
+
 #include <deque>
 #include <utility>
 
@@ -16,59 +18,83 @@ namespace {
 // thread; one write is in flight at a time. Send never blocks on the network. On a stream whose
 // peer accepts batches (a sidecar), whatever queued while a write was in flight goes out as one
 // ResultBatch frame; workers get one Result per frame.
+//
+// The outbox also counts the stream's operations in flight (the done notification, the read,
+// the write, the finish), under its mutex: a write may be started from any thread (the async
+// API runs nothing inline, so it is started under the lock), and the stream's state may be
+// deleted only once every operation has come back. When the count reaches zero the outbox is
+// closed: Jobs may still hold it and call Send, which then does nothing.
 class Outbox final : public ResultSink {
  public:
-  Outbox(grpc::ServerBidiReactor<v1::ClientFrame, v1::ServerFrame>* reactor, Metrics* metrics)
-      : reactor_(reactor), metrics_(metrics) {}
+  Outbox(grpc::ServerAsyncReaderWriter<v1::ServerFrame, v1::ClientFrame>* stream,
+         EventTag* write_tag, EventTag* finish_tag, Aggregator* aggregator)
+      : stream_(stream),
+        write_tag_(write_tag),
+        finish_tag_(finish_tag),
+        aggregator_(aggregator),
+        metrics_(aggregator->metrics()) {}
 
   void EnableBatches() { batches_.store(true, std::memory_order_relaxed); }
 
   void Send(const v1::Result& result) override {
-    v1::ServerFrame* start = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (finishing_) return;
-      pending_.push_back(result);
-      if (writing_) return;
-      writing_ = true;
-      start = TakeLocked();
-    }
-    reactor_->StartWrite(start);  // outside the lock: reactions may run inline
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finishing_ || closed_ || aggregator_->draining()) return;
+    pending_.push_back(result);
+    if (writing_) return;
+    writing_ = true;
+    StartWriteLocked();
   }
 
+  // The write started last has completed (event thread).
   void WriteDone(bool ok) {
-    v1::ServerFrame* start = nullptr;
-    bool finish = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!ok) {
-        broken_ = true;
-        pending_.clear();
-      }
-      if (!pending_.empty() && !finishing_) {
-        start = TakeLocked();
-      } else {
-        writing_ = false;
-        if (read_done_ && !finishing_) finish = finishing_ = true;
-      }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!ok) {
+      broken_ = true;
+      pending_.clear();
     }
-    if (start) reactor_->StartWrite(start);
-    if (finish) reactor_->Finish(grpc::Status::OK);
+    if (!pending_.empty() && !finishing_ && !aggregator_->draining()) {
+      StartWriteLocked();
+    } else {
+      writing_ = false;
+      if (read_done_ && !finishing_) FinishLocked();
+    }
   }
 
+  // The client half-closed or the stream broke (event thread).
   void ReadDone() {
-    bool finish = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      read_done_ = true;
-      if (!writing_ && !finishing_) finish = finishing_ = true;
-    }
-    if (finish) reactor_->Finish(grpc::Status::OK);
+    std::lock_guard<std::mutex> lock(mu_);
+    read_done_ = true;
+    if (!writing_ && !finishing_) FinishLocked();
+  }
+
+  void AddOp() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++ops_;
+  }
+  // An operation came back; true when it was the last one: the stream's state may go.
+  bool ReleaseOp() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--ops_ > 0) return false;
+    closed_ = true;
+    pending_.clear();
+    return true;
   }
 
  private:
   // Most bytes of results put in one batch frame (a single larger result still goes alone).
   static constexpr size_t kMaxBatchBytes = 4 << 20;
+
+  void StartWriteLocked() {
+    ++ops_;
+    stream_->Write(*TakeLocked(), write_tag_);
+  }
+
+  void FinishLocked() {
+    finishing_ = true;
+    if (aggregator_->draining()) return;  // the queue is shutting down: nothing more starts
+    ++ops_;
+    stream_->Finish(grpc::Status::OK, finish_tag_);
+  }
 
   // Moves the next frame's worth of pending results into current_.
   v1::ServerFrame* TakeLocked() {
@@ -91,31 +117,61 @@ class Outbox final : public ResultSink {
     return &current_;
   }
 
-  grpc::ServerBidiReactor<v1::ClientFrame, v1::ServerFrame>* const reactor_;
+  grpc::ServerAsyncReaderWriter<v1::ServerFrame, v1::ClientFrame>* const stream_;
+  EventTag* const write_tag_;
+  EventTag* const finish_tag_;
+  Aggregator* const aggregator_;
   Metrics* const metrics_;
   std::atomic<bool> batches_{false};
   std::mutex mu_;
   std::deque<v1::Result> pending_;
   v1::ServerFrame current_;
+  int ops_ = 0;
   bool writing_ = false;
   bool read_done_ = false;
   bool finishing_ = false;
   bool broken_ = false;
+  bool closed_ = false;
 };
 
-class StreamReactor final : public grpc::ServerBidiReactor<v1::ClientFrame, v1::ServerFrame> {
+// One Exchange stream: requested, then one read outstanding at a time until the client
+// half-closes or the stream breaks, writes through the outbox, a graceful Finish, and the done
+// notification. Its events run on the event thread; it deletes itself when the last of its
+// operations has come back (Outbox::ReleaseOp).
+class ExchangeCall final {
  public:
-  explicit StreamReactor(Aggregator* aggregator)
-      : aggregator_(aggregator),
-        metrics_(aggregator->metrics()),
-        outbox_(std::make_shared<Outbox>(this, metrics_)) {
-    StartRead(&in_);
+  // Requests the next Exchange call (one request is always outstanding while serving).
+  static void Request(Aggregator* aggregator) {
+    auto* call = new ExchangeCall(aggregator);
+    call->ctx_.AsyncNotifyWhenDone(&call->done_tag_);
+    aggregator->async_service()->RequestExchange(&call->ctx_, &call->stream_, aggregator->cq(),
+                                                 aggregator->cq(), &call->request_tag_);
   }
 
-  void OnReadDone(bool ok) override {
+ private:
+  explicit ExchangeCall(Aggregator* aggregator)
+      : aggregator_(aggregator),
+        metrics_(aggregator->metrics()),
+        outbox_(std::make_shared<Outbox>(&stream_, &write_tag_, &finish_tag_, aggregator)) {}
+
+  void OnRequest(bool ok) {
+    if (!ok) {  // the server is shutting down; the call never started (no done notification)
+      delete this;
+      return;
+    }
+    if (!aggregator_->draining()) Request(aggregator_);
+    outbox_->AddOp();  // the done notification
+    if (!aggregator_->draining()) {
+      outbox_->AddOp();
+      stream_.Read(&in_, &read_tag_);
+    }
+  }
+
+  void OnRead(bool ok) {
     if (!ok) {
       aggregator_->StreamClosed(sessions_, /*graceful=*/false);
       outbox_->ReadDone();
+      Release();
       return;
     }
     if (metrics_) metrics_->Received(Metrics::Link::kMembers, in_.ByteSizeLong());
@@ -124,13 +180,24 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::ClientFrame, v1::
     } else {
       Handle(in_);
     }
-    StartRead(&in_);
+    if (!aggregator_->draining()) {
+      outbox_->AddOp();
+      stream_.Read(&in_, &read_tag_);
+    }
+    Release();
   }
 
-  void OnWriteDone(bool ok) override { outbox_->WriteDone(ok); }
-  void OnDone() override { delete this; }
+  void OnWrite(bool ok) {
+    outbox_->WriteDone(ok);
+    Release();
+  }
+  void OnFinish(bool) { Release(); }
+  void OnDone(bool) { Release(); }
 
- private:
+  void Release() {
+    if (outbox_->ReleaseOp()) delete this;
+  }
+
   void Handle(const v1::ClientFrame& frame) {
     switch (frame.frame_case()) {
       case v1::ClientFrame::kAttach:
@@ -216,17 +283,116 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::ClientFrame, v1::
 
   Aggregator* const aggregator_;
   Metrics* const metrics_;
+  grpc::ServerContext ctx_;
+  grpc::ServerAsyncReaderWriter<v1::ServerFrame, v1::ClientFrame> stream_{&ctx_};
+  MemberTag<ExchangeCall> request_tag_{this, &ExchangeCall::OnRequest};
+  MemberTag<ExchangeCall> read_tag_{this, &ExchangeCall::OnRead};
+  MemberTag<ExchangeCall> write_tag_{this, &ExchangeCall::OnWrite};
+  MemberTag<ExchangeCall> finish_tag_{this, &ExchangeCall::OnFinish};
+  MemberTag<ExchangeCall> done_tag_{this, &ExchangeCall::OnDone};
   std::shared_ptr<Outbox> outbox_;
   v1::ClientFrame in_;
-  // Touched only by OnReadDone, which gRPC serialises.
+  // Event thread only.
   std::vector<uint64_t> sessions_;
   std::vector<std::pair<uint64_t, Aggregator::SessionRef>> bound_;
 };
 
+// One unary call: requested; when it arrives the next one is requested and `Handle` runs on
+// the event thread, which (then or later, from the event thread) calls Finish; the finish's
+// completion deletes the call.
+template <typename Req, typename Resp>
+class UnaryCall final {
+ public:
+  using RequestFn = void (v1::Aggregator::AsyncService::*)(
+      grpc::ServerContext*, Req*, grpc::ServerAsyncResponseWriter<Resp>*, grpc::CompletionQueue*,
+      grpc::ServerCompletionQueue*, void*);
+  using HandleFn = void (*)(Aggregator*, UnaryCall*);
+
+  static void Request(Aggregator* aggregator, RequestFn request, HandleFn handle) {
+    auto* call = new UnaryCall(aggregator, request, handle);
+    (aggregator->async_service()->*request)(&call->ctx_, &call->req, &call->writer_,
+                                             aggregator->cq(), aggregator->cq(),
+                                             &call->request_tag_);
+  }
+
+  void Finish(const grpc::Status& status) {
+    if (aggregator_->draining()) {
+      delete this;
+      return;
+    }
+    writer_.Finish(resp, status, &finish_tag_);
+  }
+
+  Req req;
+  Resp resp;
+
+ private:
+  UnaryCall(Aggregator* aggregator, RequestFn request, HandleFn handle)
+      : aggregator_(aggregator), request_(request), handle_(handle) {}
+
+  void OnRequest(bool ok) {
+    if (!ok || aggregator_->draining()) {
+      delete this;
+      return;
+    }
+    Request(aggregator_, request_, handle_);
+    handle_(aggregator_, this);  // may delete this
+  }
+  void OnFinish(bool) { delete this; }
+
+  Aggregator* const aggregator_;
+  const RequestFn request_;
+  const HandleFn handle_;
+  grpc::ServerContext ctx_;
+  grpc::ServerAsyncResponseWriter<Resp> writer_{&ctx_};
+  MemberTag<UnaryCall> request_tag_{this, &UnaryCall::OnRequest};
+  MemberTag<UnaryCall> finish_tag_{this, &UnaryCall::OnFinish};
+};
+
+using JoinCall = UnaryCall<v1::JoinRequest, v1::JoinResponse>;
+using LeaveCall = UnaryCall<v1::LeaveRequest, v1::LeaveResponse>;
+using StatusCall = UnaryCall<v1::StatusRequest, v1::StatusResponse>;
+
+void HandleJoin(Aggregator* aggregator, JoinCall* call) {
+  call->Finish(aggregator->Join(call->req, &call->resp));
+}
+
+void HandleLeave(Aggregator* aggregator, LeaveCall* call) {
+  call->Finish(aggregator->Leave(call->req));
+}
+
+void HandleStatus(Aggregator* aggregator, StatusCall* call) {
+  aggregator->FillStatus(call->req.job_id(), &call->resp);
+  if (call->req.include_upstream() && aggregator->parent()) {
+    // Answered when the parent's reply arrives (on the event thread).
+    aggregator->parent()->Status(
+        call->req, [call](const grpc::Status& s, const v1::StatusResponse& up) {
+          if (s.ok()) {
+            *call->resp.mutable_upstream() = up;
+          } else {
+            call->resp.set_upstream_error(s.error_message());
+          }
+          call->Finish(grpc::Status::OK);
+        });
+    return;
+  }
+  call->Finish(grpc::Status::OK);
+}
+
+void RequestCalls(Aggregator* aggregator) {
+  ExchangeCall::Request(aggregator);
+  JoinCall::Request(aggregator, &v1::Aggregator::AsyncService::RequestJoin, &HandleJoin);
+  LeaveCall::Request(aggregator, &v1::Aggregator::AsyncService::RequestLeave, &HandleLeave);
+  StatusCall::Request(aggregator, &v1::Aggregator::AsyncService::RequestStatus, &HandleStatus);
+}
+
 }  // namespace
 
 Aggregator::Aggregator(AggregatorOptions options)
-    : options_(std::move(options)), started_(Clock::now()), rng_(std::random_device{}()) {
+    : options_(std::move(options)), started_(Clock::now()), rng_(std::random_device{}()) {}
+
+void Aggregator::Start(std::unique_ptr<grpc::ServerCompletionQueue> cq) {
+  cq_ = std::move(cq);
   if (options_.role == AggregatorOptions::Role::kNode && !options_.upstream.empty()) {
     std::shared_ptr<grpc::ChannelCredentials> credentials;
     const bool tls = !options_.upstream_ca_pem.empty();
@@ -241,12 +407,37 @@ Aggregator::Aggregator(AggregatorOptions options)
     }
     parent_ = std::make_unique<ParentLink>(this, options_.upstream, options_.id,
                                            std::move(credentials), tls,
-                                           options_.upstream_tls_name);
+                                           options_.upstream_tls_name, cq_.get());
   }
   ticker_ = std::thread([this] { TickLoop(); });
+  RequestCalls(this);
+  events_ = std::thread([this] { EventLoop(); });
 }
 
-Aggregator::~Aggregator() { Shutdown("the aggregator is being destroyed"); }
+Aggregator::~Aggregator() {
+  Shutdown("the aggregator is being destroyed");
+  StopEvents();
+}
+
+void Aggregator::EventLoop() {
+  pthread_setname_np(pthread_self(), "hsbn-events");
+  void* tag;
+  bool ok;
+  while (cq_->Next(&tag, &ok)) static_cast<EventTag*>(tag)->OnEvent(ok);
+}
+
+void Aggregator::StopEvents() {
+  if (!events_.joinable()) return;
+  // The queue is shut down on the event thread itself, so that no event handler can start an
+  // operation after the shutdown: from then on draining() is true and none does.
+  stop_alarm_.Set(cq_.get(), std::chrono::system_clock::now(), &stop_tag_);
+  events_.join();
+}
+
+void Aggregator::OnStopEvent(bool) {
+  draining_.store(true, std::memory_order_release);
+  cq_->Shutdown();
+}
 
 void Aggregator::Shutdown(const std::string& why) {
   {
@@ -518,38 +709,26 @@ absl::Status Aggregator::DoJoin(const v1::JoinRequest& req, v1::JoinResponse* re
   return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* Aggregator::Join(grpc::CallbackServerContext* ctx,
-                                           const v1::JoinRequest* req, v1::JoinResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
-  absl::Status s = DoJoin(*req, resp);
+grpc::Status Aggregator::Join(const v1::JoinRequest& req, v1::JoinResponse* resp) {
+  absl::Status s = DoJoin(req, resp);
   if (!s.ok()) Log(LogLevel::kWarn, absl::StrCat("Join refused: ", s.ToString()));
   if (Metrics* m = options_.metrics.get()) m->JoinAnswered(s.code());
-  reactor->Finish(wire::ToGrpc(s));
-  return reactor;
+  return wire::ToGrpc(s);
 }
 
-grpc::ServerBidiReactor<v1::ClientFrame, v1::ServerFrame>* Aggregator::Exchange(
-    grpc::CallbackServerContext* ctx) {
-  return new StreamReactor(this);
-}
-
-grpc::ServerUnaryReactor* Aggregator::Leave(grpc::CallbackServerContext* ctx,
-                                            const v1::LeaveRequest* req, v1::LeaveResponse*) {
-  auto* reactor = ctx->DefaultReactor();
+grpc::Status Aggregator::Leave(const v1::LeaveRequest& req) {
   SessionRef ref;
-  if (!FindSession(req->session_id(), &ref)) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown session"));
-    return reactor;
+  if (!FindSession(req.session_id(), &ref)) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown session");
   }
   Actions actions;
-  ref.job->MemberGone(ref.index, req->session_id(), /*left=*/true, &actions);
+  ref.job->MemberGone(ref.index, req.session_id(), /*left=*/true, &actions);
   Execute(actions, ref.job->id());
   {
     std::lock_guard<std::mutex> lock(mu_);
-    sessions_.erase(req->session_id());
+    sessions_.erase(req.session_id());
   }
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return grpc::Status::OK;
 }
 
 void Aggregator::FillStatus(const std::string& job_id, v1::StatusResponse* resp) {
@@ -564,26 +743,6 @@ void Aggregator::FillStatus(const std::string& job_id, v1::StatusResponse* resp)
     }
   }
   for (auto& job : jobs) job->FillStatus(resp->add_jobs());
-}
-
-grpc::ServerUnaryReactor* Aggregator::Status(grpc::CallbackServerContext* ctx,
-                                             const v1::StatusRequest* req,
-                                             v1::StatusResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
-  FillStatus(req->job_id(), resp);
-  if (req->include_upstream() && parent_) {
-    parent_->Status(*req, [reactor, resp](const grpc::Status& s, const v1::StatusResponse& up) {
-      if (s.ok()) {
-        *resp->mutable_upstream() = up;
-      } else {
-        resp->set_upstream_error(s.error_message());
-      }
-      reactor->Finish(grpc::Status::OK);
-    });
-    return reactor;
-  }
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
 }
 
 }  // namespace hsbn::server

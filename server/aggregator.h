@@ -1,9 +1,13 @@
 // server/aggregator.h — the hsbn aggregation service (one process, node or root role).
 //
-// An Aggregator serves the hsbn.v1.Aggregator gRPC service with the callback API: one reactor
-// per Exchange stream, no thread of its own per stream. Jobs are created by their first Join
-// and dropped when every member has gone. Rounds are reduced on the gRPC thread that delivers
-// the last contribution; results go out through each stream's outbox without blocking.
+// An Aggregator serves the hsbn.v1.Aggregator gRPC service with the async (completion-queue)
+// API, driven by one event thread of its own: it drains the server's one completion queue and
+// runs every event inline (a small call-state object per RPC, one tag per operation). The
+// sidecar's stream to its root completes on the same queue, so no gRPC callback-API thread
+// exists in the process. Jobs are created by their first Join and dropped when every member
+// has gone. Rounds are reduced on the event thread when the last contribution arrives (or on
+// the deadline thread when they expire); results go out through each stream's outbox without
+// blocking, from whichever thread has them.
 //
 // In the node role (a sidecar) workers join it; rounds whose scope reaches above the node are
 // forwarded to the parent (--upstream) over one persistent stream shared by all jobs. In the
@@ -24,7 +28,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "grpcpp/alarm.h"
+#include "grpcpp/completion_queue.h"
 #include "hsbn/v1/hsbn.grpc.pb.h"
+#include "event.h"
 #include "job.h"
 #include "log.h"
 #include "metrics.h"
@@ -49,30 +56,38 @@ struct AggregatorOptions {
   std::shared_ptr<Metrics> metrics;    // --metrics-listen; null: no metrics
 };
 
-class Aggregator final : public v1::Aggregator::CallbackService {
+class Aggregator final {
  public:
   explicit Aggregator(AggregatorOptions options);
-  ~Aggregator() override;
+  ~Aggregator();
+
+  // Register with the grpc::ServerBuilder.
+  grpc::Service* service() { return &service_; }
+  // After ServerBuilder::BuildAndStart: `cq` is the builder's AddCompletionQueue(). Starts the
+  // parent link, the deadline thread and the event thread, and requests the first calls.
+  void Start(std::unique_ptr<grpc::ServerCompletionQueue> cq);
 
   // Fails every open round with UNAVAILABLE and stops the deadline thread and the parent link.
   // Call before shutting the gRPC server down, so the failures reach the clients.
   void Shutdown(const std::string& why);
+  // Call after the gRPC server's Shutdown: the event thread shuts the completion queue down,
+  // drains it (deleting every call state) and exits; returns when it has.
+  void StopEvents();
+  // Event thread: true once the completion queue is being shut down (no operation may start).
+  bool draining() const { return draining_.load(std::memory_order_acquire); }
+  v1::Aggregator::AsyncService* async_service() { return &service_; }
+  grpc::ServerCompletionQueue* cq() { return cq_.get(); }
+  ParentLink* parent() { return parent_.get(); }
 
   // Called by the parent link.
   void OnParentResult(const std::string& job_id, const v1::Result& result);
   void OnParentLost(const absl::Status& status);
 
-  // Callback-service methods.
-  grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* ctx, const v1::JoinRequest* req,
-                                 v1::JoinResponse* resp) override;
-  grpc::ServerBidiReactor<v1::ClientFrame, v1::ServerFrame>* Exchange(
-      grpc::CallbackServerContext* ctx) override;
-  grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* ctx, const v1::LeaveRequest* req,
-                                  v1::LeaveResponse* resp) override;
-  grpc::ServerUnaryReactor* Status(grpc::CallbackServerContext* ctx, const v1::StatusRequest* req,
-                                   v1::StatusResponse* resp) override;
+  // The unary methods, run on the event thread.
+  grpc::Status Join(const v1::JoinRequest& req, v1::JoinResponse* resp);
+  grpc::Status Leave(const v1::LeaveRequest& req);
 
-  // Used by the stream reactor.
+  // Used by the stream state.
   struct SessionRef {
     std::shared_ptr<Job> job;
     int32_t index = -1;
@@ -88,6 +103,8 @@ class Aggregator final : public v1::Aggregator::CallbackService {
  private:
   absl::Status DoJoin(const v1::JoinRequest& req, v1::JoinResponse* resp);
   void TickLoop();
+  void EventLoop();
+  void OnStopEvent(bool ok);
 
   const AggregatorOptions options_;
   const Clock::time_point started_;
@@ -102,6 +119,13 @@ class Aggregator final : public v1::Aggregator::CallbackService {
   std::condition_variable tick_cv_;
   bool stopping_ = false;
   std::thread ticker_;
+
+  v1::Aggregator::AsyncService service_;
+  std::unique_ptr<grpc::ServerCompletionQueue> cq_;
+  std::atomic<bool> draining_{false};
+  grpc::Alarm stop_alarm_;  // wakes the event thread to shut the queue down
+  MemberTag<Aggregator> stop_tag_{this, &Aggregator::OnStopEvent};
+  std::thread events_;
 };
 
 }  // namespace hsbn::server

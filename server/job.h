@@ -37,7 +37,8 @@ namespace hsbn::server {
 
 using Clock = std::chrono::steady_clock;
 
-// Where results for one member go. Implemented by the stream reactor; Send must not block.
+// Where results for one member go. Implemented by the Exchange stream's outbox; Send must not
+// block.
 class ResultSink {
  public:
   virtual ~ResultSink() = default;

@@ -384,13 +384,17 @@ int main(int argc, char** argv) {
                              unix_socket ? grpc::InsecureServerCredentials() : tcp_credentials,
                              &ports[i]);
   }
-  builder.RegisterService(&service);
+  builder.RegisterService(service.service());
+  // The one completion queue: every call of the server and the sidecar's link to the root
+  // complete on it, and the aggregator's event thread runs them all.
+  std::unique_ptr<grpc::ServerCompletionQueue> cq = builder.AddCompletionQueue();
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server) {
     std::cerr << "hsbn-aggregator: could not listen on " << get("listen", default_listen)
               << " (address in use, or a directory that does not exist?)\n";
     return 1;
   }
+  service.Start(std::move(cq));
   std::vector<std::string> bound;
   for (size_t i = 0; i < listen.size(); ++i) {
     if (listen[i].rfind("unix:", 0) == 0) {
@@ -466,6 +470,8 @@ int main(int argc, char** argv) {
   service.Shutdown(sig == SIGTERM ? "SIGTERM" : "SIGINT");
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   server->Wait();
+  // Then the completion queue: drained on the event thread, every call state deleted.
+  service.StopEvents();
   for (const auto& path : unix_paths) unlink(path.c_str());
   Log(LogLevel::kInfo, "stopped");
   return 0;

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "aggregator.h"
+#include "event.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "log.h"
@@ -17,23 +18,27 @@ constexpr auto kConnectTimeout = std::chrono::seconds(5);
 constexpr size_t kMaxBatchBytes = 4 << 20;
 }  // namespace
 
-// One Exchange stream to the parent, on gRPC's callback API. Send() queues a frame and starts a
-// write when none is in flight; OnWriteDone sends whatever queued meanwhile, as one FrameBatch
-// when the parent accepts batches. A hold keeps the reactor alive while frames may still be
-// started from outside its reactions; it is released once the stream is broken and no write is
-// in flight, and Send() refuses frames from then on. The reactor owns itself (self_) until
-// OnDone.
-class ParentLink::Conn final
-    : public grpc::ClientBidiReactor<v1::ClientFrame, v1::ServerFrame> {
+// One Exchange stream to the parent, on gRPC's async API, on the aggregator's completion queue:
+// its completions run on the event thread. Send() queues a frame and starts a write when none
+// is in flight (from any thread: the async API runs nothing inline, so the write starts under
+// the lock); a write's completion sends whatever queued meanwhile, as one FrameBatch when the
+// parent accepts batches. Until the call has started, the start counts as the write in flight.
+// When the read fails (the stream broke, or was cancelled) and no write is in flight, Finish
+// collects the status and its completion tells the link (ConnDone). Every operation in flight
+// (start, read, write, finish) is counted; the Conn holds itself (self_) until the count is
+// zero, after which nothing refers to it from gRPC. Send() refuses frames once it is broken.
+class ParentLink::Conn final {
  public:
   explicit Conn(ParentLink* link) : link_(link) {}
 
-  void Start(const std::shared_ptr<Conn>& self, v1::Aggregator::Stub* stub) {
+  void Start(const std::shared_ptr<Conn>& self, v1::Aggregator::Stub* stub,
+             grpc::CompletionQueue* cq) {
+    std::lock_guard<std::mutex> lock(mu_);
     self_ = self;
-    stub->async()->Exchange(&context_, this);
-    AddHold();
-    StartRead(&in_);
-    StartCall();
+    writing_ = true;  // nothing is written before the call has started
+    ops_ = 1;
+    stream_ = stub->PrepareAsyncExchange(&context_, cq);
+    stream_->StartCall(&start_tag_);
   }
 
   // The parent's JoinResponse said it accepts batches.
@@ -41,16 +46,12 @@ class ParentLink::Conn final
 
   // False when the stream is broken: the frame was not queued.
   bool Send(v1::ClientFrame frame) {
-    v1::ClientFrame* start = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (broken_) return false;
-      pending_.push_back(std::move(frame));
-      if (writing_) return true;
-      writing_ = true;
-      start = TakeLocked();
-    }
-    StartWrite(start);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_) return false;
+    pending_.push_back(std::move(frame));
+    if (writing_) return true;
+    writing_ = true;
+    StartWriteLocked();
     return true;
   }
 
@@ -60,8 +61,8 @@ class ParentLink::Conn final
   }
   void Cancel() { context_.TryCancel(); }
 
-  // Waits (at most `timeout`) until OnDone has told the link that this stream is gone, so that
-  // its failure report cannot fail rounds already sent on the next stream.
+  // Waits (at most `timeout`) until ConnDone has told the link that this stream is gone, so
+  // that its failure report cannot fail rounds already sent on the next stream.
   void WaitDone(std::chrono::milliseconds timeout) {
     std::unique_lock<std::mutex> lock(mu_);
     done_cv_.wait_for(lock, timeout, [this] { return done_; });
@@ -70,9 +71,46 @@ class ParentLink::Conn final
   // Writer (connect) thread only.
   std::map<std::string, uint64_t> session_of_job;
 
-  void OnReadDone(bool ok) override {
+ private:
+  void OnStart(bool ok) {
+    bool cancel = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!ok) {
+        // The call never started: no read; Finish reports why.
+        broken_ = true;
+        read_failed_ = true;
+        pending_.clear();
+        writing_ = false;
+        MaybeFinishLocked();
+      } else {
+        ++ops_;
+        stream_->Read(&in_, &read_tag_);
+        if (broken_) {
+          // Cancelled before it started: the read fails, then Finish.
+          writing_ = false;
+          pending_.clear();
+          cancel = true;
+        } else if (!pending_.empty()) {
+          StartWriteLocked();
+        } else {
+          writing_ = false;
+        }
+      }
+    }
+    if (cancel) context_.TryCancel();
+    Release();
+  }
+
+  void OnRead(bool ok) {
     if (!ok) {
-      Break();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        broken_ = true;
+        read_failed_ = true;
+        MaybeFinishLocked();
+      }
+      Release();
       return;
     }
     Metrics* metrics = link_->aggregator_->metrics();
@@ -82,53 +120,62 @@ class ParentLink::Conn final
     } else if (in_.has_batch()) {
       for (const v1::Result& r : in_.batch().results()) link_->Deliver(r);
     }
-    StartRead(&in_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++ops_;
+      stream_->Read(&in_, &read_tag_);
+    }
+    Release();
   }
 
-  void OnWriteDone(bool ok) override {
-    v1::ClientFrame* start = nullptr;
-    bool release = false;
+  void OnWrite(bool ok) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!ok) broken_ = true;
       if (broken_) {
         pending_.clear();  // the rounds behind them fail through ConnDone -> OnParentLost
         writing_ = false;
-        release = ReleaseLocked();
+        MaybeFinishLocked();
       } else if (!pending_.empty()) {
-        start = TakeLocked();
+        StartWriteLocked();
       } else {
         writing_ = false;
       }
     }
-    if (!ok) context_.TryCancel();
-    if (start) StartWrite(start);
-    if (release) RemoveHold();
+    if (!ok) context_.TryCancel();  // so that the read fails too
+    Release();
   }
 
-  void OnDone(const grpc::Status& status) override {
-    link_->ConnDone(status);  // the last use of link_
-    std::shared_ptr<Conn> self = std::move(self_);  // may delete this on return
-    std::lock_guard<std::mutex> lock(mu_);
-    done_ = true;
-    done_cv_.notify_all();
-  }
-
- private:
-  void Break() {
-    bool release;
+  void OnFinish(bool) {
+    link_->ConnDone(status_);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      broken_ = true;
-      release = ReleaseLocked();
+      done_ = true;
+      done_cv_.notify_all();
     }
-    if (release) RemoveHold();
+    Release();
   }
 
-  bool ReleaseLocked() {
-    if (!broken_ || writing_ || released_) return false;
-    released_ = true;
-    return true;
+  // Drops one operation; the last one releases the Conn's hold on itself (may delete it).
+  void Release() {
+    std::shared_ptr<Conn> self;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--ops_ == 0) self = std::move(self_);
+    }
+  }
+
+  // Finish once no more messages come (the read failed) and no write is in flight.
+  void MaybeFinishLocked() {
+    if (!read_failed_ || writing_ || finishing_) return;
+    finishing_ = true;
+    ++ops_;
+    stream_->Finish(&status_, &finish_tag_);
+  }
+
+  void StartWriteLocked() {
+    ++ops_;
+    stream_->Write(*TakeLocked(), &write_tag_);
   }
 
   v1::ClientFrame* TakeLocked() {
@@ -156,22 +203,57 @@ class ParentLink::Conn final
   ParentLink* const link_;
   std::shared_ptr<Conn> self_;
   grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::ClientFrame, v1::ServerFrame>> stream_;
+  MemberTag<Conn> start_tag_{this, &Conn::OnStart};
+  MemberTag<Conn> read_tag_{this, &Conn::OnRead};
+  MemberTag<Conn> write_tag_{this, &Conn::OnWrite};
+  MemberTag<Conn> finish_tag_{this, &Conn::OnFinish};
   v1::ServerFrame in_;
+  grpc::Status status_;
   std::atomic<bool> batches_{false};
   std::mutex mu_;
   std::deque<v1::ClientFrame> pending_;
   v1::ClientFrame current_;
+  int ops_ = 0;  // operations in flight
   bool writing_ = false;
   bool broken_ = false;
-  bool released_ = false;
+  bool read_failed_ = false;
+  bool finishing_ = false;
   bool done_ = false;
   std::condition_variable done_cv_;
 };
 
+// ParentLink::Status as an async unary call on the event thread's queue.
+class ParentLink::StatusCall final {
+ public:
+  StatusCall(ParentLink* link,
+             std::function<void(const grpc::Status&, const v1::StatusResponse&)> done)
+      : link_(link), done_(std::move(done)) {}
+
+  grpc::ClientContext ctx;
+  v1::StatusResponse resp;
+  grpc::Status status;
+  std::unique_ptr<grpc::ClientAsyncResponseReader<v1::StatusResponse>> rpc;
+  MemberTag<StatusCall> tag{this, &StatusCall::OnDone};
+
+ private:
+  void OnDone(bool) {
+    done_(status, resp);
+    link_->StatusDone(this);  // deletes this
+  }
+
+  ParentLink* const link_;
+  std::function<void(const grpc::Status&, const v1::StatusResponse&)> done_;
+};
+
 ParentLink::ParentLink(Aggregator* aggregator, std::string address, std::string id,
                        std::shared_ptr<grpc::ChannelCredentials> credentials, bool tls,
-                       const std::string& tls_name)
-    : aggregator_(aggregator), address_(std::move(address)), id_(std::move(id)), tls_(tls) {
+                       const std::string& tls_name, grpc::CompletionQueue* cq)
+    : aggregator_(aggregator),
+      address_(std::move(address)),
+      id_(std::move(id)),
+      tls_(tls),
+      cq_(cq) {
   grpc::ChannelArguments args;
   if (!tls_name.empty()) args.SetSslTargetNameOverride(tls_name);
   args.SetMaxReceiveMessageSize(64 << 20);
@@ -199,8 +281,10 @@ void ParentLink::Shutdown() {
   }
   cv_.notify_all();
   if (writer_.joinable()) writer_.join();
-  // A stream's reactions call into this object and the aggregator until its OnDone.
+  // A stream's and a Status call's completions call into this object and the aggregator until
+  // they finish; the event thread runs them.
   std::unique_lock<std::mutex> lock(mu_);
+  for (StatusCall* call : status_calls_) call->ctx.TryCancel();
   cv_.wait(lock, [this] { return live_conns_ == 0; });
 }
 
@@ -276,17 +360,34 @@ void ParentLink::Abort(const std::string& job_id, const JobLayout& layout,
 
 void ParentLink::Status(const v1::StatusRequest& request,
                         std::function<void(const grpc::Status&, const v1::StatusResponse&)> done) {
-  struct Call {
-    grpc::ClientContext ctx;
-    v1::StatusRequest req;
-    v1::StatusResponse resp;
-  };
-  auto call = std::make_shared<Call>();
-  call->req = request;
-  call->req.set_include_upstream(false);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stopping_) {
+    lock.unlock();
+    done(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the sidecar is shutting down"),
+         v1::StatusResponse());
+    return;
+  }
+  // Started under mu_: Shutdown (which sets stopping_ first) then waits for it, so the queue
+  // is never shut down under a call started here.
+  auto* call = new StatusCall(this, std::move(done));
+  v1::StatusRequest req = request;
+  req.set_include_upstream(false);
   call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  stub_->async()->Status(&call->ctx, &call->req, &call->resp,
-                         [call, done = std::move(done)](grpc::Status s) { done(s, call->resp); });
+  status_calls_.insert(call);
+  ++live_conns_;
+  call->rpc = stub_->PrepareAsyncStatus(&call->ctx, req, cq_);
+  call->rpc->StartCall();
+  call->rpc->Finish(&call->resp, &call->status, &call->tag);
+}
+
+void ParentLink::StatusDone(StatusCall* call) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    status_calls_.erase(call);
+    --live_conns_;
+    cv_.notify_all();
+  }
+  delete call;
 }
 
 void ParentLink::FailItem(const Item& item, const absl::Status& status) {
@@ -374,7 +475,7 @@ absl::Status ParentLink::Send(Item& item) {
       std::lock_guard<std::mutex> lock(mu_);
       ++live_conns_;
     }
-    conn->Start(conn, stub_.get());
+    conn->Start(conn, stub_.get(), cq_);
     conn_ = std::move(conn);
     Log(LogLevel::kInfo, absl::StrCat("connected to the root aggregator at ", address_,
                                       tls_ ? " (TLS)" : ""));

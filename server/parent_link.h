@@ -3,11 +3,12 @@
 // Forward() and Abort() never block. When the stream is up and the job already joined at the
 // parent, the frame goes straight to the stream's write queue from the calling thread; otherwise
 // it queues for a connect thread, which connects (lazily, and again after a failure), joins
-// each job at the parent once, and then hands the frame to the stream. The stream is a gRPC
-// callback-API reactor (Conn): one write in flight at a time, and whatever queued meanwhile goes
-// out as one FrameBatch message when the root accepts batches, so many rounds in flight cost
-// one message, not one each. Results (single or batched) are handed to the Aggregator from the
-// reactor's read callback. When the stream breaks, the Aggregator is told at once so that every
+// each job at the parent once (blocking unary calls, off the hot path), and then hands the frame
+// to the stream. The stream (Conn) is a gRPC async-API call on the aggregator's completion
+// queue, so its completions run on the aggregator's one event thread: one write in flight at a
+// time, and whatever queued meanwhile goes out as one FrameBatch message when the root accepts
+// batches, so many rounds in flight cost one message, not one each. Results (single or
+// batched) are handed to the Aggregator from the event thread when a read completes. When the stream breaks, the Aggregator is told at once so that every
 // round waiting on the parent fails with UNAVAILABLE instead of at its deadline; the next
 // forward reconnects. gRPC keepalive pings the root every 10 s when the link is idle, so a
 // half-open link (the root's machine vanished) is noticed within about 15 s.
@@ -23,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -38,9 +40,11 @@ class ParentLink {
  public:
   // `credentials`: insecure, or TLS (grpc::SslCredentials); `tls_name`, when not empty,
   // overrides the name the parent's certificate must carry (default: the host in `address`).
+  // `cq`: the aggregator's completion queue, drained by its event thread; it must outlive
+  // Shutdown().
   ParentLink(Aggregator* aggregator, std::string address, std::string id,
              std::shared_ptr<grpc::ChannelCredentials> credentials, bool tls,
-             const std::string& tls_name);
+             const std::string& tls_name, grpc::CompletionQueue* cq);
   ~ParentLink();
 
   // `token`: the job's token at this aggregator, presented when joining the job at the parent.
@@ -50,7 +54,8 @@ class ParentLink {
              std::shared_ptr<const std::string> token, const Actions::Abort& a);
   // The job was dropped here: leave it at the parent too, so the parent can drop it.
   void Leave(const std::string& job_id);
-  // Asks the parent for its status; `done` runs on a gRPC thread.
+  // Asks the parent for its status; `done` runs on the event thread (at once, on the calling
+  // thread, when the link is shutting down).
   void Status(const v1::StatusRequest& request,
               std::function<void(const grpc::Status&, const v1::StatusResponse&)> done);
   void Shutdown();
@@ -67,6 +72,7 @@ class ParentLink {
     bool leave = false;         // not a frame: leave job_id at the parent
   };
   class Conn;
+  class StatusCall;
 
   void Enqueue(Item item);
   void Unpublish();
@@ -76,11 +82,13 @@ class ParentLink {
   // Called by Conn's reactions.
   void Deliver(const v1::Result& result);
   void ConnDone(const grpc::Status& status);
+  void StatusDone(StatusCall* call);
 
   Aggregator* const aggregator_;
   const std::string address_;
   const std::string id_;
   const bool tls_;
+  grpc::CompletionQueue* const cq_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Aggregator::Stub> stub_;
 
@@ -91,7 +99,8 @@ class ParentLink {
   std::mutex jobs_mu_;  // guards job_of_session_ (read by the stream's read callback)
   std::map<uint64_t, std::string> job_of_session_;
   std::shared_ptr<Conn> conn_;  // owned by the writer thread
-  int live_conns_ = 0;          // under mu_: streams whose OnDone has not run yet
+  int live_conns_ = 0;          // under mu_: streams and Status calls not finished yet
+  std::set<StatusCall*> status_calls_;  // under mu_: cancelled by Shutdown
   // The writer thread publishes an established stream and the jobs joined on it (under mu_),
   // so that Forward/Abort can write at once from the calling thread when nothing is queued,
   // without a hop to the writer thread.
