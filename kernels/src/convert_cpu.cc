@@ -10,6 +10,7 @@
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define HSBN_CONVERT_AVX2 1
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -98,7 +99,11 @@ const BlockConverters* Avx2Converters() {
                                         Bf16ToFloatAvx2, FloatToBf16Avx2};
   static const bool supported = [] {
     __builtin_cpu_init();  // may run before the constructors that otherwise do this
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    // AVX2 as the compiler checks it (CPU and OS support for the YMM state); F16C from CPUID
+    // leaf 1, ECX bit 29 (older Clang has no "f16c" for __builtin_cpu_supports).
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+    return __builtin_cpu_supports("avx2") && f16c;
   }();
   return supported ? &kAvx2 : nullptr;
 #else
