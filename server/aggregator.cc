@@ -210,6 +210,9 @@ class ExchangeCall final {
       case v1::ClientFrame::kAbort:
         HandleAbort(frame.abort());
         break;
+      case v1::ClientFrame::kNodeState:
+        HandleNodeState(frame.node_state());
+        break;
       default:  // an empty frame, or a batch nested in a batch: nothing to do
         break;
     }
@@ -278,6 +281,15 @@ class ExchangeCall final {
     if (!aggregator_->FindSession(a.session_id(), &ref)) return;
     Actions actions;
     ref.job->ChildAbort(ref.index, a, &actions);
+    aggregator_->Execute(actions, ref.job->id());
+  }
+
+  void HandleNodeState(const v1::NodeState& state) {
+    Aggregator::SessionRef ref;
+    if (!aggregator_->FindSession(state.session_id(), &ref)) return;
+    if (ref.job->layout().member_kind != v1::MEMBER_KIND_AGGREGATOR) return;  // from a worker?
+    Actions actions;
+    ref.job->ChildState(ref.index, state, &actions);
     aggregator_->Execute(actions, ref.job->id());
   }
 
@@ -545,6 +557,9 @@ void Aggregator::Execute(Actions& actions, const std::string& job_id) {
       for (const auto& f : actions.forwards) parent_->Forward(job_id, job->layout(), token, f);
       for (const auto& a : actions.aborts) parent_->Abort(job_id, job->layout(), token, a);
     }
+  }
+  if (parent_) {
+    for (const auto& n : actions.node_states) parent_->NodeState(job_id, n);
   }
 }
 

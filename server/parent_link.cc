@@ -311,6 +311,7 @@ void ParentLink::Enqueue(Item item) {
   // thread (never blocks).
   if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session_id(session);
   if (item.frame.has_abort()) item.frame.mutable_abort()->set_session_id(session);
+  if (item.frame.has_node_state()) item.frame.mutable_node_state()->set_session_id(session);
   if (!conn->Send(std::move(item.frame))) {
     FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
                                                        " broke")));
@@ -355,6 +356,15 @@ void ParentLink::Abort(const std::string& job_id, const JobLayout& layout,
   ab->set_phase(a.key.phase);
   ab->set_code(int(a.status.code()));
   ab->set_message(std::string(a.status.message()));
+  Enqueue(std::move(item));
+}
+
+void ParentLink::NodeState(const std::string& job_id, const Actions::NodeState& state) {
+  Item item;
+  item.job_id = job_id;
+  v1::NodeState* ns = item.frame.mutable_node_state();
+  ns->set_healthy(state.healthy);
+  ns->set_message(state.message);
   Enqueue(std::move(item));
 }
 
@@ -445,6 +455,16 @@ absl::Status ParentLink::Send(Item& item) {
                                            s.error_message()));
       }
     }
+    return absl::OkStatus();
+  }
+  if (item.frame.has_node_state()) {
+    // Only news for a root that holds this node's session in the job: never connects or joins
+    // just to say it (a root that never saw the job has no round waiting for this node).
+    if (!conn_ || conn_->broken()) return absl::OkStatus();
+    auto it = conn_->session_of_job.find(item.job_id);
+    if (it == conn_->session_of_job.end()) return absl::OkStatus();
+    item.frame.mutable_node_state()->set_session_id(it->second);
+    conn_->Send(std::move(item.frame));
     return absl::OkStatus();
   }
   if (conn_ && conn_->broken()) {

@@ -52,6 +52,9 @@ class ParentLink {
                std::shared_ptr<const std::string> token, const Actions::Forward& f);
   void Abort(const std::string& job_id, const JobLayout& layout,
              std::shared_ptr<const std::string> token, const Actions::Abort& a);
+  // This node is down in the job (a worker crashed) or back: tell the parent, if it holds the
+  // node's session in the job (never connects or joins just for this).
+  void NodeState(const std::string& job_id, const Actions::NodeState& state);
   // The job was dropped here: leave it at the parent too, so the parent can drop it.
   void Leave(const std::string& job_id);
   // Asks the parent for its status; `done` runs on the event thread (at once, on the calling

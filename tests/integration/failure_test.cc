@@ -90,6 +90,30 @@ TEST(Failures, KilledWorkerIsNamedToEveryOtherMemberWithinTwoSeconds) {
   }
 }
 
+// The only worker of node 1 is killed while node 0 waits in a global round that node 1 never
+// opened (it hung before the round): no sidecar has the round open to abort it, so before the
+// node's sidecar told the root "node down", node 0 waited for the 30 s deadline.
+TEST(Failures, KilledLastWorkerOfANodeIsNamedToTheOtherNodesWithinTwoSeconds) {
+  auto c = StartCluster(2, 1);
+  ASSERT_TRUE(c);
+  std::vector<std::unique_ptr<Subprocess>> w;
+  for (int r = 0; r < 2; ++r) {
+    w.push_back(SpawnWorker(*c, r, "kill-node", r == 1 ? std::vector<std::string>{"--hang-at=5"}
+                                                        : std::vector<std::string>{}));
+  }
+  ASSERT_TRUE(WaitForText(c->dir() + "/report1", "hang 5", milliseconds(30000)));
+  std::this_thread::sleep_for(milliseconds(300));  // rank 0 now waits in round 5
+  const auto killed = steady_clock::now();
+  w[1]->Signal(SIGKILL);
+  const int code = w[0]->Wait(milliseconds(2000));
+  const double seconds = std::chrono::duration<double>(steady_clock::now() - killed).count();
+  const std::string report = ReadFile(absl::StrCat(c->dir(), "/report0"));
+  EXPECT_EQ(code, 4) << "rank 0 did not fail within 2 s of the kill (" << seconds << " s)\n"
+                     << report;
+  EXPECT_NE(report.find("error forward 5 14 "), std::string::npos) << report;  // UNAVAILABLE
+  EXPECT_NE(report.find("rank 1"), std::string::npos) << report;
+}
+
 TEST(Failures, DeadlineErrorNamesTheMissingRanks) {
   auto c = StartCluster(1, 3, {"--round-timeout-ms=800"});
   ASSERT_TRUE(c);
