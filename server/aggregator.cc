@@ -586,6 +586,17 @@ void Aggregator::OnParentResult(const std::string& job_id, const v1::Result& res
   Execute(actions, job_id);
 }
 
+bool Aggregator::NodeDown(const std::string& job_id, std::string* message) {
+  std::shared_ptr<Job> job;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return false;
+    job = it->second;
+  }
+  return job->NodeDown(message);
+}
+
 void Aggregator::OnParentLost(const absl::Status& status) {
   std::vector<std::shared_ptr<Job>> jobs;
   {

@@ -82,6 +82,8 @@ class Aggregator final {
   // Called by the parent link.
   void OnParentResult(const std::string& job_id, const v1::Result& result);
   void OnParentLost(const absl::Status& status);
+  // Whether this node is down in `job_id` (see Job::NodeDown), and why.
+  bool NodeDown(const std::string& job_id, std::string* message);
 
   // The unary methods, run on the event thread.
   grpc::Status Join(const v1::JoinRequest& req, v1::JoinResponse* resp);

@@ -138,10 +138,10 @@ void Job::MemberGone(int32_t index, uint64_t session, bool left, Actions* out) {
   if (!left && !reported_down_ && limits_.has_parent &&
       layout_.member_kind == v1::MEMBER_KIND_WORKER && layout_.num_nodes > 1) {
     reported_down_ = true;
-    out->node_states.push_back(Actions::NodeState{
-        false, absl::StrCat(MemberName(index),
-                            " disconnected from its node's sidecar (its stream broke: the "
-                            "process probably exited or was killed)")});
+    down_message_ = absl::StrCat(MemberName(index),
+                                 " disconnected from its node's sidecar (its stream broke: the "
+                                 "process probably exited or was killed)");
+    out->node_states.push_back(Actions::NodeState{false, down_message_});
   }
 }
 
@@ -489,6 +489,12 @@ void Job::RecordDivergenceLocked(const Round& round, const v1::Result& global) {
     acc.var_ratio_sum += ratio_sum / double(channels);
     acc.log_var_ratio_abs_sum += log_sum / double(channels);
   }
+}
+
+bool Job::NodeDown(std::string* message) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (reported_down_ && message) *message = down_message_;
+  return reported_down_;
 }
 
 absl::Status Job::BlockedLocked(const RoundKey& key) const {

@@ -162,6 +162,9 @@ class Job {
   // A child aggregator says its node is down (a worker is gone: every open round still waiting
   // for that node fails at once, and so does every new round, until it is back) or back.
   void ChildState(int32_t index, const v1::NodeState& state, Actions* out);
+  // A sidecar: whether its node is down in this job (a worker gone, not back yet), and why.
+  // Said again to a parent that the sidecar joins anew (a new stream, a restarted root).
+  bool NodeDown(std::string* message) const;
   // The parent's answer to a round this aggregator forwarded.
   void ParentResult(const v1::Result& result, Actions* out);
   // The link to the parent broke: every round waiting for it fails with `status`.
@@ -249,6 +252,7 @@ class Job {
   std::map<std::pair<uint32_t, int32_t>, DivergenceAcc> divergence_;  // (op, node)
   std::shared_ptr<const std::string> token_;
   bool reported_down_ = false;  // a sidecar that told its parent that its node is down
+  std::string down_message_;    // what it said
 };
 
 }  // namespace hsbn::server

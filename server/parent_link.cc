@@ -502,6 +502,7 @@ absl::Status ParentLink::Send(Item& item) {
     if (Metrics* m = aggregator_->metrics()) m->SetUpstreamConnected(true);
   }
   uint64_t session = 0;
+  v1::ClientFrame resend_down;
   auto found = conn_->session_of_job.find(item.job_id);
   if (found == conn_->session_of_job.end()) {
     v1::JoinRequest req;
@@ -540,6 +541,13 @@ absl::Status ParentLink::Send(Item& item) {
     if (!conn_->Send(std::move(attach))) {
       return absl::UnavailableError(absl::StrCat("the stream to the root ", address_, " broke"));
     }
+    // A parent that holds a new session for this node knows nothing of its lost workers: say
+    // it again, after this item (whose round completed here before).
+    if (std::string why; aggregator_->NodeDown(item.job_id, &why)) {
+      resend_down.mutable_node_state()->set_session_id(session);
+      resend_down.mutable_node_state()->set_healthy(false);
+      resend_down.mutable_node_state()->set_message(why);
+    }
   } else {
     session = found->second;
   }
@@ -548,6 +556,7 @@ absl::Status ParentLink::Send(Item& item) {
   if (!conn_->Send(std::move(item.frame))) {
     return absl::UnavailableError(absl::StrCat("the stream to the root ", address_, " broke"));
   }
+  if (resend_down.has_node_state()) conn_->Send(std::move(resend_down));
   {
     std::lock_guard<std::mutex> lock(mu_);
     published_ = conn_;

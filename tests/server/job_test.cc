@@ -412,6 +412,9 @@ TEST(Job, SidecarTellsItsParentWhenAWorkerCrashesAndWhenEveryWorkerIsBack) {
   ASSERT_EQ(a.node_states.size(), 1u);
   EXPECT_FALSE(a.node_states[0].healthy);
   EXPECT_NE(a.node_states[0].message.find("rank 3"), std::string::npos) << a.node_states[0].message;
+  std::string why;  // said again to a root the sidecar joins anew
+  EXPECT_TRUE(f.job->NodeDown(&why));
+  EXPECT_EQ(why, a.node_states[0].message);
   Actions b;  // a second crash: the parent already knows the node is down
   f.job->MemberGone(0, 100, /*left=*/false, &b);
   EXPECT_TRUE(b.node_states.empty());
@@ -422,6 +425,7 @@ TEST(Job, SidecarTellsItsParentWhenAWorkerCrashesAndWhenEveryWorkerIsBack) {
   ASSERT_TRUE(f.job->AddMember(1, 201, 101, &d).ok());
   ASSERT_EQ(d.node_states.size(), 1u);
   EXPECT_TRUE(d.node_states[0].healthy);
+  EXPECT_FALSE(f.job->NodeDown(&why));
   // A worker that leaves when it is done is not a crash: nothing goes to the parent.
   Actions e;
   f.job->MemberGone(0, 200, /*left=*/true, &e);
