@@ -92,6 +92,35 @@ void WriteStats(const Args& args, uint64_t rounds, const Usage& a, const Usage& 
   std::rename(tmp.c_str(), args.Str("stats-file").c_str());
 }
 
+// One round's sum over the workers' frames (raw doubles), shared by both servers: Add returns
+// true when the round is complete, with its bytes in result(); the next Add starts a new round.
+class RoundSum {
+ public:
+  explicit RoundSum(int workers) : workers_(workers) {}
+  bool Add(const std::string& data) {
+    const size_t n = data.size() / sizeof(double);
+    if (arrived_ == 0) acc_.assign(n, 0.0);
+    if (acc_.size() != n) Die("frame size mismatch");
+    x_.resize(n);
+    std::memcpy(x_.data(), data.data(), data.size());
+    SumInto(acc_.data(), x_.data(), n);
+    if (++arrived_ < workers_) return false;
+    result_.assign(reinterpret_cast<const char*>(acc_.data()), acc_.size() * sizeof(double));
+    arrived_ = 0;
+    ++rounds_;
+    return true;
+  }
+  const std::string& result() const { return result_; }
+  uint64_t rounds() const { return rounds_; }
+
+ private:
+  const int workers_;
+  std::vector<double> acc_, x_;
+  std::string result_;
+  int arrived_ = 0;
+  uint64_t rounds_ = 0;
+};
+
 class Star;
 
 // One worker's stream. Reads are re-armed at once (a worker has at most one round in flight);
@@ -137,25 +166,17 @@ class Stream final : public grpc::ServerBidiReactor<Blob, Blob> {
 
 class Star {
  public:
-  explicit Star(int workers) : workers_(workers) {}
+  explicit Star(int workers) : workers_(workers), sum_(workers) {}
 
   void Contribute(Stream* s, const std::string& data) {
     std::vector<Stream*> members;
     std::string result;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      const size_t n = data.size() / sizeof(double);
-      if (arrived_ == 0) acc_.assign(n, 0.0);
-      if (acc_.size() != n) Die("frame size mismatch");
-      x_.resize(n);
-      std::memcpy(x_.data(), data.data(), data.size());
-      SumInto(acc_.data(), x_.data(), n);
       members_.push_back(s);
-      if (++arrived_ < workers_) return;
-      result.assign(reinterpret_cast<const char*>(acc_.data()), acc_.size() * sizeof(double));
+      if (!sum_.Add(data)) return;
+      result = sum_.result();
       members.swap(members_);
-      arrived_ = 0;
-      ++rounds_;
     }
     for (Stream* m : members) m->Reply(result);
   }
@@ -173,18 +194,16 @@ class Star {
   std::pair<Usage, uint64_t> WaitAllDone() {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return done_ >= workers_; });
-    return {start_, rounds_};
+    return {start_, sum_.rounds()};
   }
 
  private:
   const int workers_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<double> acc_, x_;
+  RoundSum sum_;
   std::vector<Stream*> members_;
-  int arrived_ = 0;
   int done_ = 0;
-  uint64_t rounds_ = 0;
   bool started_ = false;
   Usage start_;
 };
@@ -272,24 +291,21 @@ struct Tag {
 
 class AsyncStar {
  public:
-  explicit AsyncStar(int workers) : workers_(workers) {}
+  explicit AsyncStar(int workers) : workers_(workers), sum_(workers) {}
   void Contribute(AsyncStream* s, const std::string& data);
   void StreamStarted() {
     if (!started_) started_ = true, start_ = Usage::Now();
   }
   void StreamDone() { ++done_; }
   bool AllDone() const { return done_ >= workers_; }
-  uint64_t rounds() const { return rounds_; }
+  uint64_t rounds() const { return sum_.rounds(); }
   const Usage& start() const { return start_; }
 
  private:
   const int workers_;
-  std::vector<double> acc_, x_;
+  RoundSum sum_;
   std::vector<AsyncStream*> members_;
-  std::string result_;
-  int arrived_ = 0;
   int done_ = 0;
-  uint64_t rounds_ = 0;
   bool started_ = false;
   Usage start_;
 };
@@ -379,18 +395,9 @@ class AsyncStream {
 };
 
 void AsyncStar::Contribute(AsyncStream* s, const std::string& data) {
-  const size_t n = data.size() / sizeof(double);
-  if (arrived_ == 0) acc_.assign(n, 0.0);
-  if (acc_.size() != n) Die("frame size mismatch");
-  x_.resize(n);
-  std::memcpy(x_.data(), data.data(), data.size());
-  SumInto(acc_.data(), x_.data(), n);
   members_.push_back(s);
-  if (++arrived_ < workers_) return;
-  result_.assign(reinterpret_cast<const char*>(acc_.data()), acc_.size() * sizeof(double));
-  arrived_ = 0;
-  ++rounds_;
-  for (AsyncStream* m : members_) m->Reply(result_);
+  if (!sum_.Add(data)) return;
+  for (AsyncStream* m : members_) m->Reply(sum_.result());
   members_.clear();
 }
 

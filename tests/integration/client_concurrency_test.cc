@@ -16,6 +16,7 @@
 #include "hsbn/client.h"
 #include "hsbn/hsbn.h"
 #include "local_cluster.h"
+#include "rank_client.h"
 
 namespace hsbn {
 namespace {
@@ -35,23 +36,12 @@ std::unique_ptr<LocalCluster> StartCluster(int per_node) {
 
 ClientOptions Options(LocalCluster& c, int rank, const std::string& job,
                       milliseconds round_timeout = milliseconds(0)) {
-  ClientOptions o;
-  o.address = c.sidecar_address(0);
-  o.job_id = job;
-  o.rank = rank;
-  o.world_size = c.world_size();
-  o.local_rank = rank;
-  o.local_world_size = c.workers_per_node();
-  o.node_rank = 0;
-  o.round_timeout = round_timeout;
-  return o;
+  return testing::RankOptions(c, rank, job, round_timeout);
 }
 
 std::unique_ptr<Client> Connect(LocalCluster& c, int rank, const std::string& job,
                                 milliseconds round_timeout = milliseconds(0)) {
-  auto client = Client::Connect(Options(c, rank, job, round_timeout));
-  EXPECT_TRUE(client.ok()) << client.status();
-  return client.ok() ? std::move(*client) : nullptr;
+  return testing::ConnectRank(c, rank, job, round_timeout);
 }
 
 constexpr int kChannels = 16;

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "hsbn/client.h"
 #include "local_cluster.h"
+#include "rank_client.h"
 
 namespace hsbn {
 namespace {
@@ -38,18 +39,7 @@ std::unique_ptr<LocalCluster> StartCluster(int nodes, int per_node) {
 
 std::unique_ptr<Client> Connect(LocalCluster& c, int rank, const std::string& job,
                                 milliseconds round_timeout = milliseconds(0)) {
-  ClientOptions o;
-  o.address = c.sidecar_address(rank / c.workers_per_node());
-  o.job_id = job;
-  o.rank = rank;
-  o.world_size = c.world_size();
-  o.local_rank = rank % c.workers_per_node();
-  o.local_world_size = c.workers_per_node();
-  o.node_rank = rank / c.workers_per_node();
-  o.round_timeout = round_timeout;
-  auto client = Client::Connect(o);
-  EXPECT_TRUE(client.ok()) << client.status();
-  return client.ok() ? std::move(*client) : nullptr;
+  return testing::ConnectRank(c, rank, job, round_timeout);
 }
 
 constexpr int kChannels = 8;

@@ -20,6 +20,7 @@
 #include "hsbn/hsbn.h"
 #include "hsbn/v1/hsbn.grpc.pb.h"
 #include "local_cluster.h"
+#include "rank_client.h"
 #include "wire.h"
 
 namespace hsbn {
@@ -132,17 +133,7 @@ TEST(Failures, DeadlineErrorNamesTheMissingRanks) {
 
 // In-process clients (threads) against real aggregator processes.
 std::unique_ptr<Client> Connect(LocalCluster& c, int rank, const std::string& job) {
-  ClientOptions o;
-  o.address = c.sidecar_address(rank / c.workers_per_node());
-  o.job_id = job;
-  o.rank = rank;
-  o.world_size = c.world_size();
-  o.local_rank = rank % c.workers_per_node();
-  o.local_world_size = c.workers_per_node();
-  o.node_rank = rank / c.workers_per_node();
-  auto client = Client::Connect(o);
-  EXPECT_TRUE(client.ok()) << client.status();
-  return client.ok() ? std::move(*client) : nullptr;
+  return testing::ConnectRank(c, rank, job);
 }
 
 // One client per rank of the cluster, all in `job`.
