@@ -38,7 +38,7 @@ class Outbox final : public ResultSink {
 
   void Send(const v1::Result& result) override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (finishing_ || closed_ || aggregator_->draining()) return;
+    if (finishing_ || closed_) return;
     pending_.push_back(result);
     if (writing_) return;
     writing_ = true;
@@ -52,9 +52,7 @@ class Outbox final : public ResultSink {
       broken_ = true;
       pending_.clear();
     }
-    if (!pending_.empty() && !finishing_ && !aggregator_->draining()) {
-      StartWriteLocked();
-    } else {
+    if (pending_.empty() || finishing_ || !StartWriteLocked()) {
       writing_ = false;
       if (read_done_ && !finishing_) FinishLocked();
     }
@@ -84,16 +82,26 @@ class Outbox final : public ResultSink {
   // Most bytes of results put in one batch frame (a single larger result still goes alone).
   static constexpr size_t kMaxBatchBytes = 4 << 20;
 
-  void StartWriteLocked() {
-    ++ops_;
-    stream_->Write(*TakeLocked(), write_tag_);
+  // Starts a write of what is pending; false (pending dropped, writing_ cleared) when the
+  // queues are shutting down.
+  bool StartWriteLocked() {
+    if (aggregator_->StartOp([&] {
+          ++ops_;
+          stream_->Write(*TakeLocked(), write_tag_);
+        })) {
+      return true;
+    }
+    pending_.clear();
+    writing_ = false;
+    return false;
   }
 
   void FinishLocked() {
     finishing_ = true;
-    if (aggregator_->draining()) return;  // the queue is shutting down: nothing more starts
-    ++ops_;
-    stream_->Finish(grpc::Status::OK, finish_tag_);
+    aggregator_->StartOp([&] {  // nothing starts once the queues are shutting down
+      ++ops_;
+      stream_->Finish(grpc::Status::OK, finish_tag_);
+    });
   }
 
   // Moves the next frame's worth of pending results into current_.
@@ -140,17 +148,23 @@ class Outbox final : public ResultSink {
 // operations has come back (Outbox::ReleaseOp).
 class ExchangeCall final {
  public:
-  // Requests the next Exchange call (one request is always outstanding while serving).
-  static void Request(Aggregator* aggregator) {
-    auto* call = new ExchangeCall(aggregator);
+  // Requests the next Exchange call on `cq` (one request is always outstanding on each queue
+  // while serving; a call's events all come back on the queue it was requested on).
+  static void Request(Aggregator* aggregator, grpc::ServerCompletionQueue* cq) {
+    auto* call = new ExchangeCall(aggregator, cq);
     call->ctx_.AsyncNotifyWhenDone(&call->done_tag_);
-    aggregator->async_service()->RequestExchange(&call->ctx_, &call->stream_, aggregator->cq(),
-                                                 aggregator->cq(), &call->request_tag_);
+    if (!aggregator->StartOp([&] {
+          aggregator->async_service()->RequestExchange(&call->ctx_, &call->stream_, cq, cq,
+                                                       &call->request_tag_);
+        })) {
+      delete call;  // never requested: no tag of it will come back
+    }
   }
 
  private:
-  explicit ExchangeCall(Aggregator* aggregator)
+  ExchangeCall(Aggregator* aggregator, grpc::ServerCompletionQueue* cq)
       : aggregator_(aggregator),
+        cq_(cq),
         metrics_(aggregator->metrics()),
         outbox_(std::make_shared<Outbox>(&stream_, &write_tag_, &finish_tag_, aggregator)) {}
 
@@ -159,11 +173,16 @@ class ExchangeCall final {
       delete this;
       return;
     }
-    if (!aggregator_->draining()) Request(aggregator_);
+    Request(aggregator_, cq_);
     outbox_->AddOp();  // the done notification
-    if (!aggregator_->draining()) {
-      outbox_->AddOp();
-      stream_.Read(&in_, &read_tag_);
+    StartRead();
+  }
+
+  // Starts the next read (not when the queues are shutting down).
+  void StartRead() {
+    outbox_->AddOp();
+    if (!aggregator_->StartOp([&] { stream_.Read(&in_, &read_tag_); })) {
+      outbox_->ReleaseOp();  // never the last: the caller holds an operation of this call
     }
   }
 
@@ -180,10 +199,7 @@ class ExchangeCall final {
     } else {
       Handle(in_);
     }
-    if (!aggregator_->draining()) {
-      outbox_->AddOp();
-      stream_.Read(&in_, &read_tag_);
-    }
+    StartRead();
     Release();
   }
 
@@ -294,6 +310,7 @@ class ExchangeCall final {
   }
 
   Aggregator* const aggregator_;
+  grpc::ServerCompletionQueue* const cq_;
   Metrics* const metrics_;
   grpc::ServerContext ctx_;
   grpc::ServerAsyncReaderWriter<v1::ServerFrame, v1::ClientFrame> stream_{&ctx_};
@@ -320,39 +337,41 @@ class UnaryCall final {
       grpc::ServerCompletionQueue*, void*);
   using HandleFn = void (*)(Aggregator*, UnaryCall*);
 
-  static void Request(Aggregator* aggregator, RequestFn request, HandleFn handle) {
-    auto* call = new UnaryCall(aggregator, request, handle);
-    (aggregator->async_service()->*request)(&call->ctx_, &call->req, &call->writer_,
-                                             aggregator->cq(), aggregator->cq(),
-                                             &call->request_tag_);
+  static void Request(Aggregator* aggregator, grpc::ServerCompletionQueue* cq, RequestFn request,
+                      HandleFn handle) {
+    auto* call = new UnaryCall(aggregator, cq, request, handle);
+    if (!aggregator->StartOp([&] {
+          (aggregator->async_service()->*request)(&call->ctx_, &call->req, &call->writer_, cq,
+                                                   cq, &call->request_tag_);
+        })) {
+      delete call;
+    }
   }
 
   void Finish(const grpc::Status& status) {
-    if (aggregator_->draining()) {
-      delete this;
-      return;
-    }
-    writer_.Finish(resp, status, &finish_tag_);
+    if (!aggregator_->StartOp([&] { writer_.Finish(resp, status, &finish_tag_); })) delete this;
   }
 
   Req req;
   Resp resp;
 
  private:
-  UnaryCall(Aggregator* aggregator, RequestFn request, HandleFn handle)
-      : aggregator_(aggregator), request_(request), handle_(handle) {}
+  UnaryCall(Aggregator* aggregator, grpc::ServerCompletionQueue* cq, RequestFn request,
+            HandleFn handle)
+      : aggregator_(aggregator), cq_(cq), request_(request), handle_(handle) {}
 
   void OnRequest(bool ok) {
     if (!ok || aggregator_->draining()) {
       delete this;
       return;
     }
-    Request(aggregator_, request_, handle_);
+    Request(aggregator_, cq_, request_, handle_);
     handle_(aggregator_, this);  // may delete this
   }
   void OnFinish(bool) { delete this; }
 
   Aggregator* const aggregator_;
+  grpc::ServerCompletionQueue* const cq_;
   const RequestFn request_;
   const HandleFn handle_;
   grpc::ServerContext ctx_;
@@ -391,11 +410,12 @@ void HandleStatus(Aggregator* aggregator, StatusCall* call) {
   call->Finish(grpc::Status::OK);
 }
 
-void RequestCalls(Aggregator* aggregator) {
-  ExchangeCall::Request(aggregator);
-  JoinCall::Request(aggregator, &v1::Aggregator::AsyncService::RequestJoin, &HandleJoin);
-  LeaveCall::Request(aggregator, &v1::Aggregator::AsyncService::RequestLeave, &HandleLeave);
-  StatusCall::Request(aggregator, &v1::Aggregator::AsyncService::RequestStatus, &HandleStatus);
+void RequestCalls(Aggregator* aggregator, grpc::ServerCompletionQueue* cq) {
+  ExchangeCall::Request(aggregator, cq);
+  JoinCall::Request(aggregator, cq, &v1::Aggregator::AsyncService::RequestJoin, &HandleJoin);
+  LeaveCall::Request(aggregator, cq, &v1::Aggregator::AsyncService::RequestLeave, &HandleLeave);
+  StatusCall::Request(aggregator, cq, &v1::Aggregator::AsyncService::RequestStatus,
+                      &HandleStatus);
 }
 
 }  // namespace
@@ -403,8 +423,8 @@ void RequestCalls(Aggregator* aggregator) {
 Aggregator::Aggregator(AggregatorOptions options)
     : options_(std::move(options)), started_(Clock::now()), rng_(std::random_device{}()) {}
 
-void Aggregator::Start(std::unique_ptr<grpc::ServerCompletionQueue> cq) {
-  cq_ = std::move(cq);
+void Aggregator::Start(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> cqs) {
+  cqs_ = std::move(cqs);
   if (options_.role == AggregatorOptions::Role::kNode && !options_.upstream.empty()) {
     std::shared_ptr<grpc::ChannelCredentials> credentials;
     const bool tls = !options_.upstream_ca_pem.empty();
@@ -419,11 +439,14 @@ void Aggregator::Start(std::unique_ptr<grpc::ServerCompletionQueue> cq) {
     }
     parent_ = std::make_unique<ParentLink>(this, options_.upstream, options_.id,
                                            std::move(credentials), tls,
-                                           options_.upstream_tls_name, cq_.get());
+                                           options_.upstream_tls_name, cqs_[0].get());
   }
   ticker_ = std::thread([this] { TickLoop(); });
-  RequestCalls(this);
-  events_ = std::thread([this] { EventLoop(); });
+  for (size_t i = 0; i < cqs_.size(); ++i) {
+    grpc::ServerCompletionQueue* cq = cqs_[i].get();
+    RequestCalls(this, cq);
+    events_.emplace_back([this, cq, i] { EventLoop(cq, i); });
+  }
 }
 
 Aggregator::~Aggregator() {
@@ -431,24 +454,26 @@ Aggregator::~Aggregator() {
   StopEvents();
 }
 
-void Aggregator::EventLoop() {
-  pthread_setname_np(pthread_self(), "hsbn-events");
+void Aggregator::EventLoop(grpc::ServerCompletionQueue* cq, size_t index) {
+  const std::string name = index == 0 ? "hsbn-events" : absl::StrCat("hsbn-events-", index);
+  pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
   void* tag;
   bool ok;
-  while (cq_->Next(&tag, &ok)) static_cast<EventTag*>(tag)->OnEvent(ok);
+  while (cq->Next(&tag, &ok)) static_cast<EventTag*>(tag)->OnEvent(ok);
 }
 
 void Aggregator::StopEvents() {
-  if (!events_.joinable()) return;
-  // The queue is shut down on the event thread itself, so that no event handler can start an
-  // operation after the shutdown: from then on draining() is true and none does.
-  stop_alarm_.Set(cq_.get(), std::chrono::system_clock::now(), &stop_tag_);
-  events_.join();
-}
-
-void Aggregator::OnStopEvent(bool) {
-  draining_.store(true, std::memory_order_release);
-  cq_->Shutdown();
+  if (events_.empty()) return;
+  // From here on StartOp starts nothing, on any thread: then no queue can be shut down under
+  // an operation being started (an event thread may start one on another thread's queue, when
+  // a round completes and its results go to every member's stream).
+  {
+    std::unique_lock<std::shared_mutex> lock(gate_);
+    draining_ = true;
+  }
+  for (auto& cq : cqs_) cq->Shutdown();
+  for (auto& t : events_) t.join();
+  events_.clear();
 }
 
 void Aggregator::Shutdown(const std::string& why) {

@@ -23,12 +23,12 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "grpcpp/alarm.h"
 #include "grpcpp/completion_queue.h"
 #include "hsbn/v1/hsbn.grpc.pb.h"
 #include "event.h"
@@ -63,20 +63,32 @@ class Aggregator final {
 
   // Register with the grpc::ServerBuilder.
   grpc::Service* service() { return &service_; }
-  // After ServerBuilder::BuildAndStart: `cq` is the builder's AddCompletionQueue(). Starts the
-  // parent link, the deadline thread and the event thread, and requests the first calls.
-  void Start(std::unique_ptr<grpc::ServerCompletionQueue> cq);
+  // After ServerBuilder::BuildAndStart: `cqs` are the builder's AddCompletionQueue()s, one per
+  // event thread (--event-threads). Starts the parent link (on the first queue), the deadline
+  // thread and one event thread per queue, and requests the first calls on every queue.
+  void Start(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> cqs);
 
   // Fails every open round with UNAVAILABLE and stops the deadline thread and the parent link.
   // Call before shutting the gRPC server down, so the failures reach the clients.
   void Shutdown(const std::string& why);
-  // Call after the gRPC server's Shutdown: the event thread shuts the completion queue down,
-  // drains it (deleting every call state) and exits; returns when it has.
+  // Call after the gRPC server's Shutdown: shuts the completion queues down; the event threads
+  // drain them (deleting every call state) and exit; returns when they have.
   void StopEvents();
-  // Event thread: true once the completion queue is being shut down (no operation may start).
-  bool draining() const { return draining_.load(std::memory_order_acquire); }
+  // Starts one gRPC operation by calling `start()`, unless the completion queues are being shut
+  // down: then starts nothing and returns false. Any thread. A queue is never shut down while an
+  // operation is being started on it (starting one on a shut-down queue aborts in gRPC).
+  template <typename F>
+  bool StartOp(F&& start) {
+    std::shared_lock<std::shared_mutex> lock(gate_);
+    if (draining_) return false;
+    start();
+    return true;
+  }
+  bool draining() {
+    std::shared_lock<std::shared_mutex> lock(gate_);
+    return draining_;
+  }
   v1::Aggregator::AsyncService* async_service() { return &service_; }
-  grpc::ServerCompletionQueue* cq() { return cq_.get(); }
   ParentLink* parent() { return parent_.get(); }
 
   // Called by the parent link.
@@ -105,8 +117,7 @@ class Aggregator final {
  private:
   absl::Status DoJoin(const v1::JoinRequest& req, v1::JoinResponse* resp);
   void TickLoop();
-  void EventLoop();
-  void OnStopEvent(bool ok);
+  void EventLoop(grpc::ServerCompletionQueue* cq, size_t index);
 
   const AggregatorOptions options_;
   const Clock::time_point started_;
@@ -123,11 +134,10 @@ class Aggregator final {
   std::thread ticker_;
 
   v1::Aggregator::AsyncService service_;
-  std::unique_ptr<grpc::ServerCompletionQueue> cq_;
-  std::atomic<bool> draining_{false};
-  grpc::Alarm stop_alarm_;  // wakes the event thread to shut the queue down
-  MemberTag<Aggregator> stop_tag_{this, &Aggregator::OnStopEvent};
-  std::thread events_;
+  std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> cqs_;
+  std::shared_mutex gate_;  // StartOp holds it shared; StopEvents sets draining_ exclusively
+  bool draining_ = false;
+  std::vector<std::thread> events_;
 };
 
 }  // namespace hsbn::server

@@ -58,6 +58,9 @@ Flags:
                             Default 256.
   --max-open-rounds=N       Rounds in flight per job. Default 4096.
   --max-channels=N          Channels per round (BN layer width). Default 65536.
+  --event-threads=N         Threads that run gRPC events, each with its own completion queue
+                            (a stream stays on one). Default 1: fewest thread wake-ups per
+                            round. More lets a root that saturates one core use several.
   --socket-mode=OCTAL       Permissions of Unix sockets created here. Default 0660.
   --log-level=LEVEL         debug, info, warn or error. Default info (or HSBN_LOG_LEVEL).
 
@@ -165,6 +168,7 @@ int main(int argc, char** argv) {
   mallopt(M_MMAP_THRESHOLD, 16 << 20);
   static const std::vector<std::string> kKnown = {
       "role", "listen", "upstream", "id", "ready-file", "round-timeout-ms", "max-jobs",
+      "event-threads",
       "max-open-rounds", "max-channels", "socket-mode", "log-level", "metrics-listen",
       "tls-cert", "tls-key", "tls-client-ca", "upstream-ca", "upstream-cert", "upstream-key",
       "upstream-tls-name", "token-file", "allow-insecure-token-file"};
@@ -242,6 +246,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.limits.max_channels = int32_t(v);
+  if (!ParseInt("event-threads", get("event-threads", "1"), 1, &v)) return 2;
+  if (v > 64) {
+    std::cerr << "hsbn-aggregator: --event-threads is at most 64\n";
+    return 2;
+  }
+  const int event_threads = int(v);
   const std::string mode_text = get("socket-mode", "0660");
   const long socket_mode = std::strtol(mode_text.c_str(), nullptr, 8);
   LogLevel level = LogLevel::kInfo;
@@ -385,16 +395,17 @@ int main(int argc, char** argv) {
                              &ports[i]);
   }
   builder.RegisterService(service.service());
-  // The one completion queue: every call of the server and the sidecar's link to the root
-  // complete on it, and the aggregator's event thread runs them all.
-  std::unique_ptr<grpc::ServerCompletionQueue> cq = builder.AddCompletionQueue();
+  // One completion queue per event thread: a call's events all come back on the queue it was
+  // accepted on, and its thread runs them; the sidecar's link to the root uses the first.
+  std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> cqs;
+  for (int i = 0; i < event_threads; ++i) cqs.push_back(builder.AddCompletionQueue());
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server) {
     std::cerr << "hsbn-aggregator: could not listen on " << get("listen", default_listen)
               << " (address in use, or a directory that does not exist?)\n";
     return 1;
   }
-  service.Start(std::move(cq));
+  service.Start(std::move(cqs));
   std::vector<std::string> bound;
   for (size_t i = 0; i < listen.size(); ++i) {
     if (listen[i].rfind("unix:", 0) == 0) {
