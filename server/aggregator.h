@@ -1,10 +1,11 @@
 // server/aggregator.h — the hsbn aggregation service (one process, node or root role).
 //
 // An Aggregator serves the hsbn.v1.Aggregator gRPC service with the async (completion-queue)
-// API, driven by one event thread of its own: it drains the server's one completion queue and
-// runs every event inline (a small call-state object per RPC, one tag per operation). The
-// sidecar's stream to its root completes on the same queue, so no gRPC callback-API thread
-// exists in the process. Jobs are created by their first Join and dropped when every member
+// API, driven by event threads of its own (one by default, --event-threads): each drains its
+// own completion queue and runs every event inline (a small call-state object per RPC, one tag
+// per operation); a call's events all come back to the queue it was accepted on. The sidecar's
+// stream to its root completes on the first queue, so no gRPC callback-API thread exists in
+// the process. Jobs are created by their first Join and dropped when every member
 // has gone. Rounds are reduced on the event thread when the last contribution arrives (or on
 // the deadline thread when they expire); results go out through each stream's outbox without
 // blocking, from whichever thread has them.
