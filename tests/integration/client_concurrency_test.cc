@@ -34,11 +34,6 @@ std::unique_ptr<LocalCluster> StartCluster(int per_node) {
   return c.ok() ? std::move(*c) : nullptr;
 }
 
-ClientOptions Options(LocalCluster& c, int rank, const std::string& job,
-                      milliseconds round_timeout = milliseconds(0)) {
-  return testing::RankOptions(c, rank, job, round_timeout);
-}
-
 std::unique_ptr<Client> Connect(LocalCluster& c, int rank, const std::string& job,
                                 milliseconds round_timeout = milliseconds(0)) {
   return testing::ConnectRank(c, rank, job, round_timeout);
