@@ -300,6 +300,82 @@ TEST(Failures, ConflictingDuplicateFailsTheRound) {
   ctx.TryCancel();
 }
 
+// Node 1 loses rank 3 (its stream breaks) while rank 2 stays: the root's Status says node 1 is
+// down and why, and a new global round from node 0 fails at once naming rank 3.
+TEST(Failures, RootStatusShowsADownNodeAndRefusesItsNewRoundsAtOnce) {
+  auto c = StartCluster(2, 2);
+  ASSERT_TRUE(c);
+  Raw node0(c->sidecar_address(0)), node1(c->sidecar_address(1));
+  uint64_t s[4] = {0, 0, 0, 0};
+  ASSERT_TRUE(node0.Join(0, 4, 0, 2, 0, &s[0]).ok());
+  ASSERT_TRUE(node0.Join(1, 4, 1, 2, 0, &s[1]).ok());
+  ASSERT_TRUE(node1.Join(2, 4, 0, 2, 1, &s[2]).ok());
+  ASSERT_TRUE(node1.Join(3, 4, 1, 2, 1, &s[3]).ok());
+  // Node 0's ranks share a stream; ranks 2 and 3 have one each.
+  grpc::ClientContext ctx0, ctx2, ctx3;
+  auto st0 = node0.stub->Exchange(&ctx0);
+  auto st2 = node1.stub->Exchange(&ctx2);
+  auto st3 = node1.stub->Exchange(&ctx3);
+  auto attach = [](auto& stream, std::vector<uint64_t> sessions) {
+    v1::ClientFrame f;
+    for (uint64_t x : sessions) f.mutable_attach()->add_session_ids(x);
+    return stream->Write(f);
+  };
+  ASSERT_TRUE(attach(st0, {s[0], s[1]}));
+  ASSERT_TRUE(attach(st2, {s[2]}));
+  ASSERT_TRUE(attach(st3, {s[3]}));
+  auto send = [](auto& stream, uint64_t session, uint32_t op) {
+    v1::ClientFrame f;
+    v1::Contribution* c = f.mutable_contribution();
+    c->set_session_id(session);
+    c->set_op(op);
+    c->set_seq(0);
+    c->set_phase(v1::PHASE_FORWARD);
+    c->set_scope(v1::SCOPE_GLOBAL);
+    c->set_channels(1);
+    c->set_count(1);
+    double mean = 1.0, m2 = 0.0;
+    wire::PackPayload(&mean, &m2, 1, c->mutable_data());
+    return stream->Write(f);
+  };
+  // One global round, so node 1's sidecar has joined the job at the root.
+  ASSERT_TRUE(send(st0, s[0], 0) && send(st0, s[1], 0) && send(st2, s[2], 0) &&
+              send(st3, s[3], 0));
+  v1::ServerFrame frame;
+  for (auto* st : {&st0, &st0, &st2, &st3}) {
+    ASSERT_TRUE((*st)->Read(&frame));
+    ASSERT_EQ(frame.result().code(), 0) << frame.result().message();
+    ASSERT_EQ(frame.result().count(), 4);
+  }
+  ctx3.TryCancel();  // rank 3's stream breaks; rank 2 stays
+  Raw root(c->root_address());
+  std::string down;
+  for (int i = 0; i < 200 && down.empty(); ++i) {
+    v1::StatusRequest req;
+    req.set_job_id("raw");
+    v1::StatusResponse resp;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(root.stub->Status(&ctx, req, &resp).ok());
+    if (resp.jobs_size() == 1 && resp.jobs(0).members_size() == 2) {
+      down = resp.jobs(0).members(1).down();
+      EXPECT_EQ(resp.jobs(0).members(0).down(), "");
+    }
+    if (down.empty()) std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_NE(down.find("rank 3 (node 1, local rank 1) disconnected"), std::string::npos) << down;
+  const auto t0 = steady_clock::now();
+  ASSERT_TRUE(send(st0, s[0], 1) && send(st0, s[1], 1));
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(st0->Read(&frame));
+    EXPECT_EQ(frame.result().code(), int(grpc::StatusCode::UNAVAILABLE));
+    EXPECT_NE(frame.result().message().find("rank 3"), std::string::npos)
+        << frame.result().message();
+  }
+  EXPECT_LT(steady_clock::now() - t0, std::chrono::seconds(2));  // not the 30 s deadline
+  ctx0.TryCancel();
+  ctx2.TryCancel();
+}
+
 TEST(Failures, RestartedSidecarFailsRoundsInFlightAndClientsReconnect) {
   auto c = StartCluster(1, 2);
   ASSERT_TRUE(c);
