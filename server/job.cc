@@ -233,6 +233,15 @@ absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const
   return absl::OkStatus();
 }
 
+void Job::TellSenderLocked(int32_t index, uint64_t session, const RoundKey& key,
+                           const absl::Status& s, Actions* out) const {
+  if (!members_[index].sink) return;
+  Actions::Delivery d;
+  d.result = MakeError(key, s);
+  d.to.emplace_back(session, members_[index].sink);
+  out->deliveries.push_back(std::move(d));
+}
+
 std::shared_ptr<const v1::Result> Job::MakeError(const RoundKey& key, const absl::Status& s) const {
   auto r = std::make_shared<v1::Result>();
   r->set_op(key.op);
@@ -325,18 +334,14 @@ bool Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
         hashes[index] != ContributionHash(c.count(), c.data())) {
       // Not a retransmission: the same key was reused for new data. Answering with the old
       // result would be silently wrong.
-      if (members_[index].sink) {
-        Actions::Delivery d;
-        d.result = MakeError(
-            key, absl::InvalidArgumentError(absl::StrCat(
-                     MemberName(index), " sent a new contribution to round ", Describe(key),
-                     " of job '", id_, "', which already completed with a different "
-                     "contribution from it. Round keys (op, seq, phase) must not be reused in a "
-                     "job: count seq up on every call of a layer, or use a new HSBN_JOB_ID for a "
-                     "new run")));
-        d.to.emplace_back(session, members_[index].sink);
-        out->deliveries.push_back(std::move(d));
-      }
+      TellSenderLocked(index, session, key,
+                       absl::InvalidArgumentError(absl::StrCat(
+                           MemberName(index), " sent a new contribution to round ", Describe(key),
+                           " of job '", id_, "', which already completed with a different "
+                           "contribution from it. Round keys (op, seq, phase) must not be reused "
+                           "in a job: count seq up on every call of a layer, or use a new "
+                           "HSBN_JOB_ID for a new run")),
+                       out);
       return true;
     }
     SendFinishedLocked(index, session, key, f->second, out);  // late or repeated contribution
@@ -345,12 +350,9 @@ bool Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
   auto it = open_.find(key);
   Round* open = it == open_.end() ? nullptr : &it->second;
   if (absl::Status s = ValidateLocked(index, c, open); !s.ok()) {
-    Actions::Delivery d;  // the sender gets the error even if it has no slot in an open round
-    d.result = MakeError(key, s);
-    if (members_[index].sink && (open == nullptr || !open->slots[index].filled)) {
-      d.to.emplace_back(session, members_[index].sink);
-      out->deliveries.push_back(std::move(d));
-    }
+    // The sender gets the error even if it has no slot in the open round (FailRoundLocked
+    // answers the members whose slots are filled).
+    if (open == nullptr || !open->slots[index].filled) TellSenderLocked(index, session, key, s, out);
     FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
     return true;
   }
@@ -358,12 +360,7 @@ bool Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
   ++member.contributions;
   if (open == nullptr) {
     if (absl::Status s = BlockedLocked(key); !s.ok()) {
-      if (member.sink) {
-        Actions::Delivery d;
-        d.result = MakeError(key, s);
-        d.to.emplace_back(session, member.sink);
-        out->deliveries.push_back(std::move(d));
-      }
+      TellSenderLocked(index, session, key, s, out);
       FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
       return true;
     }
@@ -372,12 +369,7 @@ bool Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
           "job '", id_, "' already has ", open_.size(),
           " rounds in flight, the limit (--max-open-rounds); round ", Describe(key),
           " was refused. Workers are out of step: some run far ahead of others"));
-      if (member.sink) {
-        Actions::Delivery d;
-        d.result = MakeError(key, s);
-        d.to.emplace_back(session, member.sink);
-        out->deliveries.push_back(std::move(d));
-      }
+      TellSenderLocked(index, session, key, s, out);
       FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
       return true;
     }

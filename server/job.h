@@ -233,6 +233,9 @@ class Job {
                           const Finished& finished, Actions* out);
   void RecordDivergenceLocked(const Round& round, const v1::Result& global);
   std::shared_ptr<const v1::Result> MakeError(const RoundKey& key, const absl::Status& s) const;
+  // Answers only the contributor (`index`, `session`) of round `key` with error `s`.
+  void TellSenderLocked(int32_t index, uint64_t session, const RoundKey& key,
+                        const absl::Status& s, Actions* out) const;
   bool ScopeReachesParent(v1::Scope scope) const;
   // Why a new round cannot complete here (a member gone, or a node below down); OK if it can.
   absl::Status BlockedLocked(const RoundKey& key) const;

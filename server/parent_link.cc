@@ -324,13 +324,20 @@ void ParentLink::Unpublish() {
   published_sessions_.clear();
 }
 
-void ParentLink::Forward(const std::string& job_id, const JobLayout& layout,
-                         std::shared_ptr<const std::string> token, const Actions::Forward& f) {
+ParentLink::Item ParentLink::MakeItem(const std::string& job_id, const JobLayout& layout,
+                                     std::shared_ptr<const std::string> token,
+                                     const RoundKey& key) {
   Item item;
   item.job_id = job_id;
   item.layout = layout;
   item.token = std::move(token);
-  item.key = f.key;
+  item.key = key;
+  return item;
+}
+
+void ParentLink::Forward(const std::string& job_id, const JobLayout& layout,
+                         std::shared_ptr<const std::string> token, const Actions::Forward& f) {
+  Item item = MakeItem(job_id, layout, std::move(token), f.key);
   item.wants_answer = f.scope == v1::SCOPE_GLOBAL;
   v1::Contribution* c = item.frame.mutable_contribution();
   c->set_op(f.key.op);
@@ -345,11 +352,7 @@ void ParentLink::Forward(const std::string& job_id, const JobLayout& layout,
 
 void ParentLink::Abort(const std::string& job_id, const JobLayout& layout,
                        std::shared_ptr<const std::string> token, const Actions::Abort& a) {
-  Item item;
-  item.job_id = job_id;
-  item.layout = layout;
-  item.token = std::move(token);
-  item.key = a.key;
+  Item item = MakeItem(job_id, layout, std::move(token), a.key);
   v1::Abort* ab = item.frame.mutable_abort();
   ab->set_op(a.key.op);
   ab->set_seq(a.key.seq);

@@ -77,6 +77,8 @@ class ParentLink {
   class Conn;
   class StatusCall;
 
+  static Item MakeItem(const std::string& job_id, const JobLayout& layout,
+                       std::shared_ptr<const std::string> token, const RoundKey& key);
   void Enqueue(Item item);
   void Unpublish();
   void WriterLoop();

@@ -16,7 +16,7 @@
 #include "hsbn/client.h"
 #include "hsbn/hsbn.h"
 #include "local_cluster.h"
-#include "rank_client.h"
+#include "test_cluster.h"
 
 namespace hsbn {
 namespace {
@@ -26,12 +26,7 @@ using std::chrono::milliseconds;
 using std::chrono::steady_clock;
 
 std::unique_ptr<LocalCluster> StartCluster(int per_node) {
-  cluster::ClusterOptions opts;
-  opts.nodes = 1;
-  opts.workers_per_node = per_node;
-  auto c = LocalCluster::Start(opts);
-  EXPECT_TRUE(c.ok()) << c.status();
-  return c.ok() ? std::move(*c) : nullptr;
+  return testing::StartCluster(1, per_node);
 }
 
 std::unique_ptr<Client> Connect(LocalCluster& c, int rank, const std::string& job,

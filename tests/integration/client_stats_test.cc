@@ -15,7 +15,7 @@
 #include "gtest/gtest.h"
 #include "hsbn/client.h"
 #include "local_cluster.h"
-#include "rank_client.h"
+#include "test_cluster.h"
 
 namespace hsbn {
 namespace {
@@ -28,14 +28,7 @@ double Since(steady_clock::time_point t) {
   return std::chrono::duration<double>(steady_clock::now() - t).count();
 }
 
-std::unique_ptr<LocalCluster> StartCluster(int nodes, int per_node) {
-  cluster::ClusterOptions opts;
-  opts.nodes = nodes;
-  opts.workers_per_node = per_node;
-  auto c = LocalCluster::Start(opts);
-  EXPECT_TRUE(c.ok()) << c.status();
-  return c.ok() ? std::move(*c) : nullptr;
-}
+using testing::StartCluster;
 
 std::unique_ptr<Client> Connect(LocalCluster& c, int rank, const std::string& job,
                                 milliseconds round_timeout = milliseconds(0)) {

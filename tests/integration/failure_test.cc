@@ -20,7 +20,7 @@
 #include "hsbn/hsbn.h"
 #include "hsbn/v1/hsbn.grpc.pb.h"
 #include "local_cluster.h"
-#include "rank_client.h"
+#include "test_cluster.h"
 #include "wire.h"
 
 namespace hsbn {
@@ -47,16 +47,7 @@ bool WaitForText(const std::string& path, const std::string& text, milliseconds 
   return false;
 }
 
-std::unique_ptr<LocalCluster> StartCluster(int nodes, int per_node,
-                                           std::vector<std::string> flags = {}) {
-  cluster::ClusterOptions opts;
-  opts.nodes = nodes;
-  opts.workers_per_node = per_node;
-  opts.extra_flags = std::move(flags);
-  auto c = LocalCluster::Start(opts);
-  EXPECT_TRUE(c.ok()) << c.status();
-  return c.ok() ? std::move(*c) : nullptr;
-}
+using testing::StartCluster;
 
 std::unique_ptr<Subprocess> SpawnWorker(LocalCluster& c, int rank, const std::string& job,
                                         std::vector<std::string> extra) {

@@ -1,17 +1,31 @@
-// A worker's client for one rank of a LocalCluster, in torchrun's layout (rank = node *
-// workers_per_node + local rank), shared by the integration tests that run in-process clients.
-#ifndef HSBN_TESTS_INTEGRATION_RANK_CLIENT_H_
-#define HSBN_TESTS_INTEGRATION_RANK_CLIENT_H_
+// Shared by the integration tests: starting a LocalCluster, and a worker's client for one rank
+// of it, in torchrun's layout (rank = node * workers_per_node + local rank).
+#ifndef HSBN_TESTS_INTEGRATION_TEST_CLUSTER_H_
+#define HSBN_TESTS_INTEGRATION_TEST_CLUSTER_H_
 
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "hsbn/client.h"
 #include "local_cluster.h"
 
 namespace hsbn::testing {
+
+// A root (when nodes > 1) and one sidecar per node; `flags` go to every aggregator. A failure
+// is a test failure (and nullptr).
+inline std::unique_ptr<cluster::LocalCluster> StartCluster(int nodes, int per_node,
+                                                           std::vector<std::string> flags = {}) {
+  cluster::ClusterOptions opts;
+  opts.nodes = nodes;
+  opts.workers_per_node = per_node;
+  opts.extra_flags = std::move(flags);
+  auto c = cluster::LocalCluster::Start(opts);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
 
 inline ClientOptions RankOptions(const cluster::LocalCluster& c, int rank, const std::string& job,
                                  std::chrono::milliseconds round_timeout = {}) {
@@ -38,4 +52,4 @@ inline std::unique_ptr<Client> ConnectRank(const cluster::LocalCluster& c, int r
 
 }  // namespace hsbn::testing
 
-#endif  // HSBN_TESTS_INTEGRATION_RANK_CLIENT_H_
+#endif  // HSBN_TESTS_INTEGRATION_TEST_CLUSTER_H_
