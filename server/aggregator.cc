@@ -36,10 +36,10 @@ class Outbox final : public ResultSink {
 
   void EnableBatches() { batches_.store(true, std::memory_order_relaxed); }
 
-  void Send(const v1::Result& result) override {
+  void Send(v1::Result result) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (finishing_ || closed_) return;
-    pending_.push_back(result);
+    pending_.push_back(std::move(result));
     if (writing_) return;
     writing_ = true;
     StartWriteLocked();
@@ -257,7 +257,7 @@ class ExchangeCall final {
     r.set_phase(c.phase());
     r.set_code(int(status.code()));
     r.set_message(std::string(status.message()));
-    outbox_->Send(r);
+    outbox_->Send(std::move(r));
   }
 
   void HandleContribution(const v1::Contribution& c) {
@@ -564,10 +564,10 @@ void Aggregator::Execute(Actions& actions, const std::string& job_id) {
     for (const auto& member : actions.timed_out) m->RoundTimedOut(job_id, member);
   }
   for (auto& d : actions.deliveries) {
-    v1::Result r = *d.result;
     for (auto& [session, sink] : d.to) {
+      v1::Result r = *d.result;  // the one copy per member: the outbox keeps it
       r.set_session_id(session);
-      sink->Send(r);
+      sink->Send(std::move(r));
     }
   }
   if (!actions.forwards.empty() || !actions.aborts.empty()) {

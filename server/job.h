@@ -38,11 +38,11 @@ namespace hsbn::server {
 using Clock = std::chrono::steady_clock;
 
 // Where results for one member go. Implemented by the Exchange stream's outbox; Send must not
-// block.
+// block. It takes the result by value: the caller builds each member's copy once and moves it.
 class ResultSink {
  public:
   virtual ~ResultSink() = default;
-  virtual void Send(const v1::Result& result) = 0;
+  virtual void Send(v1::Result result) = 0;
 };
 
 struct RoundKey {

@@ -18,7 +18,7 @@ using std::chrono::milliseconds;
 
 class RecordingSink : public ResultSink {
  public:
-  void Send(const v1::Result& r) override { results.push_back(r); }
+  void Send(v1::Result r) override { results.push_back(std::move(r)); }
   std::vector<v1::Result> results;
 };
 
