@@ -4,11 +4,13 @@
 // parent, the frame goes straight to the stream's write queue from the calling thread; otherwise
 // it queues for a connect thread, which connects (lazily, and again after a failure), joins
 // each job at the parent once (blocking unary calls, off the hot path), and then hands the frame
-// to the stream. The stream (Conn) is a gRPC async-API call on the aggregator's completion
-// queue, so its completions run on the aggregator's one event thread: one write in flight at a
-// time, and whatever queued meanwhile goes out as one FrameBatch message when the root accepts
+// to the stream. The stream (Conn) is a gRPC async-API call on the aggregator's first
+// completion queue, so its completions run on that queue's event thread: one write in flight at
+// a time, and whatever queued meanwhile goes out as one FrameBatch message when the root accepts
 // batches, so many rounds in flight cost one message, not one each. Results (single or
-// batched) are handed to the Aggregator from the event thread when a read completes. When the stream breaks, the Aggregator is told at once so that every
+// batched) are handed to the Aggregator from the event thread when a read completes. A node
+// whose worker crashed is reported to the root (NodeState). When the stream breaks, the
+// Aggregator is told at once so that every
 // round waiting on the parent fails with UNAVAILABLE instead of at its deadline; the next
 // forward reconnects. gRPC keepalive pings the root every 10 s when the link is idle, so a
 // half-open link (the root's machine vanished) is noticed within about 15 s.
@@ -101,7 +103,7 @@ class ParentLink {
   std::condition_variable cv_;
   std::deque<Item> queue_;
   bool stopping_ = false;
-  std::mutex jobs_mu_;  // guards job_of_session_ (read by the stream's read callback)
+  std::mutex jobs_mu_;  // guards job_of_session_ (read on the event thread when results arrive)
   std::map<uint64_t, std::string> job_of_session_;
   std::shared_ptr<Conn> conn_;  // owned by the writer thread
   int live_conns_ = 0;          // under mu_: streams and Status calls not finished yet
