@@ -55,6 +55,14 @@ struct AggregatorOptions {
   std::string upstream_ca_pem, upstream_cert_pem, upstream_key_pem, upstream_tls_name;
   std::shared_ptr<TokenStore> tokens;  // --token-file; null: Join needs no token
   std::shared_ptr<Metrics> metrics;    // --metrics-listen; null: no metrics
+  // Resource bounds (docs/DEPLOY.md, "Limits"); exceeding one answers RESOURCE_EXHAUSTED to the
+  // offender only.
+  int32_t max_world_size = 16384;                  // --max-world-size: WORLD_SIZE at Join
+  int64_t memory_budget_bytes = int64_t(1) << 30;  // --memory-budget-bytes: all jobs' round data
+  int64_t max_queued_bytes = int64_t(64) << 20;    // --max-queued-bytes: unsent bytes per stream
+  std::chrono::milliseconds write_deadline{10000};  // --write-deadline-ms: one write's longest wait
+  std::chrono::milliseconds attach_timeout{60000};  // --attach-timeout-ms: joined, never attached
+  int64_t max_unbound_bytes = int64_t(1) << 20;    // --max-unbound-bytes: sent before any Attach
 };
 
 class Aggregator final {
