@@ -3,7 +3,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
-#include "aggregator.h"
+#include "absl/time/time.h"
 #include "event.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -14,87 +14,112 @@ namespace hsbn::server {
 
 namespace {
 constexpr auto kConnectTimeout = std::chrono::seconds(5);
-// Most bytes of frames put in one FrameBatch (a single larger frame still goes alone).
-constexpr size_t kMaxBatchBytes = 4 << 20;
 }  // namespace
 
+struct FrameTraits {
+  using Item = v1::ClientFrame;
+  using Frame = v1::ClientFrame;
+  static size_t Bytes(const v1::ClientFrame& f) {
+    return f.contribution().data().size() + sizeof(v1::ClientFrame);
+  }
+  static size_t Pack(std::deque<v1::ClientFrame>* pending, v1::ClientFrame* frame, bool batches,
+                     size_t max_batch_bytes) {
+    size_t taken = 0;
+    if (pending->size() == 1 || !batches) {
+      taken = Bytes(pending->front());
+      *frame = std::move(pending->front());
+      pending->pop_front();
+      return taken;
+    }
+    v1::FrameBatch* batch = frame->mutable_batch();
+    size_t bytes = 0;
+    while (!pending->empty()) {
+      const size_t size = pending->front().contribution().data().size();
+      if (batch->frames_size() > 0 && bytes + size > max_batch_bytes) break;
+      bytes += size;
+      taken += Bytes(pending->front());
+      *batch->add_frames() = std::move(pending->front());
+      pending->pop_front();
+    }
+    return taken;
+  }
+};
+
 // One Exchange stream to the parent, on gRPC's async API, on the aggregator's completion queue:
-// its completions run on the event thread. Send() queues a frame and starts a write when none
-// is in flight (from any thread: the async API runs nothing inline, so the write starts under
-// the lock); a write's completion sends whatever queued meanwhile, as one FrameBatch when the
-// parent accepts batches. Until the call has started, the start counts as the write in flight.
-// When the read fails (the stream broke, or was cancelled) and no write is in flight, Finish
-// collects the status and its completion tells the link (ConnDone). Every operation in flight
-// (start, read, write, finish) is counted; the Conn holds itself (self_) until the count is
-// zero, after which nothing refers to it from gRPC. Send() refuses frames once it is broken.
-class ParentLink::Conn final {
+// its completions run on the event thread. Writes go through a bounded StreamWriter (one in
+// flight, batches when the parent accepts them, --max-queued-bytes and the memory budget);
+// until the call has started the writer is held. When the read fails (the stream broke, or
+// was cancelled) and no write is in flight, Finish collects the status and its completion
+// tells the link (ConnDone). The Conn holds itself (self_) until its last operation is back.
+// Send() refuses frames once it is broken; an overflow breaks it (the rounds behind it fail
+// through ConnDone -> OnParentLost).
+class ParentLink::Conn final : public StreamWriter<FrameTraits> {
  public:
-  explicit Conn(ParentLink* link) : link_(link) {}
+  explicit Conn(ParentLink* link)
+      : StreamWriter(link->writer_limits_, /*held=*/true), link_(link) {}
 
   void Start(const std::shared_ptr<Conn>& self, v1::Aggregator::Stub* stub,
-             grpc::CompletionQueue* cq) {
-    std::lock_guard<std::mutex> lock(mu_);
+             grpc::CompletionQueue* cq) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
     self_ = self;
-    writing_ = true;  // nothing is written before the call has started
-    ops_ = 1;
+    ops() = 1;
     stream_ = stub->PrepareAsyncExchange(&context_, cq);
     stream_->StartCall(&start_tag_);
   }
 
-  // The parent's JoinResponse said it accepts batches.
-  void EnableBatches() { batches_.store(true, std::memory_order_relaxed); }
-
   // False when the stream is broken: the frame was not queued.
-  bool Send(v1::ClientFrame frame) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (broken_) return false;
-    pending_.push_back(std::move(frame));
-    if (writing_) return true;
-    writing_ = true;
-    StartWriteLocked();
-    return true;
-  }
+  bool Send(v1::ClientFrame frame) { return Push(std::move(frame)); }
 
-  bool broken() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return broken_;
+  bool broken() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return closed();
   }
   void Cancel() { context_.TryCancel(); }
 
   // Waits (at most `timeout`) until ConnDone has told the link that this stream is gone, so
   // that its failure report cannot fail rounds already sent on the next stream.
-  void WaitDone(std::chrono::milliseconds timeout) {
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait_for(lock, timeout, [this] { return done_; });
+  void WaitDone(std::chrono::milliseconds timeout) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&done_), absl::FromChrono(timeout));
   }
 
   // Writer (connect) thread only.
-  std::map<std::string, uint64_t> session_of_job;
+  std::map<std::string, SessionId> session_of_job;
+
+ protected:
+  bool StartWriteLocked(const v1::ClientFrame& frame) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (link_->metrics_) link_->metrics_->Sent(Metrics::Link::kUpstream, frame.ByteSizeLong());
+    ++ops();
+    stream_->Write(frame, &write_tag_);
+    return true;
+  }
+  void OverflowLocked(const char* which) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Log(LogLevel::kWarn, absl::StrCat("the stream to the root ", link_->address_, " has more "
+                                      "than ", std::string(which) == "queue"
+                                          ? "--max-queued-bytes unsent"
+                                          : "the memory budget's worth of unsent bytes",
+                                      "; dropping it (global rounds in flight fail)"));
+    context_.TryCancel();  // the read fails, then Finish, then ConnDone
+  }
+  void IdleLocked() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { MaybeFinishLocked(); }
 
  private:
   void OnStart(bool ok) {
     bool cancel = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       if (!ok) {
         // The call never started: no read; Finish reports why.
-        broken_ = true;
+        set_closed();
         read_failed_ = true;
-        pending_.clear();
-        writing_ = false;
         MaybeFinishLocked();
       } else {
-        ++ops_;
+        ++ops();
         stream_->Read(&in_, &read_tag_);
-        if (broken_) {
-          // Cancelled before it started: the read fails, then Finish.
-          writing_ = false;
-          pending_.clear();
-          cancel = true;
-        } else if (!pending_.empty()) {
-          StartWriteLocked();
+        if (closed()) {
+          cancel = true;  // cancelled before it started: the read fails, then Finish
         } else {
-          writing_ = false;
+          UnholdLocked();
         }
       }
     }
@@ -105,43 +130,30 @@ class ParentLink::Conn final {
   void OnRead(bool ok) {
     if (!ok) {
       {
-        std::lock_guard<std::mutex> lock(mu_);
-        broken_ = true;
+        absl::MutexLock lock(&mu_);
+        set_closed();
         read_failed_ = true;
         MaybeFinishLocked();
       }
       Release();
       return;
     }
-    Metrics* metrics = link_->aggregator_->metrics();
-    if (metrics) metrics->Received(Metrics::Link::kUpstream, in_.ByteSizeLong());
+    if (link_->metrics_) link_->metrics_->Received(Metrics::Link::kUpstream, in_.ByteSizeLong());
     if (in_.has_result()) {
       link_->Deliver(in_.result());
     } else if (in_.has_batch()) {
       for (const v1::Result& r : in_.batch().results()) link_->Deliver(r);
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++ops_;
+      absl::MutexLock lock(&mu_);
+      ++ops();
       stream_->Read(&in_, &read_tag_);
     }
     Release();
   }
 
   void OnWrite(bool ok) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!ok) broken_ = true;
-      if (broken_) {
-        pending_.clear();  // the rounds behind them fail through ConnDone -> OnParentLost
-        writing_ = false;
-        MaybeFinishLocked();
-      } else if (!pending_.empty()) {
-        StartWriteLocked();
-      } else {
-        writing_ = false;
-      }
-    }
+    WriteDone(ok);
     if (!ok) context_.TryCancel();  // so that the read fails too
     Release();
   }
@@ -149,9 +161,8 @@ class ParentLink::Conn final {
   void OnFinish(bool) {
     link_->ConnDone(status_);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       done_ = true;
-      done_cv_.notify_all();
     }
     Release();
   }
@@ -159,49 +170,22 @@ class ParentLink::Conn final {
   // Drops one operation; the last one releases the Conn's hold on itself (may delete it).
   void Release() {
     std::shared_ptr<Conn> self;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--ops_ == 0) self = std::move(self_);
+    if (ReleaseOp()) {
+      absl::MutexLock lock(&mu_);
+      self = std::move(self_);
     }
   }
 
   // Finish once no more messages come (the read failed) and no write is in flight.
-  void MaybeFinishLocked() {
-    if (!read_failed_ || writing_ || finishing_) return;
+  void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!read_failed_ || writing() || finishing_) return;
     finishing_ = true;
-    ++ops_;
+    ++ops();
     stream_->Finish(&status_, &finish_tag_);
   }
 
-  void StartWriteLocked() {
-    ++ops_;
-    stream_->Write(*TakeLocked(), &write_tag_);
-  }
-
-  v1::ClientFrame* TakeLocked() {
-    if (pending_.size() == 1 || !batches_.load(std::memory_order_relaxed)) {
-      current_ = std::move(pending_.front());
-      pending_.pop_front();
-    } else {
-      current_.Clear();
-      v1::FrameBatch* batch = current_.mutable_batch();
-      size_t bytes = 0;
-      while (!pending_.empty()) {
-        const size_t size = pending_.front().contribution().data().size();
-        if (batch->frames_size() > 0 && bytes + size > kMaxBatchBytes) break;
-        bytes += size;
-        *batch->add_frames() = std::move(pending_.front());
-        pending_.pop_front();
-      }
-    }
-    if (Metrics* m = link_->aggregator_->metrics()) {
-      m->Sent(Metrics::Link::kUpstream, current_.ByteSizeLong());
-    }
-    return &current_;
-  }
-
   ParentLink* const link_;
-  std::shared_ptr<Conn> self_;
+  std::shared_ptr<Conn> self_ ABSL_GUARDED_BY(mu_);
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::ClientFrame, v1::ServerFrame>> stream_;
   MemberTag<Conn> start_tag_{this, &Conn::OnStart};
@@ -210,17 +194,9 @@ class ParentLink::Conn final {
   MemberTag<Conn> finish_tag_{this, &Conn::OnFinish};
   v1::ServerFrame in_;
   grpc::Status status_;
-  std::atomic<bool> batches_{false};
-  std::mutex mu_;
-  std::deque<v1::ClientFrame> pending_;
-  v1::ClientFrame current_;
-  int ops_ = 0;  // operations in flight
-  bool writing_ = false;
-  bool broken_ = false;
-  bool read_failed_ = false;
-  bool finishing_ = false;
-  bool done_ = false;
-  std::condition_variable done_cv_;
+  bool read_failed_ ABSL_GUARDED_BY(mu_) = false;
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // ParentLink::Status as an async unary call on the event thread's queue.
@@ -246,16 +222,16 @@ class ParentLink::StatusCall final {
   std::function<void(const grpc::Status&, const v1::StatusResponse&)> done_;
 };
 
-ParentLink::ParentLink(Aggregator* aggregator, std::string address, std::string id,
-                       std::shared_ptr<grpc::ChannelCredentials> credentials, bool tls,
-                       const std::string& tls_name, grpc::CompletionQueue* cq)
-    : aggregator_(aggregator),
-      address_(std::move(address)),
-      id_(std::move(id)),
-      tls_(tls),
+ParentLink::ParentLink(UpstreamListener* listener, Options options, grpc::CompletionQueue* cq)
+    : listener_(listener),
+      address_(std::move(options.address)),
+      id_(std::move(options.id)),
+      tls_(options.tls),
+      writer_limits_(options.writer),
+      metrics_(options.metrics),
       cq_(cq) {
   grpc::ChannelArguments args;
-  if (!tls_name.empty()) args.SetSslTargetNameOverride(tls_name);
+  if (!options.tls_name.empty()) args.SetSslTargetNameOverride(options.tls_name);
   args.SetMaxReceiveMessageSize(64 << 20);
   args.SetMaxSendMessageSize(64 << 20);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
@@ -266,7 +242,7 @@ ParentLink::ParentLink(Aggregator* aggregator, std::string address, std::string 
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);  // keep pinging an idle stream
-  channel_ = grpc::CreateCustomChannel(address_, std::move(credentials), args);
+  channel_ = grpc::CreateCustomChannel(address_, std::move(options.credentials), args);
   stub_ = v1::Aggregator::NewStub(channel_);
   writer_ = std::thread([this] { WriterLoop(); });
 }
@@ -288,9 +264,22 @@ void ParentLink::Shutdown() {
   cv_.wait(lock, [this] { return live_conns_ == 0; });
 }
 
+void ParentLink::CheckStalled(std::chrono::steady_clock::time_point now) {
+  std::shared_ptr<Conn> conn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    conn = published_;
+  }
+  if (conn && conn->Stalled(now)) {
+    Log(LogLevel::kWarn, absl::StrCat("a write to the root ", address_, " waited longer than "
+                                      "--write-deadline-ms; dropping the stream"));
+    conn->Cancel();
+  }
+}
+
 void ParentLink::Enqueue(Item item) {
   std::shared_ptr<Conn> conn;
-  uint64_t session = 0;
+  SessionId session;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;
@@ -309,9 +298,9 @@ void ParentLink::Enqueue(Item item) {
   }
   // Fast path: the stream is up and the job joined at the parent; queue on the stream from this
   // thread (never blocks).
-  if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session_id(session);
-  if (item.frame.has_abort()) item.frame.mutable_abort()->set_session_id(session);
-  if (item.frame.has_node_state()) item.frame.mutable_node_state()->set_session_id(session);
+  if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session(session.Bytes());
+  if (item.frame.has_abort()) item.frame.mutable_abort()->set_session(session.Bytes());
+  if (item.frame.has_node_state()) item.frame.mutable_node_state()->set_session(session.Bytes());
   if (!conn->Send(std::move(item.frame))) {
     FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
                                                        " broke")));
@@ -411,13 +400,8 @@ void ParentLink::FailItem(const Item& item, const absl::Status& status) {
                                       status.ToString()));
     return;
   }
-  v1::Result r;
-  r.set_op(item.key.op);
-  r.set_seq(item.key.seq);
-  r.set_phase(item.key.phase);
-  r.set_code(int(status.code()));
-  r.set_message(std::string(status.message()));
-  aggregator_->OnParentResult(item.job_id, r);
+  listener_->OnParentResult(item.job_id,
+                            wire::ErrorResult(item.key.op, item.key.seq, item.key.phase, status));
 }
 
 void ParentLink::Leave(const std::string& job_id) {
@@ -429,7 +413,7 @@ void ParentLink::Leave(const std::string& job_id) {
 
 absl::Status ParentLink::Send(Item& item) {
   if (item.leave) {  // never connects just to leave
-    uint64_t session = 0;
+    SessionId session;
     if (conn_ && !conn_->broken()) {
       auto it = conn_->session_of_job.find(item.job_id);
       if (it != conn_->session_of_job.end()) {
@@ -442,13 +426,13 @@ absl::Status ParentLink::Send(Item& item) {
       std::lock_guard<std::mutex> lock(mu_);
       published_sessions_.erase(item.job_id);
     }
-    if (session != 0) {
+    if (!session.empty()) {
       {
         std::lock_guard<std::mutex> lock(jobs_mu_);
         job_of_session_.erase(session);
       }
       v1::LeaveRequest req;
-      req.set_session_id(session);
+      req.set_session(session.Bytes());
       v1::LeaveResponse resp;
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
@@ -466,7 +450,7 @@ absl::Status ParentLink::Send(Item& item) {
     if (!conn_ || conn_->broken()) return absl::OkStatus();
     auto it = conn_->session_of_job.find(item.job_id);
     if (it == conn_->session_of_job.end()) return absl::OkStatus();
-    item.frame.mutable_node_state()->set_session_id(it->second);
+    item.frame.mutable_node_state()->set_session(it->second.Bytes());
     conn_->Send(std::move(item.frame));
     return absl::OkStatus();
   }
@@ -502,14 +486,14 @@ absl::Status ParentLink::Send(Item& item) {
     conn_ = std::move(conn);
     Log(LogLevel::kInfo, absl::StrCat("connected to the root aggregator at ", address_,
                                       tls_ ? " (TLS)" : ""));
-    if (Metrics* m = aggregator_->metrics()) m->SetUpstreamConnected(true);
+    if (metrics_) metrics_->SetUpstreamConnected(true);
   }
-  uint64_t session = 0;
+  SessionId session;
   v1::ClientFrame resend_down;
   auto found = conn_->session_of_job.find(item.job_id);
   if (found == conn_->session_of_job.end()) {
     v1::JoinRequest req;
-    req.set_protocol_version(v1::PROTOCOL_VERSION_1);
+    req.set_protocol_version(v1::PROTOCOL_VERSION_2);
     req.set_job_id(item.job_id);
     req.set_kind(v1::MEMBER_KIND_AGGREGATOR);
     req.set_world_size(item.layout.world_size);
@@ -517,8 +501,9 @@ absl::Status ParentLink::Send(Item& item) {
     req.set_node_rank(item.layout.node_rank);
     req.set_rank(-1);
     req.set_local_rank(-1);
+    req.set_strict_finite(item.layout.strict_finite);
     if (auto last = last_session_.find(item.job_id); last != last_session_.end()) {
-      req.set_previous_session_id(last->second);
+      req.set_previous_session(last->second.Bytes());
     }
     if (item.token) req.set_token(*item.token);
     v1::JoinResponse resp;
@@ -530,7 +515,11 @@ absl::Status ParentLink::Send(Item& item) {
                           absl::StrCat("joining job '", item.job_id, "' at the root ", address_,
                                        " failed: ", s.error_message()));
     }
-    session = resp.session_id();
+    if (!SessionId::FromBytes(resp.session(), &session)) {
+      return absl::InternalError(absl::StrCat("the root ", address_, " answered Join for job '",
+                                              item.job_id, "' without a valid session; check "
+                                              "that it runs the same hsbn version"));
+    }
     if (resp.accepts_batches()) conn_->EnableBatches();
     conn_->session_of_job[item.job_id] = session;
     last_session_[item.job_id] = session;
@@ -539,23 +528,24 @@ absl::Status ParentLink::Send(Item& item) {
       job_of_session_[session] = item.job_id;
     }
     v1::ClientFrame attach;
-    attach.mutable_attach()->add_session_ids(session);
+    attach.mutable_attach()->add_sessions(session.Bytes());
     attach.mutable_attach()->set_accepts_batches(true);
+    if (item.token) attach.mutable_attach()->set_token(*item.token);
     if (!conn_->Send(std::move(attach))) {
       return absl::UnavailableError(absl::StrCat("the stream to the root ", address_, " broke"));
     }
     // A parent that holds a new session for this node knows nothing of its lost workers: say
     // it again, after this item (whose round completed here before).
-    if (std::string why; aggregator_->NodeDown(item.job_id, &why)) {
-      resend_down.mutable_node_state()->set_session_id(session);
+    if (std::string why; listener_->NodeDown(item.job_id, &why)) {
+      resend_down.mutable_node_state()->set_session(session.Bytes());
       resend_down.mutable_node_state()->set_healthy(false);
       resend_down.mutable_node_state()->set_message(why);
     }
   } else {
     session = found->second;
   }
-  if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session_id(session);
-  if (item.frame.has_abort()) item.frame.mutable_abort()->set_session_id(session);
+  if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session(session.Bytes());
+  if (item.frame.has_abort()) item.frame.mutable_abort()->set_session(session.Bytes());
   if (!conn_->Send(std::move(item.frame))) {
     return absl::UnavailableError(absl::StrCat("the stream to the root ", address_, " broke"));
   }
@@ -599,17 +589,19 @@ void ParentLink::WriterLoop() {
 
 void ParentLink::Deliver(const v1::Result& result) {
   std::string job_id;
+  SessionId session;
+  if (!SessionId::FromBytes(result.session(), &session)) return;
   {
     std::lock_guard<std::mutex> lock(jobs_mu_);
-    auto it = job_of_session_.find(result.session_id());
+    auto it = job_of_session_.find(session);
     if (it == job_of_session_.end()) return;
     job_id = it->second;
   }
-  aggregator_->OnParentResult(job_id, result);
+  listener_->OnParentResult(job_id, result);
 }
 
 void ParentLink::ConnDone(const grpc::Status& status) {
-  if (Metrics* m = aggregator_->metrics()) m->SetUpstreamConnected(false);
+  if (metrics_) metrics_->SetUpstreamConnected(false);
   bool stopping;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -618,7 +610,7 @@ void ParentLink::ConnDone(const grpc::Status& status) {
   if (!stopping) {
     Log(LogLevel::kWarn, absl::StrCat("lost the stream to the root aggregator at ", address_, ": ",
                                       status.error_message()));
-    aggregator_->OnParentLost(absl::UnavailableError(absl::StrCat(
+    listener_->OnParentLost(absl::UnavailableError(absl::StrCat(
         "this node's sidecar lost its link to the root aggregator at ", address_, " (",
         status.error_message(), "); global rounds in flight failed, later rounds reconnect")));
   }

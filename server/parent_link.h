@@ -30,23 +30,44 @@
 #include <string>
 #include <thread>
 
+#include "absl/container/flat_hash_map.h"
 #include "grpcpp/security/credentials.h"
 #include "hsbn/v1/hsbn.grpc.pb.h"
 #include "job.h"
+#include "metrics.h"
+#include "session.h"
+#include "stream_writer.h"
 
 namespace hsbn::server {
 
-class Aggregator;
+// What the upstream link needs from the aggregator that owns it, and nothing more.
+class UpstreamListener {
+ public:
+  virtual ~UpstreamListener() = default;
+  // The parent's answer (or failure) for a round forwarded for `job_id`.
+  virtual void OnParentResult(const std::string& job_id, const v1::Result& result) = 0;
+  // The stream to the parent broke: every round waiting for it must fail with `status`.
+  virtual void OnParentLost(const absl::Status& status) = 0;
+  // Whether this node is down in `job_id` (a worker gone), and why.
+  virtual bool NodeDown(const std::string& job_id, std::string* message) = 0;
+};
 
 class ParentLink {
  public:
-  // `credentials`: insecure, or TLS (grpc::SslCredentials); `tls_name`, when not empty,
-  // overrides the name the parent's certificate must carry (default: the host in `address`).
+  struct Options {
+    std::string address;
+    std::string id;
+    // Insecure, or TLS (grpc::SslCredentials); `tls_name`, when not empty, overrides the name
+    // the parent's certificate must carry (default: the host in `address`).
+    std::shared_ptr<grpc::ChannelCredentials> credentials;
+    bool tls = false;
+    std::string tls_name;
+    WriterLimits writer;        // bounds of the stream's write queue
+    Metrics* metrics = nullptr;  // may be null
+  };
   // `cq`: the aggregator's completion queue, drained by its event thread; it must outlive
-  // Shutdown().
-  ParentLink(Aggregator* aggregator, std::string address, std::string id,
-             std::shared_ptr<grpc::ChannelCredentials> credentials, bool tls,
-             const std::string& tls_name, grpc::CompletionQueue* cq);
+  // Shutdown(). `listener` must outlive this link.
+  ParentLink(UpstreamListener* listener, Options options, grpc::CompletionQueue* cq);
   ~ParentLink();
 
   // `token`: the job's token at this aggregator, presented when joining the job at the parent.
@@ -64,6 +85,8 @@ class ParentLink {
   void Status(const v1::StatusRequest& request,
               std::function<void(const grpc::Status&, const v1::StatusResponse&)> done);
   void Shutdown();
+  // Ends the stream if its write has waited past the write deadline (the root stopped reading).
+  void CheckStalled(std::chrono::steady_clock::time_point now);
   const std::string& address() const { return address_; }
 
  private:
@@ -91,10 +114,12 @@ class ParentLink {
   void ConnDone(const grpc::Status& status);
   void StatusDone(StatusCall* call);
 
-  Aggregator* const aggregator_;
+  UpstreamListener* const listener_;
   const std::string address_;
   const std::string id_;
   const bool tls_;
+  const WriterLimits writer_limits_;
+  Metrics* const metrics_;
   grpc::CompletionQueue* const cq_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Aggregator::Stub> stub_;
@@ -104,7 +129,7 @@ class ParentLink {
   std::deque<Item> queue_;
   bool stopping_ = false;
   std::mutex jobs_mu_;  // guards job_of_session_ (read on the event thread when results arrive)
-  std::map<uint64_t, std::string> job_of_session_;
+  absl::flat_hash_map<SessionId, std::string> job_of_session_;
   std::shared_ptr<Conn> conn_;  // owned by the writer thread
   int live_conns_ = 0;          // under mu_: streams and Status calls not finished yet
   std::set<StatusCall*> status_calls_;  // under mu_: cancelled by Shutdown
@@ -112,11 +137,11 @@ class ParentLink {
   // so that Forward/Abort can write at once from the calling thread when nothing is queued,
   // without a hop to the writer thread.
   std::shared_ptr<Conn> published_;
-  std::map<std::string, uint64_t> published_sessions_;
+  std::map<std::string, SessionId> published_sessions_;
   // Writer thread only: the last session each job had at the parent, sent as
-  // previous_session_id when joining again on a new stream (the parent may not have noticed
+  // previous_session when joining again on a new stream (the parent may not have noticed
   // that the old stream is gone, and would refuse a second live session for the node).
-  std::map<std::string, uint64_t> last_session_;
+  std::map<std::string, SessionId> last_session_;
   absl::Status last_connect_error_;                  // writer thread only
   std::chrono::steady_clock::time_point retry_after_;  // writer thread only
   std::thread writer_;
