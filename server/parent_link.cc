@@ -199,27 +199,29 @@ class ParentLink::Conn final : public StreamWriter<FrameTraits> {
   bool done_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-// ParentLink::Status as an async unary call on the event thread's queue.
-class ParentLink::StatusCall final {
+// One async unary call to the parent (Join, Leave, Status) on cq_; its completion runs `done`
+// on the event thread, then tells the link (UnaryDone), which deletes it.
+template <typename Req, typename Resp>
+class ParentLink::UnaryCall final {
  public:
-  StatusCall(ParentLink* link,
-             std::function<void(const grpc::Status&, const v1::StatusResponse&)> done)
+  UnaryCall(ParentLink* link, std::function<void(const grpc::Status&, const Resp&)> done)
       : link_(link), done_(std::move(done)) {}
 
   grpc::ClientContext ctx;
-  v1::StatusResponse resp;
+  Resp resp;
   grpc::Status status;
-  std::unique_ptr<grpc::ClientAsyncResponseReader<v1::StatusResponse>> rpc;
-  MemberTag<StatusCall> tag{this, &StatusCall::OnDone};
+  std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> rpc;
+  MemberTag<UnaryCall> tag{this, &UnaryCall::OnDone};
 
  private:
   void OnDone(bool) {
     done_(status, resp);
-    link_->StatusDone(this);  // deletes this
+    link_->UnaryDone(this);
+    delete this;
   }
 
   ParentLink* const link_;
-  std::function<void(const grpc::Status&, const v1::StatusResponse&)> done_;
+  std::function<void(const grpc::Status&, const Resp&)> done_;
 };
 
 ParentLink::ParentLink(UpstreamListener* listener, Options options, grpc::CompletionQueue* cq)
@@ -251,23 +253,49 @@ ParentLink::~ParentLink() { Shutdown(); }
 
 void ParentLink::Shutdown() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (stopping_) return;
     stopping_ = true;
   }
-  cv_.notify_all();
   if (writer_.joinable()) writer_.join();
-  // A stream's and a Status call's completions call into this object and the aggregator until
+  // A stream's and a unary call's completions call into this object and the listener until
   // they finish; the event thread runs them.
-  std::unique_lock<std::mutex> lock(mu_);
-  for (StatusCall* call : status_calls_) call->ctx.TryCancel();
-  cv_.wait(lock, [this] { return live_conns_ == 0; });
+  absl::MutexLock lock(&mu_);
+  for (auto& [call, cancel] : unary_calls_) cancel();
+  mu_.Await(absl::Condition(
+      +[](int* live) { return *live == 0; }, &live_conns_));
+}
+
+template <typename Req, typename Resp>
+bool ParentLink::StartUnary(
+    std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> (v1::Aggregator::Stub::*prepare)(
+        grpc::ClientContext*, const Req&, grpc::CompletionQueue*),
+    const Req& req, std::chrono::milliseconds timeout,
+    std::function<void(const grpc::Status&, const Resp&)> done) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return false;
+  // Started under mu_: Shutdown (which sets stopping_ first) then waits for it, so the queue
+  // is never shut down under a call started here.
+  auto* call = new UnaryCall<Req, Resp>(this, std::move(done));
+  call->ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  unary_calls_[call] = [call] { call->ctx.TryCancel(); };
+  ++live_conns_;
+  call->rpc = (stub_.get()->*prepare)(&call->ctx, req, cq_);
+  call->rpc->StartCall();
+  call->rpc->Finish(&call->resp, &call->status, &call->tag);
+  return true;
+}
+
+void ParentLink::UnaryDone(void* call) {
+  absl::MutexLock lock(&mu_);
+  unary_calls_.erase(call);
+  --live_conns_;
 }
 
 void ParentLink::CheckStalled(std::chrono::steady_clock::time_point now) {
   std::shared_ptr<Conn> conn;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     conn = published_;
   }
   if (conn && conn->Stalled(now)) {
@@ -281,9 +309,10 @@ void ParentLink::Enqueue(Item item) {
   std::shared_ptr<Conn> conn;
   SessionId session;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (stopping_) return;
-    if (!item.leave && queue_.empty() && published_ && !published_->broken()) {
+    if (!item.leave && !item.join_done && queue_.empty() && published_ &&
+        !published_->broken()) {
       auto it = published_sessions_.find(item.job_id);
       if (it != published_sessions_.end()) {
         conn = published_;
@@ -292,7 +321,6 @@ void ParentLink::Enqueue(Item item) {
     }
     if (!conn) {
       queue_.push_back(std::move(item));
-      cv_.notify_one();
       return;
     }
   }
@@ -308,7 +336,7 @@ void ParentLink::Enqueue(Item item) {
 }
 
 void ParentLink::Unpublish() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   published_.reset();
   published_sessions_.clear();
 }
@@ -362,34 +390,13 @@ void ParentLink::NodeState(const std::string& job_id, const Actions::NodeState& 
 
 void ParentLink::Status(const v1::StatusRequest& request,
                         std::function<void(const grpc::Status&, const v1::StatusResponse&)> done) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (stopping_) {
-    lock.unlock();
-    done(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the sidecar is shutting down"),
-         v1::StatusResponse());
-    return;
-  }
-  // Started under mu_: Shutdown (which sets stopping_ first) then waits for it, so the queue
-  // is never shut down under a call started here.
-  auto* call = new StatusCall(this, std::move(done));
   v1::StatusRequest req = request;
   req.set_include_upstream(false);
-  call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  status_calls_.insert(call);
-  ++live_conns_;
-  call->rpc = stub_->PrepareAsyncStatus(&call->ctx, req, cq_);
-  call->rpc->StartCall();
-  call->rpc->Finish(&call->resp, &call->status, &call->tag);
-}
-
-void ParentLink::StatusDone(StatusCall* call) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    status_calls_.erase(call);
-    --live_conns_;
-    cv_.notify_all();
+  if (!StartUnary<v1::StatusRequest, v1::StatusResponse>(
+          &v1::Aggregator::Stub::PrepareAsyncStatus, req, std::chrono::seconds(2), done)) {
+    done(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the sidecar is shutting down"),
+         v1::StatusResponse());
   }
-  delete call;
 }
 
 void ParentLink::FailItem(const Item& item, const absl::Status& status) {
@@ -404,6 +411,14 @@ void ParentLink::FailItem(const Item& item, const absl::Status& status) {
                             wire::ErrorResult(item.key.op, item.key.seq, item.key.phase, status));
 }
 
+void ParentLink::FailParked(const absl::Status& status) {
+  std::map<std::string, std::deque<Item>> parked;
+  parked.swap(parked_);
+  for (auto& [job, items] : parked) {
+    for (const Item& item : items) FailItem(item, status);
+  }
+}
+
 void ParentLink::Leave(const std::string& job_id) {
   Item item;
   item.job_id = job_id;
@@ -411,8 +426,112 @@ void ParentLink::Leave(const std::string& job_id) {
   Enqueue(std::move(item));
 }
 
+void ParentLink::StartJoin(const Item& item) {
+  v1::JoinRequest req;
+  req.set_protocol_version(v1::PROTOCOL_VERSION_2);
+  req.set_job_id(item.job_id);
+  req.set_kind(v1::MEMBER_KIND_AGGREGATOR);
+  req.set_world_size(item.layout.world_size);
+  req.set_local_world_size(item.layout.local_world_size);
+  req.set_node_rank(item.layout.node_rank);
+  req.set_rank(-1);
+  req.set_local_rank(-1);
+  req.set_strict_finite(item.layout.strict_finite);
+  if (auto last = last_session_.find(item.job_id); last != last_session_.end()) {
+    req.set_previous_session(last->second.Bytes());
+  }
+  if (item.token) req.set_token(*item.token);
+  std::shared_ptr<void> on = conn_;
+  const std::string job_id = item.job_id;
+  StartUnary<v1::JoinRequest, v1::JoinResponse>(
+      &v1::Aggregator::Stub::PrepareAsyncJoin, req,
+      std::chrono::duration_cast<std::chrono::milliseconds>(kConnectTimeout),
+      [this, on, job_id](const grpc::Status& s, const v1::JoinResponse& resp) {
+        Item done;
+        done.job_id = job_id;
+        done.join_done = true;
+        done.join_status = s;
+        done.join_response = resp;
+        done.joined_on = on;
+        Enqueue(std::move(done));  // to the writer thread, in order with the job's frames
+      });
+}
+
+void ParentLink::JoinDone(Item& done) {
+  auto parked = parked_.find(done.job_id);
+  if (parked == parked_.end() || done.joined_on != std::static_pointer_cast<void>(conn_)) {
+    return;  // its stream is gone: the parked items failed with it
+  }
+  std::deque<Item> items = std::move(parked->second);
+  parked_.erase(parked);
+  absl::Status status;
+  SessionId session;
+  if (!done.join_status.ok()) {
+    status = absl::Status(wire::FromGrpc(done.join_status).code(),
+                          absl::StrCat("joining job '", done.job_id, "' at the root ", address_,
+                                       " failed: ", done.join_status.error_message()));
+  } else if (!SessionId::FromBytes(done.join_response.session(), &session)) {
+    status = absl::InternalError(absl::StrCat("the root ", address_, " answered Join for job '",
+                                              done.job_id, "' without a valid session; check "
+                                              "that it runs the same hsbn version"));
+  }
+  if (!status.ok()) {
+    for (const Item& item : items) FailItem(item, status);
+    return;
+  }
+  if (done.join_response.accepts_batches()) conn_->EnableBatches();
+  conn_->session_of_job[done.job_id] = session;
+  last_session_[done.job_id] = session;
+  {
+    absl::MutexLock lock(&jobs_mu_);
+    job_of_session_[session] = done.job_id;
+  }
+  v1::ClientFrame attach;
+  attach.mutable_attach()->add_sessions(session.Bytes());
+  attach.mutable_attach()->set_accepts_batches(true);
+  if (!items.empty() && items.front().token) attach.mutable_attach()->set_token(*items.front().token);
+  if (!conn_->Send(std::move(attach))) {
+    for (const Item& item : items) {
+      FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
+                                                         " broke")));
+    }
+    return;
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    SendJoined(items[i], session);
+    // A parent that holds a new session for this node knows nothing of its lost workers: say
+    // it again, after the first item (whose round completed here before).
+    if (i == 0) {
+      if (std::string why; listener_->NodeDown(done.job_id, &why)) {
+        v1::ClientFrame down;
+        down.mutable_node_state()->set_session(session.Bytes());
+        down.mutable_node_state()->set_healthy(false);
+        down.mutable_node_state()->set_message(why);
+        conn_->Send(std::move(down));
+      }
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  published_ = conn_;
+  published_sessions_[done.job_id] = session;
+}
+
+void ParentLink::SendJoined(Item& item, const SessionId& session) {
+  if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session(session.Bytes());
+  if (item.frame.has_abort()) item.frame.mutable_abort()->set_session(session.Bytes());
+  if (item.frame.has_node_state()) item.frame.mutable_node_state()->set_session(session.Bytes());
+  if (!conn_->Send(std::move(item.frame))) {
+    FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
+                                                       " broke")));
+  }
+}
+
 absl::Status ParentLink::Send(Item& item) {
-  if (item.leave) {  // never connects just to leave
+  if (item.join_done) {
+    JoinDone(item);
+    return absl::OkStatus();
+  }
+  if (item.leave) {  // never connects just to leave, and never waits for the answer
     SessionId session;
     if (conn_ && !conn_->broken()) {
       auto it = conn_->session_of_job.find(item.job_id);
@@ -423,28 +542,29 @@ absl::Status ParentLink::Send(Item& item) {
     }
     last_session_.erase(item.job_id);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       published_sessions_.erase(item.job_id);
     }
     if (!session.empty()) {
       {
-        std::lock_guard<std::mutex> lock(jobs_mu_);
+        absl::MutexLock lock(&jobs_mu_);
         job_of_session_.erase(session);
       }
       v1::LeaveRequest req;
       req.set_session(session.Bytes());
-      v1::LeaveResponse resp;
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-      grpc::Status s = stub_->Leave(&ctx, req, &resp);
-      if (!s.ok()) {
-        Log(LogLevel::kDebug, absl::StrCat("leaving job '", item.job_id, "' at the root: ",
-                                           s.error_message()));
-      }
+      const std::string job_id = item.job_id;
+      StartUnary<v1::LeaveRequest, v1::LeaveResponse>(
+          &v1::Aggregator::Stub::PrepareAsyncLeave, req, std::chrono::seconds(2),
+          [job_id](const grpc::Status& s, const v1::LeaveResponse&) {
+            if (!s.ok()) {
+              Log(LogLevel::kDebug, absl::StrCat("leaving job '", job_id, "' at the root: ",
+                                                 s.error_message()));
+            }
+          });
     }
     return absl::OkStatus();
   }
-  if (item.frame.has_node_state()) {
+  if (item.frame.has_node_state() && !parked_.count(item.job_id)) {
     // Only news for a root that holds this node's session in the job: never connects or joins
     // just to say it (a root that never saw the job has no round waiting for this node).
     if (!conn_ || conn_->broken()) return absl::OkStatus();
@@ -456,6 +576,8 @@ absl::Status ParentLink::Send(Item& item) {
   }
   if (conn_ && conn_->broken()) {
     Unpublish();
+    FailParked(absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
+                                                   " broke")));
     conn_->WaitDone(std::chrono::seconds(10));
     conn_.reset();
   }
@@ -479,7 +601,7 @@ absl::Status ParentLink::Send(Item& item) {
     last_connect_error_ = absl::OkStatus();
     auto conn = std::make_shared<Conn>(this);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       ++live_conns_;
     }
     conn->Start(conn, stub_.get(), cq_);
@@ -488,73 +610,17 @@ absl::Status ParentLink::Send(Item& item) {
                                       tls_ ? " (TLS)" : ""));
     if (metrics_) metrics_->SetUpstreamConnected(true);
   }
-  SessionId session;
-  v1::ClientFrame resend_down;
+  if (auto p = parked_.find(item.job_id); p != parked_.end()) {
+    p->second.push_back(std::move(item));  // behind its job's Join in flight
+    return absl::OkStatus();
+  }
   auto found = conn_->session_of_job.find(item.job_id);
   if (found == conn_->session_of_job.end()) {
-    v1::JoinRequest req;
-    req.set_protocol_version(v1::PROTOCOL_VERSION_2);
-    req.set_job_id(item.job_id);
-    req.set_kind(v1::MEMBER_KIND_AGGREGATOR);
-    req.set_world_size(item.layout.world_size);
-    req.set_local_world_size(item.layout.local_world_size);
-    req.set_node_rank(item.layout.node_rank);
-    req.set_rank(-1);
-    req.set_local_rank(-1);
-    req.set_strict_finite(item.layout.strict_finite);
-    if (auto last = last_session_.find(item.job_id); last != last_session_.end()) {
-      req.set_previous_session(last->second.Bytes());
-    }
-    if (item.token) req.set_token(*item.token);
-    v1::JoinResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + kConnectTimeout);
-    grpc::Status s = stub_->Join(&ctx, req, &resp);
-    if (!s.ok()) {
-      return absl::Status(wire::FromGrpc(s).code(),
-                          absl::StrCat("joining job '", item.job_id, "' at the root ", address_,
-                                       " failed: ", s.error_message()));
-    }
-    if (!SessionId::FromBytes(resp.session(), &session)) {
-      return absl::InternalError(absl::StrCat("the root ", address_, " answered Join for job '",
-                                              item.job_id, "' without a valid session; check "
-                                              "that it runs the same hsbn version"));
-    }
-    if (resp.accepts_batches()) conn_->EnableBatches();
-    conn_->session_of_job[item.job_id] = session;
-    last_session_[item.job_id] = session;
-    {
-      std::lock_guard<std::mutex> lock(jobs_mu_);
-      job_of_session_[session] = item.job_id;
-    }
-    v1::ClientFrame attach;
-    attach.mutable_attach()->add_sessions(session.Bytes());
-    attach.mutable_attach()->set_accepts_batches(true);
-    if (item.token) attach.mutable_attach()->set_token(*item.token);
-    if (!conn_->Send(std::move(attach))) {
-      return absl::UnavailableError(absl::StrCat("the stream to the root ", address_, " broke"));
-    }
-    // A parent that holds a new session for this node knows nothing of its lost workers: say
-    // it again, after this item (whose round completed here before).
-    if (std::string why; listener_->NodeDown(item.job_id, &why)) {
-      resend_down.mutable_node_state()->set_session(session.Bytes());
-      resend_down.mutable_node_state()->set_healthy(false);
-      resend_down.mutable_node_state()->set_message(why);
-    }
-  } else {
-    session = found->second;
+    StartJoin(item);
+    parked_[item.job_id].push_back(std::move(item));
+    return absl::OkStatus();
   }
-  if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session(session.Bytes());
-  if (item.frame.has_abort()) item.frame.mutable_abort()->set_session(session.Bytes());
-  if (!conn_->Send(std::move(item.frame))) {
-    return absl::UnavailableError(absl::StrCat("the stream to the root ", address_, " broke"));
-  }
-  if (resend_down.has_node_state()) conn_->Send(std::move(resend_down));
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    published_ = conn_;
-    published_sessions_[item.job_id] = session;
-  }
+  SendJoined(item, found->second);
   return absl::OkStatus();
 }
 
@@ -562,8 +628,8 @@ void ParentLink::WriterLoop() {
   for (;;) {
     Item item;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(this, &ParentLink::WriterHasWork));
       if (stopping_) break;
       item = std::move(queue_.front());
       queue_.pop_front();
@@ -574,12 +640,12 @@ void ParentLink::WriterLoop() {
   // Drain: whatever is left fails.
   std::deque<Item> left;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     left.swap(queue_);
   }
-  for (const Item& item : left) {
-    FailItem(item, absl::UnavailableError("the sidecar is shutting down"));
-  }
+  const absl::Status down = absl::UnavailableError("the sidecar is shutting down");
+  for (const Item& item : left) FailItem(item, down);
+  FailParked(down);
   Unpublish();
   if (conn_) {
     conn_->Cancel();
@@ -592,7 +658,7 @@ void ParentLink::Deliver(const v1::Result& result) {
   SessionId session;
   if (!SessionId::FromBytes(result.session(), &session)) return;
   {
-    std::lock_guard<std::mutex> lock(jobs_mu_);
+    absl::MutexLock lock(&jobs_mu_);
     auto it = job_of_session_.find(session);
     if (it == job_of_session_.end()) return;
     job_id = it->second;
@@ -604,7 +670,7 @@ void ParentLink::ConnDone(const grpc::Status& status) {
   if (metrics_) metrics_->SetUpstreamConnected(false);
   bool stopping;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stopping = stopping_;
   }
   if (!stopping) {
@@ -614,9 +680,8 @@ void ParentLink::ConnDone(const grpc::Status& status) {
         "this node's sidecar lost its link to the root aggregator at ", address_, " (",
         status.error_message(), "); global rounds in flight failed, later rounds reconnect")));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   --live_conns_;
-  cv_.notify_all();
 }
 
 }  // namespace hsbn::server
