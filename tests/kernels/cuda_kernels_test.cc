@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -28,9 +29,18 @@ std::string NoGpuReason() {
   return n == 0 ? "no CUDA device is visible" : "";
 }
 
-#define SKIP_WITHOUT_GPU()                                          \
-  do {                                                              \
-    if (!CudaAvailable()) GTEST_SKIP() << NoGpuReason();            \
+// HSBN_REQUIRE_GPU=1 (the GPU device check) turns the skip into a failure.
+bool GpuRequired() {
+  const char* e = std::getenv("HSBN_REQUIRE_GPU");
+  return e != nullptr && std::strcmp(e, "1") == 0;
+}
+
+#define SKIP_WITHOUT_GPU()                                                              \
+  do {                                                                                  \
+    if (!CudaAvailable()) {                                                             \
+      ASSERT_FALSE(GpuRequired()) << "HSBN_REQUIRE_GPU=1 but " << NoGpuReason();        \
+      GTEST_SKIP() << NoGpuReason();                                                    \
+    }                                                                                   \
   } while (0)
 
 // Device memory holding `bytes` bytes, starting `offset` bytes into the allocation (to test
