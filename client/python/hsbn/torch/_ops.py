@@ -13,7 +13,8 @@ crosses to the host (see _function.py). A backend computes, for input x of shape
 
 Backends:
   CpuOps     CPU tensors: plain torch ops in the input's dtype (float32 for float16/bfloat16),
-             statistics and per-channel coefficients in float64, as torch's CPU BatchNorm does.
+             statistics and per-channel coefficients in float64 (float32 input: per-plane sums
+             in float32, combined in float64), as torch's CPU BatchNorm does.
   CudaOps    CUDA tensors, the default: torch's own SyncBatchNorm kernels
              (torch.batch_norm_stats / _elemt / _backward_reduce / _backward_elemt) on the
              current stream, statistics in float32 (float64 for float64 input).
@@ -55,6 +56,17 @@ def _keep_layout(x, y):
     return out
 
 
+def _channel_sums(t):
+    """Per-channel sums of t (N, C, *) as a float64 (C,) tensor. float32 input is summed over
+    each (sample, channel) plane in float32 (torch's cascade summation) and the N * C partials
+    in float64: torch.sum(t, dtype=float64) on the CPU would first copy all of t to float64."""
+    if t.dtype == F64:
+        return t.sum(_reduce_dims(t))
+    if t.dim() > 2:
+        t = t.sum(list(range(2, t.dim())))
+    return t.to(F64).sum(0)
+
+
 def _zeros2(c, x):
     return torch.zeros(2, c, dtype=F64, device=x.device)
 
@@ -80,13 +92,12 @@ class CpuOps:
         if count == 0:
             return 0, _zeros2(c, x)
         xc = self._compute(x.detach())
-        dims = _reduce_dims(xc)
         out = torch.empty(2, c, dtype=F64)
-        mean = torch.sum(xc, dims, dtype=F64).div_(count)
-        # Second pass around the mean rounded to the compute dtype (pivot p), squares summed in
-        # float64: sum((x - p)^2) = m2 + count * (mean - p)^2, so m2 needs no E[x^2] - E[x]^2.
+        mean = _channel_sums(xc).div_(count)
+        # Second pass around the mean rounded to the compute dtype (pivot p): sum((x - p)^2) =
+        # m2 + count * (mean - p)^2, so m2 needs no E[x^2] - E[x]^2.
         pivot = mean.to(xc.dtype)
-        s2 = torch.sum((xc - _bcast(pivot, xc)).square_(), dims, dtype=F64)
+        s2 = _channel_sums((xc - _bcast(pivot, xc)).square_())
         shift = mean - pivot.to(F64)
         out[0] = mean
         torch.sub(s2, shift.square_().mul_(count), out=out[1])
@@ -116,10 +127,8 @@ class CpuOps:
             packed.zero_()
         else:
             xc, dyc = self._compute(x), self._compute(dy)
-            dims = _reduce_dims(xc)
-            torch.sum(dyc, dims, dtype=F64, out=packed[0])
-            xmu = (xc - _bcast(mean.to(xc.dtype), xc)).mul_(dyc)
-            torch.sum(xmu, dims, dtype=F64, out=packed[1])
+            packed[0] = _channel_sums(dyc)
+            packed[1] = _channel_sums((xc - _bcast(mean.to(xc.dtype), xc)).mul_(dyc))
         gdt = weight.dtype if weight is not None else dy.dtype
         grad_w = (packed[1] * invstd).to(gdt) if need_w else None
         grad_b = packed[0].to(gdt) if need_b else None
