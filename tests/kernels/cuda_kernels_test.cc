@@ -266,6 +266,51 @@ TEST(CudaKernels, RunningStatsMatchCpu) {
   EXPECT_EQ(Download<float>(drv, C), rv);
 }
 
+// (N, C, 1) is the same memory in both layouts, and both are reduced by the channels-last
+// kernels: the same bits, and the same bits as the CPU's within rounding.
+TEST(CudaKernels, SpatialSizeOneReducesIdenticallyInEitherLayout) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 4096, C = 64;
+  const BnInput nchw = MakeInput(Device::kCuda, DType::kF32, Layout::kNchw, N, C, 1);
+  BnInput cl = nchw;
+  cl.layout = Layout::kChannelsLast;
+  const Buffer x = RandomInput(MakeInput(Device::kCpu, DType::kF32, Layout::kNchw, N, C, 1), 5.0,
+                               2.0, 31);
+  const Buffer dy = RandomInput(MakeInput(Device::kCpu, DType::kF32, Layout::kNchw, N, C, 1), 0.0,
+                                1.0, 32);
+  DeviceBuffer dx(N * C * 4), ddy(N * C * 4), ws(WorkspaceBytes(nchw));
+  dx.Upload(x.data(), N * C * 4);
+  ddy.Upload(dy.data(), N * C * 4);
+  ASSERT_EQ(WorkspaceBytes(nchw), WorkspaceBytes(cl));
+  DeviceBuffer m_a(C * 8), v_a(C * 8), m_b(C * 8), v_b(C * 8), s_a(C * 8), t_a(C * 8),
+      s_b(C * 8), t_b(C * 8);
+  int64_t count = 0;
+  ASSERT_TRUE(LocalMoments(nchw, dx.get(), &count, m_a.as<double>(), v_a.as<double>(), ws.get(),
+                           WorkspaceBytes(nchw), nullptr).ok());
+  ASSERT_TRUE(LocalMoments(cl, dx.get(), &count, m_b.as<double>(), v_b.as<double>(), ws.get(),
+                           WorkspaceBytes(cl), nullptr).ok());
+  const BnStats stats{m_a.get(), v_a.get(), DType::kF64, StatsKind::kM2, 1e-5, count};
+  ASSERT_TRUE(BackwardReduce(nchw, ddy.get(), dx.get(), stats, s_a.as<double>(), t_a.as<double>(),
+                             nullptr, nullptr, DType::kF32, ws.get(), WorkspaceBytes(nchw),
+                             nullptr).ok());
+  ASSERT_TRUE(BackwardReduce(cl, ddy.get(), dx.get(), stats, s_b.as<double>(), t_b.as<double>(),
+                             nullptr, nullptr, DType::kF32, ws.get(), WorkspaceBytes(cl),
+                             nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(Download<double>(m_a, C), Download<double>(m_b, C));
+  EXPECT_EQ(Download<double>(v_a, C), Download<double>(v_b, C));
+  EXPECT_EQ(Download<double>(s_a, C), Download<double>(s_b, C));
+  EXPECT_EQ(Download<double>(t_a, C), Download<double>(t_b, C));
+  std::vector<double> mean(C), m2(C);
+  const BnInput host = MakeInput(Device::kCpu, DType::kF32, Layout::kNchw, N, C, 1);
+  ASSERT_TRUE(LocalMoments(host, x.data(), &count, mean.data(), m2.data(), nullptr, 0, nullptr).ok());
+  const std::vector<double> gm = Download<double>(m_a, C), gv = Download<double>(v_a, C);
+  for (int64_t c = 0; c < C; ++c) {
+    EXPECT_NEAR(gm[c], mean[c], 1e-6 * (std::fabs(mean[c]) + 1)) << "c=" << c;
+    EXPECT_NEAR(gv[c], m2[c], 1e-5 * m2[c]) << "c=" << c;
+  }
+}
+
 TEST(CudaKernels, InPlaceNormalizeThroughTheCAbiOnAStream) {
   SKIP_WITHOUT_GPU();
   const BnInput host = MakeInput(Device::kCpu, DType::kBF16, Layout::kNchw, 4, 16, 1000);
