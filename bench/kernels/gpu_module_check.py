@@ -171,6 +171,9 @@ def main():
         return 2
     if args.kernels_lib:
         bind_kernels(args.kernels_lib)
+    # Both models share the convolution; TF32 would let two runs of it differ by ~1e-3.
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (plumbing only)"
     print("device: %s, torch %s" % (device_name, torch.__version__))
     dtypes = ((torch.float32, torch.float16, torch.bfloat16) if device == "cuda"
