@@ -97,6 +97,7 @@ std::vector<Case> Cases() {
       cases.push_back({dtype, layout, 700, 48, 1, 1.0, 0});            // BatchNorm1d
       cases.push_back({dtype, layout, 0, 16, 64, 1.0, 0});             // empty batch
       cases.push_back({dtype, layout, 64, 64, 56 * 56, 1.0, 0});       // 12.8 M values
+      cases.push_back({dtype, layout, 4, 2, 65536, 1.0, 0});           // 128 splits: tree merge
     }
   for (Layout layout : {Layout::kNchw, Layout::kChannelsLast}) {
     cases.push_back({DType::kF32, layout, 8, 8, 4099, 1e4, 0});        // mean 1e4 x std

@@ -31,6 +31,14 @@ TEST(ReducePlan, ManySplitsAreMergedByATreeWithFewPartialsPerThread) {
   EXPECT_GT(p.splits, kSerialMergeSplits);
   EXPECT_LE(p.splits, 1024);
   EXPECT_LE((p.splits + 255) / 256, 4);
+  // The small cases the CUDA tests (and compute-sanitizer) run through the tree, both layouts.
+  EXPECT_GT(MakeReducePlan(MakeInput(Device::kCuda, DType::kF32, Layout::kNchw, 4, 2, 65536))
+                .splits,
+            kSerialMergeSplits);
+  EXPECT_GT(MakeReducePlan(MakeInput(Device::kCuda, DType::kF32, Layout::kChannelsLast, 8, 32,
+                                     1024))
+                .splits,
+            kSerialMergeSplits);
 }
 
 TEST(ReducePlan, DependsOnTheShapeOnly) {
