@@ -355,8 +355,15 @@ int main(int argc, char** argv) {
   const std::string metrics_listen = get("metrics-listen", "");
   if (!metrics_listen.empty()) {
     options.metrics = std::make_shared<hsbn::server::Metrics>(role, !options.upstream.empty());
-    options.metrics->SetLimits(options.max_jobs, options.limits.max_open_rounds,
-                               options.limits.max_channels);
+    hsbn::server::MetricsLimits limits;
+    limits.max_jobs = options.max_jobs;
+    limits.max_open_rounds = options.limits.max_open_rounds;
+    limits.max_channels = options.limits.max_channels;
+    limits.max_world_size = options.max_world_size;
+    limits.memory_budget_bytes = options.memory_budget_bytes;
+    limits.max_queued_bytes = options.max_queued_bytes;
+    limits.max_unbound_bytes = options.max_unbound_bytes;
+    options.metrics->SetLimits(limits);
   }
 
   // Signals are handled by a waiting thread (sigwait), so block them before threads start.
