@@ -389,5 +389,73 @@ TEST(Metrics, IdleConnectionsToTheMetricsPortDoNotHoldBackAScrape) {
   }
 }
 
+TEST(Metrics, JobLabelsAreCappedByMetricsMaxJobsAndMembersHaveNoSpaces) {
+  TempDir dir;
+  auto agg = StartAggregator(dir.path(), "cap",
+                             {"--role=node", "--listen=unix:" + (dir / "cap.sock"),
+                              "--metrics-listen=127.0.0.1:0", "--metrics-max-jobs=2",
+                              "--round-timeout-ms=300"});
+  ASSERT_TRUE(agg.ok()) << agg.status();
+  // Four one-rank jobs (a single member: every round completes at once) and one two-rank job
+  // whose rank 1 never contributes.
+  std::vector<std::unique_ptr<Client>> owned;
+  for (const char* job : {"a-job", "b-job", "c-job", "d-job"}) {
+    auto c = Client::Connect(WorkerOptions(agg->address, job, 0, 1, 1));
+    ASSERT_TRUE(c.ok()) << c.status();
+    owned.push_back(std::move(*c));
+  }
+  std::string text = Scrape(*agg);
+  EXPECT_EQ(Sample(text, "hsbn_jobs"), 4);
+  // Status lists jobs in id order: the first two get labels, the others sum under _other.
+  EXPECT_EQ(Sample(text, "hsbn_members", L({{"job_id", "a-job"}})), 1);
+  EXPECT_EQ(Sample(text, "hsbn_members", L({{"job_id", "b-job"}})), 1);
+  EXPECT_EQ(Sample(text, "hsbn_members", L({{"job_id", "_other"}})), 2);
+  EXPECT_TRUE(std::isnan(Sample(text, "hsbn_members", L({{"job_id", "c-job"}}))));
+
+  auto t0 = Client::Connect(WorkerOptions(agg->address, "t-job", 0, 2, 2));
+  ASSERT_TRUE(t0.ok()) << t0.status();
+  auto t1 = Client::Connect(WorkerOptions(agg->address, "t-job", 1, 2, 2));
+  ASSERT_TRUE(t1.ok()) << t1.status();
+  double mean[2] = {0, 1}, m2[2] = {1, 1}, om[2], om2[2];
+  int64_t n;
+  absl::Status s = (*t0)->Forward(1, 0, Scope::kNode, 2, 10, mean, m2, &n, om, om2);
+  ASSERT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  text = Scrape(*agg);
+  EXPECT_EQ(Sample(text, "hsbn_round_timeouts_total", L({{"job_id", "_other"}, {"member", "rank1"}})),
+            1);
+  EXPECT_TRUE(std::isnan(Sample(text, "hsbn_round_timeouts_total", L({{"job_id", "t-job"}}))));
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (absl::StartsWith(line, "hsbn_round_timeouts_total{")) {
+      EXPECT_FALSE(absl::StrContains(line, "member=\"rank 1\"")) << line;
+    }
+  }
+  EXPECT_EQ(Sample(text, "hsbn_members", L({{"job_id", "_other"}})), 4);
+}
+
+TEST(Metrics, BuildInfoAndVersionFlagAgree) {
+  TempDir dir;
+  auto agg = StartAggregator(dir.path(), "info",
+                             {"--role=root", "--listen=127.0.0.1:0",
+                              "--metrics-listen=127.0.0.1:0", "--memory-budget-bytes=123456789",
+                              "--max-world-size=77"});
+  ASSERT_TRUE(agg.ok()) << agg.status();
+  const std::string text = Scrape(*agg);
+  auto [code, version] = testing::RunAggregatorToExit(dir.path(), "version", {"--version"});
+  ASSERT_EQ(code, 0) << version;
+  // "hsbn-aggregator VERSION (commit COMMIT)"
+  const std::vector<std::string> words = absl::StrSplit(version, absl::ByAnyChar(" ()\n"),
+                                                        absl::SkipEmpty());
+  ASSERT_EQ(words.size(), 4u) << version;
+  EXPECT_EQ(words[0], "hsbn-aggregator");
+  EXPECT_EQ(words[2], "commit");
+  EXPECT_EQ(Sample(text, "hsbn_build_info",
+                   L({{"role", "root"}, {"version", words[1]}, {"commit", words[3]}})), 1)
+      << version << text;
+  EXPECT_EQ(Sample(text, "hsbn_memory_budget_bytes"), 123456789);
+  EXPECT_EQ(Sample(text, "hsbn_max_world_size"), 77);
+  EXPECT_EQ(Sample(text, "hsbn_memory_used_bytes"), 0);
+  EXPECT_EQ(Sample(text, "hsbn_refused_total", L({{"reason", "memory_budget"}})), 0);
+}
+
 }  // namespace
 }  // namespace hsbn

@@ -380,5 +380,27 @@ TEST(UnixSocket, TheSocketGetsSocketMode) {
   }
 }
 
+TEST(UnixSocket, ASocketModeThatIsNotOctalOrAboveTheFileModeIsRefused) {
+  TempDir dir;
+  for (const std::string bad : {"banana", "0668", "8", "01777", "1000", "-1", "", "0x1ff"}) {
+    const std::string sock = dir / "bad.sock";
+    auto [code, log] = RunAggregatorToExit(
+        dir.path(), "bad", {"--role=node", "--listen=unix:" + sock, "--socket-mode=" + bad});
+    EXPECT_EQ(code, 2) << bad << ": " << log;
+    EXPECT_TRUE(Contains(log, "--socket-mode")) << bad << ": " << log;
+    EXPECT_TRUE(Contains(log, "octal")) << bad << ": " << log;
+    struct stat st;
+    EXPECT_NE(stat(sock.c_str(), &st), 0) << bad << ": a socket was created";
+  }
+  // Three digits without the leading zero are octal too.
+  Aggregator a = MustStart(dir.path(), "three", {"--role=node", "--listen=unix:" + (dir / "t.sock"),
+                                                 "--socket-mode=640"});
+  ASSERT_TRUE(a.process);
+  struct stat st;
+  ASSERT_EQ(stat((dir / "t.sock").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, mode_t(0640));
+  EXPECT_EQ(a.process->Stop(), 0);
+}
+
 }  // namespace
 }  // namespace hsbn
