@@ -580,7 +580,15 @@ int main(int argc, char** argv) {
   // accepted on, and its thread runs them; the sidecar's link to the root uses the first.
   std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> cqs;
   for (int i = 0; i < event_threads; ++i) cqs.push_back(builder.AddCompletionQueue());
+  // Unix sockets get --socket-mode from the moment they exist: bind() creates the socket file
+  // with mode 0777 & ~umask, so the umask is set to the complement of --socket-mode while the
+  // server binds its ports (BuildAndStart binds on this thread), and restored after. A chmod
+  // after bind would leave a window in which the socket had the umask's wider mode. Nothing
+  // else in the process creates files meanwhile (the metrics endpoint and the ready file come
+  // later), so the temporary umask touches only the sockets.
+  const mode_t saved_umask = umask(0777 & ~socket_mode);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  umask(saved_umask);
   if (!server) {
     std::cerr << "hsbn-aggregator: could not listen on " << listen_flag
               << " (address in use, or a directory that does not exist?)\n";
@@ -590,7 +598,13 @@ int main(int argc, char** argv) {
   std::vector<std::string> bound;
   for (size_t i = 0; i < listen.size(); ++i) {
     if (listen[i].rfind("unix:", 0) == 0) {
-      chmod(listen[i].substr(5).c_str(), socket_mode);
+      struct stat st;
+      const std::string path = listen[i].substr(5);
+      if (stat(path.c_str(), &st) != 0 || (st.st_mode & 07777) != socket_mode) {
+        std::cerr << "hsbn-aggregator: " << path << " did not get --socket-mode "
+                  << std::oct << socket_mode << std::dec << " at bind; refusing to serve\n";
+        return 1;
+      }
       bound.push_back(listen[i]);
     } else {
       if (ports[i] == 0) {
