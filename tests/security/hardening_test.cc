@@ -259,6 +259,39 @@ TEST(Hardening, AReaderThatDoesNotReadIsDroppedAtTheQueueCap) {
   ExpectServes(side.address, "after-flood");
 }
 
+// A reader that stops reading while a write is in flight: after --write-deadline-ms the
+// aggregator drops its stream (the write can never complete), reports the member gone, and
+// the rest of the job and every other job go on.
+TEST(Hardening, AWriteStalledPastTheDeadlineDropsTheStream) {
+  TempDir dir;
+  Aggregator side = MustStart(dir.path(), "s", {"--role=node", "--listen=unix:" + (dir / "s.sock"),
+                                                "--write-deadline-ms=300"});
+  ASSERT_TRUE(side.process);
+  Raw raw(side.address);
+  std::string session;
+  ASSERT_TRUE(raw.Join("stall", 0, 1, 1, &session).ok());
+  grpc::ClientContext ctx;
+  std::unique_ptr<Stream> stream = raw.stub->Exchange(&ctx);
+  ASSERT_TRUE(stream->Write(AttachFrame(session)));
+  // 512 rounds of 4096 channels (32 MiB of results) fill every window between the aggregator's
+  // writer and this reader, which reads nothing; writes fail once the stream is dropped.
+  for (int i = 0; i < 512; ++i) {
+    if (!stream->Write(Contribution(session, 0, uint64_t(i), 4096))) break;
+  }
+  // Event: the aggregator reports rank 0 of the job disconnected (backstop only).
+  const auto backstop = std::chrono::steady_clock::now() + seconds(60);
+  for (;;) {
+    v1::StatusResponse st;
+    ASSERT_TRUE(raw.Status("stall", "", &st).ok());
+    if (st.jobs_size() == 0 || !st.jobs(0).members(0).connected()) break;
+    ASSERT_LT(std::chrono::steady_clock::now(), backstop) << "the stalled stream was never dropped";
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  EXPECT_TRUE(absl::StrContains(side.log(), "--write-deadline-ms")) << side.log();
+  ctx.TryCancel();
+  ExpectServes(side.address, "after-stall");
+}
+
 // A stream that floods frames before any Attach is cut at --max-unbound-bytes.
 TEST(Hardening, FramesBeforeAttachAreBounded) {
   TempDir dir;
