@@ -5,6 +5,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <set>
@@ -230,7 +231,8 @@ TEST(Hardening, AReaderThatDoesNotReadIsDroppedAtTheQueueCap) {
   TempDir dir;
   Aggregator side = MustStart(dir.path(), "s", {"--role=node", "--listen=unix:" + (dir / "s.sock"),
                                                 "--max-queued-bytes=4194304",
-                                                "--write-deadline-ms=600000"});
+                                                "--write-deadline-ms=600000",
+                                                "--metrics-listen=127.0.0.1:0"});
   ASSERT_TRUE(side.process);
   Raw raw(side.address);
   std::string session;
@@ -256,6 +258,9 @@ TEST(Hardening, AReaderThatDoesNotReadIsDroppedAtTheQueueCap) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
   EXPECT_TRUE(absl::StrContains(s.error_message(), "--max-queued-bytes")) << s.error_message();
   EXPECT_LT(results, kRounds);
+  auto metrics = HttpGet(side.metrics);
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(Sample(*metrics, "hsbn_refused_total", {{"reason", "queue_bytes"}}), 1.0) << *metrics;
   ExpectServes(side.address, "after-flood");
 }
 
@@ -386,6 +391,28 @@ TEST(Hardening, JobIdsAreShortPrintableAndNeverForgeALogLine) {
   EXPECT_FALSE(absl::StrContains(s.error_message(), "\n")) << s.error_message();
   ExpectServes(side.address, "after-ids");  // its log line comes after the refusals
   EXPECT_FALSE(absl::StrContains(side.log(), "\n[hsbn] FAKE")) << side.log();
+}
+
+// NaN and Inf are data (docs/PROTOCOL.md): the round completes for every member, and the
+// aggregator counts what it saw.
+TEST(Hardening, NonFiniteValuesAreCountedNotRefused) {
+  TempDir dir;
+  Aggregator side = MustStart(dir.path(), "s", {"--role=node", "--listen=unix:" + (dir / "s.sock"),
+                                                "--metrics-listen=127.0.0.1:0"});
+  ASSERT_TRUE(side.process);
+  auto c = Client::Connect(WorkerOptions(side.address, "nan", 0, 1, 1));
+  ASSERT_TRUE(c.ok()) << c.status();
+  const double mean[2] = {std::nan(""), 1.0}, m2[2] = {1.0, INFINITY};
+  double a[2], b[2];
+  int64_t n = 0;
+  absl::Status s = (*c)->Forward(0, 0, Scope::kNode, 2, 4, mean, m2, &n, a, b);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(std::isnan(a[0]));
+  EXPECT_TRUE(std::isinf(b[1]));
+  auto metrics = HttpGet(side.metrics);
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(Sample(*metrics, "hsbn_nonfinite_values_total", {{"phase", "forward"}}), 2.0)
+      << *metrics;
 }
 
 }  // namespace
