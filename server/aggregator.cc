@@ -2,12 +2,17 @@
 
 #include <pthread.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
 #include <deque>
+#include <fstream>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "google/protobuf/util/json_util.h"
 #include "grpcpp/security/credentials.h"
 #include "parent_link.h"
 #include "wire.h"
@@ -242,6 +247,9 @@ class ExchangeCall final {
       case v1::ClientFrame::kNodeState:
         HandleNodeState(frame.node_state());
         break;
+      case v1::ClientFrame::kLeave:
+        HandleLeave(frame.leave());
+        break;
       default:  // an empty frame, or a batch nested in a batch: nothing to do
         break;
     }
@@ -343,6 +351,21 @@ class ExchangeCall final {
     Actions actions;
     ref->job->ChildState(ref->index, state, &actions);
     aggregator_->Execute(actions, ref->job->id());
+  }
+
+  void HandleLeave(const v1::LeaveRequest& leave) {
+    SessionId session;
+    if (FromAggregator(leave.session(), "a Leave frame", &session) == nullptr) return;
+    for (size_t i = 0; i < bound_.size(); ++i) {
+      if (bound_[i].first == session) {
+        bound_.erase(bound_.begin() + ptrdiff_t(i));
+        break;
+      }
+    }
+    sessions_.erase(std::remove(sessions_.begin(), sessions_.end(), session), sessions_.end());
+    v1::LeaveRequest req;
+    req.set_session(session.Bytes());
+    aggregator_->Leave(req);
   }
 
   Aggregator* const aggregator_;
@@ -605,14 +628,15 @@ void Aggregator::TickLoop() {
     if (stopping_) break;
     tick_mu_.Unlock();
     const Clock::time_point now = Clock::now();
-    for (const auto& [id, expired] : registry_.Sweep(now)) {
-      if (expired) Refused("attach_timeout");
+    for (const Registry::Dropped& d : registry_.Sweep(now)) {
+      if (d.expired) Refused("attach_timeout");
       Log(LogLevel::kInfo,
-          absl::StrCat("job '", id, "' dropped: ",
-                       expired ? "no member attached a stream within --attach-timeout-ms"
-                               : "every member left or lost its stream"));
+          absl::StrCat("job '", d.job->id(), "' dropped: ",
+                       d.expired ? "no member attached a stream within --attach-timeout-ms"
+                                 : "every member left or lost its stream"));
+      if (!options_.divergence_dir.empty()) SaveDivergence(*d.job);
       // The root holds the job while this node is a member of it: leave, so it can drop it too.
-      if (parent_) parent_->Leave(id);
+      if (parent_) parent_->Leave(d.job->id());
     }
     for (auto& job : registry_.Jobs()) {
       Actions actions;
@@ -629,6 +653,53 @@ void Aggregator::TickLoop() {
     }
     tick_mu_.Lock();
   }
+}
+
+namespace {
+// A job id as a file name: [A-Za-z0-9._-] kept, every other byte as %XX, and a leading '.'
+// escaped too, so no id can name a path outside the directory or a hidden file.
+std::string FileNameOf(const std::string& job_id) {
+  static const char kHex[] = "0123456789ABCDEF";
+  std::string out;
+  for (size_t i = 0; i < job_id.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(job_id[i]);
+    if (std::isalnum(c) || c == '_' || c == '-' || (c == '.' && i > 0)) {
+      out.push_back(char(c));
+    } else {
+      out += '%';
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    }
+  }
+  return out;
+}
+}  // namespace
+
+void Aggregator::SaveDivergence(const Job& job) {
+  v1::JobStatus status;
+  job.FillStatus(&status);
+  if (status.divergence_size() == 0) return;
+  std::string json;
+  google::protobuf::util::JsonPrintOptions print;
+  print.add_whitespace = true;
+  if (!google::protobuf::util::MessageToJsonString(status, &json, print).ok()) return;
+  const std::string path =
+      absl::StrCat(options_.divergence_dir, "/", FileNameOf(job.id()), ".divergence.json");
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << json << "\n";
+    if (!out) {
+      Log(LogLevel::kWarn, absl::StrCat("cannot write ", tmp, " (--divergence-dir)"));
+      return;
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    Log(LogLevel::kWarn, absl::StrCat("cannot rename ", tmp, " to ", path));
+    return;
+  }
+  Log(LogLevel::kInfo, absl::StrCat("job '", job.id(), "': shadow divergence record written to ",
+                                    path));
 }
 
 void Aggregator::LogInvalid(const std::string& what) {

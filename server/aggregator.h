@@ -73,6 +73,7 @@ struct AggregatorOptions {
   std::chrono::milliseconds write_deadline{10000};  // --write-deadline-ms: one write's longest wait
   std::chrono::milliseconds attach_timeout{60000};  // --attach-timeout-ms: joined, never attached
   int64_t max_unbound_bytes = int64_t(1) << 20;    // --max-unbound-bytes: sent before any Attach
+  std::string divergence_dir;  // --divergence-dir: where a finished job's shadow record goes
 };
 
 class Aggregator final : public UpstreamListener {
@@ -139,6 +140,8 @@ class Aggregator final : public UpstreamListener {
 
  private:
   void TickLoop();
+  // Writes a finished job's shadow divergence record to --divergence-dir (if it has one).
+  void SaveDivergence(const Job& job);
   void CheckStreams(Clock::time_point now);
   void EventLoop(grpc::ServerCompletionQueue* cq, size_t index);
 

@@ -285,6 +285,10 @@ void AddFlags(FlagTable& f, Settings* s, AggregatorOptions* o) {
         "Log lines per second about invalid input, per kind; the rest are counted and "
         "reported as suppressed.");
 
+  f.Text("divergence-dir", "DIR", &o->divergence_dir,
+         "Root role: when a job ends, write its shadow-mode divergence record (per layer op and "
+         "node) to DIR/JOB.divergence.json, so it outlives the job. Default: off.");
+
   f.group("Metrics");
   f.Text("metrics-listen", "HOST:PORT", &s->metrics_listen,
          "Serve Prometheus metrics at http://HOST:PORT/metrics (plain HTTP; port 0 picks a "

@@ -497,7 +497,13 @@ void ParentLink::JoinDone(Item& done) {
     }
     return;
   }
+  bool left = false;
   for (size_t i = 0; i < items.size(); ++i) {
+    if (items[i].leave) {  // the job ended here while its Join was in flight
+      Send(items[i]).IgnoreError();  // a leave never fails
+      left = true;
+      continue;
+    }
     SendJoined(items[i], session);
     // A parent that holds a new session for this node knows nothing of its lost workers: say
     // it again, after the first item (whose round completed here before).
@@ -511,6 +517,7 @@ void ParentLink::JoinDone(Item& done) {
       }
     }
   }
+  if (left) return;
   absl::MutexLock lock(&mu_);
   published_ = conn_;
   published_sessions_[done.job_id] = session;
@@ -532,6 +539,10 @@ absl::Status ParentLink::Send(Item& item) {
     return absl::OkStatus();
   }
   if (item.leave) {  // never connects just to leave, and never waits for the answer
+    if (auto p = parked_.find(item.job_id); p != parked_.end()) {
+      p->second.push_back(std::move(item));  // after its Join, in order with its frames
+      return absl::OkStatus();
+    }
     SessionId session;
     if (conn_ && !conn_->broken()) {
       auto it = conn_->session_of_job.find(item.job_id);
@@ -550,17 +561,10 @@ absl::Status ParentLink::Send(Item& item) {
         absl::MutexLock lock(&jobs_mu_);
         job_of_session_.erase(session);
       }
-      v1::LeaveRequest req;
-      req.set_session(session.Bytes());
-      const std::string job_id = item.job_id;
-      StartUnary<v1::LeaveRequest, v1::LeaveResponse>(
-          &v1::Aggregator::Stub::PrepareAsyncLeave, req, std::chrono::seconds(2),
-          [job_id](const grpc::Status& s, const v1::LeaveResponse&) {
-            if (!s.ok()) {
-              Log(LogLevel::kDebug, absl::StrCat("leaving job '", job_id, "' at the root: ",
-                                                 s.error_message()));
-            }
-          });
+      // On the stream, after the job's partials: the root reduces every one it was sent.
+      v1::ClientFrame leave;
+      leave.mutable_leave()->set_session(session.Bytes());
+      conn_->Send(std::move(leave));
     }
     return absl::OkStatus();
   }

@@ -3,9 +3,9 @@
 // Forward() and Abort() never block. When the stream is up and the job already joined at the
 // parent, the frame goes straight to the stream's write queue from the calling thread; otherwise
 // it queues for a connect thread, which connects (lazily, and again after a failure) and joins
-// each job at the parent once. Joins and Leaves at the parent are async unary calls: a job
-// whose Join is in flight parks its own frames until it completes, and every other job's
-// frames go on. The stream (Conn) is a gRPC async-API call on the aggregator's first
+// each job at the parent once. A Join at the parent is an async unary call: a job whose Join
+// is in flight parks its own frames until it completes, and every other job's frames go on. A
+// job that ends here leaves the parent with a Leave frame on the stream, after its partials. The stream (Conn) is a gRPC async-API call on the aggregator's first
 // completion queue, so its completions run on that queue's event thread: writes go through a
 // bounded StreamWriter (one in flight, batches when the root accepts them). Results (single or
 // batched) reach the aggregator through UpstreamListener from the event thread. A node whose

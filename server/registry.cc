@@ -193,8 +193,8 @@ absl::Status Registry::Leave(const SessionId& session, Actions* out, std::string
   return absl::OkStatus();
 }
 
-std::vector<std::pair<std::string, bool>> Registry::Sweep(Clock::time_point now) {
-  std::vector<std::pair<std::string, bool>> dropped;
+std::vector<Registry::Dropped> Registry::Sweep(Clock::time_point now) {
+  std::vector<Dropped> dropped;
   absl::MutexLock lock(&mu_);
   for (auto it = jobs_.begin(); it != jobs_.end();) {
     bool expired = false;
@@ -202,7 +202,7 @@ std::vector<std::pair<std::string, bool>> Registry::Sweep(Clock::time_point now)
       ++it;
       continue;
     }
-    dropped.emplace_back(it->first, expired);
+    dropped.push_back(Dropped{it->second, expired});
     for (auto s = sessions_.begin(); s != sessions_.end();) {
       if (s->second.job == it->second) {
         sessions_.erase(s++);

@@ -70,7 +70,11 @@ class Registry {
   absl::Status Leave(const SessionId& session, Actions* out, std::string* job_id);
   // Drops the jobs that ended (see above); returns their ids, each with whether it expired
   // (no member attached for the attach timeout) rather than every member being gone.
-  std::vector<std::pair<std::string, bool>> Sweep(Clock::time_point now);
+  struct Dropped {
+    std::shared_ptr<Job> job;
+    bool expired = false;
+  };
+  std::vector<Dropped> Sweep(Clock::time_point now);
   // Which jobs a Status request may see: all (or the one named) with tokens off; with tokens
   // on, only the named job, and only with its token (UNAUTHENTICATED otherwise).
   absl::StatusOr<std::vector<std::shared_ptr<Job>>> StatusJobs(const v1::StatusRequest& req) const;

@@ -253,6 +253,57 @@ TEST(Failures, NonFiniteValuesReachEveryRankUnlessTheJobIsStrict) {
       << refused.status();
 }
 
+// A root with --divergence-dir keeps a job's shadow record after the job ends: when the last
+// worker leaves, the root writes DIR/JOB.divergence.json with each layer's divergence per node.
+TEST(Failures, ShadowDivergenceIsWrittenWhenTheJobEnds) {
+  char tmpl[] = "/tmp/hsbn-div-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  auto c = StartCluster(2, 1, {"--divergence-dir=" + dir});
+  ASSERT_TRUE(c);
+  {
+    std::vector<std::unique_ptr<Client>> clients;
+    for (int rank = 0; rank < 2; ++rank) clients.push_back(testing::ConnectRank(*c, rank, "div/1"));
+    ASSERT_TRUE(clients[0] && clients[1]);
+    // Three shadow rounds, then a global one: it completes only once the root has both
+    // nodes' earlier frames (each sidecar's stream is in order), so the shadow record is whole
+    // before the job ends.
+    for (uint64_t seq = 0; seq < 4; ++seq) {
+      std::vector<absl::StatusOr<std::shared_ptr<PendingRound>>> started;
+      for (int r = 0; r < 2; ++r) {
+        const double mean[1] = {double(r)}, m2[1] = {1.0};
+        started.push_back(clients[r]->Start(Phase::kForward, seq < 3 ? 7 : 8, seq,
+                                            seq < 3 ? Scope::kShadow : Scope::kGlobal, 1, 2,
+                                            mean, m2));
+        ASSERT_TRUE(started.back().ok()) << started.back().status();
+      }
+      for (int r = 0; r < 2; ++r) {
+        double a[1], b[1];
+        int64_t n = 0;
+        ASSERT_TRUE(clients[r]->Wait(**started[r], &n, a, b).ok());
+      }
+    }
+  }  // the clients leave: the sidecars drop the job and leave it at the root
+  // The id's '/' must not make a path: it is escaped in the file name.
+  const std::string path = dir + "/div%2F1.divergence.json";
+  const auto backstop = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  std::string json;
+  while (json.empty()) {
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    json = ss.str();
+    if (json.empty()) {
+      ASSERT_LT(std::chrono::steady_clock::now(), backstop) << "no " << path;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  EXPECT_NE(json.find("\"jobId\": \"div/1\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"op\": 7"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"rounds\": \"3\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"node\": 1"), std::string::npos) << json;
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
 // Raw protocol access for what the client library refuses to send.
 struct Raw {
   explicit Raw(const std::string& address)
