@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "wire.h"
 
 namespace hsbn::server {
 namespace {
@@ -66,23 +67,9 @@ void Log(LogLevel level, const std::string& message) {
 }
 
 std::string LogSafe(absl::string_view text, size_t max_bytes) {
-  static const char kHex[] = "0123456789abcdef";
-  const absl::string_view kept = text.substr(0, max_bytes);
-  std::string out;
-  out.reserve(kept.size() + 16);
-  for (const char ch : kept) {
-    const unsigned char c = static_cast<unsigned char>(ch);
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c >= 0x20 && c < 0x7f) {
-      out += ch;
-    } else {
-      out += "\\x";
-      out += kHex[c >> 4];
-      out += kHex[c & 15];
-    }
-  }
-  if (text.size() > max_bytes) absl::StrAppend(&out, "...(", text.size(), " bytes)");
+  // The escaping is wire::Printable's, the one definition shared with error messages.
+  std::string out = wire::Printable(text, max_bytes);
+  if (text.size() > max_bytes) absl::StrAppend(&out, "(", text.size(), " bytes)");
   return out;
 }
 
