@@ -619,9 +619,7 @@ int main(int argc, char** argv) {
   for (const auto& b : bound) joined += (joined.empty() ? "" : ", ") + b;
   std::string metrics_line;
   if (options.metrics) {
-    // Called once per scrape: the memory gauge is set here, off the request path.
-    options.metrics->SetStateSource([&service, metrics = options.metrics.get()] {
-      metrics->SetMemoryUsed(service.registry().budget()->used());
+    options.metrics->SetStateSource([&service] {
       hsbn::v1::StatusResponse status;
       service.FillStatus("", &status);
       return status;
