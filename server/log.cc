@@ -1,5 +1,6 @@
 #include "log.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -7,7 +8,10 @@
 #include <mutex>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "wire.h"
 
 namespace hsbn::server {
 namespace {
@@ -15,13 +19,15 @@ std::atomic<int> g_level{int(LogLevel::kInfo)};
 std::mutex g_mu;
 std::string g_name = "hsbn";
 
-std::mutex g_rate_mu;  // guards the limiters
 // One limiter per LogKind, never destroyed (lines may be logged during exit).
-std::vector<LogRateLimiter>& Limiters() {
-  static auto* limiters = new std::vector<LogRateLimiter>(
-      size_t(LogKind::kCount),
-      LogRateLimiter(kDefaultLogLinesPerSecond, std::chrono::seconds(1)));
-  return *limiters;
+struct RateLimits {
+  absl::Mutex mu;
+  std::vector<LogRateLimiter> limiters ABSL_GUARDED_BY(mu) = std::vector<LogRateLimiter>(
+      size_t(LogKind::kCount), LogRateLimiter(kDefaultLogLinesPerSecond, std::chrono::seconds(1)));
+};
+RateLimits& Rates() {
+  static auto* rates = new RateLimits;
+  return *rates;
 }
 
 std::string SuppressedLine(LogKind kind, int64_t n) {
@@ -66,23 +72,9 @@ void Log(LogLevel level, const std::string& message) {
 }
 
 std::string LogSafe(absl::string_view text, size_t max_bytes) {
-  static const char kHex[] = "0123456789abcdef";
-  const absl::string_view kept = text.substr(0, max_bytes);
-  std::string out;
-  out.reserve(kept.size() + 16);
-  for (const char ch : kept) {
-    const unsigned char c = static_cast<unsigned char>(ch);
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c >= 0x20 && c < 0x7f) {
-      out += ch;
-    } else {
-      out += "\\x";
-      out += kHex[c >> 4];
-      out += kHex[c & 15];
-    }
-  }
-  if (text.size() > max_bytes) absl::StrAppend(&out, "...(", text.size(), " bytes)");
+  // The escaping is wire::Printable's, the one definition shared with error messages.
+  std::string out = wire::Printable(text, max_bytes);
+  if (text.size() > max_bytes) absl::StrAppend(&out, "(", text.size(), " bytes)");
   return out;
 }
 
@@ -127,18 +119,18 @@ int64_t LogRateLimiter::TakeSuppressed(Clock::time_point now) {
 }
 
 void SetLogRateLimit(int lines_per_second) {
-  std::lock_guard<std::mutex> lock(g_rate_mu);
-  for (int i = 0; i < int(LogKind::kCount); ++i) {
-    Limiters()[i].set_lines_per_window(lines_per_second < 1 ? 1 : lines_per_second);
-  }
+  RateLimits& r = Rates();
+  absl::MutexLock lock(&r.mu);
+  for (LogRateLimiter& l : r.limiters) l.set_lines_per_window(std::max(1, lines_per_second));
 }
 
 bool LogLimited(LogLevel level, LogKind kind, const std::string& message) {
   if (!LogEnabled(level) || kind >= LogKind::kCount) return false;
   LogRateLimiter::Decision d;
   {
-    std::lock_guard<std::mutex> lock(g_rate_mu);
-    d = Limiters()[int(kind)].Admit(LogRateLimiter::Clock::now());
+    RateLimits& r = Rates();
+    absl::MutexLock lock(&r.mu);
+    d = r.limiters[size_t(kind)].Admit(LogRateLimiter::Clock::now());
   }
   if (d.suppressed_before > 0) Log(level, SuppressedLine(kind, d.suppressed_before));
   if (d.log) Log(level, message);
@@ -150,8 +142,9 @@ void LogFlushSuppressed() {
   for (int i = 0; i < int(LogKind::kCount); ++i) {
     int64_t n;
     {
-      std::lock_guard<std::mutex> lock(g_rate_mu);
-      n = Limiters()[i].TakeSuppressed(now);
+      RateLimits& r = Rates();
+      absl::MutexLock lock(&r.mu);
+      n = r.limiters[size_t(i)].TakeSuppressed(now);
     }
     if (n > 0) Log(LogLevel::kWarn, SuppressedLine(LogKind(i), n));
   }

@@ -29,11 +29,11 @@ void SetLogName(const std::string& name);
 bool LogEnabled(LogLevel level);
 void Log(LogLevel level, const std::string& message);
 
-// Untrusted text made safe for a log line: printable ASCII (0x20..0x7e) stays as it is,
-// backslash becomes `\\`, every other byte (newline, carriage return, escape, NUL, bytes of
-// UTF-8 sequences) becomes `\xNN`. Only the first `max_bytes` bytes of `text` are kept; a longer
-// text ends in `...(N bytes)`, N its full length. The result is one line, at most
-// 4 * max_bytes + 24 bytes long.
+// Untrusted text made safe for a log line (wire::Printable, plus the length when cut):
+// printable ASCII (0x20..0x7e) other than backslash stays as it is; every other byte (newline,
+// carriage return, escape, NUL, backslash, bytes of UTF-8 sequences) becomes `\xNN`. Only the
+// first `max_bytes` bytes of `text` are kept; a longer text ends in `...(N bytes)`, N its full
+// length. The result is one line, at most 4 * max_bytes + 24 bytes long.
 constexpr size_t kLogSafeMaxBytes = 256;
 std::string LogSafe(absl::string_view text, size_t max_bytes = kLogSafeMaxBytes);
 

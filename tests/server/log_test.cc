@@ -28,8 +28,8 @@ TEST(LogSafe, NewlinesControlBytesAndNonAsciiAreEscapedSoNoLineCanBeForged) {
   EXPECT_EQ(LogSafe("\r\t\x1b[31m"), "\\x0d\\x09\\x1b[31m");
   EXPECT_EQ(LogSafe(std::string("a\0b", 3)), "a\\x00b");
   EXPECT_EQ(LogSafe("\x7f\xff\xc3\xa9"), "\\x7f\\xff\\xc3\\xa9");
-  // A backslash is doubled, so an escape in the output always came from LogSafe.
-  EXPECT_EQ(LogSafe("a\\x0ab"), "a\\\\x0ab");
+  // A backslash is escaped too, so an escape in the output always came from LogSafe.
+  EXPECT_EQ(LogSafe("a\\x0ab"), "a\\x5cx0ab");
 }
 
 TEST(LogSafe, LongTextIsCutAtTheLimitAndSaysItsLength) {
