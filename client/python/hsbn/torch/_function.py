@@ -11,6 +11,7 @@ are BatchNorm's gradients over the scope's batch.
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..client import op_label
 from ._ops import ops_for
 
 
@@ -25,8 +26,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if total <= 1:
             raise ValueError(
                 "Expected more than 1 value per channel when training, got %d in scope %r "
-                "(layer op=%d, input of size %s on this worker)"
-                % (total, scope, op, list(x.shape)))
+                "(%s, op=%d, input of size %s on this worker)"
+                % (total, scope, op_label(op), op, list(x.shape)))
         var = m2 / total
         if running_mean is not None:
             # torch.nn.BatchNorm's update, with the unbiased variance of the scope's batch.
