@@ -124,7 +124,7 @@ class _ClientBook:
         self.lock = threading.Lock()       # held while a layer check runs
         self.seqs_lock = threading.Lock()
         self.seqs = {}     # op -> itertools.count of its next seq
-        self.checks = {}   # check digest -> None when passed, the LayerMismatchError when failed
+        self.checks = {}   # (check op, digest) -> None when passed, its LayerMismatchError if not
 
     def next_seq(self, op):
         counter = self.seqs.get(op)
@@ -563,14 +563,6 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
         return out
 
     result = convert(module, "")
-    if isinstance(layer_scopes, Mapping):
-        unused = [k for k in layer_scopes
-                  if k not in names_seen and not any(fnmatch.fnmatchcase(n, k)
-                                                     for n in names_seen)]
-        if unused:
-            raise ConfigurationError(
-                "layer_scopes names no BatchNorm layer for %s; the layers are: %s"
-                % (", ".join(repr(k) for k in unused), ", ".join(sorted(names_seen)) or "none"))
     # Key the layers by name. Two names whose hashes collide get deterministic second
     # choices, the same on every rank that converts the same model.
     taken = {}
@@ -595,6 +587,14 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
         _client.set_op_label(check.op, "the layer check of model %r" % model)
     for qualified, layer in layers:
         layer._check = check if layer.scope != "local" else None
+    if isinstance(layer_scopes, Mapping):
+        unused = [k for k in layer_scopes
+                  if k not in names_seen and not any(fnmatch.fnmatchcase(n, k)
+                                                     for n in names_seen)]
+        if unused:
+            raise ConfigurationError(
+                "layer_scopes names no BatchNorm layer for %s; the layers are: %s"
+                % (", ".join(repr(k) for k in unused), ", ".join(sorted(names_seen)) or "none"))
     return result
 
 
