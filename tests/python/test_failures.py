@@ -81,6 +81,9 @@ def test_killed_peer_makes_the_others_raise_naming_its_rank_within_seconds(pool)
 
 def test_a_round_after_a_peer_died_fails_at_once_naming_it(pool):
     # Runs after the test above: rank 3 is dead, ranks 0-2 start a new step.
+    # The sidecar sees the killed process's socket close before the kernel reaps it: wait for
+    # the exit itself.
+    pool.procs[3].join(30)
     assert pool.procs[3].exitcode is not None, "needs the previous test's dead rank 3"
     pool.send([(hsbn_cases.forward_round_timed, (3,))] * 3)
     answers = pool.gather(ranks=[0, 1, 2], timeout=ROUND_TIMEOUT_MS / 1000.0 + 30)

@@ -6,9 +6,11 @@ Most users never touch it: hsbn.torch.SyncBatchNorm uses hsbn.default_client(), 
 the torchrun environment at the first synchronized forward.
 """
 
+import atexit
 import ctypes
 import dataclasses
 import json
+import multiprocessing.util
 import os
 import threading
 import time
@@ -24,6 +26,21 @@ PHASES = {"forward": _lib.PHASE_FORWARD, "backward": _lib.PHASE_BACKWARD}
 DEFAULT_ADDRESS = "unix:/tmp/hsbn.sock"
 
 _ENV_LAYOUT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+# What each round `op` of this process stands for ("layer 'layer1.0.bn1' of model 'ResNet'"),
+# so that a failed round names the module, not only its number. Filled by hsbn.torch.
+_op_labels = {}
+
+
+def set_op_label(op, label):
+    """Names round `op` in this process's error messages (hsbn.torch does it for its layers)."""
+    _op_labels[int(op) & 0xFFFFFFFF] = str(label)
+
+
+def op_label(op):
+    """What round `op` stands for: the label given with set_op_label, or "layer op=N"."""
+    label = _op_labels.get(int(op) & 0xFFFFFFFF)
+    return label if label is not None else "layer op=%d" % op
 
 
 def _check_layout(rank, world_size, local_rank, local_world_size, node_rank, source):
@@ -289,9 +306,9 @@ class Client:
                 a.ctypes.data_as(dp), b.ctypes.data_as(dp), ctypes.byref(out_count),
                 out_a.ctypes.data_as(dp), out_b.ctypes.data_as(dp))
         if rc != 0:
-            raise error_for(rc, "%s round of layer op=%d seq=%d (scope %s, rank %d of job %r) "
-                            "failed: %s" % (what, op, seq, scope, self.rank, self.job_id,
-                                            _lib.last_error()))
+            raise error_for(rc, "%s round of %s (op=%d, seq=%d, scope %s, rank %d of job %r) "
+                            "failed: %s" % (what, op_label(op), op, seq, scope, self.rank,
+                                            self.job_id, _lib.last_error()))
         return out_count.value, out_a, out_b
 
     def forward(self, op, seq, scope, count, mean, m2):
@@ -392,20 +409,43 @@ class Client:
 
 
 _default = None
+_default_implicit = False  # _default was created by default_client(), so this module owns it
+_default_pid = None        # the process that created it (a forked child must not close it)
 _default_lock = threading.Lock()
+_exit_hooked = False
+
+
+def _leave_at_exit():
+    """Closes the implicit default client, so that its sidecar logs a normal leave (" left")
+    rather than a broken stream ("disconnected ... probably exited or was killed")."""
+    global _default, _default_implicit
+    with _default_lock:
+        client, implicit = _default, _default_implicit and _default_pid == os.getpid()
+        if implicit:
+            _default, _default_implicit = None, False
+    if implicit and client is not None:
+        client.close()
 
 
 def default_client():
-    """The process's shared Client, created from the environment on first use."""
-    global _default
+    """The process's shared Client, created from the environment on first use. A client
+    created here leaves its job when the process exits normally (at interpreter exit, and at
+    the end of a multiprocessing child, which skips atexit)."""
+    global _default, _default_implicit, _default_pid, _exit_hooked
     with _default_lock:
         if _default is None or _default.closed:
             _default = Client.from_env()
+            _default_implicit, _default_pid = True, os.getpid()
+            if not _exit_hooked:
+                _exit_hooked = True
+                atexit.register(_leave_at_exit)
+                multiprocessing.util.Finalize(None, _leave_at_exit, exitpriority=100)
         return _default
 
 
 def set_default_client(client):
-    """Makes `client` the one layers without their own client use (None: recreate from env)."""
-    global _default
+    """Makes `client` the one layers without their own client use (None: recreate from env).
+    A client set here is the caller's to close."""
+    global _default, _default_implicit
     with _default_lock:
-        _default = client
+        _default, _default_implicit = client, False

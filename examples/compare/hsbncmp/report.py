@@ -61,8 +61,7 @@ def divergence_table(runs, cfg):
             if r["task"] != task or r["mode"] != "shadow" or not r.get("divergence"):
                 continue
             for d in r["divergence"]:
-                key = (int(d.get("op", 0)) - min(int(e.get("op", 0)) for e in r["divergence"]),
-                       d["layer"], int(d.get("node", 0)))
+                key = (int(d["index"]), d["layer"], int(d.get("node", 0)))
                 acc.setdefault(key, []).append(d)
         rows = []
         for (idx, layer, node), ds in sorted(acc.items()):

@@ -163,7 +163,10 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
 
     model = models.build(task)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in init.items()})
-    model = hsbn.torch.convert_sync_batchnorm(model, scope=SCOPE[mode], client=client)
+    # A name per run: its layers get round keys (and shadow divergence records at the root)
+    # of their own, apart from the other runs' in this job.
+    model = hsbn.torch.convert_sync_batchnorm(model, scope=SCOPE[mode], client=client,
+                                              name="%s-%s-seed%d" % (task, mode, seed))
     ddp = DDP(model, broadcast_buffers=False)
     opt = torch.optim.SGD(ddp.parameters(), lr=_lr(cfg, task), momentum=0.9)
     steps = plan["steps"]
@@ -228,8 +231,10 @@ def _shadow_divergence(model, client, steps, hsbn):
     """The root's per-layer record of how far each node's statistics were from the global ones
     during the shadow run, once it has seen every forward round (the root computes it off the
     critical path), or whatever it has after 20 s."""
-    ops = {m.op: name for name, m in model.named_modules()
-           if isinstance(m, hsbn.torch.SyncBatchNorm)}
+    layers = [(name, m.op) for name, m in model.named_modules()
+              if isinstance(m, hsbn.torch.SyncBatchNorm)]
+    ops = {op: name for name, op in layers}
+    index = {op: i for i, (_, op) in enumerate(layers)}  # module order
     deadline = time.monotonic() + 20.0
     while True:
         st = client.status(include_upstream=True)
@@ -243,8 +248,9 @@ def _shadow_divergence(model, client, steps, hsbn):
             for d in entries:
                 e = dict(d)
                 e["layer"] = ops[int(d.get("op", 0))]
+                e["index"] = index[int(d.get("op", 0))]
                 out.append(e)
-            return sorted(out, key=lambda e: (int(e.get("op", 0)), int(e.get("node", 0))))
+            return sorted(out, key=lambda e: (e["index"], int(e.get("node", 0))))
         time.sleep(0.1)
 
 

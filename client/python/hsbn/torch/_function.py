@@ -20,6 +20,7 @@ import threading
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..client import op_label
 from ._ops import ops_for
 
 F64 = torch.float64
@@ -119,8 +120,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if total <= 1:
             raise ValueError(
                 "Expected more than 1 value per channel when training, got %d in scope %r "
-                "(layer op=%d, input of size %s on this worker)"
-                % (total, scope, op, list(x.shape)))
+                "(%s, op=%d, input of size %s on this worker)"
+                % (total, scope, op_label(op), op, list(x.shape)))
         mean, m2 = scope_stats[0], scope_stats[1]
         if running_mean is not None:
             # torch.nn.BatchNorm's update, with the unbiased variance of the scope's batch.
