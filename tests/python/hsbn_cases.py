@@ -189,3 +189,24 @@ def ddp_train(initial_state, batches_by_rank):
 
 def kill_self():
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def shadow_divergence_by_name(nodes, timeout=30.0):
+    """Trains a converted two-layer model in shadow scope on this rank's data (shifted by its
+    node) and returns hsbn.torch.divergence(model) once the root has a record of every node."""
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 1), torch.nn.BatchNorm2d(3),
+                                torch.nn.ReLU(), torch.nn.Conv2d(3, 3, 1), torch.nn.BatchNorm2d(3))
+    model = hsbn.torch.convert_sync_batchnorm(model.double(), scope="shadow", name="divnet")
+    client = hsbn.default_client()
+    gen = torch.Generator().manual_seed(100 + client.rank)
+    x = torch.randn(4, 2, 3, 3, dtype=torch.float64, generator=gen) + 3.0 * client.node_rank
+    for _ in range(2):
+        model(x).sum().backward()
+    deadline = time.monotonic() + timeout
+    while True:
+        div = hsbn.torch.divergence(model)
+        if (len(div) == 2 and all(len(rows) >= nodes and all(r["rounds"] >= 2 for r in rows)
+                                  for rows in div.values())) or time.monotonic() > deadline:
+            return div
+        time.sleep(0.05)

@@ -97,6 +97,18 @@ def test_shadow_scope_gives_node_results_and_status_shows_divergence(pool):
         assert expected > 0.1  # the nodes really differ
 
 
+def test_divergence_is_reported_by_layer_name(pool):
+    divs = pool.call(hsbn_cases.shadow_divergence_by_name, [(NODES,)] * 4)
+    for div in divs:
+        assert sorted(div) == ["1", "4"], div  # the BatchNorm layers' names in the Sequential
+        for rows in div.values():
+            assert [r["node"] for r in rows] == [0, 1]
+            assert all(r["rounds"] >= 2 for r in rows)
+        # The nodes' inputs differ by 3 standard deviations: the first layer sees it.
+        assert all(r["mean_shift_avg"] > 0.5 for r in div["1"])
+    assert divs[0] == divs[3]  # every rank reads the same record
+
+
 def test_eval_mode_uses_running_statistics_and_exchanges_nothing(pool):
     spec, data = make_spec("global", "float64", seed=6)
     rng = np.random.default_rng(60)

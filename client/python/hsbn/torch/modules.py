@@ -652,3 +652,40 @@ def stats(module):
     All zeros for a module without synchronized layers."""
     client = model_client(module)
     return ClientStats.empty() if client is None else client.stats()
+
+
+def divergence(module):
+    """How far each node's statistics were from the global ones, per synchronized layer of
+    `module` in shadow scope, as the root has recorded them so far: a dict from the layer's
+    name to a list of {"node", "rounds", "mean_shift_avg", "mean_shift_max", "var_ratio_avg",
+    "log_var_ratio_abs_avg"} (docs/PROTOCOL.md, "Scopes"). Empty when no layer runs in shadow
+    scope or the root has not seen a shadow round yet. The root can also keep the record after
+    the job ends (hsbn-aggregator --divergence-dir)."""
+    client = model_client(module)
+    if client is None:
+        return {}
+    names = {}
+    for qualified, m in module.named_modules():
+        if isinstance(m, SyncBatchNorm) and m.op is not None:
+            names[int(m.op)] = m.layer_name or qualified or type(m).__name__
+    status = client.status(include_upstream=True)
+    out = {}
+    for job in (status.get("upstream") or {}).get("jobs", []):
+        if job.get("jobId") != client.job_id:
+            continue
+        for d in job.get("divergence", []):
+            op = int(d.get("op", 0))
+            if op not in names:
+                continue
+            out.setdefault(names[op], []).append({
+                "node": int(d.get("node", 0)),
+                "rounds": int(d.get("rounds", 0)),
+                "mean_shift_avg": float(d.get("meanShiftAvg", 0.0)),
+                "mean_shift_max": float(d.get("meanShiftMax", 0.0)),
+                "var_ratio_avg": float(d.get("varRatioAvg", 0.0)),
+                "log_var_ratio_abs_avg": float(d.get("logVarRatioAbsAvg", 0.0)),
+            })
+    for rows in out.values():
+        rows.sort(key=lambda r: r["node"])
+    return out
+
