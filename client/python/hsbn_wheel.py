@@ -29,6 +29,15 @@ import tempfile
 import zipfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+# As pip's build backend this module is imported from the source folder, and Python has just
+# cached its bytecode there: remove it, so that building never leaves a file in the tree.
+if __name__ != "__main__" and globals().get("__cached__"):
+    try:
+        os.remove(__cached__)
+        os.rmdir(os.path.dirname(__cached__))
+    except OSError:
+        pass
 REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
 RUNTIME_DEPS = os.path.join(REPO, "docker", "runtime-deps.sh")
 # 1980-01-01, the earliest time a zip can hold: the same inputs give the same wheel.
