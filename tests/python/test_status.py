@@ -4,6 +4,7 @@ job tokens, where the operator sees only the job whose token it presents."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -151,7 +152,8 @@ def test_with_tokens_status_shows_only_the_job_whose_token_it_presents(sidecar, 
                 assert [j["jobId"] for j in json.loads(p.stdout)["jobs"]] in ([], ["job-a"])
             else:
                 assert p.returncode == 1 and p.stdout == ""
-                assert "UNAUTHENTICATED" in p.stderr or "INVALID_ARGUMENT" in p.stderr, p.stderr
+                assert re.search(r"\b(UNAUTHENTICATED|PERMISSION_DENIED|INVALID_ARGUMENT)\b",
+                                 p.stderr), p.stderr
     finally:
         a.close()
         b.close()

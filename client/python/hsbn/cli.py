@@ -143,8 +143,13 @@ def main(argv=None):
     if not argv or argv == ["info"]:
         from . import __main__ as info
         return info.main()
+    if argv == ["--version"]:
+        from . import __version__
+        print("hsbn %s" % __version__)
+        return 0
     print("usage: hsbn [info]               the native parts in use (as python -m hsbn)\n"
-          "       hsbn status [--help] ...  an aggregator's status, without joining a job",
+          "       hsbn status [--help] ...  an aggregator's status, without joining a job\n"
+          "       hsbn --version",
           file=sys.stderr if argv not in (["-h"], ["--help"]) else sys.stdout)
     return 0 if argv in (["-h"], ["--help"]) else 2
 
