@@ -1,6 +1,7 @@
 // The C ABI (hsbn.h) over hsbn::Client.
 #include <algorithm>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -9,6 +10,7 @@
 #include "hsbn/hsbn.h"
 #include "hsbn/status.h"
 #include "hsbn/v1/hsbn.pb.h"
+#include "wire.h"
 
 struct hsbn_client {
   std::unique_ptr<hsbn::Client> client;
@@ -103,6 +105,13 @@ hsbn_result hsbn_client_create(const hsbn_options* options, hsbn_client** out) {
     o.connect_timeout = std::chrono::milliseconds(options->connect_timeout_ms);
   }
   if (options->token != nullptr) o.token = options->token;
+  // A caller built against an older hsbn.h has no strict_finite field: the environment decides.
+  if (options->struct_size >= offsetof(hsbn_options, strict_finite) + sizeof(int32_t)) {
+    o.strict_finite = options->strict_finite != 0;
+  }
+  if (const char* env = std::getenv("HSBN_STRICT_FINITE"); env != nullptr && *env == '1') {
+    o.strict_finite = true;
+  }
   auto client = hsbn::Client::Connect(o);
   if (!client.ok()) return Fail(client.status());
   *out = new hsbn_client{std::move(*client)};
@@ -271,3 +280,10 @@ hsbn_result hsbn_query_status_json(const hsbn_status_query* query, char* buf, si
 }
 
 }  // extern "C"
+
+hsbn_result hsbn_check_layout(int64_t rank, int64_t world_size, int64_t local_rank,
+                              int64_t local_world_size, int64_t node_rank) {
+  g_last_error.clear();
+  return Done(
+      hsbn::wire::CheckWorkerLayout(rank, world_size, local_rank, local_world_size, node_rank));
+}

@@ -93,38 +93,17 @@ absl::StatusOr<ClientOptions> ClientOptions::FromEnv() {
     ss << in.rdbuf();
     o.token = std::string(absl::StripAsciiWhitespace(ss.str()));
   }
+  v = 0;
+  if (absl::Status s = EnvInt("HSBN_STRICT_FINITE", false, &v); !s.ok()) return s;
+  o.strict_finite = v != 0;
   if (absl::Status s = o.Validate(); !s.ok()) return s;
   return o;
 }
 
 absl::Status ClientOptions::Validate() const {
-  auto bad = [](const std::string& what) { return absl::InvalidArgumentError(what); };
-  if (job_id.empty()) return bad("job_id (HSBN_JOB_ID) is empty");
-  if (address.empty()) return bad("address (HSBN_ADDRESS) is empty");
-  if (world_size <= 0) return bad(absl::StrCat("WORLD_SIZE=", world_size, " must be positive"));
-  if (rank < 0 || rank >= world_size) {
-    return bad(absl::StrCat("RANK=", rank, " is outside [0, WORLD_SIZE=", world_size, ")"));
-  }
-  if (local_world_size <= 0 || world_size % local_world_size != 0) {
-    return bad(absl::StrCat("LOCAL_WORLD_SIZE=", local_world_size,
-                            " must be positive and divide WORLD_SIZE=", world_size,
-                            " (hsbn needs the same number of workers on every node)"));
-  }
-  if (local_rank < 0 || local_rank >= local_world_size) {
-    return bad(absl::StrCat("LOCAL_RANK=", local_rank, " is outside [0, LOCAL_WORLD_SIZE=",
-                            local_world_size, ")"));
-  }
-  const int32_t nodes = world_size / local_world_size;
-  if (node_rank < 0 || node_rank >= nodes) {
-    return bad(absl::StrCat("GROUP_RANK=", node_rank, " is outside [0, ", nodes,
-                            ") (WORLD_SIZE / LOCAL_WORLD_SIZE nodes)"));
-  }
-  if (rank != node_rank * local_world_size + local_rank) {
-    return bad(absl::StrCat("RANK=", rank, " but GROUP_RANK*LOCAL_WORLD_SIZE+LOCAL_RANK=",
-                            node_rank * local_world_size + local_rank,
-                            "; hsbn expects torchrun's rank layout"));
-  }
-  return absl::OkStatus();
+  if (job_id.empty()) return absl::InvalidArgumentError("job_id (HSBN_JOB_ID) is empty");
+  if (address.empty()) return absl::InvalidArgumentError("address (HSBN_ADDRESS) is empty");
+  return wire::CheckWorkerLayout(rank, world_size, local_rank, local_world_size, node_rank);
 }
 
 // How results reach the caller (leader/follower, no reader thread).
@@ -151,7 +130,7 @@ absl::Status ClientOptions::Validate() const {
 //
 // Broken streams. A failed Read (or Write) marks the connection broken; its poller then posts
 // Finish, and when Finish completes every round still in flight on that connection fails with
-// UNAVAILABLE. Start reconnects (joining again with previous_session_id) when it finds the
+// UNAVAILABLE. Start reconnects (joining again with previous_session) when it finds the
 // current connection broken. Since nobody polls while nobody waits, a break is noticed at the
 // next Start or Wait, not when it happens. When no other thread polls, Start first handles the
 // events already ready without blocking (a closed stream among them: replaced before sending),
@@ -247,9 +226,9 @@ class Client::Impl {
       std::lock_guard<std::mutex> lock(mu_);
       conn = std::move(conn_);
     }
-    if (session_ != 0) {
+    if (!session_.empty()) {
       v1::LeaveRequest req;
-      req.set_session_id(session_);
+      req.set_session(session_);
       v1::LeaveResponse resp;
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
@@ -312,7 +291,7 @@ class Client::Impl {
           if (absl::Status s = ConnectLocked(); !s.ok()) return s;
         }
         conn = conn_;
-        c->set_session_id(session_);
+        c->set_session(session_);
       }
       auto pending = std::make_shared<PendingRound>();
       pending->op = op;
@@ -496,8 +475,11 @@ class Client::Impl {
   }
 
   absl::StatusOr<v1::StatusResponse> Status(bool include_upstream) {
+    // This client's own job, with its token: with tokens on that is all Status will show.
     v1::StatusRequest req;
     req.set_include_upstream(include_upstream);
+    req.set_job_id(options_.job_id);
+    req.set_token(options_.token);
     v1::StatusResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
@@ -652,7 +634,7 @@ class Client::Impl {
           "--listen=", options_.address, ") or set HSBN_ADDRESS to the sidecar's address"));
     }
     v1::JoinRequest req;
-    req.set_protocol_version(v1::PROTOCOL_VERSION_1);
+    req.set_protocol_version(v1::PROTOCOL_VERSION_2);
     req.set_job_id(options_.job_id);
     req.set_kind(v1::MEMBER_KIND_WORKER);
     req.set_rank(options_.rank);
@@ -660,8 +642,9 @@ class Client::Impl {
     req.set_local_rank(options_.local_rank);
     req.set_local_world_size(options_.local_world_size);
     req.set_node_rank(options_.node_rank);
-    req.set_previous_session_id(session_);
+    req.set_previous_session(session_);
     req.set_token(options_.token);
+    req.set_strict_finite(options_.strict_finite);
     v1::JoinResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(deadline + std::chrono::seconds(5));
@@ -671,7 +654,12 @@ class Client::Impl {
       return absl::Status(st.code(), absl::StrCat("joining job '", options_.job_id, "' at ",
                                                   options_.address, " failed: ", st.message()));
     }
-    session_ = resp.session_id();
+    if (resp.session().size() != 16) {
+      return absl::InternalError(absl::StrCat(
+          "the hsbn sidecar at ", options_.address, " answered Join without a valid session; "
+          "check that it runs the same hsbn version as this client"));
+    }
+    session_ = resp.session();
     num_nodes_ = resp.num_nodes();
     max_channels_ = resp.max_channels();
     aggregator_timeout_ms_ = resp.round_timeout_ms();
@@ -690,7 +678,8 @@ class Client::Impl {
     bool attached = await(kStartCall);
     if (attached) {
       v1::ClientFrame attach;
-      attach.mutable_attach()->add_session_ids(session_);
+      attach.mutable_attach()->add_sessions(session_);
+      attach.mutable_attach()->set_token(options_.token);
       bytes_sent_.fetch_add(int64_t(attach.ByteSizeLong()), std::memory_order_relaxed);
       conn->stream->Write(attach, TagOf(kWrite));
       attached = await(kWrite);
@@ -707,7 +696,7 @@ class Client::Impl {
   std::unique_ptr<v1::Aggregator::Stub> stub_;
   std::mutex mu_;  // connection state; taken before rounds_mu_, never while holding it
   std::shared_ptr<Conn> conn_;
-  uint64_t session_ = 0;
+  std::string session_;  // the 16-byte secret from Join; empty before the first
   uint64_t generation_ = 0;
   std::mutex rounds_mu_;  // pending_, the PendingRounds, the Conns' poll state
   std::map<Key, std::shared_ptr<PendingRound>> pending_;

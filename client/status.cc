@@ -52,19 +52,6 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(const Stat
   return grpc::SslCredentials(ssl);
 }
 
-// The token travels in StatusRequest.token where the protocol has that field (it is looked up
-// by name so that this file builds against the protocol before and after it gained it).
-absl::Status SetToken(const std::string& token, v1::StatusRequest* req) {
-  if (token.empty()) return absl::OkStatus();
-  const auto* field = req->GetDescriptor()->FindFieldByName("token");
-  if (field == nullptr || field->type() != google::protobuf::FieldDescriptor::TYPE_STRING) {
-    return absl::FailedPreconditionError(
-        "this hsbn build's protocol has no token in StatusRequest; query without --token");
-  }
-  req->GetReflection()->SetString(req, field, token);
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::StatusOr<v1::StatusResponse> QueryStatus(const StatusQuery& query) {
@@ -80,7 +67,7 @@ absl::StatusOr<v1::StatusResponse> QueryStatus(const StatusQuery& query) {
   v1::StatusRequest req;
   req.set_job_id(query.job_id);
   req.set_include_upstream(query.include_upstream);
-  if (absl::Status s = SetToken(query.token, &req); !s.ok()) return s;
+  req.set_token(query.token);
   v1::StatusResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + query.timeout);

@@ -1,5 +1,6 @@
 #include "wire.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -67,6 +68,72 @@ v1::Scope ParseScope(const std::string& name) {
 
 std::string RoundName(uint32_t op, uint64_t seq, v1::Phase phase) {
   return absl::StrCat("op ", op, ", seq ", seq, ", ", PhaseName(phase));
+}
+
+v1::Result ErrorResult(uint32_t op, uint64_t seq, v1::Phase phase, const absl::Status& status) {
+  v1::Result r;
+  r.set_op(op);
+  r.set_seq(seq);
+  r.set_phase(phase);
+  r.set_code(int(status.code()));
+  r.set_message(std::string(status.message()));
+  return r;
+}
+
+absl::Status CheckWorkerLayout(int64_t rank, int64_t world_size, int64_t local_rank,
+                               int64_t local_world_size, int64_t node_rank,
+                               int64_t max_world_size) {
+  auto bad = [](const std::string& what) { return absl::InvalidArgumentError(what); };
+  if (world_size <= 0) return bad(absl::StrCat("WORLD_SIZE=", world_size, " must be positive"));
+  if (max_world_size > 0 && world_size > max_world_size) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "WORLD_SIZE=", world_size, " is more than this aggregator serves (--max-world-size=",
+        max_world_size, ")"));
+  }
+  if (rank < 0 || rank >= world_size) {
+    return bad(absl::StrCat("RANK=", rank, " is outside [0, WORLD_SIZE=", world_size, ")"));
+  }
+  if (local_world_size <= 0 || world_size % local_world_size != 0) {
+    return bad(absl::StrCat("LOCAL_WORLD_SIZE=", local_world_size,
+                            " must be positive and divide WORLD_SIZE=", world_size,
+                            " (hsbn needs the same number of workers on every node)"));
+  }
+  if (local_rank < 0 || local_rank >= local_world_size) {
+    return bad(absl::StrCat("LOCAL_RANK=", local_rank, " is outside [0, LOCAL_WORLD_SIZE=",
+                            local_world_size, ")"));
+  }
+  const int64_t nodes = world_size / local_world_size;
+  if (node_rank < 0 || node_rank >= nodes) {
+    return bad(absl::StrCat("GROUP_RANK=", node_rank, " is outside [0, ", nodes,
+                            ") (WORLD_SIZE / LOCAL_WORLD_SIZE nodes)"));
+  }
+  if (rank != node_rank * local_world_size + local_rank) {
+    return bad(absl::StrCat("RANK=", rank, " but GROUP_RANK*LOCAL_WORLD_SIZE+LOCAL_RANK=",
+                            node_rank * local_world_size + local_rank,
+                            "; hsbn expects torchrun's rank layout"));
+  }
+  return absl::OkStatus();
+}
+
+std::string Printable(absl::string_view text, size_t max) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(std::min(text.size(), max) + 8);
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (i >= max) {
+      out += "...";
+      break;
+    }
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out.push_back(char(c));
+    } else {
+      out += "\\x";
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    }
+  }
+  return out;
 }
 
 }  // namespace hsbn::wire

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "grpcpp/support/status.h"
 #include "hsbn/v1/hsbn.pb.h"
 
@@ -35,6 +36,21 @@ const char* ScopeName(v1::Scope scope);   // "node", "global", "shadow"
 v1::Scope ParseScope(const std::string& name);
 // "op 3, seq 7, forward"
 std::string RoundName(uint32_t op, uint64_t seq, v1::Phase phase);
+
+// The one way to build a failed round's Result (the sender fills `session`).
+v1::Result ErrorResult(uint32_t op, uint64_t seq, v1::Phase phase, const absl::Status& status);
+
+// The one check of a worker's layout, as torchrun names it (RANK, WORLD_SIZE, LOCAL_RANK,
+// LOCAL_WORLD_SIZE, GROUP_RANK): LOCAL_WORLD_SIZE workers on every node, ranked node by node.
+// INVALID_ARGUMENT naming the variable otherwise. `max_world_size` > 0 also bounds WORLD_SIZE
+// (RESOURCE_EXHAUSTED naming the aggregator's --max-world-size).
+absl::Status CheckWorkerLayout(int64_t rank, int64_t world_size, int64_t local_rank,
+                               int64_t local_world_size, int64_t node_rank,
+                               int64_t max_world_size = 0);
+
+// Untrusted text made safe for an error message or a log line: bytes outside printable ASCII
+// become \xNN, and text past `max` bytes is cut with "...".
+std::string Printable(absl::string_view text, size_t max = 256);
 
 }  // namespace hsbn::wire
 

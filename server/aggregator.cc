@@ -5,7 +5,9 @@
 #include <deque>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "grpcpp/security/credentials.h"
 #include "parent_link.h"
 #include "wire.h"
@@ -14,138 +16,133 @@ namespace hsbn::server {
 
 namespace {
 
-// The write side of one Exchange stream. Results for its members are queued here from any
-// thread; one write is in flight at a time. Send never blocks on the network. On a stream whose
-// peer accepts batches (a sidecar), whatever queued while a write was in flight goes out as one
-// ResultBatch frame; workers get one Result per frame.
-//
-// The outbox also counts the stream's operations in flight (the done notification, the read,
-// the write, the finish), under its mutex: a write may be started from any thread (the async
-// API runs nothing inline, so it is started under the lock), and the stream's state may be
-// deleted only once every operation has come back. When the count reaches zero the outbox is
-// closed: Jobs may still hold it and call Send, which then does nothing.
-class Outbox final : public ResultSink {
+struct ResultTraits {
+  using Item = v1::Result;
+  using Frame = v1::ServerFrame;
+  static size_t Bytes(const v1::Result& r) {
+    return r.data().size() + r.message().size() + sizeof(v1::Result);
+  }
+  static size_t Pack(std::deque<v1::Result>* pending, v1::ServerFrame* frame, bool batches,
+                     size_t max_batch_bytes) {
+    size_t taken = 0;
+    if (pending->size() == 1 || !batches) {
+      taken = Bytes(pending->front());
+      *frame->mutable_result() = std::move(pending->front());
+      pending->pop_front();
+      return taken;
+    }
+    v1::ResultBatch* batch = frame->mutable_batch();
+    size_t bytes = 0;
+    while (!pending->empty() &&
+           (batch->results_size() == 0 ||
+            bytes + pending->front().data().size() <= max_batch_bytes)) {
+      bytes += pending->front().data().size();
+      taken += Bytes(pending->front());
+      *batch->add_results() = std::move(pending->front());
+      pending->pop_front();
+    }
+    return taken;
+  }
+};
+
+// The write side of one Exchange stream: a bounded StreamWriter of results (one write in
+// flight; batches for a peer that accepts them). Results are queued from any thread and Send
+// never blocks on the network. The stream ends with a graceful Finish once the client
+// half-closed (or the stream broke) and no write is in flight, or early with the status of
+// Terminate() or of an overflow (RESOURCE_EXHAUSTED: a reader too slow for --max-queued-bytes,
+// or the memory budget). Jobs may hold the outbox after the stream is gone; Send then does
+// nothing.
+class Outbox final : public ResultSink, public WatchedStream, public StreamWriter<ResultTraits> {
  public:
   Outbox(grpc::ServerAsyncReaderWriter<v1::ServerFrame, v1::ClientFrame>* stream,
-         EventTag* write_tag, EventTag* finish_tag, Aggregator* aggregator)
-      : stream_(stream),
+         grpc::ServerContext* ctx, EventTag* write_tag, EventTag* finish_tag,
+         Aggregator* aggregator, WriterLimits limits)
+      : StreamWriter(std::move(limits)),
+        stream_(stream),
+        ctx_(ctx),
         write_tag_(write_tag),
         finish_tag_(finish_tag),
         aggregator_(aggregator),
         metrics_(aggregator->metrics()) {}
 
-  void EnableBatches() { batches_.store(true, std::memory_order_relaxed); }
-
-  void Send(v1::Result result) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (finishing_ || closed_) return;
-    pending_.push_back(std::move(result));
-    if (writing_) return;
-    writing_ = true;
-    StartWriteLocked();
-  }
-
-  // The write started last has completed (event thread).
-  void WriteDone(bool ok) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!ok) {
-      broken_ = true;
-      pending_.clear();
-    }
-    if (pending_.empty() || finishing_ || !StartWriteLocked()) {
-      writing_ = false;
-      if (read_done_ && !finishing_) FinishLocked();
-    }
-  }
+  void Send(v1::Result result) override { Push(std::move(result)); }
 
   // The client half-closed or the stream broke (event thread).
-  void ReadDone() {
-    std::lock_guard<std::mutex> lock(mu_);
+  void ReadDone() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
     read_done_ = true;
-    if (!writing_ && !finishing_) FinishLocked();
+    if (!writing() && !finishing_) FinishLocked();
   }
 
-  void AddOp() {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++ops_;
+  // Ends the stream early with `status`, after the write in flight (if any).
+  void Terminate(const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (end_status_.ok()) end_status_ = status;
+    set_closed();
+    if (!writing() && !finishing_) FinishLocked();
   }
-  // An operation came back; true when it was the last one: the stream's state may go.
-  bool ReleaseOp() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (--ops_ > 0) return false;
-    closed_ = true;
-    pending_.clear();
+
+  // A write stalled past the write deadline: the peer does not read. Cancels the call (the
+  // write cannot complete, so no status can be sent); its read then fails, which reports its
+  // members gone.
+  bool CancelIfStalled(Clock::time_point now) override {
+    if (!Stalled(now)) return false;
+    ctx_->TryCancel();
     return true;
   }
 
- private:
-  // Most bytes of results put in one batch frame (a single larger result still goes alone).
-  static constexpr size_t kMaxBatchBytes = 4 << 20;
-
-  // Starts a write of what is pending; false (pending dropped, writing_ cleared) when the
-  // queues are shutting down.
-  bool StartWriteLocked() {
-    if (aggregator_->StartOp([&] {
-          ++ops_;
-          stream_->Write(*TakeLocked(), write_tag_);
-        })) {
-      return true;
-    }
-    pending_.clear();
-    writing_ = false;
+ protected:
+  bool StartWriteLocked(const v1::ServerFrame& frame) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (metrics_) metrics_->Sent(Metrics::Link::kMembers, frame.ByteSizeLong());
+    ++ops();  // counted here, not in the lambda: the lock analysis does not see into it
+    if (aggregator_->StartOp([&] { stream_->Write(frame, write_tag_); })) return true;
+    --ops();
     return false;
   }
 
-  void FinishLocked() {
-    finishing_ = true;
-    aggregator_->StartOp([&] {  // nothing starts once the queues are shutting down
-      ++ops_;
-      stream_->Finish(grpc::Status::OK, finish_tag_);
-    });
+  void OverflowLocked(const char* which) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (end_status_.ok()) {
+      end_status_ = absl::ResourceExhaustedError(
+          std::string(which) == "queue"
+              ? absl::StrCat("this stream's reader fell more than --max-queued-bytes=",
+                             limits().max_queued_bytes, " bytes of results behind; the "
+                             "aggregator dropped it (read results as they come)")
+              : std::string("the aggregator's memory budget (--memory-budget-bytes) is "
+                            "exhausted; this stream's queued results were dropped"));
+    }
+    if (!writing() && !finishing_) FinishLocked();
   }
 
-  // Moves the next frame's worth of pending results into current_.
-  v1::ServerFrame* TakeLocked() {
-    current_.Clear();
-    if (pending_.size() == 1 || !batches_.load(std::memory_order_relaxed)) {
-      *current_.mutable_result() = std::move(pending_.front());
-      pending_.pop_front();
-    } else {
-      v1::ResultBatch* batch = current_.mutable_batch();
-      size_t bytes = 0;
-      while (!pending_.empty() &&
-             (batch->results_size() == 0 ||
-              bytes + pending_.front().data().size() <= kMaxBatchBytes)) {
-        bytes += pending_.front().data().size();
-        *batch->add_results() = std::move(pending_.front());
-        pending_.pop_front();
-      }
-    }
-    if (metrics_) metrics_->Sent(Metrics::Link::kMembers, current_.ByteSizeLong());
-    return &current_;
+  void IdleLocked() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if ((read_done_ || !end_status_.ok()) && !finishing_) FinishLocked();
+  }
+
+ private:
+  void FinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    finishing_ = true;
+    const grpc::Status status = wire::ToGrpc(end_status_);
+    ++ops();
+    // Nothing starts once the queues are shutting down.
+    if (!aggregator_->StartOp([&] { stream_->Finish(status, finish_tag_); })) --ops();
   }
 
   grpc::ServerAsyncReaderWriter<v1::ServerFrame, v1::ClientFrame>* const stream_;
+  grpc::ServerContext* const ctx_;
   EventTag* const write_tag_;
   EventTag* const finish_tag_;
   Aggregator* const aggregator_;
   Metrics* const metrics_;
-  std::atomic<bool> batches_{false};
-  std::mutex mu_;
-  std::deque<v1::Result> pending_;
-  v1::ServerFrame current_;
-  int ops_ = 0;
-  bool writing_ = false;
-  bool read_done_ = false;
-  bool finishing_ = false;
-  bool broken_ = false;
-  bool closed_ = false;
+  bool read_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status end_status_ ABSL_GUARDED_BY(mu_);
 };
 
 // One Exchange stream: requested, then one read outstanding at a time until the client
-// half-closes or the stream breaks, writes through the outbox, a graceful Finish, and the done
+// half-closes or the stream breaks, writes through the outbox, a Finish, and the done
 // notification. Its events run on the event thread; it deletes itself when the last of its
-// operations has come back (Outbox::ReleaseOp).
+// operations has come back (Outbox::ReleaseOp). A stream may use only the sessions an Attach
+// on it bound (with the job's token when tokens are on), and may send at most
+// --max-unbound-bytes before its first successful Attach.
 class ExchangeCall final {
  public:
   // Requests the next Exchange call on `cq` (one request is always outstanding on each queue
@@ -166,7 +163,8 @@ class ExchangeCall final {
       : aggregator_(aggregator),
         cq_(cq),
         metrics_(aggregator->metrics()),
-        outbox_(std::make_shared<Outbox>(&stream_, &write_tag_, &finish_tag_, aggregator)) {}
+        outbox_(std::make_shared<Outbox>(&stream_, &ctx_, &write_tag_, &finish_tag_, aggregator,
+                                         aggregator->writer_limits())) {}
 
   void OnRequest(bool ok) {
     if (!ok) {  // the server is shutting down; the call never started (no done notification)
@@ -175,6 +173,7 @@ class ExchangeCall final {
     }
     Request(aggregator_, cq_);
     outbox_->AddOp();  // the done notification
+    aggregator_->WatchStream(outbox_);
     StartRead();
   }
 
@@ -188,16 +187,29 @@ class ExchangeCall final {
 
   void OnRead(bool ok) {
     if (!ok) {
-      aggregator_->StreamClosed(sessions_, /*graceful=*/false);
+      aggregator_->StreamClosed(sessions_);
       outbox_->ReadDone();
       Release();
       return;
     }
-    if (metrics_) metrics_->Received(Metrics::Link::kMembers, in_.ByteSizeLong());
+    const size_t size = in_.ByteSizeLong();
+    if (metrics_) metrics_->Received(Metrics::Link::kMembers, size);
     if (in_.has_batch()) {
       for (const v1::ClientFrame& frame : in_.batch().frames()) Handle(frame);
     } else {
       Handle(in_);
+    }
+    if (bound_.empty()) {
+      unbound_bytes_ += int64_t(size);
+      if (unbound_bytes_ > aggregator_->options().max_unbound_bytes) {
+        aggregator_->Refused("unbound_bytes");
+        outbox_->Terminate(absl::ResourceExhaustedError(absl::StrCat(
+            "this stream sent ", unbound_bytes_, " bytes without attaching a session; at most "
+            "--max-unbound-bytes=", aggregator_->options().max_unbound_bytes, " are accepted "
+            "before an Attach (Join first, then Attach its session on the stream)")));
+        Release();
+        return;  // no more reads: the Finish ends the call
+      }
     }
     StartRead();
     Release();
@@ -218,7 +230,7 @@ class ExchangeCall final {
     switch (frame.frame_case()) {
       case v1::ClientFrame::kAttach:
         if (frame.attach().accepts_batches()) outbox_->EnableBatches();
-        for (uint64_t s : frame.attach().session_ids()) Bind(s);
+        for (const std::string& s : frame.attach().sessions()) Bind(s, frame.attach().token());
         break;
       case v1::ClientFrame::kContribution:
         HandleContribution(frame.contribution());
@@ -234,54 +246,60 @@ class ExchangeCall final {
     }
   }
 
-  bool Bind(uint64_t session) {
-    Aggregator::SessionRef ref;
-    if (!aggregator_->FindSession(session, &ref)) return false;
-    if (!ref.job->Attach(ref.index, session, outbox_).ok()) return false;
+  void Bind(const std::string& bytes, const std::string& token) {
+    SessionId session;
+    if (!SessionId::FromBytes(bytes, &session)) {
+      aggregator_->LogInvalid("Attach with a session that is not 16 bytes");
+      return;
+    }
+    absl::StatusOr<Registry::SessionRef> ref = aggregator_->registry().Authorize(session, token);
+    if (!ref.ok()) {
+      aggregator_->LogInvalid(absl::StrCat("Attach refused: ", ref.status().ToString()));
+      return;
+    }
+    if (!ref->job->Attach(ref->index, session, outbox_, Clock::now()).ok()) return;
     for (auto& [s, r] : bound_) {
       if (s == session) {
-        r = ref;
-        return true;
+        r = *ref;
+        return;
       }
     }
     sessions_.push_back(session);
-    bound_.emplace_back(session, ref);
-    return true;
+    bound_.emplace_back(session, *std::move(ref));
+  }
+
+  // The session of a frame, if an Attach bound it to this stream.
+  const Registry::SessionRef* Bound(const std::string& bytes, SessionId* session) const {
+    if (!SessionId::FromBytes(bytes, session)) return nullptr;
+    for (const auto& [s, r] : bound_) {
+      if (s == *session) return &r;
+    }
+    return nullptr;
   }
 
   void SendError(const v1::Contribution& c, const absl::Status& status) {
-    v1::Result r;
-    r.set_session_id(c.session_id());
-    r.set_op(c.op());
-    r.set_seq(c.seq());
-    r.set_phase(c.phase());
-    r.set_code(int(status.code()));
-    r.set_message(std::string(status.message()));
+    v1::Result r = wire::ErrorResult(c.op(), c.seq(), c.phase(), status);
+    r.set_session(c.session());
     outbox_->Send(std::move(r));
   }
 
   void HandleContribution(const v1::Contribution& c) {
     // The sessions bound to this stream are cached here: no aggregator-wide lock per round.
-    const Aggregator::SessionRef* ref = nullptr;
-    for (const auto& [s, r] : bound_) {
-      if (s == c.session_id()) ref = &r;
-    }
+    SessionId session;
+    const Registry::SessionRef* ref = Bound(c.session(), &session);
     if (ref == nullptr) {
-      Aggregator::SessionRef found;
-      if (!aggregator_->FindSession(c.session_id(), &found)) {
-        SendError(c, absl::NotFoundError(
-                         "unknown session: the aggregator restarted or the job was dropped; the "
-                         "client must Join again (hsbn clients do this by themselves)"));
-        return;
+      if (c.session().size() != 16) {
+        aggregator_->LogInvalid("a contribution without a 16-byte session");
+        return;  // nobody to answer: the sender's session is not even well formed
       }
-      if (!Bind(c.session_id())) {
-        SendError(c, absl::NotFoundError(kStaleSession));
-        return;
-      }
-      ref = &bound_.back().second;
+      SendError(c, absl::NotFoundError(
+                       "unknown session on this stream: the aggregator restarted, the job was "
+                       "dropped, or the session was never attached here; the client must Join "
+                       "again and Attach its session (hsbn clients do this by themselves)"));
+      return;
     }
     Actions actions;
-    if (!ref->job->Contribute(ref->index, c.session_id(), c, Clock::now(), &actions)) {
+    if (!ref->job->Contribute(ref->index, session, c, Clock::now(), &actions)) {
       SendError(c, absl::NotFoundError(kStaleSession));
       return;
     }
@@ -292,21 +310,38 @@ class ExchangeCall final {
       "this session was replaced by a newer Join of the same rank, or it left the job; this "
       "connection is stale";
 
+  // Aborts and node states come only from aggregators below (sidecars), on their own sessions.
+  const Registry::SessionRef* FromAggregator(const std::string& bytes, const char* what,
+                                             SessionId* session) {
+    const Registry::SessionRef* ref = Bound(bytes, session);
+    if (ref == nullptr) {
+      aggregator_->LogInvalid(absl::StrCat(what, " on a session not attached to this stream"));
+      return nullptr;
+    }
+    if (ref->job->layout().member_kind != v1::MEMBER_KIND_AGGREGATOR) {
+      aggregator_->LogInvalid(absl::StrCat(what, " from a worker of job '", ref->job->id(),
+                                           "' (only aggregators may send it); ignored"));
+      return nullptr;
+    }
+    return ref;
+  }
+
   void HandleAbort(const v1::Abort& a) {
-    Aggregator::SessionRef ref;
-    if (!aggregator_->FindSession(a.session_id(), &ref)) return;
+    SessionId session;
+    const Registry::SessionRef* ref = FromAggregator(a.session(), "an Abort", &session);
+    if (ref == nullptr) return;
     Actions actions;
-    ref.job->ChildAbort(ref.index, a, &actions);
-    aggregator_->Execute(actions, ref.job->id());
+    ref->job->ChildAbort(ref->index, a, &actions);
+    aggregator_->Execute(actions, ref->job->id());
   }
 
   void HandleNodeState(const v1::NodeState& state) {
-    Aggregator::SessionRef ref;
-    if (!aggregator_->FindSession(state.session_id(), &ref)) return;
-    if (ref.job->layout().member_kind != v1::MEMBER_KIND_AGGREGATOR) return;  // from a worker?
+    SessionId session;
+    const Registry::SessionRef* ref = FromAggregator(state.session(), "a NodeState", &session);
+    if (ref == nullptr) return;
     Actions actions;
-    ref.job->ChildState(ref.index, state, &actions);
-    aggregator_->Execute(actions, ref.job->id());
+    ref->job->ChildState(ref->index, state, &actions);
+    aggregator_->Execute(actions, ref->job->id());
   }
 
   Aggregator* const aggregator_;
@@ -322,8 +357,9 @@ class ExchangeCall final {
   std::shared_ptr<Outbox> outbox_;
   v1::ClientFrame in_;
   // Event thread only.
-  std::vector<uint64_t> sessions_;
-  std::vector<std::pair<uint64_t, Aggregator::SessionRef>> bound_;
+  std::vector<SessionId> sessions_;
+  std::vector<std::pair<SessionId, Registry::SessionRef>> bound_;
+  int64_t unbound_bytes_ = 0;
 };
 
 // One unary call: requested; when it arrives the next one is requested and `Handle` runs on
@@ -393,7 +429,10 @@ void HandleLeave(Aggregator* aggregator, LeaveCall* call) {
 }
 
 void HandleStatus(Aggregator* aggregator, StatusCall* call) {
-  aggregator->FillStatus(call->req.job_id(), &call->resp);
+  if (grpc::Status s = aggregator->AnswerStatus(call->req, &call->resp); !s.ok()) {
+    call->Finish(s);
+    return;
+  }
   if (call->req.include_upstream() && aggregator->parent()) {
     // Answered when the parent's reply arrives (on the event thread).
     aggregator->parent()->Status(
@@ -420,8 +459,33 @@ void RequestCalls(Aggregator* aggregator, grpc::ServerCompletionQueue* cq) {
 
 }  // namespace
 
+
+namespace {
+RegistryOptions MakeRegistryOptions(const AggregatorOptions& o, bool has_parent) {
+  RegistryOptions r;
+  r.id = o.id;
+  r.joins = o.role == AggregatorOptions::Role::kRoot ? v1::MEMBER_KIND_AGGREGATOR
+                                                      : v1::MEMBER_KIND_WORKER;
+  r.max_jobs = o.max_jobs;
+  r.max_world_size = o.max_world_size;
+  r.attach_timeout = o.attach_timeout;
+  r.memory_budget_bytes = o.memory_budget_bytes;
+  r.limits = o.limits;
+  r.limits.has_parent = has_parent;
+  r.tokens = o.tokens;
+  return r;
+}
+}  // namespace
+
 Aggregator::Aggregator(AggregatorOptions options)
-    : options_(std::move(options)), started_(Clock::now()), rng_(std::random_device{}()) {}
+    : options_(std::move(options)),
+      started_(Clock::now()),
+      registry_(MakeRegistryOptions(
+          options_, options_.role == AggregatorOptions::Role::kNode && !options_.upstream.empty())) {
+  writer_limits_.max_queued_bytes = options_.max_queued_bytes;
+  writer_limits_.write_deadline = options_.write_deadline;
+  writer_limits_.budget = registry_.budget();
+}
 
 void Aggregator::Start(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> cqs) {
   cqs_ = std::move(cqs);
@@ -437,9 +501,15 @@ void Aggregator::Start(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>>
     } else {
       credentials = grpc::InsecureChannelCredentials();
     }
-    parent_ = std::make_unique<ParentLink>(this, options_.upstream, options_.id,
-                                           std::move(credentials), tls,
-                                           options_.upstream_tls_name, cqs_[0].get());
+    ParentLink::Options link;
+    link.address = options_.upstream;
+    link.id = options_.id;
+    link.credentials = std::move(credentials);
+    link.tls = tls;
+    link.tls_name = options_.upstream_tls_name;
+    link.writer = writer_limits_;
+    link.metrics = options_.metrics.get();
+    parent_ = std::make_unique<ParentLink>(this, std::move(link), cqs_[0].get());
   }
   ticker_ = std::thread([this] { TickLoop(); });
   for (size_t i = 0; i < cqs_.size(); ++i) {
@@ -478,18 +548,12 @@ void Aggregator::StopEvents() {
 
 void Aggregator::Shutdown(const std::string& why) {
   {
-    std::lock_guard<std::mutex> lock(tick_mu_);
+    absl::MutexLock lock(&tick_mu_);
     if (stopping_) return;
     stopping_ = true;
   }
-  tick_cv_.notify_all();
   if (ticker_.joinable()) ticker_.join();
-  std::vector<std::shared_ptr<Job>> jobs;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [id, job] : jobs_) jobs.push_back(job);
-  }
-  for (auto& job : jobs) {
+  for (auto& job : registry_.Jobs()) {
     Actions actions;
     job->FailAll(absl::UnavailableError(absl::StrCat(
                      "aggregator ", options_.id, " is shutting down (", why,
@@ -502,56 +566,73 @@ void Aggregator::Shutdown(const std::string& why) {
   if (parent_) parent_->Shutdown();
 }
 
-void Aggregator::TickLoop() {
-  std::unique_lock<std::mutex> lock(tick_mu_);
-  while (!stopping_) {
-    tick_cv_.wait_for(lock, options_.tick);
-    if (stopping_) break;
-    lock.unlock();
-    std::vector<std::shared_ptr<Job>> jobs;
-    std::vector<std::string> dropped;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      for (auto it = jobs_.begin(); it != jobs_.end();) {
-        if (it->second->Abandoned()) {
-          Log(LogLevel::kInfo, absl::StrCat("job '", it->first, "' dropped: all members are gone"));
-          dropped.push_back(it->first);
-          for (auto s = sessions_.begin(); s != sessions_.end();) {
-            s = s->second.job == it->second ? sessions_.erase(s) : std::next(s);
-          }
-          it = jobs_.erase(it);
-        } else {
-          jobs.push_back(it->second);
-          ++it;
-        }
+void Aggregator::WatchStream(std::weak_ptr<WatchedStream> stream) {
+  absl::MutexLock lock(&watch_mu_);
+  watched_.push_back(std::move(stream));
+}
+
+void Aggregator::CheckStreams(Clock::time_point now) {
+  std::vector<std::shared_ptr<WatchedStream>> live;
+  {
+    absl::MutexLock lock(&watch_mu_);
+    live.reserve(watched_.size());
+    for (auto it = watched_.begin(); it != watched_.end();) {
+      if (auto s = it->lock()) {
+        live.push_back(std::move(s));
+        ++it;
+      } else {
+        it = watched_.erase(it);
       }
     }
-    // The root holds the job while this node is a member of it: leave, so it can drop it too.
-    if (parent_) {
-      for (const std::string& id : dropped) parent_->Leave(id);
+  }
+  for (auto& s : live) {
+    if (s->CancelIfStalled(now)) {
+      Refused("write_deadline");
+      Log(LogLevel::kWarn, absl::StrCat("a stream's write waited longer than --write-deadline-ms=",
+                                        options_.write_deadline.count(),
+                                        " (its reader stopped reading); the stream was dropped"));
     }
+  }
+  if (parent_) parent_->CheckStalled(now);
+}
+
+void Aggregator::TickLoop() {
+  Clock::time_point next_check = Clock::now();
+  absl::MutexLock lock(&tick_mu_);
+  while (!stopping_) {
+    tick_mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::FromChrono(options_.tick));
+    if (stopping_) break;
+    tick_mu_.Unlock();
     const Clock::time_point now = Clock::now();
-    for (auto& job : jobs) {
+    for (const std::string& id : registry_.Sweep(now)) {
+      Log(LogLevel::kInfo, absl::StrCat("job '", id, "' dropped: no member is attached any more"));
+      // The root holds the job while this node is a member of it: leave, so it can drop it too.
+      if (parent_) parent_->Leave(id);
+    }
+    for (auto& job : registry_.Jobs()) {
       Actions actions;
       job->Expire(now, &actions);
       if (!actions.empty() || !actions.log.empty() || !actions.outcomes.empty()) {
         Execute(actions, job->id());
       }
     }
-    lock.lock();
+    if (now >= next_check) {
+      next_check = now + std::chrono::milliseconds(100);
+      CheckStreams(now);
+    }
+    tick_mu_.Lock();
   }
 }
 
-bool Aggregator::FindSession(uint64_t session, SessionRef* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(session);
-  if (it == sessions_.end()) return false;
-  *out = it->second;
-  return true;
+void Aggregator::LogInvalid(const std::string& what) {
+  Log(LogLevel::kWarn, absl::StrCat("invalid input: ", wire::Printable(what, 512)));
 }
+
+void Aggregator::Refused(const char* reason) { (void)reason; }
 
 void Aggregator::Execute(Actions& actions, const std::string& job_id) {
   for (const std::string& line : actions.log) Log(LogLevel::kInfo, line);
+  for (const char* reason : actions.refused) Refused(reason);
   // Metrics first: whoever receives a result below must find its round already counted.
   if (Metrics* m = options_.metrics.get()) {
     const Clock::time_point now = Clock::now();
@@ -566,17 +647,12 @@ void Aggregator::Execute(Actions& actions, const std::string& job_id) {
   for (auto& d : actions.deliveries) {
     for (auto& [session, sink] : d.to) {
       v1::Result r = *d.result;  // the one copy per member: the outbox keeps it
-      r.set_session_id(session);
+      r.set_session(session.Bytes());
       sink->Send(std::move(r));
     }
   }
   if (!actions.forwards.empty() || !actions.aborts.empty()) {
-    std::shared_ptr<Job> job;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = jobs_.find(job_id);
-      if (it != jobs_.end()) job = it->second;
-    }
+    std::shared_ptr<Job> job = registry_.FindJob(job_id);
     if (job && parent_) {
       std::shared_ptr<const std::string> token = job->token();
       for (const auto& f : actions.forwards) parent_->Forward(job_id, job->layout(), token, f);
@@ -588,197 +664,83 @@ void Aggregator::Execute(Actions& actions, const std::string& job_id) {
   }
 }
 
-void Aggregator::StreamClosed(const std::vector<uint64_t>& sessions, bool graceful) {
-  for (uint64_t session : sessions) {
-    SessionRef ref;
-    if (!FindSession(session, &ref)) continue;
+void Aggregator::StreamClosed(const std::vector<SessionId>& sessions) {
+  for (const SessionId& session : sessions) {
+    Registry::SessionRef ref;
+    if (!registry_.Find(session, &ref)) continue;
     Actions actions;
-    ref.job->MemberGone(ref.index, session, /*left=*/false, &actions);
+    ref.job->MemberGone(ref.index, session, /*left=*/false, Clock::now(), &actions);
     Execute(actions, ref.job->id());
   }
 }
 
 void Aggregator::OnParentResult(const std::string& job_id, const v1::Result& result) {
-  std::shared_ptr<Job> job;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = jobs_.find(job_id);
-    if (it == jobs_.end()) return;
-    job = it->second;
-  }
+  std::shared_ptr<Job> job = registry_.FindJob(job_id);
+  if (!job) return;
   Actions actions;
   job->ParentResult(result, &actions);
   Execute(actions, job_id);
 }
 
 bool Aggregator::NodeDown(const std::string& job_id, std::string* message) {
-  std::shared_ptr<Job> job;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = jobs_.find(job_id);
-    if (it == jobs_.end()) return false;
-    job = it->second;
-  }
-  return job->NodeDown(message);
+  std::shared_ptr<Job> job = registry_.FindJob(job_id);
+  return job && job->NodeDown(message);
 }
 
 void Aggregator::OnParentLost(const absl::Status& status) {
-  std::vector<std::shared_ptr<Job>> jobs;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [id, job] : jobs_) jobs.push_back(job);
-  }
-  for (auto& job : jobs) {
+  for (auto& job : registry_.Jobs()) {
     Actions actions;
     job->ParentLost(status, &actions);
     Execute(actions, job->id());
   }
 }
 
-absl::Status Aggregator::DoJoin(const v1::JoinRequest& req, v1::JoinResponse* resp) {
-  const bool is_root = options_.role == AggregatorOptions::Role::kRoot;
-  const bool worker = req.kind() == v1::MEMBER_KIND_WORKER;
-  if (req.protocol_version() != v1::PROTOCOL_VERSION_1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "protocol version ", req.protocol_version(),
-        " is not spoken by this aggregator (it speaks 1); use matching hsbn versions"));
-  }
-  if (req.kind() != v1::MEMBER_KIND_WORKER && req.kind() != v1::MEMBER_KIND_AGGREGATOR) {
-    return absl::InvalidArgumentError("Join: field 'kind' must be worker or aggregator");
-  }
-  if (is_root && worker) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "aggregator ", options_.id, " is a root; workers join their node's sidecar "
-        "(--role=node), not the root. Check HSBN_ADDRESS"));
-  }
-  if (!is_root && !worker) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "aggregator ", options_.id, " is a node sidecar; only a root (--role=root) accepts "
-        "other aggregators. Check the sidecar's --upstream"));
-  }
-  const std::string who = worker ? absl::StrCat("rank ", req.rank())
-                                 : absl::StrCat("the sidecar of node ", req.node_rank());
-  auto bad = [&](const std::string& field, const std::string& what) {
-    return absl::InvalidArgumentError(absl::StrCat(who, " of job '", req.job_id(), "': ", field,
-                                                   " ", what));
-  };
-  if (req.job_id().empty()) return bad("job_id", "is empty: set HSBN_JOB_ID");
-  if (req.job_id().size() > 256) return bad("job_id", "is longer than 256 bytes");
-  // Before anything touches the job: a refused Join creates no job and replaces no member.
-  if (options_.tokens) {
-    if (absl::Status s = options_.tokens->Check(req.job_id(), req.token(), who); !s.ok()) {
-      return s;
-    }
-  }
-  if (req.world_size() <= 0) return bad("world_size (WORLD_SIZE)", "must be positive");
-  if (req.local_world_size() <= 0 || req.world_size() % req.local_world_size() != 0) {
-    return bad("local_world_size (LOCAL_WORLD_SIZE)",
-               absl::StrCat("is ", req.local_world_size(), "; it must be positive and divide "
-                            "WORLD_SIZE=", req.world_size(), " (hsbn needs as many workers on "
-                            "every node)"));
-  }
-  const int32_t num_nodes = req.world_size() / req.local_world_size();
-  if (req.node_rank() < 0 || req.node_rank() >= num_nodes) {
-    return bad("node_rank (GROUP_RANK)", absl::StrCat("is ", req.node_rank(), "; the job has ",
-                                                      num_nodes, " nodes"));
-  }
-  if (worker) {
-    if (req.rank() < 0 || req.rank() >= req.world_size()) {
-      return bad("rank (RANK)", absl::StrCat("is ", req.rank(), "; it must be in [0, WORLD_SIZE=",
-                                             req.world_size(), ")"));
-    }
-    if (req.local_rank() < 0 || req.local_rank() >= req.local_world_size()) {
-      return bad("local_rank (LOCAL_RANK)",
-                 absl::StrCat("is ", req.local_rank(), "; it must be in [0, LOCAL_WORLD_SIZE=",
-                              req.local_world_size(), ")"));
-    }
-    if (req.rank() != req.node_rank() * req.local_world_size() + req.local_rank()) {
-      return bad("rank (RANK)",
-                 absl::StrCat("is ", req.rank(), " but GROUP_RANK*LOCAL_WORLD_SIZE+LOCAL_RANK = ",
-                              req.node_rank() * req.local_world_size() + req.local_rank(),
-                              "; hsbn expects torchrun's rank layout"));
-    }
-  }
-  JobLayout layout;
-  layout.member_kind = req.kind();
-  layout.world_size = req.world_size();
-  layout.local_world_size = req.local_world_size();
-  layout.num_nodes = num_nodes;
-  layout.node_rank = worker ? req.node_rank() : -1;
-  const int32_t index = worker ? req.local_rank() : req.node_rank();
-
-  std::shared_ptr<Job> job;
-  uint64_t session;
+grpc::Status Aggregator::Join(const v1::JoinRequest& req, v1::JoinResponse* resp) {
   Actions actions;
-  {
-    // One critical section from finding (or creating) the job to registering the member, so
-    // the deadline thread can never see a new job without members and drop it.
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = jobs_.find(req.job_id());
-    if (it == jobs_.end()) {
-      if (int32_t(jobs_.size()) >= options_.max_jobs) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "aggregator ", options_.id, " already serves ", jobs_.size(),
-            " jobs, its limit (--max-jobs); job '", req.job_id(), "' was refused"));
-      }
-      JobLimits limits = options_.limits;
-      limits.has_parent = parent_ != nullptr;
-      job = std::make_shared<Job>(req.job_id(), layout, limits);
-    } else {
-      job = it->second;
-      if (absl::Status s = job->CheckLayout(layout, who); !s.ok()) return s;
+  absl::StatusOr<Registry::Joined> joined = registry_.Join(req, &actions);
+  if (Metrics* m = options_.metrics.get()) m->JoinAnswered(joined.status().code());
+  if (!joined.ok()) {
+    if (joined.status().code() == absl::StatusCode::kResourceExhausted) {
+      Refused(absl::StrContains(joined.status().message(), "--max-world-size") ? "world_size"
+                                                                               : "max_jobs");
     }
-    do {
-      session = rng_();
-    } while (session == 0 || sessions_.count(session));
-    if (absl::Status s = job->AddMember(index, session, req.previous_session_id(), &actions);
-        !s.ok()) {
-      return s;
-    }
-    if (it == jobs_.end()) {
-      jobs_.emplace(req.job_id(), job);
-      Log(LogLevel::kInfo, absl::StrCat("job '", req.job_id(), "' created: ", layout.world_size,
-                                        " workers on ", num_nodes, " node(s)"));
-    }
-    if (auto prev = sessions_.find(req.previous_session_id());
-        prev != sessions_.end() && prev->second.job == job && prev->second.index == index) {
-      sessions_.erase(prev);
-    }
-    sessions_[session] = SessionRef{job, index};
+    LogInvalid(absl::StrCat("Join refused: ", joined.status().ToString()));
+    return wire::ToGrpc(joined.status());
   }
-  if (!req.token().empty()) job->SetToken(req.token());
-  Execute(actions, job->id());
-  Log(LogLevel::kDebug, absl::StrCat("job '", req.job_id(), "': ", job->MemberName(index),
-                                     " joined"));
-  resp->set_session_id(session);
-  resp->set_protocol_version(v1::PROTOCOL_VERSION_1);
-  resp->set_num_nodes(num_nodes);
+  Execute(actions, joined->job->id());
+  Log(LogLevel::kDebug, absl::StrCat("job '", req.job_id(), "': ",
+                                     joined->job->MemberName(joined->index), " joined"));
+  resp->set_session(joined->session.Bytes());
+  resp->set_protocol_version(v1::PROTOCOL_VERSION_2);
+  resp->set_num_nodes(joined->num_nodes);
   resp->set_max_channels(options_.limits.max_channels);
   resp->set_round_timeout_ms(options_.limits.round_timeout.count());
   resp->set_aggregator_id(options_.id);
   resp->set_accepts_batches(true);
-  return absl::OkStatus();
-}
-
-grpc::Status Aggregator::Join(const v1::JoinRequest& req, v1::JoinResponse* resp) {
-  absl::Status s = DoJoin(req, resp);
-  if (!s.ok()) Log(LogLevel::kWarn, absl::StrCat("Join refused: ", s.ToString()));
-  if (Metrics* m = options_.metrics.get()) m->JoinAnswered(s.code());
-  return wire::ToGrpc(s);
+  return grpc::Status::OK;
 }
 
 grpc::Status Aggregator::Leave(const v1::LeaveRequest& req) {
-  SessionRef ref;
-  if (!FindSession(req.session_id(), &ref)) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown session");
+  SessionId session;
+  if (!SessionId::FromBytes(req.session(), &session)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "Leave: session must be 16 bytes");
   }
   Actions actions;
-  ref.job->MemberGone(ref.index, req.session_id(), /*left=*/true, &actions);
-  Execute(actions, ref.job->id());
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    sessions_.erase(req.session_id());
+  std::string job_id;
+  if (absl::Status s = registry_.Leave(session, &actions, &job_id); !s.ok()) {
+    return wire::ToGrpc(s);
   }
+  Execute(actions, job_id);
+  return grpc::Status::OK;
+}
+
+grpc::Status Aggregator::AnswerStatus(const v1::StatusRequest& req, v1::StatusResponse* resp) {
+  absl::StatusOr<std::vector<std::shared_ptr<Job>>> jobs = registry_.StatusJobs(req);
+  if (!jobs.ok()) return wire::ToGrpc(jobs.status());
+  resp->set_aggregator_id(options_.id);
+  resp->set_role(options_.role == AggregatorOptions::Role::kRoot ? "root" : "node");
+  resp->set_uptime_s(std::chrono::duration<double>(Clock::now() - started_).count());
+  for (auto& job : *jobs) job->FillStatus(resp->add_jobs());
   return grpc::Status::OK;
 }
 
@@ -786,14 +748,9 @@ void Aggregator::FillStatus(const std::string& job_id, v1::StatusResponse* resp)
   resp->set_aggregator_id(options_.id);
   resp->set_role(options_.role == AggregatorOptions::Role::kRoot ? "root" : "node");
   resp->set_uptime_s(std::chrono::duration<double>(Clock::now() - started_).count());
-  std::vector<std::shared_ptr<Job>> jobs;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [id, job] : jobs_) {
-      if (job_id.empty() || id == job_id) jobs.push_back(job);
-    }
+  for (auto& job : registry_.Jobs()) {
+    if (job_id.empty() || job->id() == job_id) job->FillStatus(resp->add_jobs());
   }
-  for (auto& job : jobs) job->FillStatus(resp->add_jobs());
 }
 
 }  // namespace hsbn::server

@@ -5,8 +5,11 @@
 // own completion queue and runs every event inline (a small call-state object per RPC, one tag
 // per operation); a call's events all come back to the queue it was accepted on. The sidecar's
 // stream to its root completes on the first queue, so no gRPC callback-API thread exists in
-// the process. Jobs are created by their first Join and dropped when every member
-// has gone. Rounds are reduced on the event thread when the last contribution arrives (or on
+// the process. Jobs and sessions live in a transport-independent Registry (registry.h): jobs
+// are created by their first Join and dropped when every member has gone or none is attached
+// for --attach-timeout-ms. Each member stream writes through a bounded StreamWriter
+// (stream_writer.h); the upstream link reaches this class only through UpstreamListener.
+// Rounds are reduced on the event thread when the last contribution arrives (or on
 // the deadline thread when they expire); results go out through each stream's outbox without
 // blocking, from whichever thread has them.
 //
@@ -19,28 +22,35 @@
 #define HSBN_SERVER_AGGREGATOR_H_
 
 #include <atomic>
-#include <condition_variable>
-#include <map>
 #include <memory>
-#include <mutex>
-#include <random>
 #include <shared_mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "grpcpp/completion_queue.h"
 #include "hsbn/v1/hsbn.grpc.pb.h"
 #include "event.h"
 #include "job.h"
 #include "log.h"
 #include "metrics.h"
+#include "parent_link.h"
+#include "registry.h"
+#include "stream_writer.h"
 #include "tokens.h"
 
 namespace hsbn::server {
 
-class ParentLink;
+// A member stream, as the write-deadline timer sees it.
+class WatchedStream {
+ public:
+  virtual ~WatchedStream() = default;
+  // Ends the stream if a write has waited past the write deadline; true if it did.
+  virtual bool CancelIfStalled(Clock::time_point now) = 0;
+};
 
 struct AggregatorOptions {
   enum class Role { kNode, kRoot };
@@ -55,12 +65,20 @@ struct AggregatorOptions {
   std::string upstream_ca_pem, upstream_cert_pem, upstream_key_pem, upstream_tls_name;
   std::shared_ptr<TokenStore> tokens;  // --token-file; null: Join needs no token
   std::shared_ptr<Metrics> metrics;    // --metrics-listen; null: no metrics
+  // Resource bounds (docs/DEPLOY.md, "Limits"); exceeding one answers RESOURCE_EXHAUSTED to the
+  // offender only.
+  int32_t max_world_size = 16384;                  // --max-world-size: WORLD_SIZE at Join
+  int64_t memory_budget_bytes = int64_t(1) << 30;  // --memory-budget-bytes: all jobs' round data
+  int64_t max_queued_bytes = int64_t(64) << 20;    // --max-queued-bytes: unsent bytes per stream
+  std::chrono::milliseconds write_deadline{10000};  // --write-deadline-ms: one write's longest wait
+  std::chrono::milliseconds attach_timeout{60000};  // --attach-timeout-ms: joined, never attached
+  int64_t max_unbound_bytes = int64_t(1) << 20;    // --max-unbound-bytes: sent before any Attach
 };
 
-class Aggregator final {
+class Aggregator final : public UpstreamListener {
  public:
   explicit Aggregator(AggregatorOptions options);
-  ~Aggregator();
+  ~Aggregator() override;
 
   // Register with the grpc::ServerBuilder.
   grpc::Service* service() { return &service_; }
@@ -91,48 +109,51 @@ class Aggregator final {
   }
   v1::Aggregator::AsyncService* async_service() { return &service_; }
   ParentLink* parent() { return parent_.get(); }
+  Registry& registry() { return registry_; }
+  const WriterLimits& writer_limits() const { return writer_limits_; }
 
-  // Called by the parent link.
-  void OnParentResult(const std::string& job_id, const v1::Result& result);
-  void OnParentLost(const absl::Status& status);
-  // Whether this node is down in `job_id` (see Job::NodeDown), and why.
-  bool NodeDown(const std::string& job_id, std::string* message);
+  // UpstreamListener (called by the parent link).
+  void OnParentResult(const std::string& job_id, const v1::Result& result) override;
+  void OnParentLost(const absl::Status& status) override;
+  bool NodeDown(const std::string& job_id, std::string* message) override;
 
   // The unary methods, run on the event thread.
   grpc::Status Join(const v1::JoinRequest& req, v1::JoinResponse* resp);
   grpc::Status Leave(const v1::LeaveRequest& req);
-
-  // Used by the stream state.
-  struct SessionRef {
-    std::shared_ptr<Job> job;
-    int32_t index = -1;
-  };
-  bool FindSession(uint64_t session, SessionRef* out);
-  void Execute(Actions& actions, const std::string& job_id);
-  void StreamClosed(const std::vector<uint64_t>& sessions, bool graceful);
-  // This aggregator's status (every job when job_id is empty), as the Status RPC answers it.
+  // The Status RPC: what `req` may see (Registry::StatusJobs), or why not.
+  grpc::Status AnswerStatus(const v1::StatusRequest& req, v1::StatusResponse* resp);
+  // Every job (or the one named), unfiltered: for this process's own metrics.
   void FillStatus(const std::string& job_id, v1::StatusResponse* resp);
+
+  // Used by the streams.
+  void Execute(Actions& actions, const std::string& job_id);
+  void StreamClosed(const std::vector<SessionId>& sessions);
+  // Watches a member stream for writes stalled past the write deadline.
+  void WatchStream(std::weak_ptr<WatchedStream> stream);
+  // Counts a refusal for lack of a resource (Metrics::Refused reasons).
+  void Refused(const char* reason);
+  // Logs invalid input from a client, escaped and rate-limited.
+  void LogInvalid(const std::string& what);
   Metrics* metrics() const { return options_.metrics.get(); }
   const AggregatorOptions& options() const { return options_; }
 
  private:
-  absl::Status DoJoin(const v1::JoinRequest& req, v1::JoinResponse* resp);
   void TickLoop();
+  void CheckStreams(Clock::time_point now);
   void EventLoop(grpc::ServerCompletionQueue* cq, size_t index);
 
   const AggregatorOptions options_;
   const Clock::time_point started_;
+  Registry registry_;
+  WriterLimits writer_limits_;
   std::unique_ptr<ParentLink> parent_;
 
-  std::mutex mu_;  // guards jobs_, sessions_, rng_
-  std::map<std::string, std::shared_ptr<Job>> jobs_;
-  std::map<uint64_t, SessionRef> sessions_;
-  std::mt19937_64 rng_;
-
-  std::mutex tick_mu_;
-  std::condition_variable tick_cv_;
-  bool stopping_ = false;
+  absl::Mutex tick_mu_;
+  bool stopping_ ABSL_GUARDED_BY(tick_mu_) = false;
   std::thread ticker_;
+
+  absl::Mutex watch_mu_;
+  std::vector<std::weak_ptr<WatchedStream>> watched_ ABSL_GUARDED_BY(watch_mu_);
 
   v1::Aggregator::AsyncService service_;
   std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> cqs_;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -29,7 +30,43 @@ std::vector<uint64_t> Job::HashContributions(const Round& round) {
 std::string Describe(const RoundKey& key) { return wire::RoundName(key.op, key.seq, key.phase); }
 
 Job::Job(std::string id, JobLayout layout, JobLimits limits)
-    : id_(std::move(id)), layout_(layout), limits_(limits), members_(layout.group_size()) {}
+    : id_(std::move(id)),
+      layout_(layout),
+      limits_(std::move(limits)),
+      members_(layout.group_size()),
+      last_change_(Clock::now()) {}
+
+Job::~Job() {
+  if (limits_.budget) limits_.budget->Release(held_);
+}
+
+bool Job::ChargeLocked(int64_t bytes) {
+  if (limits_.budget && !limits_.budget->TryCharge(bytes)) return false;
+  held_ += bytes;
+  return true;
+}
+
+void Job::ReleaseLocked(int64_t bytes) {
+  if (limits_.budget) limits_.budget->Release(bytes);
+  held_ -= bytes;
+}
+
+int64_t Job::held_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return held_;
+}
+
+int64_t Job::CountNonFinite(const std::string& data, v1::Phase phase, Actions* out) {
+  int64_t n = 0;
+  const char* raw = data.data();
+  for (size_t i = 0; i + sizeof(double) <= data.size(); i += sizeof(double)) {
+    double v;
+    std::memcpy(&v, raw + i, sizeof(double));
+    n += !std::isfinite(v);
+  }
+  if (out != nullptr && n > 0) out->nonfinite[phase == v1::PHASE_BACKWARD ? 1 : 0] += n;
+  return n;
+}
 
 std::string Job::MemberName(int32_t index) const {
   if (layout_.member_kind == v1::MEMBER_KIND_WORKER) {
@@ -54,6 +91,12 @@ absl::Status Job::CheckLayout(const JobLayout& d, const std::string& who) const 
   if (d.world_size != layout_.world_size) return mismatch("world_size", d.world_size, layout_.world_size);
   if (d.local_world_size != layout_.local_world_size)
     return mismatch("local_world_size", d.local_world_size, layout_.local_world_size);
+  if (d.strict_finite != layout_.strict_finite) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": strict_finite=", d.strict_finite ? "on" : "off", " but job '", id_,
+        "' was joined with strict_finite=", layout_.strict_finite ? "on" : "off",
+        "; every process of a job must set HSBN_STRICT_FINITE the same way"));
+  }
   if (d.node_rank != layout_.node_rank) {
     return absl::InvalidArgumentError(absl::StrCat(
         who, ": node_rank (GROUP_RANK)=", d.node_rank, " but this aggregator serves node ",
@@ -63,20 +106,22 @@ absl::Status Job::CheckLayout(const JobLayout& d, const std::string& who) const 
   return absl::OkStatus();
 }
 
-absl::Status Job::AddMember(int32_t index, uint64_t session, uint64_t previous_session,
+absl::Status Job::AddMember(int32_t index, const SessionId& session,
+                            const SessionId& previous_session, Clock::time_point now,
                             Actions* out) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Member& m = members_.at(index);
-  if (m.joined && m.connected && m.session != previous_session) {
+  if (m.joined && m.connected && (previous_session.empty() || m.session != previous_session)) {
     return absl::AlreadyExistsError(absl::StrCat(
         MemberName(index), " of job '", id_,
         "' is already joined from a live connection; two processes were probably started with "
         "the same RANK, or the job id is reused by another job (set a unique HSBN_JOB_ID)"));
   }
-  if (m.joined && m.session != 0 && m.session != session) {
+  if (m.joined && !m.session.empty() && m.session != session) {
     out->log.push_back(absl::StrCat("job '", id_, "': ", MemberName(index), " rejoined"));
   }
   m.session = session;
+  last_change_ = now;
   m.joined = true;
   m.connected = false;
   m.gone = false;
@@ -93,8 +138,9 @@ absl::Status Job::AddMember(int32_t index, uint64_t session, uint64_t previous_s
   return absl::OkStatus();
 }
 
-absl::Status Job::Attach(int32_t index, uint64_t session, std::shared_ptr<ResultSink> sink) {
-  std::lock_guard<std::mutex> lock(mu_);
+absl::Status Job::Attach(int32_t index, const SessionId& session,
+                         std::shared_ptr<ResultSink> sink, Clock::time_point now) {
+  absl::MutexLock lock(&mu_);
   Member& m = members_.at(index);
   if (!m.joined || m.session != session || m.gone) {
     // A session whose stream broke stays gone: its rounds already failed, so it must Join
@@ -105,13 +151,16 @@ absl::Status Job::Attach(int32_t index, uint64_t session, std::shared_ptr<Result
   }
   m.connected = true;
   m.sink = std::move(sink);
+  last_change_ = now;
   return absl::OkStatus();
 }
 
-void Job::MemberGone(int32_t index, uint64_t session, bool left, Actions* out) {
-  std::lock_guard<std::mutex> lock(mu_);
+void Job::MemberGone(int32_t index, const SessionId& session, bool left, Clock::time_point now,
+                     Actions* out) {
+  absl::MutexLock lock(&mu_);
   Member& m = members_.at(index);
   if (m.session != session) return;  // already replaced by a newer session
+  last_change_ = now;
   m.connected = false;
   m.gone = true;
   m.sink.reset();
@@ -121,16 +170,14 @@ void Job::MemberGone(int32_t index, uint64_t session, bool left, Actions* out) {
            : absl::StrCat(MemberName(index), " disconnected from job '", id_,
                           "' (its stream broke: the process probably exited or was killed) "
                           "while this round waited for it");
-  std::vector<RoundKey> doomed;
-  for (auto& [key, round] : open_) {
-    if (!round.slots[index].filled) doomed.push_back(key);
-  }
-  for (const RoundKey& key : doomed) {
-    FailRoundLocked(key, absl::UnavailableError(absl::StrCat("round ", Describe(key), ": ", why)),
-                    /*tell_parent=*/true, out);
-  }
+  const int failed = FailOpenRoundsLocked(
+      [&](const Round& round) { return !round.slots[index].filled; },
+      [&](const RoundKey& key) {
+        return absl::UnavailableError(absl::StrCat("round ", Describe(key), ": ", why));
+      },
+      /*tell_parent=*/true, out);
   out->log.push_back(absl::StrCat("job '", id_, "': ", MemberName(index),
-                                  left ? " left" : " disconnected", "; ", doomed.size(),
+                                  left ? " left" : " disconnected", "; ", failed,
                                   " open round(s) failed"));
   // A crashed worker (not one that left when it was done): the node cannot contribute to new
   // rounds until it rejoins, so the root need not wait for the deadline of rounds other nodes
@@ -145,12 +192,31 @@ void Job::MemberGone(int32_t index, uint64_t session, bool left, Actions* out) {
   }
 }
 
-bool Job::Abandoned() const {
-  std::lock_guard<std::mutex> lock(mu_);
+bool Job::Droppable(Clock::time_point now, Clock::duration attach_timeout) const {
+  absl::MutexLock lock(&mu_);
+  bool live = false;       // joined, not gone
+  bool attached = false;   // on a live stream
   for (const Member& m : members_) {
-    if (m.joined && !m.gone) return false;
+    live = live || (m.joined && !m.gone);
+    attached = attached || m.connected;
   }
-  return true;
+  if (!live) return true;
+  return !attached && now - last_change_ >= attach_timeout;
+}
+
+template <typename Waits, typename Why>
+int Job::FailOpenRoundsLocked(Waits waits, Why why, bool tell_parent, Actions* out) {
+  std::vector<RoundKey> doomed;
+  for (auto& [key, round] : open_) {
+    if (waits(round)) doomed.push_back(key);
+  }
+  for (const RoundKey& key : doomed) FailRoundLocked(key, why(key), tell_parent, out);
+  return int(doomed.size());
+}
+
+void Job::EraseOpenLocked(std::map<RoundKey, Round>::iterator it) {
+  ReleaseLocked(it->second.charged);
+  open_.erase(it);
 }
 
 bool Job::ScopeReachesParent(v1::Scope scope) const {
@@ -158,7 +224,8 @@ bool Job::ScopeReachesParent(v1::Scope scope) const {
          layout_.num_nodes > 1;
 }
 
-absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const Round* open) const {
+absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const Round* open,
+                                 Actions* out) const {
   const std::string who = MemberName(index);
   const std::string round = Describe(RoundKey{c.op(), c.seq(), c.phase()});
   auto bad = [&](const std::string& field, const std::string& what) {
@@ -191,17 +258,26 @@ absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const
   const char* name_a = c.phase() == v1::PHASE_FORWARD ? "mean" : "sum_dy";
   const char* name_b = c.phase() == v1::PHASE_FORWARD ? "m2" : "sum_dy_xmu";
   const char* raw = c.data().data();
-  for (int64_t i = 0; i < 2 * channels; ++i) {
+  // NaN and Inf are data (they propagate to every member, as in torch's SyncBatchNorm) unless
+  // the job is strict; a negative m2 (-Inf included) is never a sum of squares.
+  if (CountNonFinite(c.data(), c.phase(), out) > 0 && layout_.strict_finite) {
+    for (int64_t i = 0; i < 2 * channels; ++i) {
+      double v;
+      std::memcpy(&v, raw + i * sizeof(double), sizeof(double));
+      if (std::isfinite(v)) continue;
+      return bad(absl::StrCat(i < channels ? name_a : name_b, "[", i < channels ? i : i - channels,
+                              "]"),
+                 absl::StrCat("is ", v, "; the local batch has NaN or Inf values (check the "
+                                        "input and the learning rate). This job is strict "
+                                        "(HSBN_STRICT_FINITE)"));
+    }
+  }
+  for (int64_t i = channels; c.phase() == v1::PHASE_FORWARD && i < 2 * channels; ++i) {
     double v;
     std::memcpy(&v, raw + i * sizeof(double), sizeof(double));
-    const char* name = i < channels ? name_a : name_b;
-    const int64_t ch = i < channels ? i : i - channels;
-    if (!std::isfinite(v)) {
-      return bad(absl::StrCat(name, "[", ch, "]"),
-                 absl::StrCat("is ", v, "; the local batch has NaN or Inf values (check the "
-                                        "input and the learning rate)"));
-    }
-    if (c.phase() == v1::PHASE_FORWARD && i >= channels && v < 0) {
+    const char* name = name_b;
+    const int64_t ch = i - channels;
+    if (v < 0) {
       return bad(absl::StrCat(name, "[", ch, "]"),
                  absl::StrCat("is ", v, "; a sum of squared deviations is never negative"));
     }
@@ -233,7 +309,13 @@ absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const
   return absl::OkStatus();
 }
 
-void Job::TellSenderLocked(int32_t index, uint64_t session, const RoundKey& key,
+namespace {
+std::shared_ptr<const v1::Result> MakeError(const RoundKey& key, const absl::Status& s) {
+  return std::make_shared<const v1::Result>(wire::ErrorResult(key.op, key.seq, key.phase, s));
+}
+}  // namespace
+
+void Job::TellSenderLocked(int32_t index, const SessionId& session, const RoundKey& key,
                            const absl::Status& s, Actions* out) const {
   if (!members_[index].sink) return;
   Actions::Delivery d;
@@ -242,20 +324,19 @@ void Job::TellSenderLocked(int32_t index, uint64_t session, const RoundKey& key,
   out->deliveries.push_back(std::move(d));
 }
 
-std::shared_ptr<const v1::Result> Job::MakeError(const RoundKey& key, const absl::Status& s) const {
-  auto r = std::make_shared<v1::Result>();
-  r->set_op(key.op);
-  r->set_seq(key.seq);
-  r->set_phase(key.phase);
-  r->set_code(int(s.code()));
-  r->set_message(std::string(s.message()));
-  return r;
-}
-
 void Job::FinishLocked(const RoundKey& key, Finished finished) {
   const int64_t bytes = finished.result ? int64_t(finished.result->data().size()) : 0;
+  // A kept result is memory like any other; it is accounted for, never refused (older ones go
+  // first below).
+  finished.charged = bytes + int64_t(finished.contribution_hashes.size() * sizeof(uint64_t)) +
+                     int64_t(sizeof(Finished));
+  if (limits_.budget) limits_.budget->Charge(finished.charged);
+  held_ += finished.charged;
   auto [it, inserted] = finished_.emplace(key, std::move(finished));
-  if (!inserted) return;
+  if (!inserted) {
+    ReleaseLocked(finished.charged);
+    return;
+  }
   finished_order_.push_back(key);
   finished_bytes_ += bytes;
   while (!finished_order_.empty() &&
@@ -264,6 +345,7 @@ void Job::FinishLocked(const RoundKey& key, Finished finished) {
     auto old = finished_.find(finished_order_.front());
     if (old != finished_.end()) {
       if (old->second.result) finished_bytes_ -= int64_t(old->second.result->data().size());
+      ReleaseLocked(old->second.charged);
       finished_.erase(old);
     }
     finished_order_.pop_front();
@@ -290,7 +372,7 @@ void Job::FailRoundLocked(const RoundKey& key, const absl::Status& status, bool 
     if (tell_parent && limits_.has_parent && ScopeReachesParent(it->second.scope)) {
       out->aborts.push_back(Actions::Abort{key, status});
     }
-    open_.erase(it);
+    EraseOpenLocked(it);
   } else if (tell_parent && limits_.has_parent && ScopeReachesParent(scope)) {
     // The round never opened here (rejected first contribution). Other nodes may be waiting.
     // (A node-scope round never reaches the root; an unknown scope might.)
@@ -312,7 +394,7 @@ void Job::DeliverLocked(const Round& round, std::shared_ptr<const v1::Result> re
   if (!d.to.empty()) out->deliveries.push_back(std::move(d));
 }
 
-void Job::SendFinishedLocked(int32_t index, uint64_t session, const RoundKey& key,
+void Job::SendFinishedLocked(int32_t index, const SessionId& session, const RoundKey& key,
                              const Finished& finished, Actions* out) {
   const Member& m = members_[index];
   if (!m.sink) return;
@@ -323,9 +405,9 @@ void Job::SendFinishedLocked(int32_t index, uint64_t session, const RoundKey& ke
   out->deliveries.push_back(std::move(d));
 }
 
-bool Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
+bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribution& c,
                      Clock::time_point now, Actions* out) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (!members_[index].joined || members_[index].session != session) return false;
   const RoundKey key{c.op(), c.seq(), c.phase()};
   if (auto f = finished_.find(key); f != finished_.end()) {
@@ -349,7 +431,7 @@ bool Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
   }
   auto it = open_.find(key);
   Round* open = it == open_.end() ? nullptr : &it->second;
-  if (absl::Status s = ValidateLocked(index, c, open); !s.ok()) {
+  if (absl::Status s = ValidateLocked(index, c, open, out); !s.ok()) {
     // The sender gets the error even if it has no slot in the open round (FailRoundLocked
     // answers the members whose slots are filled).
     if (open == nullptr || !open->slots[index].filled) TellSenderLocked(index, session, key, s, out);
@@ -373,12 +455,23 @@ bool Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
       FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
       return true;
     }
+    const int64_t bytes = int64_t(sizeof(Round) + members_.size() * sizeof(Slot));
+    if (!ChargeLocked(bytes)) {
+      absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
+          "aggregator memory budget exhausted (--memory-budget-bytes): round ", Describe(key),
+          " of job '", id_, "' cannot open; jobs on this aggregator hold too much round data"));
+      out->refused.push_back("memory_budget");
+      TellSenderLocked(index, session, key, s, out);
+      FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
+      return true;
+    }
     Round round;
     round.key = key;
     round.scope = c.scope();
     round.channels = c.channels();
     round.first_contributor = index;
     round.slots.resize(members_.size());
+    round.charged = bytes;
     round.opened = now;
     round.deadline = now + limits_.round_timeout;
     it = open_.emplace(key, std::move(round)).first;
@@ -386,6 +479,17 @@ bool Job::Contribute(int32_t index, uint64_t session, const v1::Contribution& c,
   }
   Slot& slot = open->slots[index];
   if (slot.filled) return true;  // an identical repeat of what it sent before
+  if (!ChargeLocked(int64_t(c.data().size()))) {
+    absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
+        "aggregator memory budget exhausted (--memory-budget-bytes): the contribution of ",
+        MemberName(index), " to round ", Describe(key), " of job '", id_,
+        "' cannot be held; jobs on this aggregator hold too much round data"));
+    out->refused.push_back("memory_budget");
+    TellSenderLocked(index, session, key, s, out);
+    FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
+    return true;
+  }
+  open->charged += int64_t(c.data().size());
   slot.filled = true;
   slot.count = c.count();
   slot.data = c.data();
@@ -401,6 +505,24 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   double* sa = b + channels;
   double* sb = sa + channels;
   int64_t count = 0;
+  // Counts are each >= 0; their sum must fit in int64, or the result would be wrong.
+  for (const Slot& slot : round.slots) {
+    if (__builtin_add_overflow(count, slot.count, &count)) {
+      std::vector<std::string> who;
+      for (size_t i = 0; i < round.slots.size(); ++i) {
+        who.push_back(absl::StrCat(MemberName(int32_t(i)), " count=", round.slots[i].count));
+      }
+      FailRoundLocked(round.key,
+                      absl::InvalidArgumentError(absl::StrCat(
+                          "round ", Describe(round.key), " of job '", id_,
+                          "': the members' counts overflow int64 when summed (",
+                          absl::StrJoin(who, ", "), "); a count is the number of values per "
+                          "channel behind a contribution")),
+                      /*tell_parent=*/true, out);
+      return;
+    }
+  }
+  count = 0;
   // Fixed order: member index 0, 1, ... — the same bits for every member and every rerun.
   for (const Slot& slot : round.slots) {
     wire::UnpackPayload(slot.data, channels, sa, sb);
@@ -419,6 +541,17 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   result->set_channels(round.channels);
   result->set_count(count);
   wire::PackPayload(a, b, channels, result->mutable_data());
+  // Finite inputs can still merge to Inf (overflow): data like any other, unless strict.
+  if (CountNonFinite(result->data(), round.key.phase, nullptr) > 0 && layout_.strict_finite) {
+    FailRoundLocked(round.key,
+                    absl::InvalidArgumentError(absl::StrCat(
+                        "round ", Describe(round.key), " of job '", id_,
+                        "': the merged statistics overflow to Inf or NaN although every "
+                        "contribution was finite; the values are too large (this job is strict: "
+                        "HSBN_STRICT_FINITE)")),
+                    /*tell_parent=*/true, out);
+    return;
+  }
 
   const RoundKey key = round.key;
   if (ScopeReachesParent(round.scope) && limits_.has_parent) {
@@ -450,7 +583,7 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   out->outcomes.push_back(Actions::Outcome{round.scope, key.phase, absl::StatusCode::kOk,
                                            round.opened});
   std::vector<uint64_t> hashes = HashContributions(round);
-  open_.erase(key);
+  EraseOpenLocked(open_.find(key));
   FinishLocked(key, Finished{absl::OkStatus(), shared, std::move(hashes)});
 }
 
@@ -484,7 +617,7 @@ void Job::RecordDivergenceLocked(const Round& round, const v1::Result& global) {
 }
 
 bool Job::NodeDown(std::string* message) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (reported_down_ && message) *message = down_message_;
   return reported_down_;
 }
@@ -509,7 +642,7 @@ absl::Status Job::BlockedLocked(const RoundKey& key) const {
 }
 
 void Job::ChildState(int32_t index, const v1::NodeState& state, Actions* out) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Member& m = members_.at(index);
   if (state.healthy()) {
     if (!m.down.empty()) {
@@ -518,30 +651,27 @@ void Job::ChildState(int32_t index, const v1::NodeState& state, Actions* out) {
     m.down.clear();
     return;
   }
-  m.down = state.message().empty() ? "a worker there disconnected" : state.message();
-  std::vector<RoundKey> doomed;
-  for (auto& [key, round] : open_) {
-    if (!round.slots[index].filled) doomed.push_back(key);
-  }
-  for (const RoundKey& key : doomed) {
-    FailRoundLocked(key,
-                    absl::UnavailableError(absl::StrCat(
-                        "round ", Describe(key), " of job '", id_, "' cannot complete: ",
-                        MemberName(index), " is down: ", m.down,
-                        "; the job cannot make progress until that process rejoins")),
-                    /*tell_parent=*/true, out);
-  }
+  m.down = state.message().empty() ? "a worker there disconnected"
+                                    : wire::Printable(state.message(), 512);
+  const int failed = FailOpenRoundsLocked(
+      [&](const Round& round) { return !round.slots[index].filled; },
+      [&](const RoundKey& key) {
+        return absl::UnavailableError(absl::StrCat(
+            "round ", Describe(key), " of job '", id_, "' cannot complete: ", MemberName(index),
+            " is down: ", m.down, "; the job cannot make progress until that process rejoins"));
+      },
+      /*tell_parent=*/true, out);
   out->log.push_back(absl::StrCat("job '", id_, "': ", MemberName(index), " is down (", m.down,
-                                  "); ", doomed.size(), " open round(s) failed"));
+                                  "); ", failed, " open round(s) failed"));
 }
 
 void Job::ChildAbort(int32_t index, const v1::Abort& abort, Actions* out) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const RoundKey key{abort.op(), abort.seq(), abort.phase()};
   if (finished_.count(key)) return;
   absl::Status s = wire::StatusFromCode(abort.code() == 0 ? int(absl::StatusCode::kAborted)
                                                           : abort.code(),
-                                        abort.message());
+                                        wire::Printable(abort.message(), 1024));
   if (open_.count(key)) {
     FailRoundLocked(key, s, /*tell_parent=*/true, out);
   } else {
@@ -553,7 +683,7 @@ void Job::ChildAbort(int32_t index, const v1::Abort& abort, Actions* out) {
 }
 
 void Job::ParentResult(const v1::Result& result, Actions* out) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const RoundKey key{result.op(), result.seq(), result.phase()};
   auto it = open_.find(key);
   if (it == open_.end() || !it->second.forwarded) return;  // failed here already
@@ -562,29 +692,39 @@ void Job::ParentResult(const v1::Result& result, Actions* out) {
                     /*tell_parent=*/false, out);
     return;
   }
+  if (result.channels() != it->second.channels ||
+      int64_t(result.data().size()) != wire::PayloadBytes(it->second.channels) ||
+      result.count() < 0) {
+    FailRoundLocked(key,
+                    absl::InternalError(absl::StrCat(
+                        "round ", Describe(key), " of job '", id_, "': the root aggregator "
+                        "answered with a malformed result (", result.channels(), " channels, ",
+                        result.data().size(), " bytes; expected ", it->second.channels,
+                        " channels); check that the root runs the same hsbn version")),
+                    /*tell_parent=*/false, out);
+    return;
+  }
+  CountNonFinite(result.data(), key.phase, out);
   auto copy = std::make_shared<v1::Result>(result);
-  copy->set_session_id(0);
+  copy->clear_session();
   std::shared_ptr<const v1::Result> shared = copy;
   DeliverLocked(it->second, shared, out);
   ++rounds_completed_;
   out->outcomes.push_back(Actions::Outcome{it->second.scope, key.phase, absl::StatusCode::kOk,
                                            it->second.opened});
   std::vector<uint64_t> hashes = HashContributions(it->second);
-  open_.erase(it);
+  EraseOpenLocked(it);
   FinishLocked(key, Finished{absl::OkStatus(), shared, std::move(hashes)});
 }
 
 void Job::ParentLost(const absl::Status& status, Actions* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<RoundKey> doomed;
-  for (auto& [key, round] : open_) {
-    if (round.forwarded) doomed.push_back(key);
-  }
-  for (const RoundKey& key : doomed) FailRoundLocked(key, status, /*tell_parent=*/false, out);
+  absl::MutexLock lock(&mu_);
+  FailOpenRoundsLocked([](const Round& round) { return round.forwarded; },
+                       [&](const RoundKey&) { return status; }, /*tell_parent=*/false, out);
 }
 
 void Job::Expire(Clock::time_point now, Actions* out) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<std::pair<RoundKey, absl::Status>> doomed;
   const int64_t ms = limits_.round_timeout.count();
   for (auto& [key, round] : open_) {
@@ -618,25 +758,24 @@ void Job::Expire(Clock::time_point now, Actions* out) {
 }
 
 void Job::FailAll(const absl::Status& status, Actions* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<RoundKey> doomed;
-  for (auto& [key, round] : open_) doomed.push_back(key);
-  for (const RoundKey& key : doomed) FailRoundLocked(key, status, /*tell_parent=*/false, out);
+  absl::MutexLock lock(&mu_);
+  FailOpenRoundsLocked([](const Round&) { return true; }, [&](const RoundKey&) { return status; },
+                       /*tell_parent=*/false, out);
 }
 
 void Job::SetToken(const std::string& token) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (token_ && *token_ == token) return;
   token_ = std::make_shared<const std::string>(token);
 }
 
 std::shared_ptr<const std::string> Job::token() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return token_;
 }
 
 void Job::FillStatus(v1::JobStatus* s) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   s->set_job_id(id_);
   s->set_world_size(layout_.world_size);
   s->set_num_nodes(layout_.num_nodes);

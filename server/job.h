@@ -15,7 +15,11 @@
 // Nothing here hard-codes two levels: an aggregator with a parent forwards the rounds whose
 // scope reaches above its level; one without a parent answers them.
 //
-// Thread safety: all public methods are safe to call concurrently (one mutex per job).
+// Memory: every byte of round data and kept results is charged to the process's MemoryBudget
+// (JobLimits::budget) while the job holds it, and released when it lets go or is destroyed.
+//
+// Thread safety: all public methods are safe to call concurrently (one mutex per job; the lock
+// rules are ABSL_GUARDED_BY annotations, checked by Clang's -Wthread-safety).
 #ifndef HSBN_SERVER_JOB_H_
 #define HSBN_SERVER_JOB_H_
 
@@ -24,14 +28,16 @@
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "hsbn/v1/hsbn.pb.h"
+#include "session.h"
 
 namespace hsbn::server {
 
@@ -71,6 +77,7 @@ struct JobLayout {
   int32_t local_world_size = 0;
   int32_t num_nodes = 0;
   int32_t node_rank = -1;  // at a sidecar: the node it serves for this job; -1 at the root
+  bool strict_finite = false;  // JoinRequest.strict_finite: non-finite values fail rounds
   // Members expected here: local ranks at a sidecar, nodes at the root.
   int32_t group_size() const {
     return member_kind == v1::MEMBER_KIND_WORKER ? local_world_size : num_nodes;
@@ -84,13 +91,14 @@ struct JobLimits {
   int32_t finished_rounds_kept = 1024;   // tombstones for late / repeated contributions
   int64_t finished_bytes_kept = 16 << 20;
   bool has_parent = false;               // a sidecar with --upstream
+  std::shared_ptr<MemoryBudget> budget;  // null: unbounded (unit tests)
 };
 
 // What the caller must do after a Job call returns.
 struct Actions {
   struct Delivery {
-    std::vector<std::pair<uint64_t, std::shared_ptr<ResultSink>>> to;  // session, sink
-    std::shared_ptr<const v1::Result> result;  // session_id is filled per recipient
+    std::vector<std::pair<SessionId, std::shared_ptr<ResultSink>>> to;  // session, sink
+    std::shared_ptr<const v1::Result> result;  // `session` is filled per recipient
   };
   struct Forward {  // send this partial to the parent aggregator
     RoundKey key;
@@ -124,6 +132,10 @@ struct Actions {
   // "node 1" at the root, "upstream" when the parent did not answer.
   std::vector<std::string> timed_out;
   std::vector<std::string> log;  // things worth a log line, in words
+  // For metrics: NaN/Inf values seen in contributions and results, per phase (forward,
+  // backward), and why requests were refused for lack of a resource (Metrics::Refused).
+  int64_t nonfinite[2] = {0, 0};
+  std::vector<const char*> refused;
   bool empty() const {
     return deliveries.empty() && forwards.empty() && aborts.empty() && node_states.empty();
   }
@@ -132,6 +144,7 @@ struct Actions {
 class Job {
  public:
   Job(std::string id, JobLayout layout, JobLimits limits);
+  ~Job();
   Job(const Job&) = delete;
   Job& operator=(const Job&) = delete;
 
@@ -143,20 +156,24 @@ class Job {
 
   // Adds a member at `index` with a new session. Fails with ALREADY_EXISTS if another session
   // holds the index and is connected, unless it is `previous_session` (a reconnect).
-  absl::Status AddMember(int32_t index, uint64_t session, uint64_t previous_session, Actions* out);
+  absl::Status AddMember(int32_t index, const SessionId& session,
+                         const SessionId& previous_session, Clock::time_point now, Actions* out);
   // Binds a session to a stream's sink. NOT_FOUND if the session is not (or no longer) here.
-  absl::Status Attach(int32_t index, uint64_t session, std::shared_ptr<ResultSink> sink);
+  absl::Status Attach(int32_t index, const SessionId& session, std::shared_ptr<ResultSink> sink,
+                      Clock::time_point now);
   // The member's stream broke (connected=false) or it left (left=true): every open round that
   // still waits for it fails at once, naming it.
-  void MemberGone(int32_t index, uint64_t session, bool left, Actions* out);
-  // True when every member left or lost its stream (the job can be dropped).
-  bool Abandoned() const;
+  void MemberGone(int32_t index, const SessionId& session, bool left, Clock::time_point now,
+                  Actions* out);
+  // True when the job can be dropped: every member left or lost its stream, or no member has
+  // been attached to a stream for `attach_timeout` (members that joined and never attached).
+  bool Droppable(Clock::time_point now, Clock::duration attach_timeout) const;
 
   // A member's contribution. Validates it first; a bad one fails the round for everyone.
   // Returns false, touching nothing, when `session` is no longer the member's session (it was
   // replaced by a newer Join, or the member left): the caller answers NOT_FOUND.
-  bool Contribute(int32_t index, uint64_t session, const v1::Contribution& c, Clock::time_point now,
-                  Actions* out);
+  bool Contribute(int32_t index, const SessionId& session, const v1::Contribution& c,
+                  Clock::time_point now, Actions* out);
   // A child aggregator says a round failed below it.
   void ChildAbort(int32_t index, const v1::Abort& abort, Actions* out);
   // A child aggregator says its node is down (a worker is gone: every open round still waiting
@@ -179,6 +196,9 @@ class Job {
   void SetToken(const std::string& token);
   std::shared_ptr<const std::string> token() const;
 
+  // Bytes this job holds charged to its MemoryBudget (0 once it holds nothing).
+  int64_t held_bytes() const;
+
   void FillStatus(v1::JobStatus* status) const;
   // Human name of a member: "rank 5 (node 1, local rank 1)" or "node 1 (ranks 4-7)".
   std::string MemberName(int32_t index) const;
@@ -196,6 +216,7 @@ class Job {
     int32_t first_contributor = -1;
     std::vector<Slot> slots;
     int32_t filled = 0;
+    int64_t charged = 0;     // bytes charged to the budget for this round
     bool forwarded = false;  // waiting for the parent
     Clock::time_point opened;  // first contribution
     Clock::time_point deadline;
@@ -206,9 +227,10 @@ class Job {
     // OK rounds: a hash of each member's contribution, to tell a retransmission (same payload:
     // answered with the result again) from a reused round key (different payload: refused).
     std::vector<uint64_t> contribution_hashes;
+    int64_t charged = 0;
   };
   struct Member {
-    uint64_t session = 0;
+    SessionId session;
     bool joined = false;
     bool connected = false;  // attached to a live stream
     bool gone = false;       // its stream broke or it left; rounds cannot complete without it
@@ -221,41 +243,60 @@ class Job {
     double mean_shift_sum = 0, mean_shift_max = 0, var_ratio_sum = 0, log_var_ratio_abs_sum = 0;
   };
 
-  absl::Status ValidateLocked(int32_t index, const v1::Contribution& c, const Round* open) const;
+  absl::Status ValidateLocked(int32_t index, const v1::Contribution& c, const Round* open,
+                              Actions* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `scope` names the round's scope in metrics when it never opened here.
   void FailRoundLocked(const RoundKey& key, const absl::Status& status, bool tell_parent,
-                       Actions* out, v1::Scope scope = v1::SCOPE_UNSPECIFIED);
-  void CompleteLocked(Round& round, Actions* out);
+                       Actions* out, v1::Scope scope = v1::SCOPE_UNSPECIFIED)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails every open round for which `waits(round)` holds, with the status `why(key)`.
+  template <typename Waits, typename Why>
+  int FailOpenRoundsLocked(Waits waits, Why why, bool tell_parent, Actions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseOpenLocked(std::map<RoundKey, Round>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CompleteLocked(Round& round, Actions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::vector<uint64_t> HashContributions(const Round& round);
-  void FinishLocked(const RoundKey& key, Finished finished);
-  void DeliverLocked(const Round& round, std::shared_ptr<const v1::Result> result, Actions* out);
-  void SendFinishedLocked(int32_t index, uint64_t session, const RoundKey& key,
-                          const Finished& finished, Actions* out);
-  void RecordDivergenceLocked(const Round& round, const v1::Result& global);
-  std::shared_ptr<const v1::Result> MakeError(const RoundKey& key, const absl::Status& s) const;
+  void FinishLocked(const RoundKey& key, Finished finished) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DeliverLocked(const Round& round, std::shared_ptr<const v1::Result> result, Actions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendFinishedLocked(int32_t index, const SessionId& session, const RoundKey& key,
+                          const Finished& finished, Actions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordDivergenceLocked(const Round& round, const v1::Result& global)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers only the contributor (`index`, `session`) of round `key` with error `s`.
-  void TellSenderLocked(int32_t index, uint64_t session, const RoundKey& key,
-                        const absl::Status& s, Actions* out) const;
+  void TellSenderLocked(int32_t index, const SessionId& session, const RoundKey& key,
+                        const absl::Status& s, Actions* out) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool ScopeReachesParent(v1::Scope scope) const;
   // Why a new round cannot complete here (a member gone, or a node below down); OK if it can.
-  absl::Status BlockedLocked(const RoundKey& key) const;
+  absl::Status BlockedLocked(const RoundKey& key) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Charges `bytes` to the budget (false: refused, nothing charged) / releases them.
+  bool ChargeLocked(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseLocked(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts the non-finite values of a payload into out->nonfinite; returns how many.
+  static int64_t CountNonFinite(const std::string& data, v1::Phase phase, Actions* out);
 
   const std::string id_;
   const JobLayout layout_;
   const JobLimits limits_;
 
-  mutable std::mutex mu_;
-  std::vector<Member> members_;
-  std::map<RoundKey, Round> open_;
-  absl::flat_hash_map<RoundKey, Finished> finished_;  // looked up for every contribution
-  std::deque<RoundKey> finished_order_;
-  int64_t finished_bytes_ = 0;
-  int64_t rounds_completed_ = 0;
-  int64_t rounds_failed_ = 0;
-  std::map<std::pair<uint32_t, int32_t>, DivergenceAcc> divergence_;  // (op, node)
-  std::shared_ptr<const std::string> token_;
-  bool reported_down_ = false;  // a sidecar that told its parent that its node is down
-  std::string down_message_;    // what it said
+  mutable absl::Mutex mu_;
+  std::vector<Member> members_ ABSL_GUARDED_BY(mu_);
+  std::map<RoundKey, Round> open_ ABSL_GUARDED_BY(mu_);
+  // Looked up for every contribution.
+  absl::flat_hash_map<RoundKey, Finished> finished_ ABSL_GUARDED_BY(mu_);
+  std::deque<RoundKey> finished_order_ ABSL_GUARDED_BY(mu_);
+  int64_t finished_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t rounds_completed_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t rounds_failed_ ABSL_GUARDED_BY(mu_) = 0;
+  // (op, node)
+  std::map<std::pair<uint32_t, int32_t>, DivergenceAcc> divergence_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const std::string> token_ ABSL_GUARDED_BY(mu_);
+  bool reported_down_ ABSL_GUARDED_BY(mu_) = false;  // a sidecar that told its parent so
+  std::string down_message_ ABSL_GUARDED_BY(mu_);    // what it said
+  int64_t held_ ABSL_GUARDED_BY(mu_) = 0;            // bytes charged to limits_.budget
+  Clock::time_point last_change_ ABSL_GUARDED_BY(mu_);  // a member joined, attached or went
 };
 
 }  // namespace hsbn::server

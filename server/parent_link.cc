@@ -3,7 +3,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
-#include "aggregator.h"
+#include "absl/time/time.h"
 #include "event.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -14,87 +14,112 @@ namespace hsbn::server {
 
 namespace {
 constexpr auto kConnectTimeout = std::chrono::seconds(5);
-// Most bytes of frames put in one FrameBatch (a single larger frame still goes alone).
-constexpr size_t kMaxBatchBytes = 4 << 20;
 }  // namespace
 
+struct FrameTraits {
+  using Item = v1::ClientFrame;
+  using Frame = v1::ClientFrame;
+  static size_t Bytes(const v1::ClientFrame& f) {
+    return f.contribution().data().size() + sizeof(v1::ClientFrame);
+  }
+  static size_t Pack(std::deque<v1::ClientFrame>* pending, v1::ClientFrame* frame, bool batches,
+                     size_t max_batch_bytes) {
+    size_t taken = 0;
+    if (pending->size() == 1 || !batches) {
+      taken = Bytes(pending->front());
+      *frame = std::move(pending->front());
+      pending->pop_front();
+      return taken;
+    }
+    v1::FrameBatch* batch = frame->mutable_batch();
+    size_t bytes = 0;
+    while (!pending->empty()) {
+      const size_t size = pending->front().contribution().data().size();
+      if (batch->frames_size() > 0 && bytes + size > max_batch_bytes) break;
+      bytes += size;
+      taken += Bytes(pending->front());
+      *batch->add_frames() = std::move(pending->front());
+      pending->pop_front();
+    }
+    return taken;
+  }
+};
+
 // One Exchange stream to the parent, on gRPC's async API, on the aggregator's completion queue:
-// its completions run on the event thread. Send() queues a frame and starts a write when none
-// is in flight (from any thread: the async API runs nothing inline, so the write starts under
-// the lock); a write's completion sends whatever queued meanwhile, as one FrameBatch when the
-// parent accepts batches. Until the call has started, the start counts as the write in flight.
-// When the read fails (the stream broke, or was cancelled) and no write is in flight, Finish
-// collects the status and its completion tells the link (ConnDone). Every operation in flight
-// (start, read, write, finish) is counted; the Conn holds itself (self_) until the count is
-// zero, after which nothing refers to it from gRPC. Send() refuses frames once it is broken.
-class ParentLink::Conn final {
+// its completions run on the event thread. Writes go through a bounded StreamWriter (one in
+// flight, batches when the parent accepts them, --max-queued-bytes and the memory budget);
+// until the call has started the writer is held. When the read fails (the stream broke, or
+// was cancelled) and no write is in flight, Finish collects the status and its completion
+// tells the link (ConnDone). The Conn holds itself (self_) until its last operation is back.
+// Send() refuses frames once it is broken; an overflow breaks it (the rounds behind it fail
+// through ConnDone -> OnParentLost).
+class ParentLink::Conn final : public StreamWriter<FrameTraits> {
  public:
-  explicit Conn(ParentLink* link) : link_(link) {}
+  explicit Conn(ParentLink* link)
+      : StreamWriter(link->writer_limits_, /*held=*/true), link_(link) {}
 
   void Start(const std::shared_ptr<Conn>& self, v1::Aggregator::Stub* stub,
-             grpc::CompletionQueue* cq) {
-    std::lock_guard<std::mutex> lock(mu_);
+             grpc::CompletionQueue* cq) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
     self_ = self;
-    writing_ = true;  // nothing is written before the call has started
-    ops_ = 1;
+    ops() = 1;
     stream_ = stub->PrepareAsyncExchange(&context_, cq);
     stream_->StartCall(&start_tag_);
   }
 
-  // The parent's JoinResponse said it accepts batches.
-  void EnableBatches() { batches_.store(true, std::memory_order_relaxed); }
-
   // False when the stream is broken: the frame was not queued.
-  bool Send(v1::ClientFrame frame) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (broken_) return false;
-    pending_.push_back(std::move(frame));
-    if (writing_) return true;
-    writing_ = true;
-    StartWriteLocked();
-    return true;
-  }
+  bool Send(v1::ClientFrame frame) { return Push(std::move(frame)); }
 
-  bool broken() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return broken_;
+  bool broken() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return closed();
   }
   void Cancel() { context_.TryCancel(); }
 
   // Waits (at most `timeout`) until ConnDone has told the link that this stream is gone, so
   // that its failure report cannot fail rounds already sent on the next stream.
-  void WaitDone(std::chrono::milliseconds timeout) {
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait_for(lock, timeout, [this] { return done_; });
+  void WaitDone(std::chrono::milliseconds timeout) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&done_), absl::FromChrono(timeout));
   }
 
   // Writer (connect) thread only.
-  std::map<std::string, uint64_t> session_of_job;
+  std::map<std::string, SessionId> session_of_job;
+
+ protected:
+  bool StartWriteLocked(const v1::ClientFrame& frame) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (link_->metrics_) link_->metrics_->Sent(Metrics::Link::kUpstream, frame.ByteSizeLong());
+    ++ops();
+    stream_->Write(frame, &write_tag_);
+    return true;
+  }
+  void OverflowLocked(const char* which) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Log(LogLevel::kWarn, absl::StrCat("the stream to the root ", link_->address_, " has more "
+                                      "than ", std::string(which) == "queue"
+                                          ? "--max-queued-bytes unsent"
+                                          : "the memory budget's worth of unsent bytes",
+                                      "; dropping it (global rounds in flight fail)"));
+    context_.TryCancel();  // the read fails, then Finish, then ConnDone
+  }
+  void IdleLocked() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { MaybeFinishLocked(); }
 
  private:
   void OnStart(bool ok) {
     bool cancel = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       if (!ok) {
         // The call never started: no read; Finish reports why.
-        broken_ = true;
+        set_closed();
         read_failed_ = true;
-        pending_.clear();
-        writing_ = false;
         MaybeFinishLocked();
       } else {
-        ++ops_;
+        ++ops();
         stream_->Read(&in_, &read_tag_);
-        if (broken_) {
-          // Cancelled before it started: the read fails, then Finish.
-          writing_ = false;
-          pending_.clear();
-          cancel = true;
-        } else if (!pending_.empty()) {
-          StartWriteLocked();
+        if (closed()) {
+          cancel = true;  // cancelled before it started: the read fails, then Finish
         } else {
-          writing_ = false;
+          UnholdLocked();
         }
       }
     }
@@ -105,43 +130,30 @@ class ParentLink::Conn final {
   void OnRead(bool ok) {
     if (!ok) {
       {
-        std::lock_guard<std::mutex> lock(mu_);
-        broken_ = true;
+        absl::MutexLock lock(&mu_);
+        set_closed();
         read_failed_ = true;
         MaybeFinishLocked();
       }
       Release();
       return;
     }
-    Metrics* metrics = link_->aggregator_->metrics();
-    if (metrics) metrics->Received(Metrics::Link::kUpstream, in_.ByteSizeLong());
+    if (link_->metrics_) link_->metrics_->Received(Metrics::Link::kUpstream, in_.ByteSizeLong());
     if (in_.has_result()) {
       link_->Deliver(in_.result());
     } else if (in_.has_batch()) {
       for (const v1::Result& r : in_.batch().results()) link_->Deliver(r);
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++ops_;
+      absl::MutexLock lock(&mu_);
+      ++ops();
       stream_->Read(&in_, &read_tag_);
     }
     Release();
   }
 
   void OnWrite(bool ok) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!ok) broken_ = true;
-      if (broken_) {
-        pending_.clear();  // the rounds behind them fail through ConnDone -> OnParentLost
-        writing_ = false;
-        MaybeFinishLocked();
-      } else if (!pending_.empty()) {
-        StartWriteLocked();
-      } else {
-        writing_ = false;
-      }
-    }
+    WriteDone(ok);
     if (!ok) context_.TryCancel();  // so that the read fails too
     Release();
   }
@@ -149,9 +161,8 @@ class ParentLink::Conn final {
   void OnFinish(bool) {
     link_->ConnDone(status_);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       done_ = true;
-      done_cv_.notify_all();
     }
     Release();
   }
@@ -159,49 +170,22 @@ class ParentLink::Conn final {
   // Drops one operation; the last one releases the Conn's hold on itself (may delete it).
   void Release() {
     std::shared_ptr<Conn> self;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--ops_ == 0) self = std::move(self_);
+    if (ReleaseOp()) {
+      absl::MutexLock lock(&mu_);
+      self = std::move(self_);
     }
   }
 
   // Finish once no more messages come (the read failed) and no write is in flight.
-  void MaybeFinishLocked() {
-    if (!read_failed_ || writing_ || finishing_) return;
+  void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!read_failed_ || writing() || finishing_) return;
     finishing_ = true;
-    ++ops_;
+    ++ops();
     stream_->Finish(&status_, &finish_tag_);
   }
 
-  void StartWriteLocked() {
-    ++ops_;
-    stream_->Write(*TakeLocked(), &write_tag_);
-  }
-
-  v1::ClientFrame* TakeLocked() {
-    if (pending_.size() == 1 || !batches_.load(std::memory_order_relaxed)) {
-      current_ = std::move(pending_.front());
-      pending_.pop_front();
-    } else {
-      current_.Clear();
-      v1::FrameBatch* batch = current_.mutable_batch();
-      size_t bytes = 0;
-      while (!pending_.empty()) {
-        const size_t size = pending_.front().contribution().data().size();
-        if (batch->frames_size() > 0 && bytes + size > kMaxBatchBytes) break;
-        bytes += size;
-        *batch->add_frames() = std::move(pending_.front());
-        pending_.pop_front();
-      }
-    }
-    if (Metrics* m = link_->aggregator_->metrics()) {
-      m->Sent(Metrics::Link::kUpstream, current_.ByteSizeLong());
-    }
-    return &current_;
-  }
-
   ParentLink* const link_;
-  std::shared_ptr<Conn> self_;
+  std::shared_ptr<Conn> self_ ABSL_GUARDED_BY(mu_);
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::ClientFrame, v1::ServerFrame>> stream_;
   MemberTag<Conn> start_tag_{this, &Conn::OnStart};
@@ -210,52 +194,46 @@ class ParentLink::Conn final {
   MemberTag<Conn> finish_tag_{this, &Conn::OnFinish};
   v1::ServerFrame in_;
   grpc::Status status_;
-  std::atomic<bool> batches_{false};
-  std::mutex mu_;
-  std::deque<v1::ClientFrame> pending_;
-  v1::ClientFrame current_;
-  int ops_ = 0;  // operations in flight
-  bool writing_ = false;
-  bool broken_ = false;
-  bool read_failed_ = false;
-  bool finishing_ = false;
-  bool done_ = false;
-  std::condition_variable done_cv_;
+  bool read_failed_ ABSL_GUARDED_BY(mu_) = false;
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-// ParentLink::Status as an async unary call on the event thread's queue.
-class ParentLink::StatusCall final {
+// One async unary call to the parent (Join, Leave, Status) on cq_; its completion runs `done`
+// on the event thread, then tells the link (UnaryDone), which deletes it.
+template <typename Req, typename Resp>
+class ParentLink::UnaryCall final {
  public:
-  StatusCall(ParentLink* link,
-             std::function<void(const grpc::Status&, const v1::StatusResponse&)> done)
+  UnaryCall(ParentLink* link, std::function<void(const grpc::Status&, const Resp&)> done)
       : link_(link), done_(std::move(done)) {}
 
   grpc::ClientContext ctx;
-  v1::StatusResponse resp;
+  Resp resp;
   grpc::Status status;
-  std::unique_ptr<grpc::ClientAsyncResponseReader<v1::StatusResponse>> rpc;
-  MemberTag<StatusCall> tag{this, &StatusCall::OnDone};
+  std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> rpc;
+  MemberTag<UnaryCall> tag{this, &UnaryCall::OnDone};
 
  private:
   void OnDone(bool) {
     done_(status, resp);
-    link_->StatusDone(this);  // deletes this
+    link_->UnaryDone(this);
+    delete this;
   }
 
   ParentLink* const link_;
-  std::function<void(const grpc::Status&, const v1::StatusResponse&)> done_;
+  std::function<void(const grpc::Status&, const Resp&)> done_;
 };
 
-ParentLink::ParentLink(Aggregator* aggregator, std::string address, std::string id,
-                       std::shared_ptr<grpc::ChannelCredentials> credentials, bool tls,
-                       const std::string& tls_name, grpc::CompletionQueue* cq)
-    : aggregator_(aggregator),
-      address_(std::move(address)),
-      id_(std::move(id)),
-      tls_(tls),
+ParentLink::ParentLink(UpstreamListener* listener, Options options, grpc::CompletionQueue* cq)
+    : listener_(listener),
+      address_(std::move(options.address)),
+      id_(std::move(options.id)),
+      tls_(options.tls),
+      writer_limits_(options.writer),
+      metrics_(options.metrics),
       cq_(cq) {
   grpc::ChannelArguments args;
-  if (!tls_name.empty()) args.SetSslTargetNameOverride(tls_name);
+  if (!options.tls_name.empty()) args.SetSslTargetNameOverride(options.tls_name);
   args.SetMaxReceiveMessageSize(64 << 20);
   args.SetMaxSendMessageSize(64 << 20);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
@@ -266,7 +244,7 @@ ParentLink::ParentLink(Aggregator* aggregator, std::string address, std::string 
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);  // keep pinging an idle stream
-  channel_ = grpc::CreateCustomChannel(address_, std::move(credentials), args);
+  channel_ = grpc::CreateCustomChannel(address_, std::move(options.credentials), args);
   stub_ = v1::Aggregator::NewStub(channel_);
   writer_ = std::thread([this] { WriterLoop(); });
 }
@@ -275,26 +253,66 @@ ParentLink::~ParentLink() { Shutdown(); }
 
 void ParentLink::Shutdown() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (stopping_) return;
     stopping_ = true;
   }
-  cv_.notify_all();
   if (writer_.joinable()) writer_.join();
-  // A stream's and a Status call's completions call into this object and the aggregator until
+  // A stream's and a unary call's completions call into this object and the listener until
   // they finish; the event thread runs them.
-  std::unique_lock<std::mutex> lock(mu_);
-  for (StatusCall* call : status_calls_) call->ctx.TryCancel();
-  cv_.wait(lock, [this] { return live_conns_ == 0; });
+  absl::MutexLock lock(&mu_);
+  for (auto& [call, cancel] : unary_calls_) cancel();
+  mu_.Await(absl::Condition(
+      +[](int* live) { return *live == 0; }, &live_conns_));
+}
+
+template <typename Req, typename Resp>
+bool ParentLink::StartUnary(
+    std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> (v1::Aggregator::Stub::*prepare)(
+        grpc::ClientContext*, const Req&, grpc::CompletionQueue*),
+    const Req& req, std::chrono::milliseconds timeout,
+    std::function<void(const grpc::Status&, const Resp&)> done) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return false;
+  // Started under mu_: Shutdown (which sets stopping_ first) then waits for it, so the queue
+  // is never shut down under a call started here.
+  auto* call = new UnaryCall<Req, Resp>(this, std::move(done));
+  call->ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  unary_calls_[call] = [call] { call->ctx.TryCancel(); };
+  ++live_conns_;
+  call->rpc = (stub_.get()->*prepare)(&call->ctx, req, cq_);
+  call->rpc->StartCall();
+  call->rpc->Finish(&call->resp, &call->status, &call->tag);
+  return true;
+}
+
+void ParentLink::UnaryDone(void* call) {
+  absl::MutexLock lock(&mu_);
+  unary_calls_.erase(call);
+  --live_conns_;
+}
+
+void ParentLink::CheckStalled(std::chrono::steady_clock::time_point now) {
+  std::shared_ptr<Conn> conn;
+  {
+    absl::MutexLock lock(&mu_);
+    conn = published_;
+  }
+  if (conn && conn->Stalled(now)) {
+    Log(LogLevel::kWarn, absl::StrCat("a write to the root ", address_, " waited longer than "
+                                      "--write-deadline-ms; dropping the stream"));
+    conn->Cancel();
+  }
 }
 
 void ParentLink::Enqueue(Item item) {
   std::shared_ptr<Conn> conn;
-  uint64_t session = 0;
+  SessionId session;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (stopping_) return;
-    if (!item.leave && queue_.empty() && published_ && !published_->broken()) {
+    if (!item.leave && !item.join_done && queue_.empty() && published_ &&
+        !published_->broken()) {
       auto it = published_sessions_.find(item.job_id);
       if (it != published_sessions_.end()) {
         conn = published_;
@@ -303,15 +321,14 @@ void ParentLink::Enqueue(Item item) {
     }
     if (!conn) {
       queue_.push_back(std::move(item));
-      cv_.notify_one();
       return;
     }
   }
   // Fast path: the stream is up and the job joined at the parent; queue on the stream from this
   // thread (never blocks).
-  if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session_id(session);
-  if (item.frame.has_abort()) item.frame.mutable_abort()->set_session_id(session);
-  if (item.frame.has_node_state()) item.frame.mutable_node_state()->set_session_id(session);
+  if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session(session.Bytes());
+  if (item.frame.has_abort()) item.frame.mutable_abort()->set_session(session.Bytes());
+  if (item.frame.has_node_state()) item.frame.mutable_node_state()->set_session(session.Bytes());
   if (!conn->Send(std::move(item.frame))) {
     FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
                                                        " broke")));
@@ -319,7 +336,7 @@ void ParentLink::Enqueue(Item item) {
 }
 
 void ParentLink::Unpublish() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   published_.reset();
   published_sessions_.clear();
 }
@@ -373,34 +390,13 @@ void ParentLink::NodeState(const std::string& job_id, const Actions::NodeState& 
 
 void ParentLink::Status(const v1::StatusRequest& request,
                         std::function<void(const grpc::Status&, const v1::StatusResponse&)> done) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (stopping_) {
-    lock.unlock();
-    done(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the sidecar is shutting down"),
-         v1::StatusResponse());
-    return;
-  }
-  // Started under mu_: Shutdown (which sets stopping_ first) then waits for it, so the queue
-  // is never shut down under a call started here.
-  auto* call = new StatusCall(this, std::move(done));
   v1::StatusRequest req = request;
   req.set_include_upstream(false);
-  call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  status_calls_.insert(call);
-  ++live_conns_;
-  call->rpc = stub_->PrepareAsyncStatus(&call->ctx, req, cq_);
-  call->rpc->StartCall();
-  call->rpc->Finish(&call->resp, &call->status, &call->tag);
-}
-
-void ParentLink::StatusDone(StatusCall* call) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    status_calls_.erase(call);
-    --live_conns_;
-    cv_.notify_all();
+  if (!StartUnary<v1::StatusRequest, v1::StatusResponse>(
+          &v1::Aggregator::Stub::PrepareAsyncStatus, req, std::chrono::seconds(2), done)) {
+    done(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the sidecar is shutting down"),
+         v1::StatusResponse());
   }
-  delete call;
 }
 
 void ParentLink::FailItem(const Item& item, const absl::Status& status) {
@@ -411,13 +407,16 @@ void ParentLink::FailItem(const Item& item, const absl::Status& status) {
                                       status.ToString()));
     return;
   }
-  v1::Result r;
-  r.set_op(item.key.op);
-  r.set_seq(item.key.seq);
-  r.set_phase(item.key.phase);
-  r.set_code(int(status.code()));
-  r.set_message(std::string(status.message()));
-  aggregator_->OnParentResult(item.job_id, r);
+  listener_->OnParentResult(item.job_id,
+                            wire::ErrorResult(item.key.op, item.key.seq, item.key.phase, status));
+}
+
+void ParentLink::FailParked(const absl::Status& status) {
+  std::map<std::string, std::deque<Item>> parked;
+  parked.swap(parked_);
+  for (auto& [job, items] : parked) {
+    for (const Item& item : items) FailItem(item, status);
+  }
 }
 
 void ParentLink::Leave(const std::string& job_id) {
@@ -427,9 +426,113 @@ void ParentLink::Leave(const std::string& job_id) {
   Enqueue(std::move(item));
 }
 
+void ParentLink::StartJoin(const Item& item) {
+  v1::JoinRequest req;
+  req.set_protocol_version(v1::PROTOCOL_VERSION_2);
+  req.set_job_id(item.job_id);
+  req.set_kind(v1::MEMBER_KIND_AGGREGATOR);
+  req.set_world_size(item.layout.world_size);
+  req.set_local_world_size(item.layout.local_world_size);
+  req.set_node_rank(item.layout.node_rank);
+  req.set_rank(-1);
+  req.set_local_rank(-1);
+  req.set_strict_finite(item.layout.strict_finite);
+  if (auto last = last_session_.find(item.job_id); last != last_session_.end()) {
+    req.set_previous_session(last->second.Bytes());
+  }
+  if (item.token) req.set_token(*item.token);
+  std::shared_ptr<void> on = conn_;
+  const std::string job_id = item.job_id;
+  StartUnary<v1::JoinRequest, v1::JoinResponse>(
+      &v1::Aggregator::Stub::PrepareAsyncJoin, req,
+      std::chrono::duration_cast<std::chrono::milliseconds>(kConnectTimeout),
+      [this, on, job_id](const grpc::Status& s, const v1::JoinResponse& resp) {
+        Item done;
+        done.job_id = job_id;
+        done.join_done = true;
+        done.join_status = s;
+        done.join_response = resp;
+        done.joined_on = on;
+        Enqueue(std::move(done));  // to the writer thread, in order with the job's frames
+      });
+}
+
+void ParentLink::JoinDone(Item& done) {
+  auto parked = parked_.find(done.job_id);
+  if (parked == parked_.end() || done.joined_on != std::static_pointer_cast<void>(conn_)) {
+    return;  // its stream is gone: the parked items failed with it
+  }
+  std::deque<Item> items = std::move(parked->second);
+  parked_.erase(parked);
+  absl::Status status;
+  SessionId session;
+  if (!done.join_status.ok()) {
+    status = absl::Status(wire::FromGrpc(done.join_status).code(),
+                          absl::StrCat("joining job '", done.job_id, "' at the root ", address_,
+                                       " failed: ", done.join_status.error_message()));
+  } else if (!SessionId::FromBytes(done.join_response.session(), &session)) {
+    status = absl::InternalError(absl::StrCat("the root ", address_, " answered Join for job '",
+                                              done.job_id, "' without a valid session; check "
+                                              "that it runs the same hsbn version"));
+  }
+  if (!status.ok()) {
+    for (const Item& item : items) FailItem(item, status);
+    return;
+  }
+  if (done.join_response.accepts_batches()) conn_->EnableBatches();
+  conn_->session_of_job[done.job_id] = session;
+  last_session_[done.job_id] = session;
+  {
+    absl::MutexLock lock(&jobs_mu_);
+    job_of_session_[session] = done.job_id;
+  }
+  v1::ClientFrame attach;
+  attach.mutable_attach()->add_sessions(session.Bytes());
+  attach.mutable_attach()->set_accepts_batches(true);
+  if (!items.empty() && items.front().token) attach.mutable_attach()->set_token(*items.front().token);
+  if (!conn_->Send(std::move(attach))) {
+    for (const Item& item : items) {
+      FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
+                                                         " broke")));
+    }
+    return;
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    SendJoined(items[i], session);
+    // A parent that holds a new session for this node knows nothing of its lost workers: say
+    // it again, after the first item (whose round completed here before).
+    if (i == 0) {
+      if (std::string why; listener_->NodeDown(done.job_id, &why)) {
+        v1::ClientFrame down;
+        down.mutable_node_state()->set_session(session.Bytes());
+        down.mutable_node_state()->set_healthy(false);
+        down.mutable_node_state()->set_message(why);
+        conn_->Send(std::move(down));
+      }
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  published_ = conn_;
+  published_sessions_[done.job_id] = session;
+}
+
+void ParentLink::SendJoined(Item& item, const SessionId& session) {
+  if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session(session.Bytes());
+  if (item.frame.has_abort()) item.frame.mutable_abort()->set_session(session.Bytes());
+  if (item.frame.has_node_state()) item.frame.mutable_node_state()->set_session(session.Bytes());
+  if (!conn_->Send(std::move(item.frame))) {
+    FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
+                                                       " broke")));
+  }
+}
+
 absl::Status ParentLink::Send(Item& item) {
-  if (item.leave) {  // never connects just to leave
-    uint64_t session = 0;
+  if (item.join_done) {
+    JoinDone(item);
+    return absl::OkStatus();
+  }
+  if (item.leave) {  // never connects just to leave, and never waits for the answer
+    SessionId session;
     if (conn_ && !conn_->broken()) {
       auto it = conn_->session_of_job.find(item.job_id);
       if (it != conn_->session_of_job.end()) {
@@ -439,39 +542,42 @@ absl::Status ParentLink::Send(Item& item) {
     }
     last_session_.erase(item.job_id);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       published_sessions_.erase(item.job_id);
     }
-    if (session != 0) {
+    if (!session.empty()) {
       {
-        std::lock_guard<std::mutex> lock(jobs_mu_);
+        absl::MutexLock lock(&jobs_mu_);
         job_of_session_.erase(session);
       }
       v1::LeaveRequest req;
-      req.set_session_id(session);
-      v1::LeaveResponse resp;
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-      grpc::Status s = stub_->Leave(&ctx, req, &resp);
-      if (!s.ok()) {
-        Log(LogLevel::kDebug, absl::StrCat("leaving job '", item.job_id, "' at the root: ",
-                                           s.error_message()));
-      }
+      req.set_session(session.Bytes());
+      const std::string job_id = item.job_id;
+      StartUnary<v1::LeaveRequest, v1::LeaveResponse>(
+          &v1::Aggregator::Stub::PrepareAsyncLeave, req, std::chrono::seconds(2),
+          [job_id](const grpc::Status& s, const v1::LeaveResponse&) {
+            if (!s.ok()) {
+              Log(LogLevel::kDebug, absl::StrCat("leaving job '", job_id, "' at the root: ",
+                                                 s.error_message()));
+            }
+          });
     }
     return absl::OkStatus();
   }
-  if (item.frame.has_node_state()) {
+  if (item.frame.has_node_state() && !parked_.count(item.job_id)) {
     // Only news for a root that holds this node's session in the job: never connects or joins
     // just to say it (a root that never saw the job has no round waiting for this node).
     if (!conn_ || conn_->broken()) return absl::OkStatus();
     auto it = conn_->session_of_job.find(item.job_id);
     if (it == conn_->session_of_job.end()) return absl::OkStatus();
-    item.frame.mutable_node_state()->set_session_id(it->second);
+    item.frame.mutable_node_state()->set_session(it->second.Bytes());
     conn_->Send(std::move(item.frame));
     return absl::OkStatus();
   }
   if (conn_ && conn_->broken()) {
     Unpublish();
+    FailParked(absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
+                                                   " broke")));
     conn_->WaitDone(std::chrono::seconds(10));
     conn_.reset();
   }
@@ -495,76 +601,26 @@ absl::Status ParentLink::Send(Item& item) {
     last_connect_error_ = absl::OkStatus();
     auto conn = std::make_shared<Conn>(this);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       ++live_conns_;
     }
     conn->Start(conn, stub_.get(), cq_);
     conn_ = std::move(conn);
     Log(LogLevel::kInfo, absl::StrCat("connected to the root aggregator at ", address_,
                                       tls_ ? " (TLS)" : ""));
-    if (Metrics* m = aggregator_->metrics()) m->SetUpstreamConnected(true);
+    if (metrics_) metrics_->SetUpstreamConnected(true);
   }
-  uint64_t session = 0;
-  v1::ClientFrame resend_down;
+  if (auto p = parked_.find(item.job_id); p != parked_.end()) {
+    p->second.push_back(std::move(item));  // behind its job's Join in flight
+    return absl::OkStatus();
+  }
   auto found = conn_->session_of_job.find(item.job_id);
   if (found == conn_->session_of_job.end()) {
-    v1::JoinRequest req;
-    req.set_protocol_version(v1::PROTOCOL_VERSION_1);
-    req.set_job_id(item.job_id);
-    req.set_kind(v1::MEMBER_KIND_AGGREGATOR);
-    req.set_world_size(item.layout.world_size);
-    req.set_local_world_size(item.layout.local_world_size);
-    req.set_node_rank(item.layout.node_rank);
-    req.set_rank(-1);
-    req.set_local_rank(-1);
-    if (auto last = last_session_.find(item.job_id); last != last_session_.end()) {
-      req.set_previous_session_id(last->second);
-    }
-    if (item.token) req.set_token(*item.token);
-    v1::JoinResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + kConnectTimeout);
-    grpc::Status s = stub_->Join(&ctx, req, &resp);
-    if (!s.ok()) {
-      return absl::Status(wire::FromGrpc(s).code(),
-                          absl::StrCat("joining job '", item.job_id, "' at the root ", address_,
-                                       " failed: ", s.error_message()));
-    }
-    session = resp.session_id();
-    if (resp.accepts_batches()) conn_->EnableBatches();
-    conn_->session_of_job[item.job_id] = session;
-    last_session_[item.job_id] = session;
-    {
-      std::lock_guard<std::mutex> lock(jobs_mu_);
-      job_of_session_[session] = item.job_id;
-    }
-    v1::ClientFrame attach;
-    attach.mutable_attach()->add_session_ids(session);
-    attach.mutable_attach()->set_accepts_batches(true);
-    if (!conn_->Send(std::move(attach))) {
-      return absl::UnavailableError(absl::StrCat("the stream to the root ", address_, " broke"));
-    }
-    // A parent that holds a new session for this node knows nothing of its lost workers: say
-    // it again, after this item (whose round completed here before).
-    if (std::string why; aggregator_->NodeDown(item.job_id, &why)) {
-      resend_down.mutable_node_state()->set_session_id(session);
-      resend_down.mutable_node_state()->set_healthy(false);
-      resend_down.mutable_node_state()->set_message(why);
-    }
-  } else {
-    session = found->second;
+    StartJoin(item);
+    parked_[item.job_id].push_back(std::move(item));
+    return absl::OkStatus();
   }
-  if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session_id(session);
-  if (item.frame.has_abort()) item.frame.mutable_abort()->set_session_id(session);
-  if (!conn_->Send(std::move(item.frame))) {
-    return absl::UnavailableError(absl::StrCat("the stream to the root ", address_, " broke"));
-  }
-  if (resend_down.has_node_state()) conn_->Send(std::move(resend_down));
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    published_ = conn_;
-    published_sessions_[item.job_id] = session;
-  }
+  SendJoined(item, found->second);
   return absl::OkStatus();
 }
 
@@ -572,8 +628,8 @@ void ParentLink::WriterLoop() {
   for (;;) {
     Item item;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(this, &ParentLink::WriterHasWork));
       if (stopping_) break;
       item = std::move(queue_.front());
       queue_.pop_front();
@@ -584,12 +640,12 @@ void ParentLink::WriterLoop() {
   // Drain: whatever is left fails.
   std::deque<Item> left;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     left.swap(queue_);
   }
-  for (const Item& item : left) {
-    FailItem(item, absl::UnavailableError("the sidecar is shutting down"));
-  }
+  const absl::Status down = absl::UnavailableError("the sidecar is shutting down");
+  for (const Item& item : left) FailItem(item, down);
+  FailParked(down);
   Unpublish();
   if (conn_) {
     conn_->Cancel();
@@ -599,32 +655,33 @@ void ParentLink::WriterLoop() {
 
 void ParentLink::Deliver(const v1::Result& result) {
   std::string job_id;
+  SessionId session;
+  if (!SessionId::FromBytes(result.session(), &session)) return;
   {
-    std::lock_guard<std::mutex> lock(jobs_mu_);
-    auto it = job_of_session_.find(result.session_id());
+    absl::MutexLock lock(&jobs_mu_);
+    auto it = job_of_session_.find(session);
     if (it == job_of_session_.end()) return;
     job_id = it->second;
   }
-  aggregator_->OnParentResult(job_id, result);
+  listener_->OnParentResult(job_id, result);
 }
 
 void ParentLink::ConnDone(const grpc::Status& status) {
-  if (Metrics* m = aggregator_->metrics()) m->SetUpstreamConnected(false);
+  if (metrics_) metrics_->SetUpstreamConnected(false);
   bool stopping;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stopping = stopping_;
   }
   if (!stopping) {
     Log(LogLevel::kWarn, absl::StrCat("lost the stream to the root aggregator at ", address_, ": ",
                                       status.error_message()));
-    aggregator_->OnParentLost(absl::UnavailableError(absl::StrCat(
+    listener_->OnParentLost(absl::UnavailableError(absl::StrCat(
         "this node's sidecar lost its link to the root aggregator at ", address_, " (",
         status.error_message(), "); global rounds in flight failed, later rounds reconnect")));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   --live_conns_;
-  cv_.notify_all();
 }
 
 }  // namespace hsbn::server

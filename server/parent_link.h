@@ -2,51 +2,70 @@
 //
 // Forward() and Abort() never block. When the stream is up and the job already joined at the
 // parent, the frame goes straight to the stream's write queue from the calling thread; otherwise
-// it queues for a connect thread, which connects (lazily, and again after a failure), joins
-// each job at the parent once (blocking unary calls, off the hot path), and then hands the frame
-// to the stream. The stream (Conn) is a gRPC async-API call on the aggregator's first
-// completion queue, so its completions run on that queue's event thread: one write in flight at
-// a time, and whatever queued meanwhile goes out as one FrameBatch message when the root accepts
-// batches, so many rounds in flight cost one message, not one each. Results (single or
-// batched) are handed to the Aggregator from the event thread when a read completes. A node
-// whose worker crashed is reported to the root (NodeState). When the stream breaks, the
-// Aggregator is told at once so that every
-// round waiting on the parent fails with UNAVAILABLE instead of at its deadline; the next
-// forward reconnects. gRPC keepalive pings the root every 10 s when the link is idle, so a
-// half-open link (the root's machine vanished) is noticed within about 15 s.
+// it queues for a connect thread, which connects (lazily, and again after a failure) and joins
+// each job at the parent once. Joins and Leaves at the parent are async unary calls: a job
+// whose Join is in flight parks its own frames until it completes, and every other job's
+// frames go on. The stream (Conn) is a gRPC async-API call on the aggregator's first
+// completion queue, so its completions run on that queue's event thread: writes go through a
+// bounded StreamWriter (one in flight, batches when the root accepts them). Results (single or
+// batched) reach the aggregator through UpstreamListener from the event thread. A node whose
+// worker crashed is reported to the root (NodeState). When the stream breaks, the listener is
+// told at once so that every round waiting on the parent fails with UNAVAILABLE instead of at
+// its deadline; the next forward reconnects. gRPC keepalive pings the root every 10 s when the
+// link is idle, so a half-open link (the root's machine vanished) is noticed within about 15 s.
 //
 // Thread safety: all public methods are thread-safe.
 #ifndef HSBN_SERVER_PARENT_LINK_H_
 #define HSBN_SERVER_PARENT_LINK_H_
 
 #include <chrono>
-#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
-#include <set>
 #include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
 #include "grpcpp/security/credentials.h"
 #include "hsbn/v1/hsbn.grpc.pb.h"
 #include "job.h"
+#include "metrics.h"
+#include "session.h"
+#include "stream_writer.h"
 
 namespace hsbn::server {
 
-class Aggregator;
+// What the upstream link needs from the aggregator that owns it, and nothing more.
+class UpstreamListener {
+ public:
+  virtual ~UpstreamListener() = default;
+  // The parent's answer (or failure) for a round forwarded for `job_id`.
+  virtual void OnParentResult(const std::string& job_id, const v1::Result& result) = 0;
+  // The stream to the parent broke: every round waiting for it must fail with `status`.
+  virtual void OnParentLost(const absl::Status& status) = 0;
+  // Whether this node is down in `job_id` (a worker gone), and why.
+  virtual bool NodeDown(const std::string& job_id, std::string* message) = 0;
+};
 
 class ParentLink {
  public:
-  // `credentials`: insecure, or TLS (grpc::SslCredentials); `tls_name`, when not empty,
-  // overrides the name the parent's certificate must carry (default: the host in `address`).
+  struct Options {
+    std::string address;
+    std::string id;
+    // Insecure, or TLS (grpc::SslCredentials); `tls_name`, when not empty, overrides the name
+    // the parent's certificate must carry (default: the host in `address`).
+    std::shared_ptr<grpc::ChannelCredentials> credentials;
+    bool tls = false;
+    std::string tls_name;
+    WriterLimits writer;        // bounds of the stream's write queue
+    Metrics* metrics = nullptr;  // may be null
+  };
   // `cq`: the aggregator's completion queue, drained by its event thread; it must outlive
-  // Shutdown().
-  ParentLink(Aggregator* aggregator, std::string address, std::string id,
-             std::shared_ptr<grpc::ChannelCredentials> credentials, bool tls,
-             const std::string& tls_name, grpc::CompletionQueue* cq);
+  // Shutdown(). `listener` must outlive this link.
+  ParentLink(UpstreamListener* listener, Options options, grpc::CompletionQueue* cq);
   ~ParentLink();
 
   // `token`: the job's token at this aggregator, presented when joining the job at the parent.
@@ -64,6 +83,8 @@ class ParentLink {
   void Status(const v1::StatusRequest& request,
               std::function<void(const grpc::Status&, const v1::StatusResponse&)> done);
   void Shutdown();
+  // Ends the stream if its write has waited past the write deadline (the root stopped reading).
+  void CheckStalled(std::chrono::steady_clock::time_point now);
   const std::string& address() const { return address_; }
 
  private:
@@ -75,50 +96,79 @@ class ParentLink {
     RoundKey key;
     bool wants_answer = false;  // a global round: its failure to send must fail the round
     bool leave = false;         // not a frame: leave job_id at the parent
+    // Not a frame: the Join of job_id at the parent on stream `joined_on` completed.
+    bool join_done = false;
+    grpc::Status join_status;
+    v1::JoinResponse join_response;
+    std::shared_ptr<void> joined_on;
   };
   class Conn;
-  class StatusCall;
+  template <typename Req, typename Resp>
+  class UnaryCall;
 
   static Item MakeItem(const std::string& job_id, const JobLayout& layout,
                        std::shared_ptr<const std::string> token, const RoundKey& key);
-  void Enqueue(Item item);
-  void Unpublish();
-  void WriterLoop();
+  void Enqueue(Item item) ABSL_LOCKS_EXCLUDED(mu_);
+  void Unpublish() ABSL_LOCKS_EXCLUDED(mu_);
+  void WriterLoop() ABSL_LOCKS_EXCLUDED(mu_);
+  bool WriterHasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || !queue_.empty();
+  }
+  // Writer thread: sends `item` (or parks it until its job's Join at the parent completes).
   absl::Status Send(Item& item);
+  void StartJoin(const Item& item);
+  void JoinDone(Item& done);
+  void SendJoined(Item& item, const SessionId& session);
+  // Writer thread: every parked item fails with `status` (the stream they waited for is gone).
+  void FailParked(const absl::Status& status);
   void FailItem(const Item& item, const absl::Status& status);
+  // Starts an async unary call on cq_, counted in live_conns_; `done` runs on the event thread.
+  // False (nothing started, `done` not called) once the link is stopping.
+  template <typename Req, typename Resp>
+  bool StartUnary(
+      std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> (v1::Aggregator::Stub::*prepare)(
+          grpc::ClientContext*, const Req&, grpc::CompletionQueue*),
+      const Req& req, std::chrono::milliseconds timeout,
+      std::function<void(const grpc::Status&, const Resp&)> done) ABSL_LOCKS_EXCLUDED(mu_);
+  void UnaryDone(void* call) ABSL_LOCKS_EXCLUDED(mu_);
   // Called by Conn's reactions.
-  void Deliver(const v1::Result& result);
-  void ConnDone(const grpc::Status& status);
-  void StatusDone(StatusCall* call);
+  void Deliver(const v1::Result& result) ABSL_LOCKS_EXCLUDED(jobs_mu_);
+  void ConnDone(const grpc::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
 
-  Aggregator* const aggregator_;
+  UpstreamListener* const listener_;
   const std::string address_;
   const std::string id_;
   const bool tls_;
+  const WriterLimits writer_limits_;
+  Metrics* const metrics_;
   grpc::CompletionQueue* const cq_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Aggregator::Stub> stub_;
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Item> queue_;
-  bool stopping_ = false;
-  std::mutex jobs_mu_;  // guards job_of_session_ (read on the event thread when results arrive)
-  std::map<uint64_t, std::string> job_of_session_;
-  std::shared_ptr<Conn> conn_;  // owned by the writer thread
-  int live_conns_ = 0;          // under mu_: streams and Status calls not finished yet
-  std::set<StatusCall*> status_calls_;  // under mu_: cancelled by Shutdown
-  // The writer thread publishes an established stream and the jobs joined on it (under mu_),
-  // so that Forward/Abort can write at once from the calling thread when nothing is queued,
-  // without a hop to the writer thread.
-  std::shared_ptr<Conn> published_;
-  std::map<std::string, uint64_t> published_sessions_;
-  // Writer thread only: the last session each job had at the parent, sent as
-  // previous_session_id when joining again on a new stream (the parent may not have noticed
-  // that the old stream is gone, and would refuse a second live session for the node).
-  std::map<std::string, uint64_t> last_session_;
-  absl::Status last_connect_error_;                  // writer thread only
-  std::chrono::steady_clock::time_point retry_after_;  // writer thread only
+  mutable absl::Mutex mu_;
+  std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  int live_conns_ ABSL_GUARDED_BY(mu_) = 0;  // streams and unary calls not finished yet
+  // Unary calls in flight, cancelled by Shutdown.
+  std::map<void*, std::function<void()>> unary_calls_ ABSL_GUARDED_BY(mu_);
+  // The writer thread publishes an established stream and the jobs joined on it, so that
+  // Forward/Abort can write at once from the calling thread when nothing is queued, without a
+  // hop to the writer thread.
+  std::shared_ptr<Conn> published_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, SessionId> published_sessions_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex jobs_mu_;  // read on the event thread when results arrive
+  absl::flat_hash_map<SessionId, std::string> job_of_session_ ABSL_GUARDED_BY(jobs_mu_);
+  // Writer thread only.
+  std::shared_ptr<Conn> conn_;
+  // Jobs whose Join at the parent is in flight on conn_, and the items waiting for it: a slow
+  // Join delays its own job's frames only, never another job's.
+  std::map<std::string, std::deque<Item>> parked_;
+  // The last session each job had at the parent, sent as previous_session when joining again
+  // on a new stream (the parent may not have noticed that the old stream is gone, and would
+  // refuse a second live session for the node).
+  std::map<std::string, SessionId> last_session_;
+  absl::Status last_connect_error_;
+  std::chrono::steady_clock::time_point retry_after_;
   std::thread writer_;
 };
 

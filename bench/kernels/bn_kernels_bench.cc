@@ -167,11 +167,13 @@ void Check(const absl::Status& s) {
 
 int main(int argc, char** argv) {
   Device device = hsbn::kernels::CudaAvailable() ? Device::kCuda : Device::kCpu;
+  bool device_given = false;
   int iters = 0;
   bool quick = false;
   const char* json_path = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--device") && i + 1 < argc) {
+      device_given = true;
       device = std::strcmp(argv[++i], "cuda") == 0 ? Device::kCuda : Device::kCpu;
     } else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) {
       iters = std::atoi(argv[++i]);
@@ -185,6 +187,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "usage: %s [--device cpu|cuda] [--iters N] [--json FILE] [--quick] [--cpu-time]\n", argv[0]);
       return 2;
     }
+  }
+  if (!device_given && device == Device::kCpu) {
+    std::fprintf(stderr, "note: no --device given and no usable GPU: timing the CPU kernels "
+                         "(--device cuda requires a GPU)\n");
   }
   if (device == Device::kCuda && !hsbn::kernels::CudaAvailable()) {
     std::fprintf(stderr, "no CUDA device (or built without CUDA); use --device cpu\n");

@@ -1,10 +1,17 @@
 // plan.h — how the CUDA reductions split their work, derived from the shape alone.
 //
 // A reduction runs in two kernels: blocks write per-(split, channel) partial results into the
-// workspace, then one thread per channel combines its `splits` partials in order in fp64. The
-// split count depends only on (N, C, S, layout, dtype), never on the device or the alignment,
-// so the workspace size can be queried without a GPU and the reduction order — hence the bits —
-// is the same on every run and every device.
+// workspace, then the partials of each channel are combined in fp64: by one thread in split
+// order when there are at most kSerialMergeSplits of them, else by one block in a fixed tree
+// (each thread folds splits t, t + 256, ... in order, then a shared-memory binary tree), so no
+// thread merges more than splits / 256 + 8 partials. The split count depends only on
+// (N, C, S, layout, dtype), never on the device, so the workspace size can be queried without a
+// GPU. The reduction order also depends on whether the input pointers are 16-byte aligned (the
+// stage-1 kernels load 16-byte vectors only from aligned inputs, which changes how values are
+// grouped): the bits are the same on every run and device of an architecture for the same
+// shape, dtype and alignment, and can differ in the last places between an aligned and an
+// unaligned input. Input with one value per (sample, channel) (S = 1, BatchNorm1d on (N, C))
+// is one row of C values per sample, the channels-last layout, and is reduced as such.
 #ifndef HSBN_KERNELS_PLAN_H_
 #define HSBN_KERNELS_PLAN_H_
 
@@ -14,6 +21,15 @@
 #include "hsbn/bn_types.h"
 
 namespace hsbn::kernels {
+
+// Above this many splits a channel's partials are merged by a block in a tree.
+constexpr int64_t kSerialMergeSplits = 16;
+
+// The layout the reduction kernels read the input in: with S = 1, NCHW and channels-last are
+// the same memory, and the channels-last kernel reads it with coalesced rows.
+inline Layout ReduceLayout(const BnInput& in) {
+  return in.s == 1 ? Layout::kChannelsLast : in.layout;
+}
 
 struct ReducePlan {
   int64_t splits = 1;      // partials per channel
@@ -38,7 +54,7 @@ inline ReducePlan MakeReducePlan(const BnInput& in) {
   if (total == 0 || in.c == 0) return p;
   // About 1024 blocks in all, each with at least 2048 and at most 65536 values.
   const int64_t per_block = std::clamp<int64_t>(total / 1024, 2048, 65536);
-  if (in.layout == Layout::kNchw) {
+  if (ReduceLayout(in) == Layout::kNchw) {
     const int64_t cap = std::max<int64_t>(1, std::min<int64_t>(1024, per_channel / 256));
     p.splits = std::clamp<int64_t>((per_channel + per_block - 1) / per_block, 1, cap);
   } else {

@@ -191,7 +191,7 @@ TEST(ClientStats, CountsFailedRounds) {
   auto b = Connect(*c, 1, "stats-fail", kTimeout);
   ASSERT_TRUE(a && b);
   Arrays good, bad;
-  bad.a[3] = std::nan("");
+  bad.b[3] = -1.0;  // a negative sum of squares
   // Bad input from rank 1: the sidecar fails the round for both members.
   absl::Status sb;
   std::thread t([&] { sb = Fwd(*b, 0, 0, Scope::kNode, bad); });

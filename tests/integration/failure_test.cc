@@ -174,7 +174,6 @@ TEST(Failures, BadInputFailsItsRoundNamingRankAndFieldAndNothingElse) {
   other.push_back(Connect(*c, 0, "other-job"));
   other.push_back(Connect(*c, 1, "other-job"));
   ASSERT_TRUE(job[0] && job[1] && other[0] && other[1]);
-  const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();
   struct Case {
     const char* name;
@@ -182,8 +181,7 @@ TEST(Failures, BadInputFailsItsRoundNamingRankAndFieldAndNothingElse) {
     absl::StatusCode code;
     const char* field;
   } cases[] = {
-      {"NaN", {2, {0, nan, 0, 0}, {1, 1, 1, 1}}, absl::StatusCode::kInvalidArgument, "mean[1]"},
-      {"Inf", {2, {0, 0, 0, 0}, {1, 1, inf, 1}}, absl::StatusCode::kInvalidArgument, "m2[2]"},
+      {"-Inf m2", {2, {0, 0, 0, 0}, {1, 1, -inf, 1}}, absl::StatusCode::kInvalidArgument, "m2[2]"},
       {"negative count", {-3, {0, 0, 0, 0}, {1, 1, 1, 1}}, absl::StatusCode::kInvalidArgument,
        "'count'"},
       {"negative m2", {2, {0, 0, 0, 0}, {1, 1, 1, -0.5}}, absl::StatusCode::kInvalidArgument,
@@ -213,14 +211,57 @@ TEST(Failures, BadInputFailsItsRoundNamingRankAndFieldAndNothingElse) {
   }
 }
 
+// Non-finite values are data: a NaN or Inf from one rank reaches every rank of the round
+// identically (as torch's SyncBatchNorm's all-reduce would), so GradScaler skips the step on
+// every rank. A strict job (HSBN_STRICT_FINITE) fails the round instead, naming the rank.
+TEST(Failures, NonFiniteValuesReachEveryRankUnlessTheJobIsStrict) {
+  auto c = StartCluster(1, 2);
+  ASSERT_TRUE(c);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  auto lax = ConnectAll(*c, "lax");
+  ASSERT_TRUE(lax[0] && lax[1]);
+  std::vector<std::vector<double>> means;
+  auto st = Round(lax, 0, 0, {Good(1.0), {2, {0, nan, 0, inf}, {1, 1, 1, 1}}}, &means);
+  ASSERT_TRUE(st[0].ok() && st[1].ok()) << st[0] << st[1];
+  for (const auto& m : means) {
+    EXPECT_EQ(m[0], 0.5);
+    EXPECT_TRUE(std::isnan(m[1]));
+    EXPECT_TRUE(std::isinf(m[3]));
+    EXPECT_EQ(std::memcmp(m.data(), means[0].data(), m.size() * sizeof(double)), 0);
+  }
+  std::vector<std::unique_ptr<Client>> strict;
+  for (int rank = 0; rank < 2; ++rank) {
+    ClientOptions o = testing::RankOptions(*c, rank, "strict");
+    o.strict_finite = true;
+    auto client = Client::Connect(o);
+    ASSERT_TRUE(client.ok()) << client.status();
+    strict.push_back(std::move(*client));
+  }
+  st = Round(strict, 0, 0, {Good(1.0), {2, {0, nan, 0, 0}, {1, 1, 1, 1}}});
+  for (const auto& s : st) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("mean[1]"), std::string::npos) << s;
+  }
+  // Every process of a job must agree on strictness.
+  ClientOptions mixed = testing::RankOptions(*c, 0, "lax");
+  mixed.strict_finite = true;
+  auto refused = Client::Connect(mixed);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("strict_finite"), std::string::npos)
+      << refused.status();
+}
+
 // Raw protocol access for what the client library refuses to send.
 struct Raw {
   explicit Raw(const std::string& address)
       : stub(v1::Aggregator::NewStub(grpc::CreateChannel(address,
                                                          grpc::InsecureChannelCredentials()))) {}
-  grpc::Status Join(int rank, int world, int local_rank, int lws, int node, uint64_t* session) {
+  grpc::Status Join(int rank, int world, int local_rank, int lws, int node,
+                    std::string* session) {
     v1::JoinRequest req;
-    req.set_protocol_version(1);
+    req.set_protocol_version(v1::PROTOCOL_VERSION_2);
     req.set_job_id("raw");
     req.set_kind(v1::MEMBER_KIND_WORKER);
     req.set_rank(rank);
@@ -231,7 +272,7 @@ struct Raw {
     v1::JoinResponse resp;
     grpc::ClientContext ctx;
     grpc::Status s = stub->Join(&ctx, req, &resp);
-    if (session) *session = resp.session_id();
+    if (session) *session = resp.session();
     return s;
   }
   std::unique_ptr<v1::Aggregator::Stub> stub;
@@ -257,19 +298,19 @@ TEST(Failures, ConflictingDuplicateFailsTheRound) {
   auto c = StartCluster(1, 2);
   ASSERT_TRUE(c);
   Raw raw(c->sidecar_address(0));
-  uint64_t s0 = 0, s1 = 0;
+  std::string s0, s1;
   ASSERT_TRUE(raw.Join(0, 2, 0, 2, 0, &s0).ok());
   ASSERT_TRUE(raw.Join(1, 2, 1, 2, 0, &s1).ok());
   grpc::ClientContext ctx;
   auto stream = raw.stub->Exchange(&ctx);
   v1::ClientFrame attach;
-  attach.mutable_attach()->add_session_ids(s0);
-  attach.mutable_attach()->add_session_ids(s1);
+  attach.mutable_attach()->add_sessions(s0);
+  attach.mutable_attach()->add_sessions(s1);
   ASSERT_TRUE(stream->Write(attach));
-  auto send = [&](uint64_t session, double mean) {
+  auto send = [&](const std::string& session, double mean) {
     v1::ClientFrame f;
     v1::Contribution* c = f.mutable_contribution();
-    c->set_session_id(session);
+    c->set_session(session);
     c->set_op(1);
     c->set_seq(0);
     c->set_phase(v1::PHASE_FORWARD);
@@ -297,7 +338,7 @@ TEST(Failures, RootStatusShowsADownNodeAndRefusesItsNewRoundsAtOnce) {
   auto c = StartCluster(2, 2);
   ASSERT_TRUE(c);
   Raw node0(c->sidecar_address(0)), node1(c->sidecar_address(1));
-  uint64_t s[4] = {0, 0, 0, 0};
+  std::string s[4];
   ASSERT_TRUE(node0.Join(0, 4, 0, 2, 0, &s[0]).ok());
   ASSERT_TRUE(node0.Join(1, 4, 1, 2, 0, &s[1]).ok());
   ASSERT_TRUE(node1.Join(2, 4, 0, 2, 1, &s[2]).ok());
@@ -307,18 +348,18 @@ TEST(Failures, RootStatusShowsADownNodeAndRefusesItsNewRoundsAtOnce) {
   auto st0 = node0.stub->Exchange(&ctx0);
   auto st2 = node1.stub->Exchange(&ctx2);
   auto st3 = node1.stub->Exchange(&ctx3);
-  auto attach = [](auto& stream, std::vector<uint64_t> sessions) {
+  auto attach = [](auto& stream, std::vector<std::string> sessions) {
     v1::ClientFrame f;
-    for (uint64_t x : sessions) f.mutable_attach()->add_session_ids(x);
+    for (const std::string& x : sessions) f.mutable_attach()->add_sessions(x);
     return stream->Write(f);
   };
   ASSERT_TRUE(attach(st0, {s[0], s[1]}));
   ASSERT_TRUE(attach(st2, {s[2]}));
   ASSERT_TRUE(attach(st3, {s[3]}));
-  auto send = [](auto& stream, uint64_t session, uint32_t op) {
+  auto send = [](auto& stream, const std::string& session, uint32_t op) {
     v1::ClientFrame f;
     v1::Contribution* c = f.mutable_contribution();
-    c->set_session_id(session);
+    c->set_session(session);
     c->set_op(op);
     c->set_seq(0);
     c->set_phase(v1::PHASE_FORWARD);
@@ -556,10 +597,11 @@ TEST(CApi, ForwardRoundAndErrors) {
   EXPECT_EQ(count, 7);
   EXPECT_EQ(out_mean[0], 1.5);
   EXPECT_EQ(out_m2[1], 0.25);
-  const double bad[2] = {std::nan(""), 0};
-  EXPECT_EQ(hsbn_forward(client, 3, 1, HSBN_SCOPE_NODE, 2, 7, bad, m2, &count, out_mean, out_m2),
-            HSBN_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(hsbn_last_error()).find("mean[0]"), std::string::npos);
+  const double bad_m2[2] = {1.0, -1.0};  // never a sum of squares
+  EXPECT_EQ(
+      hsbn_forward(client, 3, 1, HSBN_SCOPE_NODE, 2, 7, mean, bad_m2, &count, out_mean, out_m2),
+      HSBN_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(hsbn_last_error()).find("m2[1]"), std::string::npos);
   EXPECT_STREQ(hsbn_result_string(HSBN_INVALID_ARGUMENT), "INVALID_ARGUMENT");
   // Round statistics: one node forward round completed, one failed (refused by the sidecar).
   hsbn_stats st;

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -28,9 +29,18 @@ std::string NoGpuReason() {
   return n == 0 ? "no CUDA device is visible" : "";
 }
 
-#define SKIP_WITHOUT_GPU()                                          \
-  do {                                                              \
-    if (!CudaAvailable()) GTEST_SKIP() << NoGpuReason();            \
+// HSBN_REQUIRE_GPU=1 (the GPU device check) turns the skip into a failure.
+bool GpuRequired() {
+  const char* e = std::getenv("HSBN_REQUIRE_GPU");
+  return e != nullptr && std::strcmp(e, "1") == 0;
+}
+
+#define SKIP_WITHOUT_GPU()                                                              \
+  do {                                                                                  \
+    if (!CudaAvailable()) {                                                             \
+      ASSERT_FALSE(GpuRequired()) << "HSBN_REQUIRE_GPU=1 but " << NoGpuReason();        \
+      GTEST_SKIP() << NoGpuReason();                                                    \
+    }                                                                                   \
   } while (0)
 
 // Device memory holding `bytes` bytes, starting `offset` bytes into the allocation (to test
@@ -87,6 +97,7 @@ std::vector<Case> Cases() {
       cases.push_back({dtype, layout, 700, 48, 1, 1.0, 0});            // BatchNorm1d
       cases.push_back({dtype, layout, 0, 16, 64, 1.0, 0});             // empty batch
       cases.push_back({dtype, layout, 64, 64, 56 * 56, 1.0, 0});       // 12.8 M values
+      cases.push_back({dtype, layout, 4, 2, 65536, 1.0, 0});           // 128 splits: tree merge
     }
   for (Layout layout : {Layout::kNchw, Layout::kChannelsLast}) {
     cases.push_back({DType::kF32, layout, 8, 8, 4099, 1e4, 0});        // mean 1e4 x std
@@ -254,6 +265,51 @@ TEST(CudaKernels, RunningStatsMatchCpu) {
                                             rm.data(), rv.data(), HSBN_BN_F32, 0.0, 1, 3, nullptr));
   EXPECT_EQ(Download<float>(drm, C), rm);
   EXPECT_EQ(Download<float>(drv, C), rv);
+}
+
+// (N, C, 1) is the same memory in both layouts, and both are reduced by the channels-last
+// kernels: the same bits, and the same bits as the CPU's within rounding.
+TEST(CudaKernels, SpatialSizeOneReducesIdenticallyInEitherLayout) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 4096, C = 64;
+  const BnInput nchw = MakeInput(Device::kCuda, DType::kF32, Layout::kNchw, N, C, 1);
+  BnInput cl = nchw;
+  cl.layout = Layout::kChannelsLast;
+  const Buffer x = RandomInput(MakeInput(Device::kCpu, DType::kF32, Layout::kNchw, N, C, 1), 5.0,
+                               2.0, 31);
+  const Buffer dy = RandomInput(MakeInput(Device::kCpu, DType::kF32, Layout::kNchw, N, C, 1), 0.0,
+                                1.0, 32);
+  DeviceBuffer dx(N * C * 4), ddy(N * C * 4), ws(WorkspaceBytes(nchw));
+  dx.Upload(x.data(), N * C * 4);
+  ddy.Upload(dy.data(), N * C * 4);
+  ASSERT_EQ(WorkspaceBytes(nchw), WorkspaceBytes(cl));
+  DeviceBuffer m_a(C * 8), v_a(C * 8), m_b(C * 8), v_b(C * 8), s_a(C * 8), t_a(C * 8),
+      s_b(C * 8), t_b(C * 8);
+  int64_t count = 0;
+  ASSERT_TRUE(LocalMoments(nchw, dx.get(), &count, m_a.as<double>(), v_a.as<double>(), ws.get(),
+                           WorkspaceBytes(nchw), nullptr).ok());
+  ASSERT_TRUE(LocalMoments(cl, dx.get(), &count, m_b.as<double>(), v_b.as<double>(), ws.get(),
+                           WorkspaceBytes(cl), nullptr).ok());
+  const BnStats stats{m_a.get(), v_a.get(), DType::kF64, StatsKind::kM2, 1e-5, count};
+  ASSERT_TRUE(BackwardReduce(nchw, ddy.get(), dx.get(), stats, s_a.as<double>(), t_a.as<double>(),
+                             nullptr, nullptr, DType::kF32, ws.get(), WorkspaceBytes(nchw),
+                             nullptr).ok());
+  ASSERT_TRUE(BackwardReduce(cl, ddy.get(), dx.get(), stats, s_b.as<double>(), t_b.as<double>(),
+                             nullptr, nullptr, DType::kF32, ws.get(), WorkspaceBytes(cl),
+                             nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(Download<double>(m_a, C), Download<double>(m_b, C));
+  EXPECT_EQ(Download<double>(v_a, C), Download<double>(v_b, C));
+  EXPECT_EQ(Download<double>(s_a, C), Download<double>(s_b, C));
+  EXPECT_EQ(Download<double>(t_a, C), Download<double>(t_b, C));
+  std::vector<double> mean(C), m2(C);
+  const BnInput host = MakeInput(Device::kCpu, DType::kF32, Layout::kNchw, N, C, 1);
+  ASSERT_TRUE(LocalMoments(host, x.data(), &count, mean.data(), m2.data(), nullptr, 0, nullptr).ok());
+  const std::vector<double> gm = Download<double>(m_a, C), gv = Download<double>(v_a, C);
+  for (int64_t c = 0; c < C; ++c) {
+    EXPECT_NEAR(gm[c], mean[c], 1e-6 * (std::fabs(mean[c]) + 1)) << "c=" << c;
+    EXPECT_NEAR(gv[c], m2[c], 1e-5 * m2[c]) << "c=" << c;
+  }
 }
 
 TEST(CudaKernels, InPlaceNormalizeThroughTheCAbiOnAStream) {

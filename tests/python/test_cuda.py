@@ -22,7 +22,7 @@ def cuda_ops(request):
             pytest.skip("%s was built without hsbn's CUDA kernels" % hsbn.library_path())
     _ops.set_cuda_ops(request.param)
     yield request.param
-    _ops.set_cuda_ops("auto")
+    _ops.set_cuda_ops(None)
 
 
 @pytest.mark.parametrize("spatial,channels_last", [((4, 5), False), ((4, 5), True), ((7,), False),

@@ -89,9 +89,9 @@ def test_counts_rounds_per_scope_and_phase_time_blocked_failures_and_reset(clust
         assert d["global"]["backward"]["completed"] == n_global
         assert "local" not in d and d["bytes_sent"] > 0
 
-        # A round refused by the sidecar (NaN in the statistics) counts as failed.
-        with pytest.raises(hsbn.InvalidArgumentError, match=r"mean\[1\]"):
-            clients[0].forward(0, 100, "node", 4, np.array([0.0, np.nan, 0.0]), m2)
+        # A round refused by the sidecar (a negative sum of squares) counts as failed.
+        with pytest.raises(hsbn.InvalidArgumentError, match=r"m2\[1\]"):
+            clients[0].forward(0, 100, "node", 4, mean, np.array([1.0, -1.0, 1.0]))
         s = clients[0].stats()
         assert s.get("node", "forward").failed == 1
         assert s.get("node", "forward").completed == n_node

@@ -133,9 +133,6 @@ def test_with_tokens_status_shows_only_the_job_whose_token_it_presents(sidecar, 
     try:
         p = hsbn_status("--json", "--address", address, "--job", "job-a",
                         "--token-file", str(token_a))
-        if p.returncode != 0 and "protocol has no token in StatusRequest" in p.stderr:
-            pytest.xfail("the aggregator's Status does not take a token yet (issue 16, server "
-                         "side: StatusRequest.token, Status filtered to the token's job)")
         assert p.returncode == 0, p.stderr
         assert [j["jobId"] for j in json.loads(p.stdout)["jobs"]] == ["job-a"]
         # The same token from HSBN_TOKEN, as workers pass it.

@@ -16,6 +16,9 @@ namespace {
 
 using std::chrono::milliseconds;
 
+// Test sessions: small numbers; S(0) is "no session".
+SessionId S(uint64_t n) { return SessionId{0, n}; }
+
 class RecordingSink : public ResultSink {
  public:
   void Send(v1::Result r) override { results.push_back(std::move(r)); }
@@ -24,8 +27,10 @@ class RecordingSink : public ResultSink {
 
 struct Fixture {
   explicit Fixture(int lws, int nodes = 1, int node = 0, bool parent = false,
-                   v1::MemberKind kind = v1::MEMBER_KIND_WORKER, JobLimits limits = {}) {
+                   v1::MemberKind kind = v1::MEMBER_KIND_WORKER, JobLimits limits = {},
+                   bool strict = false) {
     layout.member_kind = kind;
+    layout.strict_finite = strict;
     layout.local_world_size = lws;
     layout.num_nodes = nodes;
     layout.world_size = lws * nodes;
@@ -35,14 +40,14 @@ struct Fixture {
     for (int i = 0; i < layout.group_size(); ++i) {
       sinks.push_back(std::make_shared<RecordingSink>());
       Actions a;
-      EXPECT_TRUE(job->AddMember(i, 100 + i, 0, &a).ok());
-      EXPECT_TRUE(job->Attach(i, 100 + i, sinks.back()).ok());
+      EXPECT_TRUE(job->AddMember(i, S(100 + i), S(0), Clock::now(), &a).ok());
+      EXPECT_TRUE(job->Attach(i, S(100 + i), sinks.back(), Clock::now()).ok());
     }
   }
   // Contributes and delivers the results to the recording sinks, like the service does.
   Actions Send(int member, const v1::Contribution& c, Clock::time_point now = Clock::now()) {
     Actions a;
-    job->Contribute(member, 100 + member, c, now, &a);
+    job->Contribute(member, S(100 + member), c, now, &a);
     Deliver(a);
     return a;
   }
@@ -50,7 +55,7 @@ struct Fixture {
     for (const auto& d : a.deliveries) {
       for (const auto& [session, sink] : d.to) {
         v1::Result r = *d.result;
-        r.set_session_id(session);
+        r.set_session(session.Bytes());
         sink->Send(r);
       }
     }
@@ -167,11 +172,9 @@ struct BadCase {
 };
 
 TEST(Job, BadContributionsFailTheRoundForEveryMemberNamingRankAndField) {
-  const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();
   std::vector<BadCase> cases = {
-      {"nan mean", Fwd(0, 0, 2, {0.0, 0.0, 0.0, nan}, {1, 1, 1, 1}), 3, "mean[3]"},
-      {"inf m2", Fwd(0, 0, 2, {0, 0}, {1, inf}), 3, "m2[1]"},
+      {"-inf m2", Fwd(0, 0, 2, {0, 0, 0, 0}, {1, -inf, 1, 1}), 3, "m2[1]"},
       {"negative count", Fwd(0, 0, -1, {0, 0, 0, 0}, {1, 1, 1, 1}), 3, "'count'"},
       {"negative m2", Fwd(0, 0, 2, {0, 0, 0, 0}, {1, -1, 1, 1}), 3, "m2[1]"},
       {"channel mismatch", Fwd(0, 0, 2, {0, 0, 0}, {1, 1, 1}), 3, "'channels'"},
@@ -265,7 +268,7 @@ TEST(Job, MemberWhoseStreamBreaksFailsItsOpenRoundsAtOnce) {
   f.Send(2, Fwd(1, 0, 1, {0}, {0}));
   f.Send(1, Fwd(1, 0, 1, {0}, {0}));  // rank 1 contributed to op 1, not to op 0
   Actions a;
-  f.job->MemberGone(2, 102, /*left=*/false, &a);
+  f.job->MemberGone(2, S(102), /*left=*/false, Clock::now(), &a);
   f.Deliver(a);
   ASSERT_EQ(f.sinks[0]->results.size(), 1u);
   EXPECT_EQ(f.sinks[0]->results[0].op(), 0u);
@@ -281,13 +284,13 @@ TEST(Job, MemberWhoseStreamBreaksFailsItsOpenRoundsAtOnce) {
   EXPECT_NE(f.sinks[1]->results.back().message().find("rank 2"), std::string::npos);
   // After it rejoins, rounds work again.
   Actions j;
-  ASSERT_TRUE(f.job->AddMember(2, 202, 102, &j).ok());
+  ASSERT_TRUE(f.job->AddMember(2, S(202), S(102), Clock::now(), &j).ok());
   auto sink = std::make_shared<RecordingSink>();
-  ASSERT_TRUE(f.job->Attach(2, 202, sink).ok());
+  ASSERT_TRUE(f.job->Attach(2, S(202), sink, Clock::now()).ok());
   Actions c;
   for (int m = 0; m < 3; ++m) {
     Actions x;
-    f.job->Contribute(m, m == 2 ? 202 : 100 + m, Fwd(6, 0, 1, {double(m)}, {0}), Clock::now(),
+    f.job->Contribute(m, S(m == 2 ? 202 : 100 + m), Fwd(6, 0, 1, {double(m)}, {0}), Clock::now(),
                       &x);
     f.Deliver(x);
   }
@@ -297,13 +300,13 @@ TEST(Job, MemberWhoseStreamBreaksFailsItsOpenRoundsAtOnce) {
 TEST(Job, SecondLiveSessionForTheSameRankIsRefused) {
   Fixture f(2);
   Actions a;
-  absl::Status s = f.job->AddMember(1, 555, 0, &a);
+  absl::Status s = f.job->AddMember(1, S(555), S(0), Clock::now(), &a);
   EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_NE(s.message().find("rank 1"), std::string::npos);
-  EXPECT_TRUE(f.job->AddMember(1, 556, 101, &a).ok());  // a reconnect names its old session
+  EXPECT_TRUE(f.job->AddMember(1, S(556), S(101), Clock::now(), &a).ok());  // a reconnect names its old session
   // The replaced session can no longer contribute; nothing is touched.
   Actions c;
-  EXPECT_FALSE(f.job->Contribute(1, 101, Fwd(0, 0, 1, {1.0}, {0.0}), Clock::now(), &c));
+  EXPECT_FALSE(f.job->Contribute(1, S(101), Fwd(0, 0, 1, {1.0}, {0.0}), Clock::now(), &c));
   EXPECT_TRUE(c.deliveries.empty());
   v1::JobStatus status;
   f.job->FillStatus(&status);
@@ -408,7 +411,7 @@ TEST(Job, ChildAbortFailsTheRoundForTheOtherNodesAtOnce) {
 TEST(Job, SidecarTellsItsParentWhenAWorkerCrashesAndWhenEveryWorkerIsBack) {
   Fixture f(2, 2, 1, /*parent=*/true);  // node 1 of 2: ranks 2 and 3
   Actions a;
-  f.job->MemberGone(1, 101, /*left=*/false, &a);
+  f.job->MemberGone(1, S(101), /*left=*/false, Clock::now(), &a);
   ASSERT_EQ(a.node_states.size(), 1u);
   EXPECT_FALSE(a.node_states[0].healthy);
   EXPECT_NE(a.node_states[0].message.find("rank 3"), std::string::npos) << a.node_states[0].message;
@@ -416,24 +419,24 @@ TEST(Job, SidecarTellsItsParentWhenAWorkerCrashesAndWhenEveryWorkerIsBack) {
   EXPECT_TRUE(f.job->NodeDown(&why));
   EXPECT_EQ(why, a.node_states[0].message);
   Actions b;  // a second crash: the parent already knows the node is down
-  f.job->MemberGone(0, 100, /*left=*/false, &b);
+  f.job->MemberGone(0, S(100), /*left=*/false, Clock::now(), &b);
   EXPECT_TRUE(b.node_states.empty());
   Actions c;  // one of the two is back: still down
-  ASSERT_TRUE(f.job->AddMember(0, 200, 100, &c).ok());
+  ASSERT_TRUE(f.job->AddMember(0, S(200), S(100), Clock::now(), &c).ok());
   EXPECT_TRUE(c.node_states.empty());
   Actions d;  // both back
-  ASSERT_TRUE(f.job->AddMember(1, 201, 101, &d).ok());
+  ASSERT_TRUE(f.job->AddMember(1, S(201), S(101), Clock::now(), &d).ok());
   ASSERT_EQ(d.node_states.size(), 1u);
   EXPECT_TRUE(d.node_states[0].healthy);
   EXPECT_FALSE(f.job->NodeDown(&why));
   // A worker that leaves when it is done is not a crash: nothing goes to the parent.
   Actions e;
-  f.job->MemberGone(0, 200, /*left=*/true, &e);
+  f.job->MemberGone(0, S(200), /*left=*/true, Clock::now(), &e);
   EXPECT_TRUE(e.node_states.empty());
   // Without a parent (single-node jobs, or no --upstream) there is nobody to tell.
   Fixture alone(2, 2, 1, /*parent=*/false);
   Actions g;
-  alone.job->MemberGone(1, 101, /*left=*/false, &g);
+  alone.job->MemberGone(1, S(101), /*left=*/false, Clock::now(), &g);
   EXPECT_TRUE(g.node_states.empty());
 }
 
@@ -484,6 +487,143 @@ TEST(Job, LayoutMismatchNamesTheField) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("rank 3"), std::string::npos);
   EXPECT_NE(s.message().find("world_size=8"), std::string::npos);
+}
+
+
+// NaN and Inf are data: they propagate to every member by IEEE arithmetic, identically, so that
+// mixed-precision loss scaling sees an overflow on every rank (as with torch's SyncBatchNorm).
+TEST(Job, NonFiniteValuesPropagateIdenticallyToEveryMemberAndAreCounted) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  Fixture f(3);
+  Actions a0 = f.Send(0, Fwd(0, 0, 2, {1.0, nan, 3.0}, {1, 1, 1}));
+  EXPECT_EQ(a0.nonfinite[0], 1);
+  f.Send(1, Fwd(0, 0, 2, {1.0, 2.0, 3.0}, {1, 1, inf}));
+  f.Send(2, Fwd(0, 0, 2, {1.0, 2.0, 3.0}, {1, 1, 1}));
+  for (auto& s : f.sinks) {
+    ASSERT_EQ(s->results.size(), 1u);
+    EXPECT_EQ(s->results[0].code(), 0) << s->results[0].message();
+    EXPECT_EQ(s->results[0].data(), f.sinks[0]->results[0].data());  // bitwise the same
+  }
+  const v1::Result& r = f.sinks[0]->results[0];
+  EXPECT_EQ(A(r)[0], 1.0);
+  EXPECT_TRUE(std::isnan(A(r)[1]));
+  EXPECT_EQ(A(r)[2], 3.0);
+  EXPECT_EQ(B(r)[0], 3.0);
+  EXPECT_TRUE(std::isinf(B(r)[2]));
+  // Backward: an overflowing gradient sum reaches every member.
+  v1::Contribution c = Fwd(0, 0, 2, {inf, 1.0, 2.0}, {0, 0, 0});
+  c.set_phase(v1::PHASE_BACKWARD);
+  Actions a1 = f.Send(0, c);
+  EXPECT_EQ(a1.nonfinite[1], 1);
+  c = Fwd(0, 0, 2, {1.0, 1.0, 2.0}, {0, 0, 0});
+  c.set_phase(v1::PHASE_BACKWARD);
+  f.Send(1, c);
+  f.Send(2, c);
+  for (auto& s : f.sinks) {
+    ASSERT_EQ(s->results.size(), 2u);
+    EXPECT_EQ(s->results[1].code(), 0);
+    EXPECT_TRUE(std::isinf(A(s->results[1])[0]));
+    EXPECT_EQ(A(s->results[1])[1], 3.0);
+  }
+}
+
+TEST(Job, StrictJobRejectsNonFiniteValuesNamingRankAndField) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  Fixture f(3, 2, 1, false, v1::MEMBER_KIND_WORKER, {}, /*strict=*/true);
+  f.Send(0, Fwd(0, 0, 2, {0, 0, 0, 0}, {1, 1, 1, 1}));
+  f.Send(1, Fwd(0, 0, 2, {0.0, 0.0, 0.0, nan}, {1, 1, 1, 1}));
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  const v1::Result& r = f.sinks[0]->results[0];
+  EXPECT_EQ(r.code(), int(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(r.message().find("rank 4"), std::string::npos) << r.message();
+  EXPECT_NE(r.message().find("mean[3]"), std::string::npos) << r.message();
+  EXPECT_NE(r.message().find("HSBN_STRICT_FINITE"), std::string::npos) << r.message();
+}
+
+TEST(Job, MergeThatOverflowsIsDataUnlessStrict) {
+  // Finite inputs whose merge overflows: Inf for everyone, or a named failure when strict.
+  for (bool strict : {false, true}) {
+    SCOPED_TRACE(strict);
+    Fixture f(2, 1, 0, false, v1::MEMBER_KIND_WORKER, {}, strict);
+    f.Send(0, Fwd(0, 0, 1, {1e308}, {0}));
+    f.Send(1, Fwd(0, 0, 1, {-1e308}, {0}));
+    ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+    const v1::Result& r = f.sinks[1]->results[0];
+    if (strict) {
+      EXPECT_EQ(r.code(), int(absl::StatusCode::kInvalidArgument));
+      EXPECT_NE(r.message().find("overflow"), std::string::npos) << r.message();
+    } else {
+      EXPECT_EQ(r.code(), 0);
+      EXPECT_FALSE(std::isfinite(B(r)[0]));
+    }
+  }
+}
+
+TEST(Job, CountsWhoseSumOverflowsInt64FailNamingTheRoundAndTheMembers) {
+  Fixture f(2, 2, 1);  // ranks 2, 3
+  const int64_t big = std::numeric_limits<int64_t>::max();
+  f.Send(0, Fwd(5, 7, big, {1.0}, {0}));
+  f.Send(1, Fwd(5, 7, 2, {1.0}, {0}));
+  for (auto& s : f.sinks) {
+    ASSERT_EQ(s->results.size(), 1u);
+    const v1::Result& r = s->results[0];
+    EXPECT_EQ(r.code(), int(absl::StatusCode::kInvalidArgument));
+    EXPECT_NE(r.message().find("op 5, seq 7"), std::string::npos) << r.message();
+    EXPECT_NE(r.message().find("rank 2"), std::string::npos) << r.message();
+    EXPECT_NE(r.message().find("rank 3"), std::string::npos) << r.message();
+    EXPECT_NE(r.message().find(std::to_string(big)), std::string::npos) << r.message();
+  }
+  // Backward sums are counted the same way.
+  v1::Contribution c = Fwd(5, 8, big, {1.0}, {0});
+  c.set_phase(v1::PHASE_BACKWARD);
+  f.Send(0, c);
+  c.set_count(1);
+  f.Send(1, c);
+  EXPECT_EQ(f.sinks[0]->results.back().code(), int(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(Job, MemoryBudgetRefusesTheOffenderAndReturnsToZeroWhenTheJobEnds) {
+  auto budget = std::make_shared<MemoryBudget>(64 << 10);
+  JobLimits limits;
+  limits.budget = budget;
+  {
+    Fixture f(2, 1, 0, false, v1::MEMBER_KIND_WORKER, limits);
+    f.Send(0, Fwd(0, 0, 1, std::vector<double>(16, 1.0), std::vector<double>(16, 0.0)));
+    EXPECT_GT(budget->used(), 0);
+    f.Send(1, Fwd(0, 0, 1, std::vector<double>(16, 1.0), std::vector<double>(16, 0.0)));
+    ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+    EXPECT_EQ(f.sinks[0]->results[0].code(), 0);
+    // 4096 channels * 16 bytes = 64 KiB: more than the budget holds.
+    Actions a = f.Send(0, Fwd(1, 0, 1, std::vector<double>(4096, 1.0),
+                              std::vector<double>(4096, 0.0)));
+    ASSERT_EQ(f.sinks[0]->results.size(), 2u);
+    EXPECT_EQ(f.sinks[0]->results[1].code(), int(absl::StatusCode::kResourceExhausted));
+    EXPECT_NE(f.sinks[0]->results[1].message().find("--memory-budget-bytes"), std::string::npos);
+    ASSERT_EQ(a.refused.size(), 1u);
+    EXPECT_STREQ(a.refused[0], "memory_budget");
+    EXPECT_EQ(budget->used(), f.job->held_bytes());
+  }
+  EXPECT_EQ(budget->used(), 0);
+}
+
+TEST(Job, DroppableWhenNoMemberAttachedForTheAttachTimeout) {
+  JobLayout layout;
+  layout.local_world_size = 2;
+  layout.num_nodes = 1;
+  layout.world_size = 2;
+  layout.node_rank = 0;
+  Job job("job", layout, JobLimits{});
+  const Clock::time_point t0 = Clock::now();
+  Actions a;
+  ASSERT_TRUE(job.AddMember(0, S(1), S(0), t0, &a).ok());
+  EXPECT_FALSE(job.Droppable(t0 + std::chrono::seconds(59), std::chrono::seconds(60)));
+  EXPECT_TRUE(job.Droppable(t0 + std::chrono::seconds(61), std::chrono::seconds(60)));
+  // Once a member is attached, the job lives however long it runs.
+  ASSERT_TRUE(job.Attach(0, S(1), std::make_shared<RecordingSink>(), t0).ok());
+  EXPECT_FALSE(job.Droppable(t0 + std::chrono::hours(5), std::chrono::seconds(60)));
+  job.MemberGone(0, S(1), /*left=*/false, t0, &a);
+  EXPECT_TRUE(job.Droppable(t0, std::chrono::seconds(60)));  // every member gone
 }
 
 }  // namespace

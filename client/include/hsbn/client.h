@@ -49,10 +49,14 @@ struct ClientOptions {
   std::chrono::milliseconds round_timeout{0};
   std::chrono::milliseconds connect_timeout{10000};
   std::string token;
+  // The job's strict mode (every process of a job must agree): a NaN or Inf in a contribution,
+  // or a merge that overflows, fails the round naming the member. Off: non-finite values
+  // propagate to every member by IEEE arithmetic, as in torch's SyncBatchNorm.
+  bool strict_finite = false;
 
   // From torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK and HSBN_JOB_ID
   // (or TORCHELASTIC_RUN_ID), HSBN_ADDRESS, HSBN_ROUND_TIMEOUT_MS, HSBN_CONNECT_TIMEOUT_MS,
-  // HSBN_TOKEN or HSBN_TOKEN_FILE.
+  // HSBN_TOKEN or HSBN_TOKEN_FILE, HSBN_STRICT_FINITE (1/0).
   static absl::StatusOr<ClientOptions> FromEnv();
   // Checks the layout for consistency (the errors name the variable to fix).
   absl::Status Validate() const;
@@ -131,7 +135,8 @@ class Client {
   // end, in the new period.
   void ResetStats();
 
-  // The sidecar's status, and the root's with include_upstream.
+  // The sidecar's status of this client's job (asked with its token), and the root's with
+  // include_upstream.
   absl::StatusOr<v1::StatusResponse> Status(bool include_upstream);
   absl::StatusOr<std::string> StatusJson(bool include_upstream);
 

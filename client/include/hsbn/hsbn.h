@@ -73,6 +73,7 @@ typedef struct hsbn_options {
   int64_t round_timeout_ms;    /* how long a round call waits; 0: the aggregator's timeout + 5 s */
   int64_t connect_timeout_ms;  /* how long to wait for the sidecar; 0: 10 s */
   const char* token;           /* job token, or NULL for none */
+  int32_t strict_finite;       /* 1: the job's strict mode (NaN/Inf fail rounds); 0: data */
 } hsbn_options;
 
 typedef struct hsbn_client_info {
@@ -124,10 +125,18 @@ int hsbn_abi_version(void);
 
 void hsbn_options_init(hsbn_options* options);
 
+/* Checks a worker's layout as torchrun names it (RANK, WORLD_SIZE, LOCAL_RANK,
+ * LOCAL_WORLD_SIZE, GROUP_RANK): LOCAL_WORLD_SIZE workers on every node, ranked node by node.
+ * HSBN_OK, or HSBN_INVALID_ARGUMENT with hsbn_last_error() naming the variable to fix. The same
+ * check the client and the aggregator apply. */
+hsbn_result hsbn_check_layout(int64_t rank, int64_t world_size, int64_t local_rank,
+                              int64_t local_world_size, int64_t node_rank);
+
 /* Joins the job at the sidecar and opens the round stream. */
 hsbn_result hsbn_client_create(const hsbn_options* options, hsbn_client** out);
 /* Same, from RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, HSBN_JOB_ID,
- * HSBN_ADDRESS (default unix:/tmp/hsbn.sock), HSBN_ROUND_TIMEOUT_MS, HSBN_TOKEN / HSBN_TOKEN_FILE. */
+ * HSBN_ADDRESS (default unix:/tmp/hsbn.sock), HSBN_ROUND_TIMEOUT_MS, HSBN_TOKEN / HSBN_TOKEN_FILE.
+ * Both honour HSBN_STRICT_FINITE=1 (the job's strict mode: NaN/Inf fail rounds; docs/PROTOCOL.md). */
 hsbn_result hsbn_client_create_from_env(hsbn_client** out);
 /* Leaves the job and closes the stream. NULL is ignored. */
 void hsbn_client_destroy(hsbn_client* client);

@@ -29,6 +29,15 @@ def main():
     try:
         import torch
         print("torch            %s (CUDA %s)" % (torch.__version__, torch.cuda.is_available()))
+        from .torch import _ops
+        try:
+            for kind, (which, why) in (("CPU ", _ops.cpu_ops_choice()),
+                                       ("CUDA", _ops.cuda_ops_choice())):
+                name = "hsbn's kernels" if which == "kernels" else "torch's ops"
+                print("%s BN ops      %s (%s: %s)" % (kind, which, name, why))
+        except ValueError as e:
+            print("BN ops           INVALID: %s" % e)
+            ok = False
     except ImportError:
         print("torch            not installed (hsbn.torch needs it)")
     return 0 if ok else 1

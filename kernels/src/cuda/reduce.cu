@@ -253,6 +253,40 @@ __global__ void FinalizeKernel(const T* __restrict__ x, Layout layout, int64_t C
   }
 }
 
+// One block per channel: the same combine as FinalizeKernel, bounded for many splits. Thread t
+// folds splits t, t + kThreads, ... in order, then the block combines the threads in a fixed
+// binary tree (BlockReduceRows), so the order, hence the result, depends on the shape only.
+template <typename T, bool kBackward>
+__global__ void __launch_bounds__(kThreads)
+    FinalizeTreeKernel(const T* __restrict__ x, Layout layout, int64_t C, int64_t S,
+                       int64_t splits, const int64_t* __restrict__ counts,
+                       const typename AccOf<T>::type* __restrict__ pa,
+                       const typename AccOf<T>::type* __restrict__ pb, double* out_a,
+                       double* out_b, BnStats stats, void* grad_weight, void* grad_bias,
+                       DType grad_dtype) {
+  const int64_t c = blockIdx.x;
+  int64_t n = 0;
+  double a[1] = {0}, b[1] = {0};
+  for (int64_t j = threadIdx.x; j < splits; j += kThreads) {
+    const int64_t nj = kBackward ? 0 : counts[j];
+    Combine<kBackward, double>(n, a[0], b[0], nj, static_cast<double>(pa[j * C + c]),
+                               static_cast<double>(pb[j * C + c]));
+    n += nj;
+  }
+  BlockReduceRows<kBackward, double, 1>(n, a, b, 1);
+  if (threadIdx.x != 0) return;
+  if constexpr (kBackward) {
+    out_a[c] = a[0];
+    out_b[c] = b[0];
+    if (grad_weight) StoreFromDouble(grad_weight, grad_dtype, c, b[0] * ChannelInvstd(stats, c));
+    if (grad_bias) StoreFromDouble(grad_bias, grad_dtype, c, a[0]);
+  } else {
+    const double pivot = static_cast<double>(ToAcc(x[layout == Layout::kNchw ? c * S : c]));
+    out_a[c] = n > 0 ? pivot + a[0] : 0.0;
+    out_b[c] = b[0];
+  }
+}
+
 int Pow2AtLeast(int64_t v) {
   int p = 1;
   while (p < v) p *= 2;
@@ -271,8 +305,9 @@ const char* LaunchReduce(const BnInput& in, const T* x, const T* dy, const BnSta
   Acc* pa = reinterpret_cast<Acc*>(ws + plan.a_offset());
   Acc* pb = reinterpret_cast<Acc*>(ws + plan.b_offset(in.c));
   const bool aligned = Aligned(x) && (!kBackward || Aligned(dy));
+  const Layout layout = ReduceLayout(in);
 
-  if (in.layout == Layout::kNchw) {
+  if (layout == Layout::kNchw) {
     const bool vec = aligned && in.s % kV == 0;
     const int64_t v = vec ? kV : 1;
     const uint32_t items = static_cast<uint32_t>(in.n * in.s / v);
@@ -301,10 +336,16 @@ const char* LaunchReduce(const BnInput& in, const T* x, const T* dy, const BnSta
     }
   }
   if (const char* e = LastLaunchError()) return e;
-  const unsigned blocks = static_cast<unsigned>((in.c + kThreads - 1) / kThreads);
-  FinalizeKernel<T, kBackward><<<blocks, kThreads, 0, stream>>>(
-      x, in.layout, in.c, in.s, plan.splits, counts, pa, pb, out_a, out_b, stats, grad_weight,
-      grad_bias, grad_dtype);
+  if (plan.splits > kSerialMergeSplits) {
+    FinalizeTreeKernel<T, kBackward><<<static_cast<unsigned>(in.c), kThreads, 0, stream>>>(
+        x, layout, in.c, in.s, plan.splits, counts, pa, pb, out_a, out_b, stats, grad_weight,
+        grad_bias, grad_dtype);
+  } else {
+    const unsigned blocks = static_cast<unsigned>((in.c + kThreads - 1) / kThreads);
+    FinalizeKernel<T, kBackward><<<blocks, kThreads, 0, stream>>>(
+        x, layout, in.c, in.s, plan.splits, counts, pa, pb, out_a, out_b, stats, grad_weight,
+        grad_bias, grad_dtype);
+  }
   return LastLaunchError();
 }
 

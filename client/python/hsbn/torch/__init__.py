@@ -12,7 +12,31 @@ it binds hsbn's C ABI only, never PyTorch's C++ ABI.
 
 from .modules import (SyncBatchNorm, convert_sync_batchnorm, next_op, model_client, stats,
                       SCOPES)
-from ._function import SyncBatchNormFunction
+from ._function import SyncBatchNormFunction, SyncStats, sync_stats, reset_sync_stats
+from . import _ops
+
+
+def set_cuda_ops(which, module=None):
+    """Which arithmetic synchronized layers use on CUDA tensors: "torch" (PyTorch's own
+    SyncBatchNorm kernels, the default) or "kernels" (hsbn's CUDA kernels, opt-in until they
+    have passed the GPU device check). With `module`, sets it for every hsbn SyncBatchNorm in
+    `module` (None there returns them to the process's choice); without, for the process
+    (None returns to HSBN_TORCH_CUDA_OPS, or the default)."""
+    if module is None:
+        _ops.set_cuda_ops(which)
+        return
+    if which is not None:
+        _ops._check_choice(which, "set_cuda_ops")
+    for m in module.modules():
+        if isinstance(m, SyncBatchNorm):
+            m.cuda_ops = which
+
+
+def cuda_ops():
+    """("torch" or "kernels", why) for CUDA tensors of layers without their own choice."""
+    return _ops.cuda_ops_choice()
+
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "SyncBatchNormFunction", "SCOPES",
-           "next_op", "model_client", "stats"]
+           "next_op", "model_client", "stats", "set_cuda_ops", "cuda_ops", "SyncStats",
+           "sync_stats", "reset_sync_stats"]

@@ -6,56 +6,144 @@ around the scope's mean -> backward round -> the scope's sums -> input gradient.
 bias gradients are this worker's share (sums over its own batch): added over the scope's
 workers (which is what DDP's gradient all-reduce does, up to its 1/world_size averaging) they
 are BatchNorm's gradients over the scope's batch.
+
+A round crosses the host once each way (exchange()): the (2, C) float64 payload is copied into
+one pinned host buffer, the host waits on an event recorded after that copy (not on the device
+or the stream), the client's result goes back into the same buffer and up with non_blocking.
+Everything else, running statistics included, stays on the device; nothing reads a device
+value on the host. sync_stats() counts the copies and waits.
 """
+
+import dataclasses
+import threading
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from ._ops import ops_for
 
+F64 = torch.float64
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncStats:
+    """Host<->device traffic of hsbn.torch's rounds in this process (sync_stats()).
+
+    rounds: rounds exchanged (forward and backward).
+    downloads: payload copies to the host, one per round (on CPU tensors the payload is read
+      in place and still counted, so CPU tests see the same counts as a GPU run).
+    uploads: result copies back to the tensor's device, one per round (the same).
+    device_waits: host waits for the device: one event wait per round of a CUDA tensor, none
+      for CPU tensors. hsbn.torch waits on the device nowhere else.
+    """
+    rounds: int = 0
+    downloads: int = 0
+    uploads: int = 0
+    device_waits: int = 0
+
+
+_stats_lock = threading.Lock()
+_stats = {"rounds": 0, "downloads": 0, "uploads": 0, "device_waits": 0}
+
+
+def _count(**add):
+    with _stats_lock:
+        for k, v in add.items():
+            _stats[k] += v
+
+
+def sync_stats():
+    """SyncStats since the process started or the last reset_sync_stats()."""
+    with _stats_lock:
+        return SyncStats(**_stats)
+
+
+def reset_sync_stats():
+    with _stats_lock:
+        for k in _stats:
+            _stats[k] = 0
+
+
+def exchange(call, op, seq, scope, count, packed):
+    """Sends the (2, C) float64 payload `packed` (on any device) through `call` (client.forward
+    or client.backward); returns (scope count, the scope's (2, C) float64 result on packed's
+    device). One download, one event wait (CUDA only), one non_blocking upload."""
+    if packed.device.type == "cuda":
+        host = torch.empty(packed.shape, dtype=F64, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(packed.device))
+        done.synchronize()
+        waits = 1
+    else:
+        host = packed if packed.is_contiguous() else packed.contiguous()
+        waits = 0
+    h = host.numpy()
+    total, a, b = call(op, seq, scope, count, h[0], h[1])
+    if packed.device.type == "cuda":
+        # The client has returned: the buffer is free for the result. The caching host
+        # allocator keeps it until the copy below has run.
+        h[0] = a
+        h[1] = b
+        result = host.to(packed.device, non_blocking=True)
+    else:
+        result = torch.empty(packed.shape, dtype=F64)
+        r = result.numpy()
+        r[0] = a
+        r[1] = b
+    _count(rounds=1, downloads=1, uploads=1, device_waits=waits)
+    return int(total), result
+
+
+def _update_running(running, value, factor):
+    """running = (1 - factor) * running + factor * value, computed in float64 on the device;
+    factor is a float, or num_batches_tracked (a tensor) for momentum=None (factor 1/n)."""
+    if torch.is_tensor(factor):
+        f = factor.to(device=running.device, dtype=F64).reciprocal()
+        new = running.to(F64) * (1.0 - f) + value * f
+    else:
+        new = running.to(F64) * (1.0 - factor) + value * factor
+    running.copy_(new)
+
 
 class SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor, client, op, seq,
-                scope):
-        ops = ops_for(x)
-        count, mean, m2 = ops.local_moments(x, eps)
-        total, mean, m2 = client.forward(op, seq, scope, count, mean, m2)
+                scope, cuda_ops=None):
+        """factor: momentum (a float), or the layer's num_batches_tracked tensor when momentum
+        is None. cuda_ops: "torch", "kernels" or None (the process's choice)."""
+        ops = ops_for(x, cuda_ops)
+        count, packed = ops.local_moments(x, eps)
+        total, scope_stats = exchange(client.forward, op, seq, scope, count, packed)
         if total <= 1:
             raise ValueError(
                 "Expected more than 1 value per channel when training, got %d in scope %r "
                 "(layer op=%d, input of size %s on this worker)"
                 % (total, scope, op, list(x.shape)))
-        var = m2 / total
+        mean, m2 = scope_stats[0], scope_stats[1]
         if running_mean is not None:
             # torch.nn.BatchNorm's update, with the unbiased variance of the scope's batch.
-            unbiased = m2 / (total - 1)
             with torch.no_grad():
-                rm = running_mean.to(torch.float64).cpu().numpy()
-                rv = running_var.to(torch.float64).cpu().numpy()
-                rm = (1.0 - factor) * rm + factor * mean
-                rv = (1.0 - factor) * rv + factor * unbiased
-                running_mean.copy_(torch.from_numpy(rm))
-                running_var.copy_(torch.from_numpy(rv))
-        y, saved = ops.normalize(x, mean, var, weight, bias, eps)
+                _update_running(running_mean, mean, factor)
+                _update_running(running_var, m2 / (total - 1), factor)
+        y, saved = ops.normalize(x, mean, m2 / total, weight, bias, eps)
         ctx.save_for_backward(x, weight, *saved)
-        ctx.hsbn = (client, op, seq, scope, count, total)
+        ctx.hsbn = (client, op, seq, scope, count, total, cuda_ops)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         x, weight, *saved = ctx.saved_tensors
-        client, op, seq, scope, count, total = ctx.hsbn
+        client, op, seq, scope, count, total, cuda_ops = ctx.hsbn
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        ops = ops_for(x)
-        sum_dy, sum_dy_xmu, grad_w, grad_b = ops.backward_reduce(dy, x, saved, weight, need_w,
-                                                                 need_b)
+        ops = ops_for(x, cuda_ops)
+        packed, grad_w, grad_b = ops.backward_reduce(dy, x, saved, weight, need_w, need_b)
         grad_x = None
         if need_x:
             # Every worker runs the same layers with the same requires_grad pattern, so either
             # all of them take part in this round or none does.
-            _, sum_dy, sum_dy_xmu = client.backward(op, seq, scope, count, sum_dy, sum_dy_xmu)
-            grad_x = ops.backward_elemt(dy, x, saved, weight, sum_dy, sum_dy_xmu, total)
-        return (grad_x, grad_w, grad_b) + (None,) * 8
+            _, sums = exchange(client.backward, op, seq, scope, count, packed)
+            grad_x = ops.backward_elemt(dy, x, saved, weight, sums, total)
+        return (grad_x, grad_w, grad_b) + (None,) * 9

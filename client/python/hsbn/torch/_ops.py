@@ -1,35 +1,41 @@
 """The per-worker BatchNorm arithmetic of hsbn.torch, one backend per device kind.
 
-A backend computes, for input x of shape (N, C, *):
-  local_moments(x, eps)          -> (count, mean[C], m2[C]) as float64 numpy arrays
+Every statistic stays on the input's device, as float64 tensors; only a round's packed payload
+crosses to the host (see _function.py). A backend computes, for input x of shape (N, C, *):
+  local_moments(x, eps)  -> (count, packed): count an int (N * prod(spatial), known on the
+                            host), packed a (2, C) float64 tensor on x's device: mean, m2
   normalize(x, mean, var, w, b, eps) -> (y, saved): y = (x - mean) / sqrt(var + eps) * w + b,
-                                      with mean and var the (reduced) float64 statistics
-  backward_reduce(dy, x, saved, w, need_w, need_b) -> (sum_dy[C], sum_dy_xmu[C] as float64 numpy,
-                                      grad_w, grad_b) over this worker's batch only
-  backward_elemt(dy, x, saved, w, sum_dy, sum_dy_xmu, count) -> dx, from the scope's sums
+                            mean and var (C,) float64 tensors on x's device
+  backward_reduce(dy, x, saved, w, need_w, need_b) -> (packed, grad_w, grad_b): packed a (2, C)
+                            float64 tensor on x's device: sum_dy, sum_dy_xmu over this worker's
+                            batch
+  backward_elemt(dy, x, saved, w, sums, count) -> dx, from the scope's (2, C) sums and count
 
 Backends:
-  KernelOps  hsbn's own kernels (kernels/include/hsbn/bn_kernels_c.h, exported by libhsbn.so
-             when built in): float64 statistics; on CUDA tensors they run on the current stream.
-             Used for CUDA tensors whenever the library has them and sees a GPU.
-  CudaOps    the fallback for CUDA tensors: torch's SyncBatchNorm kernels
+  CpuOps     CPU tensors: plain torch ops in the input's dtype (float32 for float16/bfloat16),
+             statistics and per-channel coefficients in float64 (float32 input: per-plane sums
+             in float32, combined in float64), as torch's CPU BatchNorm does.
+  CudaOps    CUDA tensors, the default: torch's own SyncBatchNorm kernels
              (torch.batch_norm_stats / _elemt / _backward_reduce / _backward_elemt) on the
              current stream, statistics in float32 (float64 for float64 input).
-  CpuOps     CPU tensors: float64 arithmetic with plain torch ops (any input dtype). The
-             environment variable HSBN_TORCH_CPU_OPS=kernels (or set_cpu_ops("kernels"))
-             selects hsbn's CPU kernels instead; HSBN_TORCH_CUDA_OPS=torch|kernels (or
-             set_cuda_ops) forces a CUDA backend.
-Outputs keep the input's dtype and memory format (channels-last stays channels-last).
+  KernelOps  hsbn's own kernels (kernels/include/hsbn/bn_kernels_c.h, exported by libhsbn.so
+             when built in), float64 statistics, on the current stream. Opt-in for CUDA
+             tensors (HSBN_TORCH_CUDA_OPS=kernels, set_cuda_ops("kernels"), or per layer with
+             hsbn.torch.set_cuda_ops(..., module=m)) until they have passed the GPU device
+             check (bench/kernels/run_gpu_checks.sh); HSBN_TORCH_CPU_OPS=kernels for CPU ones.
+Outputs keep the input's dtype and memory format (channels-last stays channels-last). No
+backend reads a device value on the host.
 """
 
 import contextlib
 import ctypes
 import os
 
-import numpy as np
 import torch
 
 from .. import _lib
+
+F64 = torch.float64
 
 
 def _reduce_dims(x):
@@ -41,79 +47,107 @@ def _bcast(v, x):
     return v.reshape([1, -1] + [1] * (x.dim() - 2))
 
 
-def _like(x, y):
-    """y with x's dtype and exactly x's memory layout."""
-    out = torch.empty_like(x)  # preserve_format: same strides as x
+def _keep_layout(x, y):
+    """y with exactly x's strides (torch's elementwise ops usually keep them already)."""
+    if y.stride() == x.stride():
+        return y
+    out = torch.empty_like(x, dtype=y.dtype)  # preserve_format: same strides as x
     out.copy_(y)
     return out
 
 
-def _np64(t):
-    return t.detach().to(device="cpu", dtype=torch.float64).numpy().copy()
+def _channel_sums(t):
+    """Per-channel sums of t (N, C, *) as a float64 (C,) tensor. float32 input is summed over
+    each (sample, channel) plane in float32 (torch's cascade summation) and the N * C partials
+    in float64: torch.sum(t, dtype=float64) on the CPU would first copy all of t to float64."""
+    if t.dtype == F64:
+        return t.sum(_reduce_dims(t))
+    if t.dim() > 2:
+        t = t.sum(list(range(2, t.dim())))
+    return t.to(F64).sum(0)
+
+
+def _zeros2(c, x):
+    return torch.zeros(2, c, dtype=F64, device=x.device)
+
+
+def invstd_of(var, eps):
+    """1 / sqrt(var + eps) in float64, on var's device."""
+    return (var + eps).rsqrt_()
 
 
 class CpuOps:
-    """float64 reference arithmetic for CPU tensors."""
+    """torch ops in the input's dtype on CPU tensors; float64 statistics."""
 
-    name = "cpu-float64"
+    name = "cpu-torch"
+
+    @staticmethod
+    def _compute(t):
+        """t as the dtype the arithmetic runs in: its own for float32/float64, else float32."""
+        return t if t.dtype in (torch.float32, F64) else t.float()
 
     def local_moments(self, x, eps):
         c = x.shape[1]
         count = x.numel() // c if c else 0
         if count == 0:
-            return 0, np.zeros(c), np.zeros(c)
-        xd = x.detach().to(torch.float64)
-        dims = _reduce_dims(x)
-        mean = xd.mean(dims)
-        # Two passes: m2 = sum((x - mean)^2), no E[x^2] - E[x]^2 cancellation.
-        m2 = (xd - _bcast(mean, xd)).pow_(2).sum(dims)
-        return count, mean.numpy().copy(), m2.numpy().copy()
+            return 0, _zeros2(c, x)
+        xc = self._compute(x.detach())
+        out = torch.empty(2, c, dtype=F64)
+        mean = _channel_sums(xc).div_(count)
+        # Second pass around the mean rounded to the compute dtype (pivot p): sum((x - p)^2) =
+        # m2 + count * (mean - p)^2, so m2 needs no E[x^2] - E[x]^2.
+        pivot = mean.to(xc.dtype)
+        s2 = _channel_sums((xc - _bcast(pivot, xc)).square_())
+        shift = mean - pivot.to(F64)
+        out[0] = mean
+        torch.sub(s2, shift.square_().mul_(count), out=out[1])
+        out[1].clamp_(min=0.0)
+        return count, out
 
     def normalize(self, x, mean, var, weight, bias, eps):
-        mean_t = torch.from_numpy(np.asarray(mean, dtype=np.float64))
-        invstd_t = torch.from_numpy(1.0 / np.sqrt(np.asarray(var, dtype=np.float64) + eps))
-        saved = (mean_t, invstd_t)
+        invstd = invstd_of(var, eps)
+        saved = (mean, invstd)
         if x.numel() == 0:
             return torch.empty_like(x), saved
-        scale = invstd_t if weight is None else invstd_t * weight.detach().to(torch.float64)
-        xd = x.detach().to(torch.float64)
-        y = (xd - _bcast(mean_t, xd)) * _bcast(scale, xd)
-        if bias is not None:
-            y += _bcast(bias.detach().to(torch.float64), xd)
-        return _like(x, y), saved
+        xc = self._compute(x.detach())
+        cd = xc.dtype
+        scale = invstd if weight is None else invstd * weight.detach().to(F64)
+        xmu = xc - _bcast(mean.to(cd), xc)
+        if bias is None:
+            y = xmu.mul_(_bcast(scale.to(cd), xc))
+        else:
+            y = torch.addcmul(_bcast(bias.detach().to(cd), xc), xmu, _bcast(scale.to(cd), xc))
+        return _keep_layout(x, y.to(x.dtype)), saved
 
     def backward_reduce(self, dy, x, saved, weight, need_w, need_b):
-        mean_t, invstd_t = saved
+        mean, invstd = saved
         c = x.shape[1]
+        packed = torch.empty(2, c, dtype=F64)
         if x.numel() == 0:
-            sum_dy = torch.zeros(c, dtype=torch.float64)
-            sum_dy_xmu = torch.zeros(c, dtype=torch.float64)
+            packed.zero_()
         else:
-            dims = _reduce_dims(x)
-            dyd = dy.to(torch.float64)
-            xd = x.to(torch.float64)
-            sum_dy = dyd.sum(dims)
-            sum_dy_xmu = (dyd * (xd - _bcast(mean_t, xd))).sum(dims)
-        grad_w = grad_b = None
-        if need_w:
-            grad_w = (sum_dy_xmu * invstd_t).to(weight.dtype)
-        if need_b:
-            grad_b = sum_dy.to(weight.dtype if weight is not None else dy.dtype)
-        return sum_dy.numpy().copy(), sum_dy_xmu.numpy().copy(), grad_w, grad_b
+            xc, dyc = self._compute(x), self._compute(dy)
+            packed[0] = _channel_sums(dyc)
+            packed[1] = _channel_sums((xc - _bcast(mean.to(xc.dtype), xc)).mul_(dyc))
+        gdt = weight.dtype if weight is not None else dy.dtype
+        grad_w = (packed[1] * invstd).to(gdt) if need_w else None
+        grad_b = packed[0].to(gdt) if need_b else None
+        return packed, grad_w, grad_b
 
-    def backward_elemt(self, dy, x, saved, weight, sum_dy, sum_dy_xmu, count):
-        mean_t, invstd_t = saved
+    def backward_elemt(self, dy, x, saved, weight, sums, count):
+        mean, invstd = saved
         if x.numel() == 0:
             return torch.empty_like(x)
-        mean_dy = torch.from_numpy(np.asarray(sum_dy) / count)
-        mean_dy_xmu = torch.from_numpy(np.asarray(sum_dy_xmu) / count)
-        scale = invstd_t if weight is None else invstd_t * weight.detach().to(torch.float64)
-        dyd = dy.to(torch.float64)
-        xd = x.to(torch.float64)
-        xmu = xd - _bcast(mean_t, xd)
-        dx = (dyd - _bcast(mean_dy, xd) - xmu * _bcast(invstd_t * invstd_t * mean_dy_xmu, xd))
-        dx *= _bcast(scale, xd)
-        return _like(x, dx)
+        # dx = (dy - mean_dy - (x - mean) * invstd^2 * mean_dy_xmu) * invstd * w
+        #    = dy * k + (x - mean) * g + b, with k, g, b per channel in float64 (as coeffs.h).
+        k = invstd if weight is None else invstd * weight.detach().to(F64)
+        g = (invstd * invstd).mul_(sums[1]).div_(count).mul_(k).neg_()
+        b = (sums[0] / count).mul_(k).neg_()
+        xc, dyc = self._compute(x), self._compute(dy)
+        cd = xc.dtype
+        dx = (xc - _bcast(mean.to(cd), xc)).mul_(_bcast(g.to(cd), xc)).add_(_bcast(b.to(cd), xc))
+        dx.addcmul_(dyc, _bcast(k.to(cd), xc))
+        return _keep_layout(x, dx.to(x.dtype))
 
 
 class CudaOps:
@@ -123,7 +157,7 @@ class CudaOps:
 
     @staticmethod
     def _stat_dtype(x):
-        return torch.float64 if x.dtype == torch.float64 else torch.float32
+        return F64 if x.dtype == F64 else torch.float32
 
     @staticmethod
     def _memory_format(x):
@@ -140,53 +174,52 @@ class CudaOps:
         c = x.shape[1]
         count = x.numel() // c if c else 0
         if count == 0:
-            return 0, np.zeros(c), np.zeros(c)
+            return 0, _zeros2(c, x)
         x = x.detach().contiguous(memory_format=self._memory_format(x))
         # batch_norm_stats returns the biased variance as invstd = 1/sqrt(var + eps); undo it in
         # float64. With eps > 0 there is no division by zero; the absolute error it leaves on
         # var is far below eps, which normalization adds back.
         mean, invstd = torch.batch_norm_stats(x, eps)
-        mean = _np64(mean)
-        var = np.maximum(1.0 / np.square(_np64(invstd)) - eps, 0.0)
-        return count, mean, var * count
+        packed = torch.empty(2, c, dtype=F64, device=x.device)
+        packed[0].copy_(mean)
+        torch.mul(invstd.to(F64).pow_(-2).sub_(eps).clamp_(min=0.0), count, out=packed[1])
+        return count, packed
 
     def normalize(self, x, mean, var, weight, bias, eps):
         sd = self._stat_dtype(x)
-        invstd = 1.0 / np.sqrt(np.asarray(var, dtype=np.float64) + eps)
-        mean_t = torch.from_numpy(np.asarray(mean, dtype=np.float64)).to(x.device, sd)
-        invstd_t = torch.from_numpy(invstd).to(x.device, sd)
-        saved = (mean_t, invstd_t)
+        invstd = invstd_of(var, eps)
+        saved = (mean.to(sd), invstd.to(sd))
         if x.numel() == 0:
             return torch.empty_like(x), saved
         fmt = self._memory_format(x)
         x = x.contiguous(memory_format=fmt)
-        y = torch.batch_norm_elemt(x, self._param(weight, x), self._param(bias, x), mean_t,
-                                   invstd_t, eps)
+        y = torch.batch_norm_elemt(x, self._param(weight, x), self._param(bias, x), saved[0],
+                                   saved[1], eps)
         return y.contiguous(memory_format=fmt), saved
 
     def backward_reduce(self, dy, x, saved, weight, need_w, need_b):
         mean_t, invstd_t = saved
         c = x.shape[1]
         if x.numel() == 0:
-            z = np.zeros(c)
-            sd = self._stat_dtype(x)
-            gw = torch.zeros(c, device=x.device, dtype=weight.dtype) if need_w else None
-            gb = (torch.zeros(c, device=x.device, dtype=weight.dtype if weight is not None
-                              else sd) if need_b else None)
-            return z, z.copy(), gw, gb
+            gdt = weight.dtype if weight is not None else self._stat_dtype(x)
+            gw = torch.zeros(c, device=x.device, dtype=gdt) if need_w else None
+            gb = torch.zeros(c, device=x.device, dtype=gdt) if need_b else None
+            return _zeros2(c, x), gw, gb
         fmt = self._memory_format(x)
         x = x.contiguous(memory_format=fmt)
         dy = dy.contiguous(memory_format=fmt)
         sum_dy, sum_dy_xmu, gw, gb = torch.batch_norm_backward_reduce(
             dy, x, mean_t, invstd_t, self._param(weight, x), True, bool(need_w), bool(need_b))
+        packed = torch.empty(2, c, dtype=F64, device=x.device)
+        packed[0].copy_(sum_dy)
+        packed[1].copy_(sum_dy_xmu)
         if gw is not None and weight is not None:
             gw = gw.to(weight.dtype)
         if gb is not None and weight is not None:
             gb = gb.to(weight.dtype)
-        return _np64(sum_dy), _np64(sum_dy_xmu), (gw if need_w else None), \
-            (gb if need_b else None)
+        return packed, (gw if need_w else None), (gb if need_b else None)
 
-    def backward_elemt(self, dy, x, saved, weight, sum_dy, sum_dy_xmu, count):
+    def backward_elemt(self, dy, x, saved, weight, sums, count):
         mean_t, invstd_t = saved
         if x.numel() == 0:
             return torch.empty_like(x)
@@ -194,12 +227,11 @@ class CudaOps:
         fmt = self._memory_format(x)
         x = x.contiguous(memory_format=fmt)
         dy = dy.contiguous(memory_format=fmt)
-        sum_dy_t = torch.from_numpy(np.asarray(sum_dy, dtype=np.float64)).to(x.device, sd)
-        sum_dy_xmu_t = torch.from_numpy(np.asarray(sum_dy_xmu, dtype=np.float64)).to(x.device, sd)
-        # The kernel divides by the sum of this tensor: one entry holding the scope's count.
-        count_t = torch.tensor([count], dtype=torch.int32, device=x.device)
+        # The kernel divides by the sum of this tensor: one entry holding the scope's count,
+        # filled on the device (torch.tensor([count], device=...) would be a blocking copy).
+        count_t = torch.full((1,), count, dtype=torch.int32, device=x.device)
         dx = torch.batch_norm_backward_elemt(dy, x, mean_t, invstd_t, self._param(weight, x),
-                                             sum_dy_t, sum_dy_xmu_t, count_t)
+                                             sums[0].to(sd), sums[1].to(sd), count_t)
         return dx.contiguous(memory_format=fmt)
 
 
@@ -269,28 +301,24 @@ class KernelOps:
             return None, 0
         return torch.empty(size.value, dtype=torch.uint8, device=x.device), size.value
 
-    def _f64(self, a, x):
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64)).to(x.device)
-
     def local_moments(self, x, eps):
         c = x.shape[1]
         if x.numel() == 0:
-            return 0, np.zeros(c), np.zeros(c)
+            return 0, _zeros2(c, x)
         x, desc = self._layout(x.detach())
         args = self._args(x, desc)
-        mean = torch.empty(c, dtype=torch.float64, device=x.device)
-        m2 = torch.empty(c, dtype=torch.float64, device=x.device)
-        count = ctypes.c_int64()
+        packed = torch.empty(2, c, dtype=F64, device=x.device)
+        count = ctypes.c_int64()  # the kernels compute it on the host: N * S
         with self._on(x):
             ws, ws_bytes = self._workspace(x, args)
-            self._check(self._k().hsbn_bn_moments(*args, _ptr(x), ctypes.byref(count), _ptr(mean),
-                                                  _ptr(m2), _ptr(ws), ws_bytes, self._stream(x)),
-                        "moments")
-            return count.value, _np64(mean), _np64(m2)
+            self._check(self._k().hsbn_bn_moments(*args, _ptr(x), ctypes.byref(count),
+                                                  _ptr(packed[0]), _ptr(packed[1]), _ptr(ws),
+                                                  ws_bytes, self._stream(x)), "moments")
+        return count.value, packed
 
     def normalize(self, x, mean, var, weight, bias, eps):
-        mean_t = self._f64(mean, x)
-        invstd_t = self._f64(1.0 / np.sqrt(np.asarray(var, dtype=np.float64) + eps), x)
+        mean_t = mean.contiguous()
+        invstd_t = invstd_of(var, eps).contiguous()
         saved = (mean_t, invstd_t)
         if x.numel() == 0:
             return torch.empty_like(x), saved
@@ -313,22 +341,21 @@ class KernelOps:
         grad_w = torch.zeros(c, dtype=gdt, device=x.device) if need_w else None
         grad_b = torch.zeros(c, dtype=gdt, device=x.device) if need_b else None
         if x.numel() == 0:
-            return np.zeros(c), np.zeros(c), grad_w, grad_b
+            return _zeros2(c, x), grad_w, grad_b
         x, desc = self._layout(x)
         dy = dy.contiguous(memory_format=desc[0])
         args = self._args(x, desc)
-        sum_dy = torch.empty(c, dtype=torch.float64, device=x.device)
-        sum_dy_xmu = torch.empty(c, dtype=torch.float64, device=x.device)
+        packed = torch.empty(2, c, dtype=F64, device=x.device)
         with self._on(x):
             ws, ws_bytes = self._workspace(x, args)
             self._check(self._k().hsbn_bn_backward_reduce(
                 *args, _ptr(dy), _ptr(x), _ptr(mean_t), _ptr(invstd_t), _lib.BN_F64,
-                _lib.BN_INVSTD, 0.0, 0, _ptr(sum_dy), _ptr(sum_dy_xmu), _ptr(grad_w),
+                _lib.BN_INVSTD, 0.0, 0, _ptr(packed[0]), _ptr(packed[1]), _ptr(grad_w),
                 _ptr(grad_b), _BN_DTYPES[gdt], _ptr(ws), ws_bytes, self._stream(x)),
                 "backward_reduce")
-            return _np64(sum_dy), _np64(sum_dy_xmu), grad_w, grad_b
+        return packed, grad_w, grad_b
 
-    def backward_elemt(self, dy, x, saved, weight, sum_dy, sum_dy_xmu, count):
+    def backward_elemt(self, dy, x, saved, weight, sums, count):
         mean_t, invstd_t = saved
         if x.numel() == 0:
             return torch.empty_like(x)
@@ -337,12 +364,12 @@ class KernelOps:
         dx = torch.empty_like(x)
         w = None if weight is None else weight.detach().contiguous()
         pdt = _BN_DTYPES[w.dtype] if w is not None else _lib.BN_F32
-        sum_dy_t, sum_dy_xmu_t = self._f64(sum_dy, x), self._f64(sum_dy_xmu, x)
+        sums = sums.contiguous()
         with self._on(x):
             self._check(self._k().hsbn_bn_backward_elemt(
                 *self._args(x, desc), _ptr(dy), _ptr(x), _ptr(mean_t), _ptr(invstd_t),
-                _lib.BN_F64, _lib.BN_INVSTD, 0.0, 0, _ptr(w), pdt, _ptr(sum_dy_t),
-                _ptr(sum_dy_xmu_t), int(count), _ptr(dx), self._stream(x)), "backward_elemt")
+                _lib.BN_F64, _lib.BN_INVSTD, 0.0, 0, _ptr(w), pdt, _ptr(sums[0]),
+                _ptr(sums[1]), int(count), _ptr(dx), self._stream(x)), "backward_elemt")
         return dx
 
 
@@ -350,51 +377,76 @@ _CPU = CpuOps()
 _CUDA = CudaOps()
 _KERNELS_CPU = KernelOps(_lib.BN_CPU)
 _KERNELS_CUDA = KernelOps(_lib.BN_CUDA)
-_cpu_choice = os.environ.get("HSBN_TORCH_CPU_OPS", "torch")
-_cuda_choice = os.environ.get("HSBN_TORCH_CUDA_OPS", "auto")
-_cuda_kernels = None  # "auto": decided at the first CUDA tensor
+
+CHOICES = ("torch", "kernels")
+# Why torch's ops are the CUDA default; `python -m hsbn` and docs/KERNELS.md say the same.
+CUDA_DEFAULT_REASON = ("hsbn's CUDA kernels have not yet passed the GPU device check "
+                       "(bench/kernels/run_gpu_checks.sh); HSBN_TORCH_CUDA_OPS=kernels "
+                       "selects them")
+_cpu_choice = None   # None: HSBN_TORCH_CPU_OPS, read at use
+_cuda_choice = None  # None: HSBN_TORCH_CUDA_OPS, read at use
+
+
+def _check_choice(which, what):
+    if which not in CHOICES:
+        raise ValueError("%s takes 'torch' or 'kernels', not %r" % (what, which))
+    return which
+
+
+def cpu_ops_choice():
+    """("torch" or "kernels", where it came from) for CPU tensors."""
+    if _cpu_choice is not None:
+        return _cpu_choice, "set_cpu_ops"
+    env = os.environ.get("HSBN_TORCH_CPU_OPS")
+    if env:
+        return _check_choice(env, "HSBN_TORCH_CPU_OPS"), "HSBN_TORCH_CPU_OPS"
+    return "torch", "default"
+
+
+def cuda_ops_choice():
+    """("torch" or "kernels", where it came from) for CUDA tensors of layers without their
+    own choice."""
+    if _cuda_choice is not None:
+        return _cuda_choice, "set_cuda_ops"
+    env = os.environ.get("HSBN_TORCH_CUDA_OPS")
+    if env:
+        return _check_choice(env, "HSBN_TORCH_CUDA_OPS"), "HSBN_TORCH_CUDA_OPS"
+    return "torch", "default: " + CUDA_DEFAULT_REASON
 
 
 def set_cpu_ops(which):
-    """Selects the CPU backend: "torch" (float64 torch ops, the default) or "kernels"."""
+    """Selects the CPU backend of this process: "torch" (the default) or "kernels"; None
+    returns to HSBN_TORCH_CPU_OPS (or the default)."""
     global _cpu_choice
-    if which not in ("torch", "kernels"):
-        raise ValueError("set_cpu_ops takes 'torch' or 'kernels', not %r" % (which,))
-    _cpu_choice = which
+    _cpu_choice = None if which is None else _check_choice(which, "set_cpu_ops")
 
 
 def set_cuda_ops(which):
-    """Selects the CUDA backend: "auto" (hsbn's kernels when libhsbn.so has them and sees a
-    GPU, else torch's; the default), "kernels" or "torch"."""
+    """Selects the CUDA backend of this process's layers that have no choice of their own:
+    "torch" (the default) or "kernels"; None returns to HSBN_TORCH_CUDA_OPS (or the default)."""
     global _cuda_choice
-    if which not in ("auto", "torch", "kernels"):
-        raise ValueError("set_cuda_ops takes 'auto', 'torch' or 'kernels', not %r" % (which,))
-    _cuda_choice = which
+    _cuda_choice = None if which is None else _check_choice(which, "set_cuda_ops")
 
 
-def ops_for(x):
-    """The backend for a tensor's device."""
-    global _cuda_kernels
+def ops_for(x, cuda_ops=None):
+    """The backend for a tensor's device; `cuda_ops` ("torch", "kernels" or None for the
+    process's choice) is a layer's own choice for CUDA tensors."""
     if x.device.type == "cpu":
-        if _cpu_choice == "kernels":
+        if cpu_ops_choice()[0] == "kernels":
             if _lib.bn_kernels() is None:
                 raise RuntimeError("HSBN_TORCH_CPU_OPS=kernels, but %s does not export the "
                                    "hsbn_bn_ kernels" % _lib.library_path())
             return _KERNELS_CPU
         return _CPU
     if x.device.type == "cuda":
-        if _cuda_choice == "torch":
-            return _CUDA
-        if _cuda_choice == "kernels":
+        which = cuda_ops_choice()[0] if cuda_ops is None else cuda_ops
+        if which == "kernels":
             k = _lib.bn_kernels()
             if k is None or not k.hsbn_bn_cuda_available():
-                raise RuntimeError("HSBN_TORCH_CUDA_OPS=kernels, but %s has no usable CUDA "
-                                   "kernels (built without CUDA, or no GPU visible)"
-                                   % _lib.library_path())
+                raise RuntimeError("hsbn's CUDA kernels were asked for (HSBN_TORCH_CUDA_OPS or "
+                                   "set_cuda_ops), but %s has none usable (built without CUDA, "
+                                   "or no GPU visible)" % _lib.library_path())
             return _KERNELS_CUDA
-        if _cuda_kernels is None:
-            k = _lib.bn_kernels()
-            _cuda_kernels = bool(k is not None and k.hsbn_bn_cuda_available())
-        return _KERNELS_CUDA if _cuda_kernels else _CUDA
+        return _CUDA
     raise NotImplementedError("hsbn.torch.SyncBatchNorm supports CPU and CUDA tensors, not %s"
                               % x.device.type)

@@ -97,8 +97,10 @@ class SyncBatchNorm(_BatchNorm):
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
-            factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
-                      else self.momentum)
+            if self.momentum is None:
+                # Synchronized: 1/n is taken on the device, never read on the host.
+                factor = (self.num_batches_tracked if sync
+                          else 1.0 / float(self.num_batches_tracked))
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         if not sync:
             return F.batch_norm(
@@ -112,7 +114,7 @@ class SyncBatchNorm(_BatchNorm):
         running_var = self.running_var if self.track_running_stats else None
         return SyncBatchNormFunction.apply(input, self.weight, self.bias, running_mean,
                                            running_var, self.eps, factor, client, self.op, seq,
-                                           self.scope)
+                                           self.scope, getattr(self, "cuda_ops", None))
 
 
 def _layer_scope(name, module, default, layer_scopes):

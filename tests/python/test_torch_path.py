@@ -1,0 +1,98 @@
+"""The host side of hsbn.torch's step: each round crosses the host once each way (one packed
+payload down, the result up), running statistics stay on the tensor's device, nothing reads a
+tensor's value on the host, and the CUDA arithmetic defaults to PyTorch's own kernels.
+
+These run on CPU tensors with in-process rounds (test_autograd_math's stand-in aggregator); the
+same code path serves CUDA tensors, where bench/kernels/run_gpu_checks.sh also runs it under
+torch.cuda.set_sync_debug_mode("error")."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import hsbn
+import hsbn.torch
+from hsbn.torch import _ops
+from bnref import assert_group_matches, make_spec, reference
+from test_autograd_math import InProcessRounds, ThreadClient, run_threads
+
+
+def test_each_round_is_one_download_and_one_upload_and_cpu_tensors_wait_on_nothing():
+    spec, data = make_spec("global", "float32", steps=3, seed=31)
+    hsbn.torch.reset_sync_stats()
+    run_threads(spec, data)
+    s = hsbn.torch.sync_stats()
+    # 4 workers x 3 steps x (forward + backward): the empty worker takes part too.
+    assert (s.rounds, s.downloads, s.uploads, s.device_waits) == (24, 24, 24, 0)
+
+
+class _HostReadError(AssertionError):
+    pass
+
+
+@pytest.fixture
+def no_host_reads(monkeypatch):
+    """Makes every Python-level read of a tensor's value on the host raise (what would be a
+    device sync for a CUDA tensor): .item(), float(), int(), bool(), .tolist()."""
+    def refuse(name):
+        def f(self, *a, **k):
+            raise _HostReadError("Tensor.%s called on the hot path" % name)
+        return f
+    for name in ("item", "__float__", "__int__", "__bool__", "__index__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("cpu_ops", ["torch", "kernels"])
+def test_a_step_reads_no_tensor_value_on_the_host(no_host_reads, momentum, cpu_ops):
+    if cpu_ops == "kernels" and hsbn._lib.bn_kernels() is None:
+        pytest.fail("%s does not export the hsbn_bn_ kernels" % hsbn.library_path())
+    _ops.set_cpu_ops(cpu_ops)
+    try:
+        bn = hsbn.torch.SyncBatchNorm(4, momentum=momentum, scope="global",
+                                      client=ThreadClient(InProcessRounds(1), 0),
+                                      op=hsbn.torch.next_op())
+        for _ in range(2):
+            x = torch.randn(3, 4, 5, requires_grad=True)
+            (bn(x) * torch.randn(3, 4, 5)).sum().backward()
+    finally:
+        _ops.set_cpu_ops(None)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_momentum_none_running_statistics_match_batchnorm(channels_last):
+    spec, data = make_spec("global", "float64", steps=3, seed=32, momentum=None,
+                           channels_last=channels_last)
+    results = run_threads(spec, data)
+    assert_group_matches(results, spec, data, [[0, 1, 2, 3]], 1e-12)
+    ref = reference(spec, data, [0, 1, 2, 3])
+    assert np.allclose(results[0]["running_var"], ref["running_var"], rtol=1e-12, atol=0)
+
+
+def test_cuda_ops_default_to_torch_and_kernels_are_opt_in(monkeypatch):
+    monkeypatch.delenv("HSBN_TORCH_CUDA_OPS", raising=False)
+    which, why = hsbn.torch.cuda_ops()
+    assert which == "torch" and "device check" in why
+    monkeypatch.setenv("HSBN_TORCH_CUDA_OPS", "kernels")
+    assert hsbn.torch.cuda_ops() == ("kernels", "HSBN_TORCH_CUDA_OPS")
+    monkeypatch.setenv("HSBN_TORCH_CUDA_OPS", "auto")
+    with pytest.raises(ValueError, match="HSBN_TORCH_CUDA_OPS takes 'torch' or 'kernels'"):
+        hsbn.torch.cuda_ops()
+
+
+def test_a_module_can_choose_its_cuda_ops():
+    model = torch.nn.Sequential(hsbn.torch.SyncBatchNorm(2), hsbn.torch.SyncBatchNorm(2))
+    hsbn.torch.set_cuda_ops("kernels", module=model[1])
+    assert [getattr(m, "cuda_ops", None) for m in model] == [None, "kernels"]
+    with pytest.raises(ValueError):
+        hsbn.torch.set_cuda_ops("fast", module=model)
+
+
+def test_python_m_hsbn_says_which_cuda_ops_are_used_and_why():
+    out = subprocess.run([sys.executable, "-m", "hsbn"], capture_output=True, text=True,
+                         env=dict(__import__("os").environ, HSBN_TORCH_CUDA_OPS=""))
+    assert "CUDA BN ops      torch" in out.stdout, out.stdout + out.stderr
+    assert "device check" in out.stdout
