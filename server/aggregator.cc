@@ -101,6 +101,7 @@ class Outbox final : public ResultSink, public WatchedStream, public StreamWrite
   }
 
   void OverflowLocked(const char* which) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    aggregator_->Refused(std::string(which) == "queue" ? "queue_bytes" : "memory_budget");
     if (end_status_.ok()) {
       end_status_ = absl::ResourceExhaustedError(
           std::string(which) == "queue"
@@ -604,8 +605,12 @@ void Aggregator::TickLoop() {
     if (stopping_) break;
     tick_mu_.Unlock();
     const Clock::time_point now = Clock::now();
-    for (const std::string& id : registry_.Sweep(now)) {
-      Log(LogLevel::kInfo, absl::StrCat("job '", id, "' dropped: no member is attached any more"));
+    for (const auto& [id, expired] : registry_.Sweep(now)) {
+      if (expired) Refused("attach_timeout");
+      Log(LogLevel::kInfo,
+          absl::StrCat("job '", id, "' dropped: ",
+                       expired ? "no member attached a stream within --attach-timeout-ms"
+                               : "every member left or lost its stream"));
       // The root holds the job while this node is a member of it: leave, so it can drop it too.
       if (parent_) parent_->Leave(id);
     }
@@ -619,22 +624,29 @@ void Aggregator::TickLoop() {
     if (now >= next_check) {
       next_check = now + std::chrono::milliseconds(100);
       CheckStreams(now);
+      LogFlushSuppressed();
+      if (Metrics* m = options_.metrics.get()) m->SetMemoryUsed(registry_.budget()->used());
     }
     tick_mu_.Lock();
   }
 }
 
 void Aggregator::LogInvalid(const std::string& what) {
-  Log(LogLevel::kWarn, absl::StrCat("invalid input: ", wire::Printable(what, 512)));
+  LogLimited(LogLevel::kWarn, LogKind::kInvalidFrame,
+             absl::StrCat("invalid input: ", LogSafe(what, 512)));
 }
 
-void Aggregator::Refused(const char* reason) { (void)reason; }
+void Aggregator::Refused(const char* reason) {
+  if (Metrics* m = options_.metrics.get()) m->Refused(reason);
+}
 
 void Aggregator::Execute(Actions& actions, const std::string& job_id) {
   for (const std::string& line : actions.log) Log(LogLevel::kInfo, line);
   for (const char* reason : actions.refused) Refused(reason);
   // Metrics first: whoever receives a result below must find its round already counted.
   if (Metrics* m = options_.metrics.get()) {
+    if (actions.nonfinite[0] > 0) m->NonFinite(v1::PHASE_FORWARD, actions.nonfinite[0]);
+    if (actions.nonfinite[1] > 0) m->NonFinite(v1::PHASE_BACKWARD, actions.nonfinite[1]);
     const Clock::time_point now = Clock::now();
     for (const auto& o : actions.outcomes) {
       m->RoundFinished(o.scope, o.phase, o.code,
@@ -700,11 +712,16 @@ grpc::Status Aggregator::Join(const v1::JoinRequest& req, v1::JoinResponse* resp
   absl::StatusOr<Registry::Joined> joined = registry_.Join(req, &actions);
   if (Metrics* m = options_.metrics.get()) m->JoinAnswered(joined.status().code());
   if (!joined.ok()) {
-    if (joined.status().code() == absl::StatusCode::kResourceExhausted) {
-      Refused(absl::StrContains(joined.status().message(), "--max-world-size") ? "world_size"
-                                                                               : "max_jobs");
+    const absl::Status& s = joined.status();
+    if (s.code() == absl::StatusCode::kResourceExhausted) {
+      Refused(absl::StrContains(s.message(), "--max-world-size") ? "world_size" : "max_jobs");
+    } else if (absl::StrContains(s.message(), "job_id")) {
+      Refused("job_id");
     }
-    LogInvalid(absl::StrCat("Join refused: ", joined.status().ToString()));
+    LogLimited(LogLevel::kWarn,
+               s.code() == absl::StatusCode::kUnauthenticated ? LogKind::kUnauthenticated
+                                                              : LogKind::kJoinRefused,
+               absl::StrCat("Join refused: ", LogSafe(s.ToString(), 1024)));
     return wire::ToGrpc(joined.status());
   }
   Execute(actions, joined->job->id());

@@ -192,7 +192,8 @@ void Job::MemberGone(int32_t index, const SessionId& session, bool left, Clock::
   }
 }
 
-bool Job::Droppable(Clock::time_point now, Clock::duration attach_timeout) const {
+bool Job::Droppable(Clock::time_point now, Clock::duration attach_timeout,
+                    bool* expired) const {
   absl::MutexLock lock(&mu_);
   bool live = false;       // joined, not gone
   bool attached = false;   // on a live stream
@@ -201,7 +202,9 @@ bool Job::Droppable(Clock::time_point now, Clock::duration attach_timeout) const
     attached = attached || m.connected;
   }
   if (!live) return true;
-  return !attached && now - last_change_ >= attach_timeout;
+  const bool idle = !attached && now - last_change_ >= attach_timeout;
+  if (expired) *expired = idle;
+  return idle;
 }
 
 template <typename Waits, typename Why>
@@ -261,6 +264,7 @@ absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const
   // NaN and Inf are data (they propagate to every member, as in torch's SyncBatchNorm) unless
   // the job is strict; a negative m2 (-Inf included) is never a sum of squares.
   if (CountNonFinite(c.data(), c.phase(), out) > 0 && layout_.strict_finite) {
+    out->refused.push_back("strict_nonfinite");
     for (int64_t i = 0; i < 2 * channels; ++i) {
       double v;
       std::memcpy(&v, raw + i * sizeof(double), sizeof(double));
@@ -508,6 +512,7 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   // Counts are each >= 0; their sum must fit in int64, or the result would be wrong.
   for (const Slot& slot : round.slots) {
     if (__builtin_add_overflow(count, slot.count, &count)) {
+      out->refused.push_back("count_overflow");
       std::vector<std::string> who;
       for (size_t i = 0; i < round.slots.size(); ++i) {
         who.push_back(absl::StrCat(MemberName(int32_t(i)), " count=", round.slots[i].count));
@@ -543,6 +548,7 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   wire::PackPayload(a, b, channels, result->mutable_data());
   // Finite inputs can still merge to Inf (overflow): data like any other, unless strict.
   if (CountNonFinite(result->data(), round.key.phase, nullptr) > 0 && layout_.strict_finite) {
+    out->refused.push_back("strict_nonfinite");
     FailRoundLocked(round.key,
                     absl::InvalidArgumentError(absl::StrCat(
                         "round ", Describe(round.key), " of job '", id_,

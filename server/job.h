@@ -167,7 +167,9 @@ class Job {
                   Actions* out);
   // True when the job can be dropped: every member left or lost its stream, or no member has
   // been attached to a stream for `attach_timeout` (members that joined and never attached).
-  bool Droppable(Clock::time_point now, Clock::duration attach_timeout) const;
+  // `expired` (optional) tells which.
+  bool Droppable(Clock::time_point now, Clock::duration attach_timeout,
+                 bool* expired = nullptr) const;
 
   // A member's contribution. Validates it first; a bad one fails the round for everyone.
   // Returns false, touching nothing, when `session` is no longer the member's session (it was

@@ -10,20 +10,26 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <fstream>
+#include <functional>
 #include <iostream>
-#include <map>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "CLI/CLI.hpp"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "aggregator.h"
 #include "grpcpp/grpcpp.h"
 #include "log.h"
+#include "version.h"
 
 namespace {
 
@@ -31,7 +37,8 @@ using hsbn::server::AggregatorOptions;
 using hsbn::server::Log;
 using hsbn::server::LogLevel;
 
-constexpr char kUsage[] = R"(hsbn-aggregator — the hsbn BatchNorm statistics aggregator.
+// --help: kIntro, then every flag of the table below by group, then kSignals.
+constexpr char kIntro[] = R"(hsbn-aggregator — the hsbn BatchNorm statistics aggregator.
 
 One binary, two roles. A node aggregator (sidecar) runs on every node; the node's trainer
 processes join it, and it reduces node-scope rounds itself. For global and shadow scope it
@@ -41,70 +48,281 @@ nodes. A job on a single node needs no root.
 Usage:
   hsbn-aggregator --role=node --listen=unix:/run/hsbn/hsbn.sock [--upstream=root-host:7070]
   hsbn-aggregator --role=root --listen=0.0.0.0:7070
+)";
 
-Flags:
-  --role=node|root          Which role this process plays (required).
-  --listen=ADDR[,ADDR...]   Where to listen: unix:/path/to.sock or host:port (port 0 picks a
-                            free port). Default: unix:/tmp/hsbn.sock for node,
-                            0.0.0.0:7070 for root.
-  --upstream=ADDR           Node role: the root aggregator (host:port or unix:/path). Needed
-                            for global and shadow scope in jobs that span several nodes.
-  --id=NAME                 Name used in logs, errors and status. Default: role@hostname.
-  --ready-file=PATH         Once listening, write the bound addresses there, one per line
-                            (written atomically; lets launchers wait for readiness).
-  --round-timeout-ms=N      A round that is not complete N ms after its first contribution
-                            fails with DEADLINE_EXCEEDED naming the missing ranks. Default 30000.
-  --max-jobs=N              Jobs served at once; more are refused with RESOURCE_EXHAUSTED.
-                            Default 256.
-  --max-open-rounds=N       Rounds in flight per job. Default 4096.
-  --max-channels=N          Channels per round (BN layer width). Default 65536.
-  --event-threads=N         Threads that run gRPC events, each with its own completion queue
-                            (a stream stays on one). Default 1: fewest thread wake-ups per
-                            round. More lets a root that saturates one core use several.
-  --socket-mode=OCTAL       Permissions of Unix sockets created here. Default 0660.
-  --log-level=LEVEL         debug, info, warn or error. Default info (or HSBN_LOG_LEVEL).
-
- Metrics:
-  --metrics-listen=HOST:PORT  Serve Prometheus metrics at http://HOST:PORT/metrics (plain
-                            HTTP; port 0 picks a free port). The --ready-file then gets a last
-                            line metrics=http://HOST:PORT. Default: off.
-
- TLS (TCP only; Unix sockets stay plaintext, protected by --socket-mode and their directory):
-  --tls-cert=FILE           PEM certificate chain this aggregator presents on its TCP
-                            listeners (with --tls-key). Clients must then use TLS.
-  --tls-key=FILE            PEM private key of --tls-cert.
-  --tls-client-ca=FILE      Require client certificates signed by this PEM CA (mutual TLS):
-                            connections without one are refused. Needs --tls-cert.
-  --upstream-ca=FILE        Node role: connect to --upstream over TLS and accept only a
-                            certificate signed by this PEM CA.
-  --upstream-cert=FILE      Node role: PEM client certificate for the upstream, for a root with
-                            --tls-client-ca (with --upstream-key; needs --upstream-ca).
-  --upstream-key=FILE       PEM private key of --upstream-cert.
-  --upstream-tls-name=NAME  The name the root's certificate must carry, when it differs from
-                            the host in --upstream.
-
- Job tokens:
-  --token-file=FILE         Every Join must present its job's token (clients: HSBN_TOKEN
-                            or HSBN_TOKEN_FILE), else UNAUTHENTICATED. Lines `job_id token`;
-                            # starts a comment; job id * gives the token of every job without
-                            a line. A sidecar passes its workers' token on to the root. Read
-                            at start and again on SIGHUP. Refused if others can read it or its
-                            group can write it (mode & 0027).
-  --allow-insecure-token-file  Accept a --token-file that others can read.
-
-  --help                    Show this text.
-
-Signals: SIGTERM or SIGINT fail every open round with UNAVAILABLE (clients reconnect to a
+constexpr char kSignals[] = R"(Signals: SIGTERM or SIGINT fail every open round with UNAVAILABLE (clients reconnect to a
 restarted aggregator), stop the server and exit with status 0. SIGHUP reads --token-file again
 (on an error the old tokens stay in force).
 )";
 
-struct Flags {
-  std::map<std::string, std::string> values;
+constexpr char kFlagsGroup[] = "Flags";
+constexpr size_t kHelpWidth = 96;   // longest help line
+constexpr size_t kHelpColumn = 28;  // where flag descriptions start
+
+// Words of `text` in lines: the first at most `first` wide, the others at most `rest`.
+std::vector<std::string> Wrap(const std::string& text, size_t first, size_t rest) {
+  std::vector<std::string> lines(1);
+  for (absl::string_view word : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+    const size_t width = lines.size() == 1 ? first : rest;
+    if (!lines.back().empty() && lines.back().size() + 1 + word.size() > width) {
+      lines.emplace_back();
+    }
+    if (!lines.back().empty()) lines.back() += ' ';
+    lines.back() += std::string(word);
+  }
+  return lines;
+}
+
+// Writes --help in the layout the README and deploy/ quote: "  --name=VALUE  description",
+// descriptions wrapped at column 28, "Default X." from the flag's default; groups in the order
+// of their first flag, the first headed "Flags:", the others " Group:".
+class HelpFormatter final : public CLI::Formatter {
+ public:
+  std::string make_help(const CLI::App* app, std::string, CLI::AppFormatMode) const override {
+    std::ostringstream out;
+    out << app->get_description() << "\n";
+    std::vector<std::string> groups;
+    for (const CLI::Option* opt : app->get_options()) {
+      if (std::find(groups.begin(), groups.end(), opt->get_group()) == groups.end()) {
+        groups.push_back(opt->get_group());
+      }
+    }
+    for (const std::string& group : groups) {
+      out << (group == kFlagsGroup ? "Flags:\n" : absl::StrCat("\n ", group, ":\n"));
+      for (const CLI::Option* opt : app->get_options()) {
+        if (opt->get_group() == group) out << Line(opt);
+      }
+    }
+    out << "\n" << app->get_footer();
+    return out.str();
+  }
+
+ private:
+  static std::string Line(const CLI::Option* opt) {
+    std::string left = "  --" + opt->get_single_name();
+    if (!opt->get_type_name().empty()) left += "=" + opt->get_type_name();
+    std::string desc = opt->get_description();
+    if (!opt->get_default_str().empty()) desc += " Default " + opt->get_default_str() + ".";
+    const size_t indent = std::max(kHelpColumn, left.size() + 2);
+    std::vector<std::string> lines =
+        Wrap(desc, kHelpWidth - indent, kHelpWidth - kHelpColumn);
+    std::string out = left + std::string(indent - left.size(), ' ') + lines[0] + "\n";
+    for (size_t i = 1; i < lines.size(); ++i) {
+      out += std::string(kHelpColumn, ' ') + lines[i] + "\n";
+    }
+    return out;
+  }
 };
 
-// Flags that take no value (--name, or --name=true|false).
-const char* const kBoolFlags[] = {"allow-insecure-token-file"};
+// " (1 GiB)" for a whole number of KiB, MiB or GiB; "" otherwise.
+std::string Binary(int64_t bytes) {
+  static const char* kUnits[] = {"GiB", "MiB", "KiB"};
+  for (int i = 0; i < 3; ++i) {
+    const int64_t unit = int64_t(1) << (30 - 10 * i);
+    if (bytes >= unit && bytes % unit == 0) return absl::StrCat(" (", bytes / unit, " ", kUnits[i], ")");
+  }
+  return "";
+}
+
+// Flags to add to one CLI::App: each sets a field (or a local) when given; the value the
+// target holds before parsing is the default --help states. A value out of range is refused
+// with a message that names the flag and the range.
+class FlagTable {
+ public:
+  explicit FlagTable(CLI::App* app) : app_(app) {}
+  void group(std::string name) { group_ = std::move(name); }
+
+  // --name=VALUE, any text.
+  void Text(const std::string& name, const std::string& value, std::string* out,
+            const std::string& help) {
+    app_->add_option("--" + name, *out, help)->type_name(value)->group(group_);
+  }
+  // --name=a|b|c: one of `choices`.
+  // `value`: its name in --help; empty: the choices, a|b|c.
+  void Choice(const std::string& name, const std::string& value,
+              const std::vector<std::string>& choices, std::string* out, const std::string& help) {
+    const std::string flag = "--" + name;
+    app_->add_option_function<std::string>(
+            flag,
+            [flag, choices, out](const std::string& v) {
+              if (std::find(choices.begin(), choices.end(), v) == choices.end()) {
+                throw CLI::ValidationError(
+                    flag, absl::StrCat("'", hsbn::server::LogSafe(v, 64), "' is not one of ",
+                                       absl::StrJoin(choices, ", ")));
+              }
+              *out = v;
+            },
+            help)
+        ->type_name(value.empty() ? absl::StrJoin(choices, "|") : value)
+        ->group(group_);
+  }
+  // --name=N: a decimal integer in [min, max], passed to `set`; `def` is the default.
+  void Int(const std::string& name, int64_t def, int64_t min, int64_t max,
+           std::function<void(int64_t)> set, const std::string& help) {
+    const std::string flag = "--" + name;
+    std::string def_text = std::to_string(def);
+    if (absl::EndsWith(name, "bytes")) def_text += Binary(def);
+    app_->add_option_function<std::string>(
+            flag,
+            [flag, min, max, set](const std::string& v) {
+              int64_t n;
+              if (!absl::SimpleAtoi(v, &n) || n < min || n > max) {
+                throw CLI::ValidationError(
+                    flag, absl::StrCat("'", hsbn::server::LogSafe(v, 64),
+                                       "' is not a decimal integer from ", min, " to ", max));
+              }
+              set(n);
+            },
+            help)
+        ->type_name("N")
+        ->default_str(def_text)
+        ->group(group_);
+  }
+  template <typename T>
+  void Int(const std::string& name, T* out, int64_t min, int64_t max, const std::string& help) {
+    Int(name, int64_t(*out), min, max, [out](int64_t n) { *out = T(n); }, help);
+  }
+  void Millis(const std::string& name, std::chrono::milliseconds* out, int64_t max,
+              const std::string& help) {
+    Int(name, int64_t(out->count()), 1, max,
+        [out](int64_t n) { *out = std::chrono::milliseconds(n); }, help);
+  }
+  // --name=OCTAL: permission bits, 0 to 0777, octal digits only.
+  void Mode(const std::string& name, mode_t* out, const std::string& help) {
+    const std::string flag = "--" + name;
+    char def[8];
+    std::snprintf(def, sizeof def, "%04o", unsigned(*out));
+    app_->add_option_function<std::string>(
+            flag,
+            [flag, out](const std::string& v) {
+              const bool octal = !v.empty() && v.size() <= 4 &&
+                                 v.find_first_not_of("01234567") == std::string::npos;
+              const unsigned long mode = octal ? std::strtoul(v.c_str(), nullptr, 8) : 01000;
+              if (mode > 0777) {
+                throw CLI::ValidationError(
+                    flag, absl::StrCat("'", hsbn::server::LogSafe(v, 64),
+                                       "' is not an octal permission mode from 0 to 0777 "
+                                       "(e.g. 0660)"));
+              }
+              *out = mode_t(mode);
+            },
+            help)
+        ->type_name("OCTAL")
+        ->default_str(def)
+        ->group(group_);
+  }
+  // --name, or --name=true|false.
+  void Bool(const std::string& name, bool* out, const std::string& help) {
+    app_->add_flag("--" + name, *out, help)->group(group_);
+  }
+
+ private:
+  CLI::App* app_;
+  std::string group_ = kFlagsGroup;
+};
+
+// Everything the flags set besides AggregatorOptions.
+struct Settings {
+  std::string role, listen, ready_file, log_level = "info", metrics_listen;
+  std::string tls_cert, tls_key, tls_client_ca;
+  std::string upstream_ca, upstream_cert, upstream_key;
+  std::string token_file;
+  bool allow_insecure_token_file = false;
+  int event_threads = 1;
+  mode_t socket_mode = 0660;
+  int64_t metrics_max_jobs = int64_t(hsbn::server::Metrics::kDefaultMaxJobLabels);
+  int log_lines_per_second = hsbn::server::kDefaultLogLinesPerSecond;
+};
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+
+// The table of flags: one place for names, defaults, ranges and --help.
+void AddFlags(FlagTable& f, Settings* s, AggregatorOptions* o) {
+  f.Choice("role", "", {"node", "root"}, &s->role, "Which role this process plays (required).");
+  f.Text("listen", "ADDR[,ADDR...]", &s->listen,
+         "Where to listen: unix:/path/to.sock or host:port (port 0 picks a free port). "
+         "Default: unix:/tmp/hsbn.sock for node, 0.0.0.0:7070 for root.");
+  f.Text("upstream", "ADDR", &o->upstream,
+         "Node role: the root aggregator (host:port or unix:/path). Needed for global and "
+         "shadow scope in jobs that span several nodes.");
+  f.Text("id", "NAME", &o->id, "Name used in logs, errors and status. Default: role@hostname.");
+  f.Text("ready-file", "PATH", &s->ready_file,
+         "Once listening, write the bound addresses there, one per line (written atomically; "
+         "lets launchers wait for readiness).");
+  f.Millis("round-timeout-ms", &o->limits.round_timeout, kInt32Max,
+           "A round that is not complete N ms after its first contribution fails with "
+           "DEADLINE_EXCEEDED naming the missing ranks.");
+  f.Int("event-threads", &s->event_threads, 1, 64,
+        "Threads that run gRPC events, each with its own completion queue (a stream stays on "
+        "one). 1: fewest thread wake-ups per round. More lets a root that saturates one core "
+        "use several. At most 64.");
+  f.Mode("socket-mode", &s->socket_mode,
+         "Permissions of Unix sockets created here, octal, at most 0777. The socket has them "
+         "from the moment it exists. With tokens off they are the trust boundary.");
+  f.Choice("log-level", "LEVEL", {"debug", "info", "warn", "error"}, &s->log_level,
+           "debug, info, warn or error. Default info (or HSBN_LOG_LEVEL).");
+
+  f.group("Limits (exceeding one answers the offender only; docs/DEPLOY.md, Limits)");
+  f.Int("max-jobs", &o->max_jobs, 1, kInt32Max,
+        "Jobs served at once; more are refused with RESOURCE_EXHAUSTED.");
+  f.Int("max-open-rounds", &o->limits.max_open_rounds, 1, kInt32Max, "Rounds in flight per job.");
+  f.Int("max-channels", &o->limits.max_channels, 1, 1 << 22,
+        "Channels per round (BN layer width). At most 4194304.");
+  f.Int("max-world-size", &o->max_world_size, 1, kInt32Max,
+        "Largest WORLD_SIZE (and LOCAL_WORLD_SIZE) a Join may declare.");
+  f.Int("memory-budget-bytes", &o->memory_budget_bytes, 1, kInt64Max,
+        "Round data of all jobs together; a round that would exceed it is refused.");
+  f.Int("max-queued-bytes", &o->max_queued_bytes, 1, kInt64Max,
+        "Bytes queued for one stream and not yet sent; a reader slower than that is dropped.");
+  f.Millis("write-deadline-ms", &o->write_deadline, kInt32Max,
+           "Longest wait for one write to a stream; a reader that does not take it is dropped.");
+  f.Millis("attach-timeout-ms", &o->attach_timeout, kInt32Max,
+           "A job whose members joined but never opened their stream is dropped after N ms.");
+  f.Int("max-unbound-bytes", &o->max_unbound_bytes, 1, kInt64Max,
+        "Bytes a stream may send before it attaches to a session; more closes it.");
+  f.Int("log-lines-per-second", &s->log_lines_per_second, 1, 1000000,
+        "Log lines per second about invalid input, per kind; the rest are counted and "
+        "reported as suppressed.");
+
+  f.group("Metrics");
+  f.Text("metrics-listen", "HOST:PORT", &s->metrics_listen,
+         "Serve Prometheus metrics at http://HOST:PORT/metrics (plain HTTP; port 0 picks a "
+         "free port). The --ready-file then gets a last line metrics=http://HOST:PORT. "
+         "Default: off.");
+  f.Int("metrics-max-jobs", &s->metrics_max_jobs, 1, 1 << 20,
+        "Jobs with a job_id label of their own at a time; the others count as job_id=_other.");
+
+  f.group("TLS (TCP only; Unix sockets stay plaintext, protected by --socket-mode and their "
+          "directory)");
+  f.Text("tls-cert", "FILE", &s->tls_cert,
+         "PEM certificate chain this aggregator presents on its TCP listeners (with "
+         "--tls-key). Clients must then use TLS.");
+  f.Text("tls-key", "FILE", &s->tls_key, "PEM private key of --tls-cert.");
+  f.Text("tls-client-ca", "FILE", &s->tls_client_ca,
+         "Require client certificates signed by this PEM CA (mutual TLS): connections without "
+         "one are refused. Needs --tls-cert.");
+  f.Text("upstream-ca", "FILE", &s->upstream_ca,
+         "Node role: connect to --upstream over TLS and accept only a certificate signed by "
+         "this PEM CA.");
+  f.Text("upstream-cert", "FILE", &s->upstream_cert,
+         "Node role: PEM client certificate for the upstream, for a root with --tls-client-ca "
+         "(with --upstream-key; needs --upstream-ca).");
+  f.Text("upstream-key", "FILE", &s->upstream_key, "PEM private key of --upstream-cert.");
+  f.Text("upstream-tls-name", "NAME", &o->upstream_tls_name,
+         "The name the root's certificate must carry, when it differs from the host in "
+         "--upstream.");
+
+  f.group("Job tokens");
+  f.Text("token-file", "FILE", &s->token_file,
+         "Every Join must present its job's token (clients: HSBN_TOKEN or HSBN_TOKEN_FILE), "
+         "else UNAUTHENTICATED. Lines `job_id token`; # starts a comment; job id * gives the "
+         "token of every job without a line. A sidecar passes its workers' token on to the "
+         "root. Read at start and again on SIGHUP. Refused if others can read it or its group "
+         "can write it (mode & 0027).");
+  f.Bool("allow-insecure-token-file", &s->allow_insecure_token_file,
+         "Accept a --token-file that others can read.");
+}
 
 bool ReadPem(const std::string& flag, const std::string& path, std::string* out) {
   std::ifstream in(path);
@@ -118,15 +336,6 @@ bool ReadPem(const std::string& flag, const std::string& path, std::string* out)
   *out = ss.str();
   if (out->find("-----BEGIN") == std::string::npos) {
     std::cerr << "hsbn-aggregator: --" << flag << "=" << path << " is not a PEM file\n";
-    return false;
-  }
-  return true;
-}
-
-bool ParseInt(const std::string& flag, const std::string& text, int64_t min, int64_t* out) {
-  if (!absl::SimpleAtoi(text, out) || *out < min) {
-    std::cerr << "hsbn-aggregator: --" << flag << "=" << text << " is not an integer >= " << min
-              << "\n";
     return false;
   }
   return true;
@@ -158,6 +367,16 @@ bool PrepareUnixSocket(const std::string& path) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Signals are handled by sigwait at the end of main. Block them first, before anything (gRPC
+  // credentials, the server) can start a thread, so that every thread inherits the mask: a
+  // SIGTERM during start-up then waits for sigwait instead of killing the process.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
   // Debian's Abseil is built with mutex deadlock detection on, and gRPC's locks are Abseil
   // mutexes: every lock then updates a global lock graph. The aggregator's lock order is fixed
   // by design; do not pay for the graph on every gRPC lock.
@@ -166,57 +385,38 @@ int main(int argc, char** argv) {
   // allocates and frees its buffers, and a trimmed heap page-faults on the next round.
   mallopt(M_TRIM_THRESHOLD, 64 << 20);
   mallopt(M_MMAP_THRESHOLD, 16 << 20);
-  static const std::vector<std::string> kKnown = {
-      "role", "listen", "upstream", "id", "ready-file", "round-timeout-ms", "max-jobs",
-      "event-threads",
-      "max-open-rounds", "max-channels", "socket-mode", "log-level", "metrics-listen",
-      "tls-cert", "tls-key", "tls-client-ca", "upstream-ca", "upstream-cert", "upstream-key",
-      "upstream-tls-name", "token-file", "allow-insecure-token-file"};
-  Flags flags;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      std::cout << kUsage;
-      return 0;
-    }
-    if (arg.rfind("--", 0) != 0) {
-      std::cerr << "hsbn-aggregator: unexpected argument '" << arg << "' (see --help)\n";
-      return 2;
-    }
-    std::string name = arg.substr(2), value;
-    const size_t eq = name.find('=');
-    bool is_bool = false;
-    for (const char* b : kBoolFlags) is_bool = is_bool || name.substr(0, eq) == b;
-    if (eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
-      if (is_bool && value != "true" && value != "false" && value != "1" && value != "0") {
-        std::cerr << "hsbn-aggregator: --" << name << " takes no value, or true/false\n";
-        return 2;
-      }
-    } else if (is_bool) {
-      value = "true";
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      std::cerr << "hsbn-aggregator: --" << name << " needs a value (see --help)\n";
-      return 2;
-    }
-    bool known = false;
-    for (const auto& k : kKnown) known = known || k == name;
-    if (!known) {
-      std::cerr << "hsbn-aggregator: unknown flag --" << name << " (see --help)\n";
-      return 2;
-    }
-    flags.values[name] = value;
-  }
-  auto get = [&](const std::string& k, const std::string& def) {
-    auto it = flags.values.find(k);
-    return it == flags.values.end() ? def : it->second;
-  };
-
   AggregatorOptions options;
-  const std::string role = get("role", "");
+  Settings settings;
+  if (const char* env_level = std::getenv("HSBN_LOG_LEVEL")) settings.log_level = env_level;
+  CLI::App app;
+  app.description(kIntro);
+  app.footer(kSignals);
+  app.formatter(std::make_shared<HelpFormatter>());
+  // Like the parser this replaced: a flag given twice takes its last value.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.set_help_flag();
+  FlagTable table(&app);
+  AddFlags(table, &settings, &options);
+  app.set_help_flag("--help,-h", "Show this text.")->group(kFlagsGroup);
+  const std::string version =
+      absl::StrCat("hsbn-aggregator ", hsbn::server::kHsbnVersion, " (commit ",
+                   hsbn::server::kHsbnGitCommit, ")");
+  app.set_version_flag("--version", version, "Print the version and the git commit, and exit.")
+      ->group(kFlagsGroup);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    return 0;
+  } catch (const CLI::CallForVersion& e) {
+    std::cout << e.what() << "\n";
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "hsbn-aggregator: " << e.what() << " (see --help)\n";
+    return 2;
+  }
+
+  const std::string& role = settings.role;
   if (role == "node") {
     options.role = AggregatorOptions::Role::kNode;
   } else if (role == "root") {
@@ -225,57 +425,39 @@ int main(int argc, char** argv) {
     std::cerr << "hsbn-aggregator: --role must be node or root (see --help)\n";
     return 2;
   }
-  char host[256] = "localhost";
-  gethostname(host, sizeof host - 1);
-  options.id = get("id", absl::StrCat(role, "@", host));
-  options.upstream = get("upstream", "");
+  if (app.count("--id") == 0) {
+    char host[256] = "localhost";
+    gethostname(host, sizeof host - 1);
+    options.id = absl::StrCat(role, "@", host);
+  }
   if (!options.upstream.empty() && options.role == AggregatorOptions::Role::kRoot) {
     std::cerr << "hsbn-aggregator: --upstream is for the node role; a root has no parent\n";
     return 2;
   }
-  int64_t v;
-  if (!ParseInt("round-timeout-ms", get("round-timeout-ms", "30000"), 1, &v)) return 2;
-  options.limits.round_timeout = std::chrono::milliseconds(v);
-  if (!ParseInt("max-jobs", get("max-jobs", "256"), 1, &v)) return 2;
-  options.max_jobs = int32_t(v);
-  if (!ParseInt("max-open-rounds", get("max-open-rounds", "4096"), 1, &v)) return 2;
-  options.limits.max_open_rounds = int32_t(v);
-  if (!ParseInt("max-channels", get("max-channels", "65536"), 1, &v)) return 2;
-  if (v > (1 << 22)) {
-    std::cerr << "hsbn-aggregator: --max-channels is at most 4194304\n";
-    return 2;
-  }
-  options.limits.max_channels = int32_t(v);
-  if (!ParseInt("event-threads", get("event-threads", "1"), 1, &v)) return 2;
-  if (v > 64) {
-    std::cerr << "hsbn-aggregator: --event-threads is at most 64\n";
-    return 2;
-  }
-  const int event_threads = int(v);
-  const std::string mode_text = get("socket-mode", "0660");
-  const long socket_mode = std::strtol(mode_text.c_str(), nullptr, 8);
+  const int event_threads = settings.event_threads;
+  const mode_t socket_mode = settings.socket_mode;
   LogLevel level = LogLevel::kInfo;
-  const char* env_level = std::getenv("HSBN_LOG_LEVEL");
-  const std::string level_name = get("log-level", env_level ? env_level : "info");
-  if (!hsbn::server::ParseLogLevel(level_name, &level)) {
-    std::cerr << "hsbn-aggregator: --log-level must be debug, info, warn or error\n";
+  if (!hsbn::server::ParseLogLevel(settings.log_level, &level)) {
+    std::cerr << "hsbn-aggregator: HSBN_LOG_LEVEL must be debug, info, warn or error\n";
     return 2;
   }
   hsbn::server::SetLogLevel(level);
   hsbn::server::SetLogName(options.id);
+  hsbn::server::SetLogRateLimit(settings.log_lines_per_second);
 
   const std::string default_listen =
       options.role == AggregatorOptions::Role::kRoot ? "0.0.0.0:7070" : "unix:/tmp/hsbn.sock";
-  std::vector<std::string> listen =
-      absl::StrSplit(get("listen", default_listen), ',', absl::SkipEmpty());
+  const std::string listen_flag = app.count("--listen") == 0 ? default_listen : settings.listen;
+  std::vector<std::string> listen = absl::StrSplit(listen_flag, ',', absl::SkipEmpty());
   if (listen.empty()) {
     std::cerr << "hsbn-aggregator: --listen names no address\n";
     return 2;
   }
 
   // TLS on the TCP listeners.
-  const std::string tls_cert = get("tls-cert", ""), tls_key = get("tls-key", "");
-  const std::string tls_client_ca = get("tls-client-ca", "");
+  const std::string& tls_cert = settings.tls_cert;
+  const std::string& tls_key = settings.tls_key;
+  const std::string& tls_client_ca = settings.tls_client_ca;
   std::shared_ptr<grpc::ServerCredentials> tcp_credentials = grpc::InsecureServerCredentials();
   if (tls_cert.empty() != tls_key.empty()) {
     std::cerr << "hsbn-aggregator: --tls-cert and --tls-key go together\n";
@@ -307,8 +489,10 @@ int main(int argc, char** argv) {
   }
 
   // TLS to the upstream.
-  const std::string up_ca = get("upstream-ca", ""), up_cert = get("upstream-cert", ""),
-                    up_key = get("upstream-key", ""), up_name = get("upstream-tls-name", "");
+  const std::string& up_ca = settings.upstream_ca;
+  const std::string& up_cert = settings.upstream_cert;
+  const std::string& up_key = settings.upstream_key;
+  const std::string& up_name = options.upstream_tls_name;
   if (!up_ca.empty() || !up_cert.empty() || !up_key.empty() || !up_name.empty()) {
     if (options.upstream.empty()) {
       std::cerr << "hsbn-aggregator: --upstream-ca, --upstream-cert, --upstream-key and "
@@ -329,13 +513,11 @@ int main(int argc, char** argv) {
                              !ReadPem("upstream-key", up_key, &options.upstream_key_pem))) {
       return 2;
     }
-    options.upstream_tls_name = up_name;
   }
 
   // Job tokens.
-  const std::string token_file = get("token-file", "");
-  const std::string insecure = get("allow-insecure-token-file", "false");
-  const bool allow_insecure = insecure == "true" || insecure == "1";
+  const std::string& token_file = settings.token_file;
+  const bool allow_insecure = settings.allow_insecure_token_file;
   if (!token_file.empty()) {
     auto store = hsbn::server::TokenStore::Load(token_file, allow_insecure);
     if (!store.ok()) {
@@ -352,21 +534,20 @@ int main(int argc, char** argv) {
   }
 
   // Metrics.
-  const std::string metrics_listen = get("metrics-listen", "");
+  const std::string& metrics_listen = settings.metrics_listen;
   if (!metrics_listen.empty()) {
-    options.metrics = std::make_shared<hsbn::server::Metrics>(role, !options.upstream.empty());
-    options.metrics->SetLimits(options.max_jobs, options.limits.max_open_rounds,
-                               options.limits.max_channels);
+    options.metrics = std::make_shared<hsbn::server::Metrics>(
+        role, !options.upstream.empty(), size_t(settings.metrics_max_jobs));
+    hsbn::server::MetricsLimits limits;
+    limits.max_jobs = options.max_jobs;
+    limits.max_open_rounds = options.limits.max_open_rounds;
+    limits.max_channels = options.limits.max_channels;
+    limits.max_world_size = options.max_world_size;
+    limits.memory_budget_bytes = options.memory_budget_bytes;
+    limits.max_queued_bytes = options.max_queued_bytes;
+    limits.max_unbound_bytes = options.max_unbound_bytes;
+    options.metrics->SetLimits(limits);
   }
-
-  // Signals are handled by a waiting thread (sigwait), so block them before threads start.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGHUP);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  signal(SIGPIPE, SIG_IGN);
 
   hsbn::server::Aggregator service(options);
   // Stops the metrics endpoint (which reads `service`) before `service` goes, on every return.
@@ -377,7 +558,14 @@ int main(int argc, char** argv) {
     }
   } stop_metrics{options.metrics};
   grpc::ServerBuilder builder;
-  builder.SetMaxReceiveMessageSize(64 << 20);
+  // The largest message a peer of this protocol sends: one contribution of --max-channels, or
+  // a sidecar's batch (at most 4 MiB, parent_link.cc). Anything larger is refused by gRPC before
+  // it is parsed, so a hostile stream cannot make the event thread parse a huge message.
+  {
+    const int64_t one = 16 * int64_t(options.limits.max_channels) + 4096;
+    const int64_t most = std::max<int64_t>(one, int64_t(4) << 20) + (64 << 10);
+    builder.SetMaxReceiveMessageSize(int(std::min<int64_t>(most, INT32_MAX)));
+  }
   builder.SetMaxSendMessageSize(64 << 20);
   // Sidecars ping their root every 10 s on an idle link (parent_link.cc); allow it.
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
@@ -399,9 +587,17 @@ int main(int argc, char** argv) {
   // accepted on, and its thread runs them; the sidecar's link to the root uses the first.
   std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> cqs;
   for (int i = 0; i < event_threads; ++i) cqs.push_back(builder.AddCompletionQueue());
+  // Unix sockets get --socket-mode from the moment they exist: bind() creates the socket file
+  // with mode 0777 & ~umask, so the umask is set to the complement of --socket-mode while the
+  // server binds its ports (BuildAndStart binds on this thread), and restored after. A chmod
+  // after bind would leave a window in which the socket had the umask's wider mode. Nothing
+  // else in the process creates files meanwhile (the metrics endpoint and the ready file come
+  // later), so the temporary umask touches only the sockets.
+  const mode_t saved_umask = umask(0777 & ~socket_mode);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  umask(saved_umask);
   if (!server) {
-    std::cerr << "hsbn-aggregator: could not listen on " << get("listen", default_listen)
+    std::cerr << "hsbn-aggregator: could not listen on " << listen_flag
               << " (address in use, or a directory that does not exist?)\n";
     return 1;
   }
@@ -409,7 +605,13 @@ int main(int argc, char** argv) {
   std::vector<std::string> bound;
   for (size_t i = 0; i < listen.size(); ++i) {
     if (listen[i].rfind("unix:", 0) == 0) {
-      chmod(listen[i].substr(5).c_str(), mode_t(socket_mode));
+      struct stat st;
+      const std::string path = listen[i].substr(5);
+      if (stat(path.c_str(), &st) != 0 || (st.st_mode & 07777) != socket_mode) {
+        std::cerr << "hsbn-aggregator: " << path << " did not get --socket-mode "
+                  << std::oct << socket_mode << std::dec << " at bind; refusing to serve\n";
+        return 1;
+      }
       bound.push_back(listen[i]);
     } else {
       if (ports[i] == 0) {
@@ -443,7 +645,7 @@ int main(int argc, char** argv) {
                    options.upstream.empty() ? "" : ", root at " + options.upstream,
                    options.upstream_ca_pem.empty() ? "" : " (TLS)",
                    metrics_line.empty() ? "" : ", " + metrics_line));
-  const std::string ready = get("ready-file", "");
+  const std::string& ready = settings.ready_file;
   if (!ready.empty()) {
     const std::string tmp = ready + ".tmp";
     {

@@ -1,6 +1,8 @@
 #include "metrics.h"
 
+#include <cstring>
 #include <exception>
+#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -12,6 +14,8 @@
 #include "prometheus/histogram.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
+#include "version.h"
 
 namespace hsbn::server {
 
@@ -55,12 +59,29 @@ const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
   return *b;
 }
 
+const std::string& OtherLabel() {
+  static const auto* other = new std::string("_other");
+  return *other;
+}
+
 }  // namespace
+
+std::string MemberLabel(const std::string& member) {
+  std::string out;
+  for (const char c : member) {
+    if (out.size() == 32) break;
+    if (c == ' ') continue;
+    const bool ok = absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_' ||
+                    c == '.' || c == '-';
+    out += ok ? c : '_';
+  }
+  return out;
+}
 
 // Builds the state gauges at scrape time from a StatusResponse snapshot.
 class Metrics::StateCollector final : public prometheus::Collectable {
  public:
-  explicit StateCollector(std::string role) : role_(std::move(role)) {}
+  StateCollector(std::string role, Metrics* owner) : role_(std::move(role)), owner_(owner) {}
 
   void SetSource(std::function<v1::StatusResponse()> source) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -109,15 +130,32 @@ class Metrics::StateCollector final : public prometheus::Collectable {
     prometheus::MetricFamily shadow_rounds =
         family("hsbn_shadow_rounds", "Shadow rounds behind the divergence averages.");
     add(jobs, double(status.jobs_size()), {});
-    for (const v1::JobStatus& j : status.jobs()) {
-      add(open, double(j.open_rounds()), {{"job_id", j.job_id()}});
+    std::vector<std::string> ids;
+    for (const v1::JobStatus& j : status.jobs()) ids.push_back(j.job_id());
+    const std::vector<std::string> labels = owner_->LabelJobs(ids);
+    // Jobs without a label of their own are summed under "_other".
+    double other_open = 0, other_connected = 0, other_expected = 0;
+    bool any_other = false;
+    size_t divergence_series = 0;
+    for (int i = 0; i < status.jobs_size(); ++i) {
+      const v1::JobStatus& j = status.jobs(i);
       int connected = 0;
       for (const auto& m : j.members()) connected += m.connected() ? 1 : 0;
-      add(members, double(connected), {{"job_id", j.job_id()}});
-      add(expected, double(j.group_size()), {{"job_id", j.job_id()}});
+      if (labels[size_t(i)] == OtherLabel()) {
+        any_other = true;
+        other_open += double(j.open_rounds());
+        other_connected += double(connected);
+        other_expected += double(j.group_size());
+        continue;
+      }
+      const std::string& label = labels[size_t(i)];
+      add(open, double(j.open_rounds()), {{"job_id", label}});
+      add(members, double(connected), {{"job_id", label}});
+      add(expected, double(j.group_size()), {{"job_id", label}});
       for (const v1::Divergence& d : j.divergence()) {
+        if (divergence_series++ >= kMaxDivergenceSeries) break;
         std::vector<prometheus::ClientMetric::Label> l = {
-            {"job_id", j.job_id()}, {"op", std::to_string(d.op())},
+            {"job_id", label}, {"op", std::to_string(d.op())},
             {"node", std::to_string(d.node())}};
         add(shift, d.mean_shift_avg(), l);
         add(shift_max, d.mean_shift_max(), l);
@@ -125,6 +163,11 @@ class Metrics::StateCollector final : public prometheus::Collectable {
         add(log_ratio, d.log_var_ratio_abs_avg(), l);
         add(shadow_rounds, double(d.rounds()), l);
       }
+    }
+    if (any_other) {
+      add(open, other_open, {{"job_id", OtherLabel()}});
+      add(members, other_connected, {{"job_id", OtherLabel()}});
+      add(expected, other_expected, {{"job_id", OtherLabel()}});
     }
     std::vector<prometheus::MetricFamily> out;
     for (auto* f : {&jobs, &open, &members, &expected, &shift, &shift_max, &ratio, &log_ratio,
@@ -136,14 +179,16 @@ class Metrics::StateCollector final : public prometheus::Collectable {
 
  private:
   const std::string role_;
+  Metrics* const owner_;
   mutable std::mutex mu_;
   std::function<v1::StatusResponse()> source_;
 };
 
-Metrics::Metrics(const std::string& role, bool has_upstream)
+Metrics::Metrics(const std::string& role, bool has_upstream, size_t max_job_labels)
     : role_(role),
       registry_(std::make_shared<prometheus::Registry>()),
-      state_(std::make_shared<StateCollector>(role)) {
+      max_job_labels_(max_job_labels < 1 ? 1 : max_job_labels),
+      state_(std::make_shared<StateCollector>(role, this)) {
   const prometheus::Labels constant = {{"role", role}};
   rounds_family_ = &prometheus::BuildCounter()
                         .Name("hsbn_rounds_total")
@@ -153,9 +198,10 @@ Metrics::Metrics(const std::string& role, bool has_upstream)
                         .Register(*registry_);
   timeouts_family_ = &prometheus::BuildCounter()
                           .Name("hsbn_round_timeouts_total")
-                          .Help("Rounds that timed out waiting for this member (\"rank N\" at a "
-                                "sidecar, \"node N\" at the root, \"upstream\" when the parent "
-                                "did not answer).")
+                          .Help("Rounds that timed out waiting for this member (rankN at a "
+                                "sidecar, nodeN at the root, upstream when the parent did not "
+                                "answer), by job (at most --metrics-max-jobs job_id labels, the "
+                                "rest under _other).")
                           .Labels(constant)
                           .Register(*registry_);
   joins_family_ = &prometheus::BuildCounter()
@@ -176,6 +222,36 @@ Metrics::Metrics(const std::string& role, bool has_upstream)
       RoundCounter(s, p, 0);  // ok rounds exist from the start, at 0
     }
   }
+  auto& nonfinite = prometheus::BuildCounter()
+                        .Name("hsbn_nonfinite_values_total")
+                        .Help("Non-finite values (NaN, +-Inf) in round data, by phase. They "
+                              "propagate as data, as in torch's SyncBatchNorm; a job's strict "
+                              "mode refuses them.")
+                        .Labels(constant)
+                        .Register(*registry_);
+  for (int p = 1; p < kPhases; ++p) nonfinite_[p] = &nonfinite.Add({{"phase", PhaseLabel(p)}});
+  auto& refused = prometheus::BuildCounter()
+                      .Name("hsbn_refused_total")
+                      .Help("Requests refused by a resource or validity limit, by reason "
+                            "(docs/DEPLOY.md, Limits).")
+                      .Labels(constant)
+                      .Register(*registry_);
+  for (size_t i = 0; i < kRefusedReasons.size(); ++i) {
+    refused_[i] = &refused.Add({{"reason", kRefusedReasons[i]}});
+  }
+  memory_used_ = &prometheus::BuildGauge()
+                      .Name("hsbn_memory_used_bytes")
+                      .Help("Bytes of the memory budget (--memory-budget-bytes) in use.")
+                      .Labels(constant)
+                      .Register(*registry_)
+                      .Add({});
+  prometheus::BuildGauge()
+      .Name("hsbn_build_info")
+      .Help("1, labelled with this binary's version and the git commit it was built from.")
+      .Labels(constant)
+      .Register(*registry_)
+      .Add({{"version", kHsbnVersion}, {"commit", kHsbnGitCommit}})
+      .Set(1);
   auto& received = prometheus::BuildCounter()
                        .Name("hsbn_received_bytes_total")
                        .Help("Protocol bytes received (serialized messages), from the members "
@@ -248,11 +324,11 @@ void Metrics::RoundFinished(v1::Scope scope, v1::Phase phase, absl::StatusCode c
 void Metrics::RoundTimedOut(const std::string& job_id, const std::string& member) {
   prometheus::Counter* c = nullptr;
   {
-    std::lock_guard<std::mutex> lock(timeouts_mu_);
-    auto key = std::make_pair(job_id, member);
+    absl::MutexLock lock(&labels_mu_);
+    auto key = std::make_pair(JobLabelLocked(job_id), MemberLabel(member));
     auto it = timeouts_.find(key);
     if (it == timeouts_.end() && timeouts_.size() >= kMaxTimeoutSeries) {
-      key = {"_other", "_other"};
+      key = {OtherLabel(), OtherLabel()};
       it = timeouts_.find(key);
     }
     if (it == timeouts_.end()) {
@@ -264,6 +340,53 @@ void Metrics::RoundTimedOut(const std::string& job_id, const std::string& member
   }
   c->Increment();
 }
+
+const std::string& Metrics::JobLabelLocked(const std::string& job_id) {
+  auto it = labelled_jobs_.find(job_id);
+  if (it != labelled_jobs_.end()) return *it;
+  if (labelled_jobs_.size() >= max_job_labels_ || job_id == OtherLabel()) return OtherLabel();
+  return *labelled_jobs_.insert(job_id).first;
+}
+
+std::vector<std::string> Metrics::LabelJobs(const std::vector<std::string>& present) {
+  absl::MutexLock lock(&labels_mu_);
+  const std::set<std::string> now(present.begin(), present.end());
+  for (auto it = labelled_jobs_.begin(); it != labelled_jobs_.end();) {
+    if (now.count(*it) != 0) {
+      ++it;
+      continue;
+    }
+    for (auto t = timeouts_.begin(); t != timeouts_.end();) {
+      if (t->first.first == *it) {
+        timeouts_family_->Remove(t->second);
+        t = timeouts_.erase(t);
+      } else {
+        ++t;
+      }
+    }
+    it = labelled_jobs_.erase(it);
+  }
+  std::vector<std::string> labels;
+  labels.reserve(present.size());
+  for (const std::string& id : present) labels.push_back(JobLabelLocked(id));
+  return labels;
+}
+
+void Metrics::NonFinite(v1::Phase phase, int64_t values) {
+  if (values <= 0) return;
+  if (auto* c = nonfinite_[Clamp(int(phase), kPhases)]) c->Increment(double(values));
+}
+
+void Metrics::Refused(const char* reason) {
+  size_t i = 0;
+  while (i + 1 < kRefusedReasons.size() &&
+         (reason == nullptr || std::strcmp(reason, kRefusedReasons[i]) != 0)) {
+    ++i;
+  }
+  refused_[i]->Increment();
+}
+
+void Metrics::SetMemoryUsed(int64_t bytes) { memory_used_->Set(double(bytes)); }
 
 void Metrics::Received(Link link, size_t bytes) {
   if (auto* c = received_[int(link)]) c->Increment(double(bytes));
@@ -289,14 +412,21 @@ void Metrics::SetUpstreamConnected(bool connected) {
   if (upstream_connected_ != nullptr) upstream_connected_->Set(connected ? 1 : 0);
 }
 
-void Metrics::SetLimits(int64_t max_jobs, int64_t max_open_rounds, int64_t max_channels) {
+void Metrics::SetLimits(const MetricsLimits& limits) {
   const prometheus::Labels constant = {{"role", role_}};
-  prometheus::BuildGauge().Name("hsbn_max_jobs").Help("--max-jobs.").Labels(constant)
-      .Register(*registry_).Add({}).Set(double(max_jobs));
-  prometheus::BuildGauge().Name("hsbn_max_open_rounds").Help("--max-open-rounds (per job).")
-      .Labels(constant).Register(*registry_).Add({}).Set(double(max_open_rounds));
-  prometheus::BuildGauge().Name("hsbn_max_channels").Help("--max-channels.").Labels(constant)
-      .Register(*registry_).Add({}).Set(double(max_channels));
+  auto gauge = [&](const char* name, const char* help, int64_t value) {
+    prometheus::BuildGauge().Name(name).Help(help).Labels(constant).Register(*registry_)
+        .Add({}).Set(double(value));
+  };
+  gauge("hsbn_max_jobs", "--max-jobs.", limits.max_jobs);
+  gauge("hsbn_max_open_rounds", "--max-open-rounds (per job).", limits.max_open_rounds);
+  gauge("hsbn_max_channels", "--max-channels.", limits.max_channels);
+  gauge("hsbn_max_world_size", "--max-world-size.", limits.max_world_size);
+  gauge("hsbn_memory_budget_bytes", "--memory-budget-bytes (all jobs together).",
+        limits.memory_budget_bytes);
+  gauge("hsbn_max_queued_bytes", "--max-queued-bytes (per stream).", limits.max_queued_bytes);
+  gauge("hsbn_max_unbound_bytes", "--max-unbound-bytes (per stream, before any Attach).",
+        limits.max_unbound_bytes);
 }
 
 void Metrics::SetStateSource(std::function<v1::StatusResponse()> source) {
@@ -310,13 +440,20 @@ absl::StatusOr<std::string> Metrics::Serve(const std::string& address) {
         "--metrics-listen=", address, " is not HOST:PORT (e.g. 0.0.0.0:9464; port 0 picks one)"));
   }
   try {
-    exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);
+    // civetweb serves each connection on one of num_threads threads until it is done, and
+    // waits up to request_timeout_ms for a request (30 s by default): with one thread, a single
+    // idle connection held back every scrape. Several threads and a short timeout bound that.
+    exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+        "listening_ports", address, "num_threads", std::to_string(kServeThreads),
+        "request_timeout_ms", std::to_string(kServeRequestTimeoutMs)});
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("--metrics-listen=", address,
                                                ": cannot listen (", e.what(), ")"));
   }
-  exposer_->RegisterCollectable(registry_);
+  // The state collector first: it releases the labels of jobs that are gone (and removes their
+  // counters from registry_), so that the same scrape no longer shows them.
   exposer_->RegisterCollectable(state_);
+  exposer_->RegisterCollectable(registry_);
   const std::vector<int> ports = exposer_->GetListeningPorts();
   if (ports.empty() || ports[0] <= 0) {
     exposer_.reset();
@@ -324,6 +461,14 @@ absl::StatusOr<std::string> Metrics::Serve(const std::string& address) {
                                                ": no port was bound"));
   }
   return absl::StrCat(address.substr(0, colon), ":", ports[0]);
+}
+
+std::string Metrics::Text() {
+  std::vector<prometheus::MetricFamily> families = state_->Collect();  // first, as in Serve
+  for (auto& f : registry_->Collect()) families.push_back(std::move(f));
+  std::ostringstream out;
+  prometheus::TextSerializer().Serialize(out, families);
+  return out.str();
 }
 
 void Metrics::StopServing() {

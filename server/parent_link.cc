@@ -19,9 +19,9 @@ constexpr auto kConnectTimeout = std::chrono::seconds(5);
 struct FrameTraits {
   using Item = v1::ClientFrame;
   using Frame = v1::ClientFrame;
-  static size_t Bytes(const v1::ClientFrame& f) {
-    return f.contribution().data().size() + sizeof(v1::ClientFrame);
-  }
+  // An upper bound of the frame's serialized size (the payload plus at most 96 bytes of
+  // fields), so that a batch stays within the root's message limit however small its frames.
+  static size_t Bytes(const v1::ClientFrame& f) { return f.contribution().data().size() + 96; }
   static size_t Pack(std::deque<v1::ClientFrame>* pending, v1::ClientFrame* frame, bool batches,
                      size_t max_batch_bytes) {
     size_t taken = 0;
@@ -34,7 +34,7 @@ struct FrameTraits {
     v1::FrameBatch* batch = frame->mutable_batch();
     size_t bytes = 0;
     while (!pending->empty()) {
-      const size_t size = pending->front().contribution().data().size();
+      const size_t size = Bytes(pending->front());
       if (batch->frames_size() > 0 && bytes + size > max_batch_bytes) break;
       bytes += size;
       taken += Bytes(pending->front());

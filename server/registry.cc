@@ -193,15 +193,16 @@ absl::Status Registry::Leave(const SessionId& session, Actions* out, std::string
   return absl::OkStatus();
 }
 
-std::vector<std::string> Registry::Sweep(Clock::time_point now) {
-  std::vector<std::string> dropped;
+std::vector<std::pair<std::string, bool>> Registry::Sweep(Clock::time_point now) {
+  std::vector<std::pair<std::string, bool>> dropped;
   absl::MutexLock lock(&mu_);
   for (auto it = jobs_.begin(); it != jobs_.end();) {
-    if (!it->second->Droppable(now, options_.attach_timeout)) {
+    bool expired = false;
+    if (!it->second->Droppable(now, options_.attach_timeout, &expired)) {
       ++it;
       continue;
     }
-    dropped.push_back(it->first);
+    dropped.emplace_back(it->first, expired);
     for (auto s = sessions_.begin(); s != sessions_.end();) {
       if (s->second.job == it->second) {
         sessions_.erase(s++);

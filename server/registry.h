@@ -68,8 +68,9 @@ class Registry {
   bool Find(const SessionId& session, SessionRef* out) const;
   // The member leaves: its open rounds fail, its session is forgotten. NOT_FOUND if unknown.
   absl::Status Leave(const SessionId& session, Actions* out, std::string* job_id);
-  // Drops the jobs that ended (see above); returns their ids.
-  std::vector<std::string> Sweep(Clock::time_point now);
+  // Drops the jobs that ended (see above); returns their ids, each with whether it expired
+  // (no member attached for the attach timeout) rather than every member being gone.
+  std::vector<std::pair<std::string, bool>> Sweep(Clock::time_point now);
   // Which jobs a Status request may see: all (or the one named) with tokens off; with tokens
   // on, only the named job, and only with its token (UNAUTHENTICATED otherwise).
   absl::StatusOr<std::vector<std::shared_ptr<Job>>> StatusJobs(const v1::StatusRequest& req) const;

@@ -87,13 +87,13 @@ absl::StatusOr<size_t> TokenStore::Reload() {
   if (!parsed.ok()) return parsed.status();
   auto table = std::make_shared<const std::map<std::string, std::string>>(std::move(*parsed));
   const size_t n = table->size();
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   tokens_ = std::move(table);
   return n;
 }
 
 size_t TokenStore::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return tokens_ ? tokens_->size() : 0;
 }
 
@@ -112,7 +112,7 @@ absl::Status TokenStore::Check(const std::string& job_id, const std::string& tok
                                const std::string& who) const {
   std::shared_ptr<const std::map<std::string, std::string>> tokens;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     tokens = tokens_;
   }
   const std::string* expected = nullptr;

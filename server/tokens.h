@@ -12,11 +12,12 @@
 
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 
 namespace hsbn::server {
 
@@ -50,8 +51,8 @@ class TokenStore {
                                                       allow_insecure_(allow_insecure) {}
   const std::string path_;
   const bool allow_insecure_;
-  mutable std::mutex mu_;
-  std::shared_ptr<const std::map<std::string, std::string>> tokens_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<const std::map<std::string, std::string>> tokens_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace hsbn::server

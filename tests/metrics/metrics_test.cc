@@ -1,12 +1,21 @@
 // Metrics: real hsbn-aggregator processes with --metrics-listen=127.0.0.1:0, real rounds run by
 // in-process C++ clients, /metrics scraped over plain HTTP, exact values asserted.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "aggregator_process.h"
 #include "gtest/gtest.h"
 
@@ -110,9 +119,9 @@ TEST(Metrics, SidecarCountsRoundsLatencyMembersBytesAndTimeouts) {
 
   text = Scrape(*agg);
   EXPECT_EQ(Sample(text, "hsbn_round_timeouts_total",
-                   L({{"role", "node"}, {"job_id", "m-job"}, {"member", "rank 1"}})), 1);
+                   L({{"role", "node"}, {"job_id", "m-job"}, {"member", "rank1"}})), 1);
   EXPECT_TRUE(std::isnan(
-      Sample(text, "hsbn_round_timeouts_total", L({{"member", "rank 0"}}))));
+      Sample(text, "hsbn_round_timeouts_total", L({{"member", "rank0"}}))));
   EXPECT_EQ(Sample(text, "hsbn_rounds_total",
                    L({{"scope", "node"}, {"phase", "forward"}, {"outcome", "deadline_exceeded"}})),
             1);
@@ -227,11 +236,11 @@ TEST(Metrics, RootAndSidecarsCountGlobalRoundsAndTheRootExportsShadowDivergence)
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   for (int i = 0; i < 200; ++i) {
     text = Scrape(*root);
-    if (Sample(text, "hsbn_round_timeouts_total", L({{"member", "node 1"}})) == 1) break;
+    if (Sample(text, "hsbn_round_timeouts_total", L({{"member", "node1"}})) == 1) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ(Sample(text, "hsbn_round_timeouts_total",
-                   L({{"role", "root"}, {"job_id", "g-job"}, {"member", "node 1"}})), 1);
+                   L({{"role", "root"}, {"job_id", "g-job"}, {"member", "node1"}})), 1);
   EXPECT_TRUE(std::isnan(Sample(text, "hsbn_round_timeouts_total", L({{"member", "node 0"}}))));
   EXPECT_EQ(Sample(text, "hsbn_rounds_total",
                    L({{"role", "root"}, {"scope", "global"}, {"phase", "forward"},
@@ -334,6 +343,118 @@ TEST(Metrics, MetricsAreOffWithoutTheFlagAndABadAddressIsRefused) {
                           "--metrics-listen=no-port-here"});
   EXPECT_NE(code, 0);
   EXPECT_NE(log.find("--metrics-listen"), std::string::npos) << log;
+}
+
+// A TCP connection to host:port that sends nothing; -1 if it cannot connect.
+int IdleConnection(const std::string& host_port) {
+  const size_t colon = host_port.rfind(':');
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(uint16_t(std::stoi(host_port.substr(colon + 1))));
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+TEST(Metrics, IdleConnectionsToTheMetricsPortDoNotHoldBackAScrape) {
+  TempDir dir;
+  auto agg = StartAggregator(dir.path(), "idle",
+                             {"--role=node", "--listen=unix:" + (dir / "idle.sock"),
+                              "--metrics-listen=127.0.0.1:0"});
+  ASSERT_TRUE(agg.ok()) << agg.status();
+  // Three clients connect and send nothing. The metrics server once served one connection at
+  // a time and waited 30 s for each request, so the scrape below waited behind all three.
+  std::vector<int> idle;
+  for (int i = 0; i < 3; ++i) {
+    idle.push_back(IdleConnection(agg->metrics));
+    ASSERT_GE(idle.back(), 0);
+  }
+  // The scrape is answered while the idle connections are still open. (The 60 s receive
+  // timeout is only a backstop so that a regression fails instead of hanging.)
+  auto body = HttpGet(agg->metrics, "/metrics", std::chrono::seconds(60));
+  ASSERT_TRUE(body.ok()) << body.status();
+  EXPECT_EQ(Sample(*body, "hsbn_jobs"), 0);
+  // ...and it did not wait for the server to give up on them: each is still open (a read
+  // finds no data and no end of stream).
+  for (int fd : idle) {
+    char c;
+    const ssize_t n = recv(fd, &c, 1, MSG_DONTWAIT);
+    EXPECT_EQ(n, -1);
+    EXPECT_TRUE(errno == EAGAIN || errno == EWOULDBLOCK) << std::strerror(errno);
+    close(fd);
+  }
+}
+
+TEST(Metrics, JobLabelsAreCappedByMetricsMaxJobsAndMembersHaveNoSpaces) {
+  TempDir dir;
+  auto agg = StartAggregator(dir.path(), "cap",
+                             {"--role=node", "--listen=unix:" + (dir / "cap.sock"),
+                              "--metrics-listen=127.0.0.1:0", "--metrics-max-jobs=2",
+                              "--round-timeout-ms=300"});
+  ASSERT_TRUE(agg.ok()) << agg.status();
+  // Four one-rank jobs (a single member: every round completes at once) and one two-rank job
+  // whose rank 1 never contributes.
+  std::vector<std::unique_ptr<Client>> owned;
+  for (const char* job : {"a-job", "b-job", "c-job", "d-job"}) {
+    auto c = Client::Connect(WorkerOptions(agg->address, job, 0, 1, 1));
+    ASSERT_TRUE(c.ok()) << c.status();
+    owned.push_back(std::move(*c));
+  }
+  std::string text = Scrape(*agg);
+  EXPECT_EQ(Sample(text, "hsbn_jobs"), 4);
+  // Status lists jobs in id order: the first two get labels, the others sum under _other.
+  EXPECT_EQ(Sample(text, "hsbn_members", L({{"job_id", "a-job"}})), 1);
+  EXPECT_EQ(Sample(text, "hsbn_members", L({{"job_id", "b-job"}})), 1);
+  EXPECT_EQ(Sample(text, "hsbn_members", L({{"job_id", "_other"}})), 2);
+  EXPECT_TRUE(std::isnan(Sample(text, "hsbn_members", L({{"job_id", "c-job"}}))));
+
+  auto t0 = Client::Connect(WorkerOptions(agg->address, "t-job", 0, 2, 2));
+  ASSERT_TRUE(t0.ok()) << t0.status();
+  auto t1 = Client::Connect(WorkerOptions(agg->address, "t-job", 1, 2, 2));
+  ASSERT_TRUE(t1.ok()) << t1.status();
+  double mean[2] = {0, 1}, m2[2] = {1, 1}, om[2], om2[2];
+  int64_t n;
+  absl::Status s = (*t0)->Forward(1, 0, Scope::kNode, 2, 10, mean, m2, &n, om, om2);
+  ASSERT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  text = Scrape(*agg);
+  EXPECT_EQ(Sample(text, "hsbn_round_timeouts_total", L({{"job_id", "_other"}, {"member", "rank1"}})),
+            1);
+  EXPECT_TRUE(std::isnan(Sample(text, "hsbn_round_timeouts_total", L({{"job_id", "t-job"}}))));
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (absl::StartsWith(line, "hsbn_round_timeouts_total{")) {
+      EXPECT_FALSE(absl::StrContains(line, "member=\"rank 1\"")) << line;
+    }
+  }
+  EXPECT_EQ(Sample(text, "hsbn_members", L({{"job_id", "_other"}})), 4);
+}
+
+TEST(Metrics, BuildInfoAndVersionFlagAgree) {
+  TempDir dir;
+  auto agg = StartAggregator(dir.path(), "info",
+                             {"--role=root", "--listen=127.0.0.1:0",
+                              "--metrics-listen=127.0.0.1:0", "--memory-budget-bytes=123456789",
+                              "--max-world-size=77"});
+  ASSERT_TRUE(agg.ok()) << agg.status();
+  const std::string text = Scrape(*agg);
+  auto [code, version] = testing::RunAggregatorToExit(dir.path(), "version", {"--version"});
+  ASSERT_EQ(code, 0) << version;
+  // "hsbn-aggregator VERSION (commit COMMIT)"
+  const std::vector<std::string> words = absl::StrSplit(version, absl::ByAnyChar(" ()\n"),
+                                                        absl::SkipEmpty());
+  ASSERT_EQ(words.size(), 4u) << version;
+  EXPECT_EQ(words[0], "hsbn-aggregator");
+  EXPECT_EQ(words[2], "commit");
+  EXPECT_EQ(Sample(text, "hsbn_build_info",
+                   L({{"role", "root"}, {"version", words[1]}, {"commit", words[3]}})), 1)
+      << version << text;
+  EXPECT_EQ(Sample(text, "hsbn_memory_budget_bytes"), 123456789);
+  EXPECT_EQ(Sample(text, "hsbn_max_world_size"), 77);
+  EXPECT_EQ(Sample(text, "hsbn_memory_used_bytes"), 0);
+  EXPECT_EQ(Sample(text, "hsbn_refused_total", L({{"reason", "memory_budget"}})), 0);
 }
 
 }  // namespace

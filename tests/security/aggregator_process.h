@@ -9,6 +9,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -180,9 +181,11 @@ inline std::vector<RoundOut> ForwardRound(const std::vector<Client*>& clients, u
   return out;
 }
 
-// GET http://host:port/path; returns the body.
-inline absl::StatusOr<std::string> HttpGet(const std::string& host_port,
-                                           const std::string& path = "/metrics") {
+// GET http://host:port/path; returns the body. `timeout` bounds each read and write (a
+// backstop, so that a server that never answers fails the test instead of hanging it).
+inline absl::StatusOr<std::string> HttpGet(
+    const std::string& host_port, const std::string& path = "/metrics",
+    std::chrono::seconds timeout = std::chrono::seconds(60)) {
   const size_t colon = host_port.rfind(':');
   int port = 0;
   if (colon == std::string::npos || !absl::SimpleAtoi(host_port.substr(colon + 1), &port)) {
@@ -191,6 +194,10 @@ inline absl::StatusOr<std::string> HttpGet(const std::string& host_port,
   std::string host = host_port.substr(0, colon);
   if (host == "0.0.0.0") host = "127.0.0.1";
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  timeval tv{};
+  tv.tv_sec = time_t(timeout.count());
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(uint16_t(port));
@@ -209,7 +216,12 @@ inline absl::StatusOr<std::string> HttpGet(const std::string& host_port,
   char buf[65536];
   for (;;) {
     const ssize_t n = read(fd, buf, sizeof buf);
-    if (n <= 0) break;
+    if (n < 0) {
+      close(fd);
+      return absl::DeadlineExceededError(absl::StrCat("no answer from ", host_port, " in ",
+                                                      timeout.count(), " s"));
+    }
+    if (n == 0) break;
     response.append(buf, size_t(n));
   }
   close(fd);

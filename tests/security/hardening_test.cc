@@ -5,6 +5,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <set>
@@ -230,7 +231,8 @@ TEST(Hardening, AReaderThatDoesNotReadIsDroppedAtTheQueueCap) {
   TempDir dir;
   Aggregator side = MustStart(dir.path(), "s", {"--role=node", "--listen=unix:" + (dir / "s.sock"),
                                                 "--max-queued-bytes=4194304",
-                                                "--write-deadline-ms=600000"});
+                                                "--write-deadline-ms=600000",
+                                                "--metrics-listen=127.0.0.1:0"});
   ASSERT_TRUE(side.process);
   Raw raw(side.address);
   std::string session;
@@ -256,7 +258,43 @@ TEST(Hardening, AReaderThatDoesNotReadIsDroppedAtTheQueueCap) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
   EXPECT_TRUE(absl::StrContains(s.error_message(), "--max-queued-bytes")) << s.error_message();
   EXPECT_LT(results, kRounds);
+  auto metrics = HttpGet(side.metrics);
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(Sample(*metrics, "hsbn_refused_total", {{"reason", "queue_bytes"}}), 1.0) << *metrics;
   ExpectServes(side.address, "after-flood");
+}
+
+// A reader that stops reading while a write is in flight: after --write-deadline-ms the
+// aggregator drops its stream (the write can never complete), reports the member gone, and
+// the rest of the job and every other job go on.
+TEST(Hardening, AWriteStalledPastTheDeadlineDropsTheStream) {
+  TempDir dir;
+  Aggregator side = MustStart(dir.path(), "s", {"--role=node", "--listen=unix:" + (dir / "s.sock"),
+                                                "--write-deadline-ms=300"});
+  ASSERT_TRUE(side.process);
+  Raw raw(side.address);
+  std::string session;
+  ASSERT_TRUE(raw.Join("stall", 0, 1, 1, &session).ok());
+  grpc::ClientContext ctx;
+  std::unique_ptr<Stream> stream = raw.stub->Exchange(&ctx);
+  ASSERT_TRUE(stream->Write(AttachFrame(session)));
+  // 512 rounds of 4096 channels (32 MiB of results) fill every window between the aggregator's
+  // writer and this reader, which reads nothing; writes fail once the stream is dropped.
+  for (int i = 0; i < 512; ++i) {
+    if (!stream->Write(Contribution(session, 0, uint64_t(i), 4096))) break;
+  }
+  // Event: the aggregator reports rank 0 of the job disconnected (backstop only).
+  const auto backstop = std::chrono::steady_clock::now() + seconds(60);
+  for (;;) {
+    v1::StatusResponse st;
+    ASSERT_TRUE(raw.Status("stall", "", &st).ok());
+    if (st.jobs_size() == 0 || !st.jobs(0).members(0).connected()) break;
+    ASSERT_LT(std::chrono::steady_clock::now(), backstop) << "the stalled stream was never dropped";
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  EXPECT_TRUE(absl::StrContains(side.log(), "--write-deadline-ms")) << side.log();
+  ctx.TryCancel();
+  ExpectServes(side.address, "after-stall");
 }
 
 // A stream that floods frames before any Attach is cut at --max-unbound-bytes.
@@ -353,6 +391,28 @@ TEST(Hardening, JobIdsAreShortPrintableAndNeverForgeALogLine) {
   EXPECT_FALSE(absl::StrContains(s.error_message(), "\n")) << s.error_message();
   ExpectServes(side.address, "after-ids");  // its log line comes after the refusals
   EXPECT_FALSE(absl::StrContains(side.log(), "\n[hsbn] FAKE")) << side.log();
+}
+
+// NaN and Inf are data (docs/PROTOCOL.md): the round completes for every member, and the
+// aggregator counts what it saw.
+TEST(Hardening, NonFiniteValuesAreCountedNotRefused) {
+  TempDir dir;
+  Aggregator side = MustStart(dir.path(), "s", {"--role=node", "--listen=unix:" + (dir / "s.sock"),
+                                                "--metrics-listen=127.0.0.1:0"});
+  ASSERT_TRUE(side.process);
+  auto c = Client::Connect(WorkerOptions(side.address, "nan", 0, 1, 1));
+  ASSERT_TRUE(c.ok()) << c.status();
+  const double mean[2] = {std::nan(""), 1.0}, m2[2] = {1.0, INFINITY};
+  double a[2], b[2];
+  int64_t n = 0;
+  absl::Status s = (*c)->Forward(0, 0, Scope::kNode, 2, 4, mean, m2, &n, a, b);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(std::isnan(a[0]));
+  EXPECT_TRUE(std::isinf(b[1]));
+  auto metrics = HttpGet(side.metrics);
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(Sample(*metrics, "hsbn_nonfinite_values_total", {{"phase", "forward"}}), 2.0)
+      << *metrics;
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
 // Security: TLS on the sidecar -> root link (server and mutual), per-job tokens at both levels,
 // and the Unix socket's mode. Real hsbn-aggregator processes on loopback, in-process C++
 // clients; certificates are made at test time with the openssl command.
+#include <poll.h>
 #include <signal.h>
+#include <sys/inotify.h>
 #include <sys/stat.h>
 
 #include <cstdlib>
@@ -378,6 +380,74 @@ TEST(UnixSocket, TheSocketGetsSocketMode) {
     EXPECT_EQ(st.st_mode & 0777, mode_t(mode)) << flag;
     EXPECT_EQ(a.process->Stop(), 0);
   }
+}
+
+// The socket never exists with a wider mode than --socket-mode: the test runs the aggregator
+// under umask 0 (bind alone would make the socket 0777) and stats the socket the moment
+// inotify reports it created, before the aggregator could chmod it. A chmod after bind fails
+// this test whenever the stat wins the race; the aggregator sets its umask around bind, so the
+// socket is born with its mode and the test passes every time.
+TEST(UnixSocket, TheSocketHasSocketModeFromTheMomentItExists) {
+  TempDir dir;
+  const int watch = inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
+  ASSERT_GE(watch, 0);
+  ASSERT_GE(inotify_add_watch(watch, dir.path().c_str(), IN_CREATE | IN_MOVED_TO), 0);
+  const std::string sock = dir / "born.sock";
+  const mode_t saved = umask(0);
+  auto p = cluster::Subprocess::Spawn(
+      {cluster::LocalCluster::DefaultAggregatorPath(), "--role=node", "--listen=unix:" + sock,
+       "--socket-mode=0600", "--ready-file=" + (dir / "born.ready")},
+      {}, dir / "born.log");
+  umask(saved);
+  ASSERT_TRUE(p.ok()) << p.status();
+  bool created = false, ready = false;
+  mode_t mode = 0;
+  // Waits for the IN_CREATE event of born.sock (the log file is created in the same
+  // directory first), then for the ready file to be renamed into place. The 20 s poll timeout
+  // is only a backstop.
+  while (!ready) {
+    pollfd pfd{watch, POLLIN, 0};
+    ASSERT_EQ(poll(&pfd, 1, 20000), 1) << "no socket created: " << ReadAll(dir / "born.log");
+    alignas(inotify_event) char buf[4096];
+    const ssize_t n = read(watch, buf, sizeof buf);
+    for (ssize_t off = 0; off < n;) {
+      const auto* ev = reinterpret_cast<const inotify_event*>(buf + off);
+      if (ev->len > 0 && std::string(ev->name) == "born.sock" && !created) {
+        struct stat st;
+        ASSERT_EQ(lstat(sock.c_str(), &st), 0);
+        mode = st.st_mode & 07777;
+        created = true;
+      }
+      if (ev->len > 0 && std::string(ev->name) == "born.ready") ready = true;
+      off += ssize_t(sizeof(inotify_event) + ev->len);
+    }
+  }
+  close(watch);
+  ASSERT_TRUE(created);
+  EXPECT_EQ(mode, mode_t(0600)) << std::oct << mode;
+  EXPECT_EQ((*p)->Stop(), 0);
+}
+
+TEST(UnixSocket, ASocketModeThatIsNotOctalOrAboveTheFileModeIsRefused) {
+  TempDir dir;
+  for (const std::string bad : {"banana", "0668", "8", "01777", "1000", "-1", "", "0x1ff"}) {
+    const std::string sock = dir / "bad.sock";
+    auto [code, log] = RunAggregatorToExit(
+        dir.path(), "bad", {"--role=node", "--listen=unix:" + sock, "--socket-mode=" + bad});
+    EXPECT_EQ(code, 2) << bad << ": " << log;
+    EXPECT_TRUE(Contains(log, "--socket-mode")) << bad << ": " << log;
+    EXPECT_TRUE(Contains(log, "octal")) << bad << ": " << log;
+    struct stat st;
+    EXPECT_NE(stat(sock.c_str(), &st), 0) << bad << ": a socket was created";
+  }
+  // Three digits without the leading zero are octal too.
+  Aggregator a = MustStart(dir.path(), "three", {"--role=node", "--listen=unix:" + (dir / "t.sock"),
+                                                 "--socket-mode=640"});
+  ASSERT_TRUE(a.process);
+  struct stat st;
+  ASSERT_EQ(stat((dir / "t.sock").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, mode_t(0640));
+  EXPECT_EQ(a.process->Stop(), 0);
 }
 
 }  // namespace

@@ -1,0 +1,135 @@
+// hsbn-aggregator's flags (server/main.cc, CLI11): --help lists every flag with its default,
+// --version names the build, values are validated and refused with exit status 2 naming the
+// flag, `--name=value` and `--name value` both work and a repeated flag takes its last value.
+// Real processes; the values that reach AggregatorOptions are read back from /metrics gauges.
+#include <string>
+#include <vector>
+
+#include "aggregator_process.h"
+#include "gtest/gtest.h"
+#include "version.h"
+
+namespace hsbn {
+namespace {
+
+using testing::RunAggregatorToExit;
+using testing::Sample;
+using testing::StartAggregator;
+using testing::TempDir;
+
+bool Contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+TEST(Flags, HelpListsEveryLimitFlagWithTheDefaultOfAggregatorOptions) {
+  TempDir dir;
+  auto [code, help] = RunAggregatorToExit(dir.path(), "help", {"--help"});
+  ASSERT_EQ(code, 0) << help;
+  // The defaults stated are those of server/aggregator.h (and metrics.h, log.h).
+  for (const char* line : {
+           "--max-world-size=N", "Default 16384.",
+           "--memory-budget-bytes=N", "Default 1073741824 (1 GiB).",
+           "--max-queued-bytes=N", "Default 67108864 (64 MiB).",
+           "--write-deadline-ms=N", "Default 10000.",
+           "--attach-timeout-ms=N", "Default 60000.",
+           "--max-unbound-bytes=N", "Default 1048576 (1 MiB).",
+           "--metrics-max-jobs=N", "Default 64.",
+           "--log-lines-per-second=N", "Default 10.",
+           "--max-jobs=N", "Default 256.",
+           "--round-timeout-ms=N", "Default 30000.",
+           "--socket-mode=OCTAL", "Default 0660.",
+           "--allow-insecure-token-file ", "--version ", "--help ",
+           // The prose of the old usage text is still there.
+           "Usage:", "Signals: SIGTERM", "TLS (TCP only", "Job tokens:", "HSBN_TOKEN_FILE"}) {
+    EXPECT_TRUE(Contains(help, line)) << line;
+  }
+  // -h is --help.
+  auto [code_h, help_h] = RunAggregatorToExit(dir.path(), "h", {"-h"});
+  EXPECT_EQ(code_h, 0);
+  EXPECT_EQ(help_h, help);
+}
+
+TEST(Flags, VersionPrintsTheProjectVersionAndCommit) {
+  TempDir dir;
+  auto [code, out] = RunAggregatorToExit(dir.path(), "version", {"--version"});
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_EQ(out, std::string("hsbn-aggregator ") + server::kHsbnVersion + " (commit " +
+                     server::kHsbnGitCommit + ")\n");
+}
+
+TEST(Flags, BadValuesAreRefusedWithStatus2NamingTheFlag) {
+  TempDir dir;
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--role=nod"}, "--role"},
+      {{}, "--role must be node or root"},
+      {{"--role=node", "--max-jobs=0"}, "--max-jobs"},
+      {{"--role=node", "--max-jobs=12abc"}, "--max-jobs"},
+      {{"--role=node", "--max-jobs=0x10"}, "--max-jobs"},  // decimal only
+      {{"--role=node", "--max-jobs=2147483648"}, "--max-jobs"},
+      {{"--role=node", "--max-channels=4194305"}, "--max-channels"},
+      {{"--role=node", "--event-threads=65"}, "--event-threads"},
+      {{"--role=node", "--max-world-size=-1"}, "--max-world-size"},
+      {{"--role=node", "--memory-budget-bytes=lots"}, "--memory-budget-bytes"},
+      {{"--role=node", "--max-queued-bytes=0"}, "--max-queued-bytes"},
+      {{"--role=node", "--write-deadline-ms=0"}, "--write-deadline-ms"},
+      {{"--role=node", "--attach-timeout-ms=1.5"}, "--attach-timeout-ms"},
+      {{"--role=node", "--max-unbound-bytes="}, "--max-unbound-bytes"},
+      {{"--role=node", "--metrics-max-jobs=0"}, "--metrics-max-jobs"},
+      {{"--role=node", "--log-lines-per-second=0"}, "--log-lines-per-second"},
+      {{"--role=node", "--log-level=loud"}, "--log-level"},
+      {{"--role=node", "--socket-mode=banana"}, "--socket-mode"},
+      {{"--role=node", "--allow-insecure-token-file=maybe"}, "--allow-insecure-token-file"},
+      {{"--role=node", "--no-such-flag=1"}, "--no-such-flag"},
+      {{"--role=node", "stray"}, "stray"},
+      {{"--role=root", "--upstream=x:1"}, "--upstream is for the node role"},
+  };
+  for (const auto& [flags, part] : cases) {
+    auto [code, log] = RunAggregatorToExit(dir.path(), "bad", flags);
+    EXPECT_EQ(code, 2) << flags.size() << " " << part << ": " << log;
+    EXPECT_TRUE(Contains(log, part)) << part << ": " << log;
+    EXPECT_TRUE(Contains(log, "hsbn-aggregator: ")) << log;
+  }
+}
+
+TEST(Flags, ValuesReachTheOptionsInBothSyntaxesAndTheLastOfARepeatedFlagWins) {
+  TempDir dir;
+  auto agg = StartAggregator(
+      dir.path(), "vals",
+      {"--role", "node", "--listen=unix:" + (dir / "vals.sock"), "--metrics-listen",
+       "127.0.0.1:0", "--max-jobs=3", "--max-jobs=9", "--max-open-rounds", "11",
+       "--max-channels=12", "--max-world-size=13", "--memory-budget-bytes=14000000",
+       "--max-queued-bytes=15000", "--max-unbound-bytes=16000", "--write-deadline-ms=17",
+       "--attach-timeout-ms=18", "--metrics-max-jobs=19", "--log-lines-per-second=20"});
+  ASSERT_TRUE(agg.ok()) << agg.status();
+  auto body = testing::HttpGet(agg->metrics);
+  ASSERT_TRUE(body.ok()) << body.status();
+  EXPECT_EQ(Sample(*body, "hsbn_max_jobs"), 9);
+  EXPECT_EQ(Sample(*body, "hsbn_max_open_rounds"), 11);
+  EXPECT_EQ(Sample(*body, "hsbn_max_channels"), 12);
+  EXPECT_EQ(Sample(*body, "hsbn_max_world_size"), 13);
+  EXPECT_EQ(Sample(*body, "hsbn_memory_budget_bytes"), 14000000);
+  EXPECT_EQ(Sample(*body, "hsbn_max_queued_bytes"), 15000);
+  EXPECT_EQ(Sample(*body, "hsbn_max_unbound_bytes"), 16000);
+  EXPECT_EQ(agg->process->Stop(), 0);
+}
+
+TEST(Flags, TheDefaultsReachTheOptions) {
+  TempDir dir;
+  auto agg = StartAggregator(dir.path(), "defaults",
+                             {"--role=root", "--listen=127.0.0.1:0",
+                              "--metrics-listen=127.0.0.1:0"});
+  ASSERT_TRUE(agg.ok()) << agg.status();
+  auto body = testing::HttpGet(agg->metrics);
+  ASSERT_TRUE(body.ok()) << body.status();
+  EXPECT_EQ(Sample(*body, "hsbn_max_jobs"), 256);
+  EXPECT_EQ(Sample(*body, "hsbn_max_open_rounds"), 4096);
+  EXPECT_EQ(Sample(*body, "hsbn_max_channels"), 65536);
+  EXPECT_EQ(Sample(*body, "hsbn_max_world_size"), 16384);
+  EXPECT_EQ(Sample(*body, "hsbn_memory_budget_bytes"), double(int64_t(1) << 30));
+  EXPECT_EQ(Sample(*body, "hsbn_max_queued_bytes"), double(int64_t(64) << 20));
+  EXPECT_EQ(Sample(*body, "hsbn_max_unbound_bytes"), double(int64_t(1) << 20));
+  EXPECT_EQ(agg->process->Stop(), 0);
+}
+
+}  // namespace
+}  // namespace hsbn
