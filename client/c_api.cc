@@ -8,6 +8,8 @@
 
 #include "hsbn/client.h"
 #include "hsbn/hsbn.h"
+#include "hsbn/status.h"
+#include "hsbn/v1/hsbn.pb.h"
 #include "wire.h"
 
 struct hsbn_client {
@@ -231,6 +233,42 @@ hsbn_result hsbn_status_json(hsbn_client* client, int include_upstream, char* bu
   g_last_error.clear();
   if (client == nullptr) return Invalid("null client");
   auto json = client->client->StatusJson(include_upstream != 0);
+  if (!json.ok()) return Fail(json.status());
+  if (needed != nullptr) *needed = json->size() + 1;
+  if (buf != nullptr && buf_len > 0) {
+    const size_t n = std::min(buf_len - 1, json->size());
+    std::memcpy(buf, json->data(), n);
+    buf[n] = '\0';
+  }
+  return HSBN_OK;
+}
+
+void hsbn_status_query_init(hsbn_status_query* query) {
+  if (query == nullptr) return;
+  std::memset(query, 0, sizeof *query);
+  query->struct_size = sizeof *query;
+}
+
+hsbn_result hsbn_query_status_json(const hsbn_status_query* query, char* buf, size_t buf_len,
+                                   size_t* needed) {
+  g_last_error.clear();
+  if (query == nullptr || query->struct_size < sizeof(hsbn_status_query)) {
+    return Invalid("hsbn_status_query not initialised with hsbn_status_query_init");
+  }
+  auto str = [](const char* s) { return s == nullptr ? std::string() : std::string(s); };
+  hsbn::StatusQuery q;
+  q.address = str(query->address);
+  q.job_id = str(query->job_id);
+  q.token = str(query->token);
+  q.include_upstream = query->include_upstream != 0;
+  if (query->timeout_ms > 0) q.timeout = std::chrono::milliseconds(query->timeout_ms);
+  q.tls_ca = str(query->tls_ca_file);
+  q.tls_cert = str(query->tls_cert_file);
+  q.tls_key = str(query->tls_key_file);
+  q.tls_name = str(query->tls_name);
+  auto status = hsbn::QueryStatus(q);
+  if (!status.ok()) return Fail(status.status());
+  auto json = hsbn::StatusToJson(*status);
   if (!json.ok()) return Fail(json.status());
   if (needed != nullptr) *needed = json->size() + 1;
   if (buf != nullptr && buf_len > 0) {

@@ -15,8 +15,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
-#include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
+#include "hsbn/status.h"
 #include "hsbn/v1/hsbn.grpc.pb.h"
 #include "wire.h"
 
@@ -789,12 +789,7 @@ absl::StatusOr<v1::StatusResponse> Client::Status(bool include_upstream) {
 absl::StatusOr<std::string> Client::StatusJson(bool include_upstream) {
   auto s = impl_->Status(include_upstream);
   if (!s.ok()) return s.status();
-  std::string json;
-  google::protobuf::util::JsonPrintOptions opts;
-  opts.always_print_primitive_fields = true;
-  auto st = google::protobuf::util::MessageToJsonString(*s, &json, opts);
-  if (!st.ok()) return absl::InternalError(std::string(st.message()));
-  return json;
+  return StatusToJson(*s);
 }
 
 const ClientOptions& Client::options() const { return impl_->options_; }

@@ -1,13 +1,16 @@
 # syntax=docker/dockerfile:1
-# An example trainer image: CUDA, PyTorch and hsbn's Python package with its client library.
-# Add your training script on top (FROM hsbn/trainer:0.1.0, COPY train.py /workspace/).
+# An example trainer image: CUDA, PyTorch and hsbn's wheel. Add your training script on top
+# (FROM hsbn/trainer:0.1.0, COPY train.py /workspace/).
 #
 #   docker build -f docker/trainer.Dockerfile -t hsbn/trainer:0.1.0 .
 #
 # The build stage is the aggregator image's build stage, line for line (tests/deploy checks
-# that they match): scripts/setup.sh builds libhsbn, then docker/runtime-deps.sh bundles the
-# libraries it links (gRPC, protobuf, abseil) next to it, so it runs on the CUDA image's Ubuntu
-# (glibc 2.39 >= Debian 12's 2.36).
+# that they match): scripts/setup.sh builds everything, including the wheel
+# build/dist/hsbn-VERSION-py3-none-linux_x86_64.whl, which carries libhsbn.so, hsbn-aggregator
+# and the gRPC/protobuf/Abseil/OpenSSL libraries they need. It runs on the CUDA image's Ubuntu
+# (it needs glibc >= 2.34 and GCC 12's libstdc++; Ubuntu 24.04 has 2.39 and GCC 14's).
+# tests/package/test_trainer_image.py rebuilds this image's file layout in a folder and checks
+# that hsbn finds its library there.
 ARG DEBIAN_IMAGE=debian:12.8
 ARG CUDA_IMAGE=nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04
 
@@ -16,11 +19,6 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /src
 COPY . .
 RUN ./scripts/setup.sh
-RUN lib="$(find build/client -name 'libhsbn.so' -print -quit)" \
- && test -n "$lib" \
- && mkdir -p /opt/hsbn/lib \
- && cp -L "$lib" /opt/hsbn/lib/ \
- && docker/runtime-deps.sh bundle /opt/hsbn/lib "$lib"
 
 FROM ${CUDA_IMAGE} AS trainer
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -32,14 +30,12 @@ RUN apt-get update \
 RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
  && /opt/venv/bin/pip install --no-cache-dir numpy
-COPY --from=build /opt/hsbn/lib /opt/hsbn/lib
-COPY client/python /opt/hsbn/python
-RUN /opt/venv/bin/pip install --no-cache-dir --no-deps /opt/hsbn/python
+COPY --from=build /src/build/dist/ /opt/hsbn/dist/
+RUN /opt/venv/bin/pip install --no-cache-dir --no-deps /opt/hsbn/dist/hsbn-*.whl
 RUN groupadd --gid 10001 trainer \
  && useradd --uid 10001 --gid trainer --create-home --shell /bin/bash trainer \
  && install -d -o trainer -g trainer /workspace
 ENV PATH=/opt/venv/bin:${PATH} \
-    LD_LIBRARY_PATH=/opt/hsbn/lib \
     HSBN_ADDRESS=unix:/run/hsbn/hsbn.sock \
     PYTHONUNBUFFERED=1
 WORKDIR /workspace

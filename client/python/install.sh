@@ -1,21 +1,21 @@
 #!/bin/sh
-# Installs the hsbn Python package with its native parts into a Python that has PyTorch.
-#   client/python/install.sh [BUILD_DIR] [pip install options...]
-# BUILD_DIR (default: build) is a CMake build of the hsbn_c and hsbn-aggregator targets. Set
-# PYTHON to choose the interpreter (default: python3). Debian's system Python refuses pip
-# installs (PEP 668): use a venv made with --system-site-packages to see Debian's torch, or pass
-# --break-system-packages.
+# Builds hsbn's wheel (libhsbn.so, hsbn-aggregator and the libraries they need, inside) from the
+# CMake build and installs it into a Python environment. Writes nothing into the source tree.
+#
+#   client/python/install.sh [BUILD_DIR] [pip arguments...]
+#
+# BUILD_DIR (default: build, relative to the repository root) is configured if it is not yet,
+# then the target hsbn_wheel is built into BUILD_DIR/dist/. PYTHON chooses the interpreter
+# (default: python3). Debian's system Python refuses pip installs (PEP 668): use a venv
+# (python3 -m venv --system-site-packages to see Debian's python3-torch).
 set -eu
-here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$(dirname "$0")/../.." && pwd)
 build=${1:-build}
 [ $# -gt 0 ] && shift
+case $build in /*) ;; *) build="$repo/$build" ;; esac
 python=${PYTHON:-python3}
-for f in "$build/client/libhsbn.so" "$build/server/hsbn-aggregator"; do
-  [ -f "$f" ] || { echo "install.sh: $f is missing; build it first:" >&2
-                   echo "  cmake -S . -B $build && cmake --build $build -j2 --target hsbn_c hsbn-aggregator" >&2
-                   exit 1; }
-done
-mkdir -p "$here/hsbn/_native"
-cp "$build/client/libhsbn.so" "$build/server/hsbn-aggregator" "$here/hsbn/_native/"
-# --no-build-isolation: build with the installed setuptools, so no network is needed.
-"$python" -m pip install --no-build-isolation "$@" "$here"
+[ -f "$build/CMakeCache.txt" ] || cmake -S "$repo" -B "$build" >/dev/null
+cmake --build "$build" -j "${HSBN_JOBS:-2}" --target hsbn_wheel
+version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/client/python/pyproject.toml")
+wheel=$(ls "$build/dist/hsbn-$version-py3-none-linux_"*.whl)
+"$python" -m pip install "$@" "$wheel"

@@ -26,7 +26,7 @@
 #   HSBN_READY_TIMEOUT    seconds a trainer waits for its sidecar [60]
 #   HSBN_AGGREGATOR_ARGS  extra flags for every aggregator, e.g. "--round-timeout-ms=60000"
 #   HSBN_ROOT_ARGS, HSBN_SIDECAR_ARGS   extra flags for one role
-# Optional security and metrics (each needs the aggregator flag named; see docs/DEPLOY.md):
+# Optional security and metrics (the aggregator flags named; docs/DEPLOY.md, "Security model"):
 #   HSBN_TLS_CERT, HSBN_TLS_KEY, HSBN_TLS_CLIENT_CA  root: --tls-cert, --tls-key, --tls-client-ca
 #   HSBN_UPSTREAM_CA, HSBN_UPSTREAM_CERT, HSBN_UPSTREAM_KEY  sidecars: --upstream-ca/-cert/-key
 #   HSBN_ROOT_TOKEN_FILE, HSBN_NODE_TOKEN_FILE       --token-file for the root / the sidecars

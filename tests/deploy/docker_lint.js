@@ -123,7 +123,8 @@ const MUTATIONS = [
   ["docker/trainer.Dockerfile", "RUN ./scripts/setup.sh\n", "RUN cmake -S . -B build && cmake --build build\n", "scripts/setup.sh"],
   ["docker/trainer.Dockerfile", "COPY . .\nRUN ./scripts/setup.sh", "COPY . .\nRUN apt-get update\nRUN ./scripts/setup.sh", "differs from aggregator.Dockerfile"],
   ["docker/trainer.Dockerfile", "pip install --no-cache-dir --no-deps", "pip install --no-deps", "--no-cache-dir"],
-  ["docker/trainer.Dockerfile", "COPY client/python /opt/hsbn/python", "COPY client/pyton /opt/hsbn/python", "not in the repository"],
+  ["docker/trainer.Dockerfile", "COPY --from=build /src/build/dist/", "COPY --from=biuld /src/build/dist/", "no such stage"],
+  ["docker/aggregator.Dockerfile", "COPY . .", "COPY . .\nCOPY hsbn-missing.conf /etc/", "not in the repository"],
 ];
 
 function selfTest(repo) {

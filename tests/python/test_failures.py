@@ -11,6 +11,7 @@ import pytest
 import hsbn
 import hsbn.cluster
 import hsbn_cases
+from hsbn.cli import query_status
 from workerpool import WorkerPool
 
 ROUND_TIMEOUT_MS = 15000  # well above the 10 s the tests allow for noticing a death
@@ -27,9 +28,10 @@ def pool():
             workers.close()
 
 
-def contributions(observer, job_id):
-    """(rank 2's contributions at node 1's sidecar, node 0's contributions at the root)."""
-    st = observer.status(include_upstream=True)
+def contributions(address, job_id):
+    """(rank 2's contributions at node 1's sidecar, node 0's contributions at the root), read
+    as an operator does (hsbn status: no job joined; a member's own status shows its job only)."""
+    st = query_status(address, include_upstream=True)
 
     def members(status):
         for job in status.get("jobs", []):
@@ -57,15 +59,13 @@ def test_killed_peer_makes_the_others_raise_naming_its_rank_within_seconds(pool)
     victim = 3
     pids = pool.call(hsbn_cases.pid, [()] * 4)
     job_id = pool.call(hsbn_cases.client_info, [()] * 4)[0]["job_id"]
-    # An observer (its own one-worker job at node 1's sidecar) watches the job's status.
-    observer = hsbn.Client(address=pool.cluster.node_addresses[1], job_id=job_id + "-observer",
-                           rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0)
+    # Node 1's sidecar (and through it the root) is watched without joining anything.
+    observer = pool.cluster.node_addresses[1]
     before = contributions(observer, job_id)
     pool.send([(hsbn_cases.forward_round_timed, (3,))] * 3 + [(hsbn_cases.hang_then_die, ())])
     # Kill rank 3 once ranks 0-2 are waiting in the round for it: rank 2 has contributed at
     # node 1 and node 0's partial has reached the root.
     wait_until_contributed(observer, job_id, before)
-    observer.close()
     t_kill = time.monotonic()
     os.kill(pids[victim], signal.SIGKILL)
     answers = pool.gather(ranks=[0, 1, 2], timeout=ROUND_TIMEOUT_MS / 1000.0 + 30)

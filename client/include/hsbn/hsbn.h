@@ -176,6 +176,30 @@ hsbn_result hsbn_client_reset_stats(hsbn_client* client);
 hsbn_result hsbn_status_json(hsbn_client* client, int include_upstream, char* buf, size_t buf_len,
                              size_t* needed);
 
+/* An operator's view: the status of the aggregator at an address, without joining a job.
+ * Initialise with hsbn_status_query_init(), then set fields. */
+typedef struct hsbn_status_query {
+  size_t struct_size;          /* sizeof(hsbn_status_query); set by hsbn_status_query_init */
+  const char* address;         /* "unix:/path/to.sock" or "host:port" of a sidecar or a root */
+  const char* job_id;          /* one job, or NULL / "" for every job it shows this caller */
+  const char* token;           /* the job's token when the aggregator has --token-file; with
+                                  tokens on it answers for that job only. NULL: none */
+  int include_upstream;        /* nonzero: a sidecar also asks its root ("upstream" in the JSON) */
+  int64_t timeout_ms;          /* 0: 5000 */
+  const char* tls_ca_file;     /* PEM CA of a root with --tls-cert (TCP); NULL: plaintext */
+  const char* tls_cert_file;   /* PEM client certificate and key for a root with */
+  const char* tls_key_file;    /*   --tls-client-ca; NULL: none */
+  const char* tls_name;        /* the name in the root's certificate if not the address's host */
+} hsbn_status_query;
+
+void hsbn_status_query_init(hsbn_status_query* query);
+
+/* Asks the aggregator named in `query` for its status and writes it as JSON text (protobuf
+ * JSON names), like hsbn_status_json. Writes at most buf_len bytes including the terminating
+ * NUL; *needed gets the full size (call again with a larger buffer if it is bigger). */
+hsbn_result hsbn_query_status_json(const hsbn_status_query* query, char* buf, size_t buf_len,
+                                   size_t* needed);
+
 #ifdef __cplusplus
 }  /* extern "C" */
 #endif

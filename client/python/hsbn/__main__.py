@@ -1,4 +1,5 @@
-"""`python -m hsbn`: says which native parts this hsbn uses and what they support."""
+"""`python -m hsbn`: says which native parts this hsbn uses and what they support.
+`python -m hsbn status ...` is `hsbn status ...` (hsbn/cli.py)."""
 
 import sys
 
@@ -43,4 +44,7 @@ def main():
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        from .cli import main as cli_main
+        sys.exit(cli_main())
     sys.exit(main())

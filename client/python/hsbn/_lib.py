@@ -3,14 +3,19 @@
 Only the C ABI is bound, never C++ symbols, so the package works with any PyTorch build.
 The native parts are looked up, in order:
   1. the environment: HSBN_LIBRARY (path to libhsbn.so), HSBN_AGGREGATOR (path to hsbn-aggregator);
-  2. a copy inside the installed package: hsbn/_native/;
-  3. the repository's CMake build folders (build*/client/libhsbn.so, build*/server/hsbn-aggregator)
+  2. the copy inside the installed package, hsbn/_native/ (the wheel puts them there, with the
+     libraries they need);
+  3. the system's loader paths: libhsbn.so in a folder of LD_LIBRARY_PATH or in the ld.so cache
+     (ldconfig), as dlopen("libhsbn.so") finds it; hsbn-aggregator on PATH;
+  4. the repository's CMake build folders (build*/client/libhsbn.so, build*/server/hsbn-aggregator)
      relative to this source file, for a checkout used through PYTHONPATH=client/python.
 """
 
 import ctypes
+import ctypes.util
 import glob
 import os
+import shutil
 import threading
 
 ABI_VERSION = 1
@@ -21,9 +26,9 @@ _NATIVE_DIR = os.path.join(_PACKAGE_DIR, "_native")
 _REPO_ROOT = os.path.normpath(os.path.join(_PACKAGE_DIR, "..", "..", ".."))
 
 _HOW_TO_BUILD = (
-    "Build it with `cmake -S . -B build && cmake --build build --target hsbn_c hsbn-aggregator` "
-    "in the hsbn repository, then either set HSBN_LIBRARY / HSBN_AGGREGATOR to the outputs or "
-    "copy them into client/python/hsbn/_native/ and `pip install client/python`.")
+    "Install the hsbn wheel (`cmake --build build --target hsbn_wheel` in the hsbn repository, "
+    "then `pip install build/dist/hsbn-*.whl`), or set HSBN_LIBRARY / HSBN_AGGREGATOR to the "
+    "files of a CMake build, or put libhsbn.so's folder on LD_LIBRARY_PATH.")
 
 
 class NativeNotFoundError(RuntimeError):
@@ -38,7 +43,19 @@ def _repo_build_candidates(relative):
     return found
 
 
-def _locate(env_var, native_name, build_relative, what):
+def _on_loader_path(name):
+    """Where dlopen(name) would find a library: LD_LIBRARY_PATH's folders, then the ld.so cache.
+    Returns a path, or the bare name when only the loader knows where it is, or None."""
+    for d in os.environ.get("LD_LIBRARY_PATH", "").split(":"):
+        if d and os.path.isfile(os.path.join(d, name)):
+            return os.path.abspath(os.path.join(d, name))
+    stem = name[3:].split(".so")[0] if name.startswith("lib") else name
+    if ctypes.util.find_library(stem):
+        return name
+    return None
+
+
+def _locate(env_var, native_name, build_relative, what, system):
     tried = []
     path = os.environ.get(env_var)
     if path:
@@ -52,6 +69,10 @@ def _locate(env_var, native_name, build_relative, what):
     if os.path.isfile(packaged):
         return packaged
     tried.append(packaged)
+    found, where = system()
+    if found:
+        return found
+    tried.append(where)
     built = _repo_build_candidates(build_relative)
     if built:
         return built[0]
@@ -61,19 +82,48 @@ def _locate(env_var, native_name, build_relative, what):
 
 
 def library_path():
-    """Path of libhsbn.so, found as described in the module docstring."""
+    """Path of libhsbn.so, found as described in the module docstring. When only the system's
+    loader knows the folder (the ld.so cache), this is the bare name "libhsbn.so"."""
     return _locate("HSBN_LIBRARY", "libhsbn.so", os.path.join("client", "libhsbn.so"),
-                   "hsbn C library (libhsbn.so)")
+                   "hsbn C library (libhsbn.so)",
+                   lambda: (_on_loader_path("libhsbn.so"),
+                            "the loader's paths (LD_LIBRARY_PATH, ldconfig)"))
 
 
 def aggregator_path():
     """Path of the hsbn-aggregator binary, found as described in the module docstring."""
+    def on_path():
+        # The console script hsbn-aggregator (this package's own launcher) is not the binary.
+        for d in os.environ.get("PATH", "").split(os.pathsep):
+            p = os.path.join(d, "hsbn-aggregator")
+            if os.path.isfile(p) and os.access(p, os.X_OK) and not _is_script(p):
+                return os.path.abspath(p)
+        return None
     path = _locate("HSBN_AGGREGATOR", "hsbn-aggregator",
                    os.path.join("server", "hsbn-aggregator"),
-                   "aggregator binary (hsbn-aggregator)")
+                   "aggregator binary (hsbn-aggregator)", lambda: (on_path(), "$PATH"))
     if not os.access(path, os.X_OK):
         raise NativeNotFoundError("%s is not executable; `chmod +x` it." % path)
     return path
+
+
+def _is_script(path):
+    with open(path, "rb") as f:
+        return f.read(2) == b"#!"
+
+
+def _loaded_path(handle, name):
+    """The file the loader opened for `handle` (dlinfo RTLD_DI_LINKMAP), else `name`."""
+    try:
+        class LinkMap(ctypes.Structure):
+            _fields_ = [("l_addr", ctypes.c_void_p), ("l_name", ctypes.c_char_p)]
+        libc = ctypes.CDLL(None)
+        lm = ctypes.POINTER(LinkMap)()
+        if libc.dlinfo(ctypes.c_void_p(handle._handle), 2, ctypes.byref(lm)) == 0 and lm:
+            return lm.contents.l_name.decode() or name
+    except (AttributeError, OSError):
+        pass
+    return name
 
 
 # --- C types -------------------------------------------------------------------------------------
@@ -104,6 +154,21 @@ class ClientInfo(ctypes.Structure):
         ("num_nodes", ctypes.c_int32),
         ("max_channels", ctypes.c_int32),
         ("round_timeout_ms", ctypes.c_int64),
+    ]
+
+
+class StatusQuery(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("address", ctypes.c_char_p),
+        ("job_id", ctypes.c_char_p),
+        ("token", ctypes.c_char_p),
+        ("include_upstream", ctypes.c_int),
+        ("timeout_ms", ctypes.c_int64),
+        ("tls_ca_file", ctypes.c_char_p),
+        ("tls_cert_file", ctypes.c_char_p),
+        ("tls_key_file", ctypes.c_char_p),
+        ("tls_name", ctypes.c_char_p),
     ]
 
 
@@ -163,6 +228,9 @@ _SIGNATURES = {
     "hsbn_client_reset_stats": (_c_int, [_p_void]),
     "hsbn_status_json": (_c_int, [_p_void, _c_int, ctypes.c_char_p, ctypes.c_size_t,
                                   ctypes.POINTER(ctypes.c_size_t)]),
+    "hsbn_status_query_init": (None, [ctypes.POINTER(StatusQuery)]),
+    "hsbn_query_status_json": (_c_int, [ctypes.POINTER(StatusQuery), ctypes.c_char_p,
+                                        ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
 }
 
 _lock = threading.Lock()
@@ -195,7 +263,7 @@ def lib():
                     "%s speaks C ABI version %d, this Python package needs %d; rebuild or "
                     "reinstall so that both come from the same hsbn version."
                     % (path, version, ABI_VERSION))
-            handle.hsbn_path = path
+            handle.hsbn_path = _loaded_path(handle, path) if os.sep not in path else path
             _lib = handle
     return _lib
 

@@ -1,0 +1,168 @@
+"""The `hsbn` and `hsbn-aggregator` commands.
+
+  hsbn                      what `python -m hsbn` prints: the native parts in use, torch
+  hsbn status [options]     an aggregator's status (jobs, members, rounds, shadow divergence),
+                            read with its Status RPC without joining any job
+  hsbn-aggregator ARGS...   the hsbn-aggregator binary this package carries (or HSBN_AGGREGATOR)
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+
+from . import _lib
+from .errors import HsbnError, error_for
+
+_STATUS_EPILOG = """\
+With job tokens on (--token-file at the aggregator), pass the job's token (--token-file, or
+HSBN_TOKEN / HSBN_TOKEN_FILE as workers do): the aggregator then shows that job only.
+Exit status: 0 answered, 1 the aggregator refused or did not answer (the message says why),
+2 bad arguments."""
+
+
+def _read_token(args):
+    if args.token is not None:
+        return args.token
+    path = args.token_file or os.environ.get("HSBN_TOKEN_FILE")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read().strip()
+        except OSError as e:
+            raise SystemExit("hsbn status: cannot read the token file %s: %s" % (path, e.strerror))
+    return os.environ.get("HSBN_TOKEN") or None
+
+
+def query_status(address, job_id=None, token=None, include_upstream=False, timeout_ms=5000,
+                 tls_ca=None, tls_cert=None, tls_key=None, tls_name=None):
+    """The status of the aggregator at `address` as a dict (protobuf JSON names), read without
+    joining a job. Raises hsbn.HsbnError subclasses (UnavailableError when nothing answers)."""
+    lib = _lib.lib()
+    q = _lib.StatusQuery()
+    lib.hsbn_status_query_init(ctypes.byref(q))
+    enc = lambda s: None if s is None else s.encode("utf-8")  # noqa: E731
+    keep = [enc(address), enc(job_id), enc(token), enc(tls_ca), enc(tls_cert), enc(tls_key),
+            enc(tls_name)]
+    (q.address, q.job_id, q.token, q.tls_ca_file, q.tls_cert_file, q.tls_key_file,
+     q.tls_name) = keep
+    q.include_upstream = 1 if include_upstream else 0
+    q.timeout_ms = int(timeout_ms)
+    size = 1 << 16
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        needed = ctypes.c_size_t(0)
+        rc = lib.hsbn_query_status_json(ctypes.byref(q), buf, size, ctypes.byref(needed))
+        if rc != 0:
+            raise error_for(rc, _lib.last_error())
+        if needed.value <= size:
+            return json.loads(buf.value.decode("utf-8"))
+        size = needed.value
+
+
+def _fmt_status(st, indent=""):
+    lines = ["%saggregator %s  role %s  up %.0f s  jobs %d"
+             % (indent, st.get("aggregatorId", "?"), st.get("role", "?"),
+                float(st.get("uptimeS", 0)), len(st.get("jobs", [])))]
+    for job in st.get("jobs", []):
+        members = job.get("members", [])
+        connected = sum(1 for m in members if m.get("connected"))
+        lines.append("%s  job %s  world %s  nodes %s  members %d/%s  open rounds %s  "
+                     "completed %s  failed %s"
+                     % (indent, job.get("jobId"), job.get("worldSize"), job.get("numNodes"),
+                        connected, job.get("groupSize"), job.get("openRounds"),
+                        job.get("roundsCompleted"), job.get("roundsFailed")))
+        for m in members:
+            what = "rank %s" % m.get("rank") if int(m.get("rank", -1)) >= 0 else \
+                "node %s" % m.get("index")
+            state = "connected" if m.get("connected") else "gone"
+            down = ("  down: %s" % m["down"]) if m.get("down") else ""
+            lines.append("%s    %-8s %-9s contributions %s%s"
+                         % (indent, what, state, m.get("contributions"), down))
+        for d in job.get("divergence", []):
+            layer = d.get("layer") or "op %s" % d.get("op")
+            lines.append("%s    shadow %s node %s: rounds %s  mean shift avg %.4g max %.4g  "
+                         "var ratio avg %.4g"
+                         % (indent, layer, d.get("node"), d.get("rounds"),
+                            float(d.get("meanShiftAvg", 0)), float(d.get("meanShiftMax", 0)),
+                            float(d.get("varRatioAvg", 0))))
+    if st.get("upstreamError"):
+        lines.append("%s  upstream: %s" % (indent, st["upstreamError"]))
+    if st.get("upstream"):
+        lines.append("%s  upstream:" % indent)
+        lines.extend(_fmt_status(st["upstream"], indent + "    "))
+    return lines
+
+
+def status_main(argv):
+    p = argparse.ArgumentParser(
+        prog="hsbn status", epilog=_STATUS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Show an hsbn aggregator's jobs, members, rounds and shadow divergence, "
+                    "without joining a job.")
+    p.add_argument("--address", default=os.environ.get("HSBN_ADDRESS", "unix:/tmp/hsbn.sock"),
+                   help="sidecar or root: unix:/path.sock or host:port (default: $HSBN_ADDRESS "
+                        "or unix:/tmp/hsbn.sock)")
+    p.add_argument("--job", help="one job's status (default: every job it shows you)")
+    p.add_argument("--json", action="store_true", help="print the Status RPC's answer as JSON")
+    p.add_argument("--upstream", action="store_true",
+                   help="a sidecar also asks its root, shown under 'upstream'")
+    p.add_argument("--token", help="the job's token (prefer --token-file: a command line is "
+                                   "visible to other users)")
+    p.add_argument("--token-file", help="file holding the job's token")
+    p.add_argument("--timeout-ms", type=int, default=5000)
+    p.add_argument("--tls-ca", help="PEM CA of a root with --tls-cert (TCP addresses)")
+    p.add_argument("--tls-cert", help="PEM client certificate for a root with --tls-client-ca")
+    p.add_argument("--tls-key", help="PEM key of --tls-cert")
+    p.add_argument("--tls-name", help="the name in the root's certificate, if not the host")
+    args = p.parse_args(argv)
+    try:
+        st = query_status(args.address, job_id=args.job, token=_read_token(args),
+                          include_upstream=args.upstream, timeout_ms=args.timeout_ms,
+                          tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                          tls_name=args.tls_name)
+    except HsbnError as e:
+        print("hsbn status: %s" % e, file=sys.stderr)
+        return 1
+    except _lib.NativeNotFoundError as e:
+        print("hsbn status: %s" % e, file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+    else:
+        print("\n".join(_fmt_status(st)))
+    return 0
+
+
+def main(argv=None):
+    """`hsbn [info | status ...]`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "status":
+        return status_main(argv[1:])
+    if not argv or argv == ["info"]:
+        from . import __main__ as info
+        return info.main()
+    if argv == ["--version"]:
+        from . import __version__
+        print("hsbn %s" % __version__)
+        return 0
+    print("usage: hsbn [info]               the native parts in use (as python -m hsbn)\n"
+          "       hsbn status [--help] ...  an aggregator's status, without joining a job\n"
+          "       hsbn --version",
+          file=sys.stderr if argv not in (["-h"], ["--help"]) else sys.stdout)
+    return 0 if argv in (["-h"], ["--help"]) else 2
+
+
+def aggregator_main():
+    """`hsbn-aggregator ARGS...`: runs the aggregator binary in this process's place."""
+    try:
+        path = _lib.aggregator_path()
+    except _lib.NativeNotFoundError as e:
+        print("hsbn-aggregator: %s" % e, file=sys.stderr)
+        return 127
+    os.execv(path, [path] + sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
