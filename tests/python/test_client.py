@@ -29,11 +29,11 @@ def test_environment_without_torchrun_variables_says_what_is_missing():
 
 
 @pytest.mark.parametrize("change,complaint", [
-    ({"RANK": "4"}, r"RANK must be in \[0, WORLD_SIZE\)"),
-    ({"WORLD_SIZE": "3"}, "multiple of LOCAL_WORLD_SIZE"),
-    ({"LOCAL_RANK": "2"}, r"LOCAL_RANK must be in \[0, LOCAL_WORLD_SIZE\)"),
-    ({"GROUP_RANK": "2"}, r"GROUP_RANK must be in"),
-    ({"GROUP_RANK": "1"}, r"RANK must equal GROUP_RANK \* LOCAL_WORLD_SIZE \+ LOCAL_RANK"),
+    ({"RANK": "4"}, r"RANK=4 is outside \[0, WORLD_SIZE=4\)"),
+    ({"WORLD_SIZE": "3"}, "LOCAL_WORLD_SIZE=2 must be positive and divide WORLD_SIZE=3"),
+    ({"LOCAL_RANK": "2"}, r"LOCAL_RANK=2 is outside \[0, LOCAL_WORLD_SIZE=2\)"),
+    ({"GROUP_RANK": "2"}, r"GROUP_RANK=2 is outside \[0, 2\)"),
+    ({"GROUP_RANK": "1"}, r"RANK=1 but GROUP_RANK\*LOCAL_WORLD_SIZE\+LOCAL_RANK=3"),
     ({"RANK": "one"}, "RANK='one' is not an integer"),
 ])
 def test_inconsistent_environment_is_refused_before_connecting(change, complaint):

@@ -212,6 +212,8 @@ _SIGNATURES = {
     "hsbn_result_string": (ctypes.c_char_p, [_c_int]),
     "hsbn_last_error": (ctypes.c_char_p, []),
     "hsbn_abi_version": (_c_int, []),
+    "hsbn_check_layout": (_c_int, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_int64, ctypes.c_int64]),
     "hsbn_options_init": (None, [ctypes.POINTER(Options)]),
     "hsbn_client_create": (_c_int, [ctypes.POINTER(Options), ctypes.POINTER(_p_void)]),
     "hsbn_client_create_from_env": (_c_int, [ctypes.POINTER(_p_void)]),

@@ -45,26 +45,17 @@ def op_label(op):
 
 def _check_layout(rank, world_size, local_rank, local_world_size, node_rank, source):
     """Raises ConfigurationError unless the five numbers describe one worker of a job with
-    LOCAL_WORLD_SIZE workers on every node, ranked node by node as torchrun ranks them."""
-    def bad(what):
+    LOCAL_WORLD_SIZE workers on every node, ranked node by node as torchrun ranks them. The
+    check is the library's (hsbn_check_layout), the one the C++ client and the aggregator use."""
+    lib = _lib.lib()
+    if lib.hsbn_check_layout(int(rank), int(world_size), int(local_rank), int(local_world_size),
+                             int(node_rank)) != 0:
         raise ConfigurationError(
             "inconsistent %s: %s (RANK=%s WORLD_SIZE=%s LOCAL_RANK=%s LOCAL_WORLD_SIZE=%s "
             "GROUP_RANK=%s). Launch the trainer with torchrun, or set all five as torchrun "
             "does: RANK = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK."
-            % (source, what, rank, world_size, local_rank, local_world_size, node_rank))
-    if world_size < 1:
-        bad("WORLD_SIZE must be at least 1")
-    if local_world_size < 1 or world_size % local_world_size != 0:
-        bad("WORLD_SIZE must be a multiple of LOCAL_WORLD_SIZE (the same number of workers on "
-            "every node)")
-    if not 0 <= rank < world_size:
-        bad("RANK must be in [0, WORLD_SIZE)")
-    if not 0 <= local_rank < local_world_size:
-        bad("LOCAL_RANK must be in [0, LOCAL_WORLD_SIZE)")
-    if not 0 <= node_rank < world_size // local_world_size:
-        bad("GROUP_RANK must be in [0, WORLD_SIZE / LOCAL_WORLD_SIZE)")
-    if rank != node_rank * local_world_size + local_rank:
-        bad("RANK must equal GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK")
+            % (source, _lib.last_error(), rank, world_size, local_rank, local_world_size,
+               node_rank))
 
 
 def _check_address(address, connect_timeout_ms):
