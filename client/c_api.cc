@@ -35,6 +35,17 @@ hsbn_result Done(const absl::Status& status) {
   return Fail(status);
 }
 
+// Writes `text` NUL-terminated into buf (cut to buf_len), its full size + 1 into *needed.
+hsbn_result CopyOut(const std::string& text, char* buf, size_t buf_len, size_t* needed) {
+  if (needed != nullptr) *needed = text.size() + 1;
+  if (buf != nullptr && buf_len > 0) {
+    const size_t n = std::min(buf_len - 1, text.size());
+    std::memcpy(buf, text.data(), n);
+    buf[n] = '\0';
+  }
+  return HSBN_OK;
+}
+
 hsbn_result Invalid(const char* what) {
   g_last_error = what;
   return HSBN_INVALID_ARGUMENT;
@@ -234,13 +245,7 @@ hsbn_result hsbn_status_json(hsbn_client* client, int include_upstream, char* bu
   if (client == nullptr) return Invalid("null client");
   auto json = client->client->StatusJson(include_upstream != 0);
   if (!json.ok()) return Fail(json.status());
-  if (needed != nullptr) *needed = json->size() + 1;
-  if (buf != nullptr && buf_len > 0) {
-    const size_t n = std::min(buf_len - 1, json->size());
-    std::memcpy(buf, json->data(), n);
-    buf[n] = '\0';
-  }
-  return HSBN_OK;
+  return CopyOut(*json, buf, buf_len, needed);
 }
 
 void hsbn_status_query_init(hsbn_status_query* query) {
@@ -270,16 +275,8 @@ hsbn_result hsbn_query_status_json(const hsbn_status_query* query, char* buf, si
   if (!status.ok()) return Fail(status.status());
   auto json = hsbn::StatusToJson(*status);
   if (!json.ok()) return Fail(json.status());
-  if (needed != nullptr) *needed = json->size() + 1;
-  if (buf != nullptr && buf_len > 0) {
-    const size_t n = std::min(buf_len - 1, json->size());
-    std::memcpy(buf, json->data(), n);
-    buf[n] = '\0';
-  }
-  return HSBN_OK;
+  return CopyOut(*json, buf, buf_len, needed);
 }
-
-}  // extern "C"
 
 hsbn_result hsbn_check_layout(int64_t rank, int64_t world_size, int64_t local_rank,
                               int64_t local_world_size, int64_t node_rank) {
@@ -287,3 +284,5 @@ hsbn_result hsbn_check_layout(int64_t rank, int64_t world_size, int64_t local_ra
   return Done(
       hsbn::wire::CheckWorkerLayout(rank, world_size, local_rank, local_world_size, node_rank));
 }
+
+}  // extern "C"

@@ -27,26 +27,11 @@ struct ResultTraits {
   static size_t Bytes(const v1::Result& r) {
     return r.data().size() + r.message().size() + sizeof(v1::Result);
   }
-  static size_t Pack(std::deque<v1::Result>* pending, v1::ServerFrame* frame, bool batches,
-                     size_t max_batch_bytes) {
-    size_t taken = 0;
-    if (pending->size() == 1 || !batches) {
-      taken = Bytes(pending->front());
-      *frame->mutable_result() = std::move(pending->front());
-      pending->pop_front();
-      return taken;
-    }
-    v1::ResultBatch* batch = frame->mutable_batch();
-    size_t bytes = 0;
-    while (!pending->empty() &&
-           (batch->results_size() == 0 ||
-            bytes + pending->front().data().size() <= max_batch_bytes)) {
-      bytes += pending->front().data().size();
-      taken += Bytes(pending->front());
-      *batch->add_results() = std::move(pending->front());
-      pending->pop_front();
-    }
-    return taken;
+  static void SetOne(v1::ServerFrame* frame, v1::Result&& r) {
+    *frame->mutable_result() = std::move(r);
+  }
+  static void AddToBatch(v1::ServerFrame* frame, v1::Result&& r) {
+    *frame->mutable_batch()->add_results() = std::move(r);
   }
 };
 

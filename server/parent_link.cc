@@ -22,26 +22,9 @@ struct FrameTraits {
   // An upper bound of the frame's serialized size (the payload plus at most 96 bytes of
   // fields), so that a batch stays within the root's message limit however small its frames.
   static size_t Bytes(const v1::ClientFrame& f) { return f.contribution().data().size() + 96; }
-  static size_t Pack(std::deque<v1::ClientFrame>* pending, v1::ClientFrame* frame, bool batches,
-                     size_t max_batch_bytes) {
-    size_t taken = 0;
-    if (pending->size() == 1 || !batches) {
-      taken = Bytes(pending->front());
-      *frame = std::move(pending->front());
-      pending->pop_front();
-      return taken;
-    }
-    v1::FrameBatch* batch = frame->mutable_batch();
-    size_t bytes = 0;
-    while (!pending->empty()) {
-      const size_t size = Bytes(pending->front());
-      if (batch->frames_size() > 0 && bytes + size > max_batch_bytes) break;
-      bytes += size;
-      taken += Bytes(pending->front());
-      *batch->add_frames() = std::move(pending->front());
-      pending->pop_front();
-    }
-    return taken;
+  static void SetOne(v1::ClientFrame* frame, v1::ClientFrame&& f) { *frame = std::move(f); }
+  static void AddToBatch(v1::ClientFrame* frame, v1::ClientFrame&& f) {
+    *frame->mutable_batch()->add_frames() = std::move(f);
   }
 };
 

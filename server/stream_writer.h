@@ -12,10 +12,9 @@
 // write deadline (--write-deadline-ms) makes Stalled() true; the owner's timer then ends the
 // stream. A peer that does not read costs at most the cap, never the neighbours.
 //
-// Traits: `Item` (what is queued), `Frame` (what one write sends), `size_t Bytes(const Item&)`,
-// and `size_t Pack(std::deque<Item>*, Frame*, bool batches, size_t max_batch_bytes)`, which
-// moves one frame's worth of the queue (at least one item) into the frame and returns the
-// Bytes() of what it moved.
+// Traits: `Item` (what is queued), `Frame` (what one write sends), `size_t Bytes(const Item&)`
+// (an upper bound of its serialized size), `void SetOne(Frame*, Item&&)` (a frame of one item)
+// and `void AddToBatch(Frame*, Item&&)` (one more item in the frame's batch).
 //
 // Thread safety: all public methods are thread-safe. The hooks (StartWriteLocked, Overflow
 // Locked, IdleLocked) run with the writer's mutex held and must not block.
@@ -156,8 +155,22 @@ class StreamWriter {
  private:
   void StartNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     current_ = Frame();
-    const int64_t bytes = int64_t(Traits::Pack(
-        &pending_, &current_, batches_.load(std::memory_order_relaxed), limits_.max_batch_bytes));
+    // One item alone, or as many as fit in max_batch_bytes (at least one) when the peer
+    // reads batches: whatever queued while the last write was in flight goes in one message.
+    int64_t bytes = 0;
+    if (pending_.size() == 1 || !batches_.load(std::memory_order_relaxed)) {
+      bytes = int64_t(Traits::Bytes(pending_.front()));
+      Traits::SetOne(&current_, std::move(pending_.front()));
+      pending_.pop_front();
+    } else {
+      while (!pending_.empty()) {
+        const int64_t size = int64_t(Traits::Bytes(pending_.front()));
+        if (bytes > 0 && bytes + size > int64_t(limits_.max_batch_bytes)) break;
+        bytes += size;
+        Traits::AddToBatch(&current_, std::move(pending_.front()));
+        pending_.pop_front();
+      }
+    }
     // The bytes leave the queue now; the frame being written is the transport's.
     queued_bytes_ -= bytes;
     if (limits_.budget) limits_.budget->Release(bytes);
