@@ -356,7 +356,7 @@ void Job::FinishLocked(const RoundKey& key, Finished finished) {
   }
 }
 
-void Job::FailRoundLocked(const RoundKey& key, const absl::Status& status, bool tell_parent,
+void Job::FailRoundLocked(RoundKey key, const absl::Status& status, bool tell_parent,
                           Actions* out, v1::Scope scope) {
   auto error = MakeError(key, status);
   auto it = open_.find(key);
