@@ -713,6 +713,7 @@ void Job::ParentResult(const v1::Result& result, Actions* out) {
   CountNonFinite(result.data(), key.phase, out);
   auto copy = std::make_shared<v1::Result>(result);
   copy->clear_session();
+  copy->set_scope(it->second.scope);  // what the members asked for, whatever the root says
   std::shared_ptr<const v1::Result> shared = copy;
   DeliverLocked(it->second, shared, out);
   ++rounds_completed_;
