@@ -62,6 +62,10 @@ absl::StatusOr<ClientOptions> ClientOptions::FromEnv() {
                                                       {"GROUP_RANK", &o.node_rank}};
   for (auto& [name, field] : fields) {
     if (absl::Status s = EnvInt(name, true, &v); !s.ok()) return s;
+    if (v != int64_t(int32_t(v))) {  // would be taken as another rank or size
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, "=", v, " is out of range (at most 2147483647)"));
+    }
     *field = int32_t(v);
   }
   const char* job = std::getenv("HSBN_JOB_ID");
@@ -104,6 +108,11 @@ absl::StatusOr<ClientOptions> ClientOptions::FromEnv() {
 absl::Status ClientOptions::Validate() const {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id (HSBN_JOB_ID) is empty");
   if (address.empty()) return absl::InvalidArgumentError("address (HSBN_ADDRESS) is empty");
+  if (connect_timeout.count() < 0 || connect_timeout.count() > client_internal::kMaxWaitMs) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "connect_timeout (HSBN_CONNECT_TIMEOUT_MS) is ", connect_timeout.count(),
+        " ms; it must be within [0, ", client_internal::kMaxWaitMs, "]"));
+  }
   return wire::CheckWorkerLayout(rank, world_size, local_rank, local_world_size, node_rank);
 }
 

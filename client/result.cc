@@ -1,5 +1,6 @@
 #include "result.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -30,8 +31,11 @@ absl::Status DeliverAnswer(const Answer& answer, int64_t channels, int64_t* out_
 }
 
 std::chrono::milliseconds RoundWait(std::chrono::milliseconds configured, int64_t aggregator_ms) {
-  if (configured.count() > 0) return configured;
-  return std::chrono::milliseconds(aggregator_ms) + std::chrono::seconds(5);
+  if (configured.count() > 0) {
+    return std::chrono::milliseconds(std::min<int64_t>(configured.count(), kMaxWaitMs));
+  }
+  const int64_t aggregator = std::max<int64_t>(0, std::min(aggregator_ms, kMaxWaitMs));
+  return std::chrono::milliseconds(aggregator) + std::chrono::seconds(5);
 }
 
 }  // namespace hsbn::client_internal

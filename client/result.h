@@ -34,8 +34,13 @@ Answer TakeAnswer(v1::Result* r);
 absl::Status DeliverAnswer(const Answer& answer, int64_t channels, int64_t* out_count,
                            double* out_a, double* out_b);
 
+// The longest wait the client computes a deadline for (about 24.8 days): time points are int64
+// nanoseconds, and a larger wait from a caller or an aggregator must not overflow them.
+constexpr int64_t kMaxWaitMs = 2147483647;
+
 // How long a round waits for its answer: `configured` (ClientOptions::round_timeout) when
-// positive, else `aggregator_ms` (the aggregator's round timeout from its JoinResponse) + 5 s.
+// positive, else `aggregator_ms` (the aggregator's round timeout from its JoinResponse,
+// untrusted) + 5 s; each taken within [0, kMaxWaitMs].
 std::chrono::milliseconds RoundWait(std::chrono::milliseconds configured, int64_t aggregator_ms);
 
 }  // namespace hsbn::client_internal
