@@ -51,17 +51,21 @@ check_logs() {
   echo "sanitize: $name: no sanitizer report"
 }
 
+# A test whose assertion is the aggregator's RSS after 128 MiB of results: under ASan, freed
+# memory waits in the allocator's quarantine (256 MiB by default) so that a use after free is
+# caught, and RSS says nothing about the aggregator. It runs in the normal build.
+asan_skip='^Hardening\.AReaderThatDoesNotReadIsDroppedAtTheQueueCap$'
+
 run_asan() {
   configure_and_build build-asan tests/sanitize/asan.cmake || return 1
   local logs="$PWD/build-asan/sanitizer-logs"
   rm -rf "$logs" && mkdir -p "$logs"
   echo "== ctest under ASan+UBSan"
-  OMPI_MCA_mca_base_component_disable_dlclose=1 \
   ASAN_OPTIONS="detect_leaks=1:log_path=$logs/asan:${ASAN_OPTIONS:-}" \
   LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0" \
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$logs/ubsan" \
   ASAN_SYMBOLIZER_PATH="$symbolizer" \
-    ctest --test-dir build-asan --output-on-failure -j "${HSBN_TEST_JOBS:-2}"
+    ctest --test-dir build-asan --output-on-failure -j "${HSBN_TEST_JOBS:-2}" -E "$asan_skip"
   local status=$?
   check_logs "$logs" asan || status=1
   return $status
