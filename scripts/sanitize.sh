@@ -99,11 +99,16 @@ run_python() {
   rm -rf "$logs" && mkdir -p "$logs"
   local runtime
   runtime=$(clang-14 -print-file-name=libclang_rt.asan-x86_64.so)
-  echo "== pytest tests/python with $runtime preloaded"
+  # The aggregators the tests start inherit LD_PRELOAD: an ASan executable (which links its own
+  # copy of the runtime) refuses a second one, so they are the normal build's; the ctest suite
+  # checks them under ASan.
+  local aggregator="${HSBN_AGGREGATOR:-$PWD/build/server/hsbn-aggregator}"
+  [ -x "$aggregator" ] || { echo "sanitize: python: $aggregator is missing: run scripts/setup.sh" >&2; return 1; }
+  echo "== pytest tests/python with $runtime preloaded (aggregator: $aggregator)"
   # CPython and PyTorch are not instrumented and keep memory until exit: no leak check here.
   PYTHONPATH="$PWD/client/python${PYTHONPATH:+:$PYTHONPATH}" \
   HSBN_LIBRARY="$PWD/build-asan/client/libhsbn.so" \
-  HSBN_AGGREGATOR="$PWD/build-asan/server/hsbn-aggregator" \
+  HSBN_AGGREGATOR="$aggregator" \
   LD_PRELOAD="$runtime" \
   ASAN_OPTIONS="detect_leaks=0:log_path=$logs/asan:${ASAN_OPTIONS:-}" \
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$logs/ubsan" \
