@@ -18,6 +18,7 @@
 #include "grpcpp/grpcpp.h"
 #include "hsbn/status.h"
 #include "hsbn/v1/hsbn.grpc.pb.h"
+#include "result.h"
 #include "wire.h"
 
 namespace hsbn {
@@ -61,6 +62,10 @@ absl::StatusOr<ClientOptions> ClientOptions::FromEnv() {
                                                       {"GROUP_RANK", &o.node_rank}};
   for (auto& [name, field] : fields) {
     if (absl::Status s = EnvInt(name, true, &v); !s.ok()) return s;
+    if (v != int64_t(int32_t(v))) {  // would be taken as another rank or size
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, "=", v, " is out of range (at most 2147483647)"));
+    }
     *field = int32_t(v);
   }
   const char* job = std::getenv("HSBN_JOB_ID");
@@ -103,6 +108,11 @@ absl::StatusOr<ClientOptions> ClientOptions::FromEnv() {
 absl::Status ClientOptions::Validate() const {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id (HSBN_JOB_ID) is empty");
   if (address.empty()) return absl::InvalidArgumentError("address (HSBN_ADDRESS) is empty");
+  if (connect_timeout.count() < 0 || connect_timeout.count() > client_internal::kMaxWaitMs) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "connect_timeout (HSBN_CONNECT_TIMEOUT_MS) is ", connect_timeout.count(),
+        " ms; it must be within [0, ", client_internal::kMaxWaitMs, "]"));
+  }
   return wire::CheckWorkerLayout(rank, world_size, local_rank, local_world_size, node_rank);
 }
 
@@ -184,9 +194,7 @@ class PendingRound {
   std::condition_variable cv;
   bool waiting = false;
   bool done = false;
-  absl::Status status;
-  int64_t count = 0;
-  std::string data;
+  client_internal::Answer answer;
 };
 
 namespace {
@@ -462,16 +470,7 @@ class Client::Impl {
       if (!conn.polling) HandOff(conn);  // a hand-off meant for us may have raced our result
     }
     // Done: nobody else touches p now.
-    if (!p.status.ok()) return p.status;
-    if (int64_t(p.data.size()) != wire::PayloadBytes(p.channels)) {
-      return absl::InternalError("the sidecar answered with a payload of the wrong size");
-    }
-    if (out_count) *out_count = p.count;
-    const size_t half = size_t(p.channels) * sizeof(double);
-    // Straight into the caller's arrays (the inputs were copied by Start, so they may alias).
-    if (out_a) std::memcpy(out_a, p.data.data(), half);
-    if (out_b) std::memcpy(out_b, p.data.data() + half, half);
-    return absl::OkStatus();
+    return client_internal::DeliverAnswer(p.answer, p.channels, out_count, out_a, out_b);
   }
 
   absl::StatusOr<v1::StatusResponse> Status(bool include_upstream) {
@@ -496,11 +495,7 @@ class Client::Impl {
 
  private:
   std::chrono::milliseconds RoundTimeout() const {
-    std::chrono::milliseconds timeout = options_.round_timeout;
-    if (timeout.count() <= 0) {
-      timeout = std::chrono::milliseconds(aggregator_timeout_ms_.load()) + std::chrono::seconds(5);
-    }
-    return timeout;
+    return client_internal::RoundWait(options_.round_timeout, aggregator_timeout_ms_.load());
   }
 
   absl::Status Broken(const std::string& round) const {
@@ -589,9 +584,7 @@ class Client::Impl {
     // A round we gave up on, a repeat, or a key reused on a newer stream: drop it.
     if (it == pending_.end() || it->second->conn.get() != &conn) return;
     PendingRound& p = *it->second;
-    p.status = wire::StatusFromCode(r->code(), r->message());
-    p.count = r->count();
-    p.data.swap(*r->mutable_data());
+    p.answer = client_internal::TakeAnswer(r);
     p.done = true;
     if (p.waiting) p.cv.notify_one();
     pending_.erase(it);  // p stays alive: its waiter holds it
@@ -609,7 +602,7 @@ class Client::Impl {
         ++it;
         continue;
       }
-      p.status = lost;
+      p.answer.status = lost;
       p.done = true;
       if (p.waiting) p.cv.notify_one();
       it = pending_.erase(it);

@@ -5,6 +5,10 @@
 #   scripts/test.sh              everything
 #   HSBN_TEST_JOBS=N             ctest parallelism (default 2)
 #   HSBN_PYTEST_ARGS="..."       extra pytest arguments (e.g. "-k global -x")
+#   HSBN_FUZZ_SECONDS=N          seconds per fuzzer in the fuzz smoke (default 20; 0: skip it)
+#   HSBN_SANITIZE=1              also run the whole ctest suite under ASan+UBSan (about 25 more
+#                                minutes on 2 cores: scripts/sanitize.sh asan; off by default so
+#                                CI stays near 25 minutes; docs/RELIABILITY.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh || exit 1
@@ -27,8 +31,27 @@ if [ ${#suites[@]} -gt 0 ]; then
   pytest_status=$?
 fi
 
-if [ "$ctest_status" -ne 0 ] || [ "$pytest_status" -ne 0 ]; then
-  echo "test: FAILED (ctest status $ctest_status, pytest status $pytest_status)"
+# Fuzzers and sanitizers (docs/RELIABILITY.md), where Debian's clang-14 is installed
+# (scripts/packages.txt has it): each fuzzer for a short while, and with HSBN_SANITIZE=1 the
+# whole ctest suite under ASan+UBSan. Each builds into a directory of its own (build-fuzz/,
+# build-asan/).
+reliability_status=0
+if command -v clang++-14 >/dev/null 2>&1; then
+  if [ "${HSBN_FUZZ_SECONDS:-20}" != 0 ]; then
+    echo "== fuzz smoke"
+    scripts/fuzz.sh "${HSBN_FUZZ_SECONDS:-20}" || reliability_status=1
+  fi
+  if [ "${HSBN_SANITIZE:-0}" != 0 ]; then
+    echo "== ASan+UBSan"
+    scripts/sanitize.sh asan || reliability_status=1
+  fi
+else
+  echo "test: clang++-14 not found: fuzzers and sanitizers not run (scripts/setup.sh installs it)"
+fi
+
+if [ "$ctest_status" -ne 0 ] || [ "$pytest_status" -ne 0 ] || [ "$reliability_status" -ne 0 ]; then
+  echo "test: FAILED (ctest status $ctest_status, pytest status $pytest_status," \
+       "fuzz/sanitizers status $reliability_status)"
   exit 1
 fi
 echo "test: all passed"

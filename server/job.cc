@@ -356,7 +356,7 @@ void Job::FinishLocked(const RoundKey& key, Finished finished) {
   }
 }
 
-void Job::FailRoundLocked(const RoundKey& key, const absl::Status& status, bool tell_parent,
+void Job::FailRoundLocked(RoundKey key, const absl::Status& status, bool tell_parent,
                           Actions* out, v1::Scope scope) {
   auto error = MakeError(key, status);
   auto it = open_.find(key);
@@ -713,6 +713,7 @@ void Job::ParentResult(const v1::Result& result, Actions* out) {
   CountNonFinite(result.data(), key.phase, out);
   auto copy = std::make_shared<v1::Result>(result);
   copy->clear_session();
+  copy->set_scope(it->second.scope);  // what the members asked for, whatever the root says
   std::shared_ptr<const v1::Result> shared = copy;
   DeliverLocked(it->second, shared, out);
   ++rounds_completed_;

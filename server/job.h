@@ -247,8 +247,9 @@ class Job {
 
   absl::Status ValidateLocked(int32_t index, const v1::Contribution& c, const Round* open,
                               Actions* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // `scope` names the round's scope in metrics when it never opened here.
-  void FailRoundLocked(const RoundKey& key, const absl::Status& status, bool tell_parent,
+  // `scope` names the round's scope in metrics when it never opened here. `key` is taken by
+  // value: the caller's may live in the open round this erases.
+  void FailRoundLocked(RoundKey key, const absl::Status& status, bool tell_parent,
                        Actions* out, v1::Scope scope = v1::SCOPE_UNSPECIFIED)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails every open round for which `waits(round)` holds, with the status `why(key)`.

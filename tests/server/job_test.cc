@@ -337,6 +337,26 @@ TEST(Job, GlobalScopeIsForwardedAndAnsweredWithTheParentsResult) {
   EXPECT_EQ(f.sinks[1]->results[0].scope(), v1::SCOPE_GLOBAL);
 }
 
+TEST(Job, ParentResultIsRelayedWithTheRoundsOwnScopeWhateverTheRootSays) {
+  // Found by tests/fuzz/fuzz_job: a root that answers with a scope outside the protocol's.
+  Fixture f(1, 2, 0, /*parent=*/true);
+  Actions a = f.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_GLOBAL));
+  ASSERT_EQ(a.forwards.size(), 1u);
+  v1::Result root;
+  root.set_phase(v1::PHASE_FORWARD);
+  root.set_channels(1);
+  root.set_count(2);
+  root.set_scope(v1::Scope(-7));
+  *root.mutable_data() = *a.forwards[0].data;
+  Actions b;
+  f.job->ParentResult(root, &b);
+  f.Deliver(b);
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[0]->results[0].code(), 0);
+  EXPECT_EQ(f.sinks[0]->results[0].scope(), v1::SCOPE_GLOBAL);
+  EXPECT_EQ(f.sinks[0]->results[0].count(), 2);
+}
+
 TEST(Job, LosingTheParentFailsForwardedRoundsAtOnce) {
   Fixture f(1, 2, 0, /*parent=*/true);
   f.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_GLOBAL));

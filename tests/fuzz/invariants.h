@@ -1,0 +1,128 @@
+// tests/fuzz/invariants.h — what every fuzzer of the aggregator checks about a Job's Actions.
+//
+// A RoundLedger watches every Actions value a Job (or a Registry in front of it) returns, and
+// aborts the process (which libFuzzer reports as a crash, with the input) when:
+//   - an OK result is delivered or forwarded for a round that a member never contributed to
+//     (no round completes with a missing member);
+//   - an OK result is malformed: no channels, a payload that is not channels * 16 bytes, a
+//     negative count, a phase or scope that is not one of the protocol's;
+//   - two OK results for the same round differ in any byte (count, scope, channels, payload),
+//     whether delivered in one call or later to a late or repeated contribution, as long as the
+//     job keeps every finished round (`keeps_all`: no tombstone was evicted, so nothing may
+//     legitimately run the round again);
+//   - a result goes to a session that is not its member's current, attached session.
+// The caller tells the ledger what the job was told (contributions it accepted, sessions, sinks).
+#ifndef HSBN_TESTS_FUZZ_INVARIANTS_H_
+#define HSBN_TESTS_FUZZ_INVARIANTS_H_
+
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "job.h"
+#include "wire.h"
+
+namespace hsbn::fuzz {
+
+// A member's sink: results land here (the fuzzers look at Actions, not at sinks).
+class NullSink : public server::ResultSink {
+ public:
+  explicit NullSink(int member) : member(member) {}
+  void Send(v1::Result) override {}
+  const int member;
+};
+
+class RoundLedger {
+ public:
+  RoundLedger(int members, bool keeps_all) : members_(members), keeps_all_(keeps_all) {}
+
+  // Member `index` had a contribution to `key` accepted (Job::Contribute returned true).
+  void Contributed(const server::RoundKey& key, int index) { contributed_[key].insert(index); }
+
+  // The member's current session and whether a live sink is bound to it, as the caller
+  // modelled them from the calls it made.
+  struct MemberModel {
+    server::SessionId session;
+    bool attached = false;
+  };
+
+  void Check(const server::Actions& a, const std::vector<MemberModel>& model) {
+    std::map<server::RoundKey, std::string> ok_in_call;
+    for (const auto& d : a.deliveries) {
+      HSBN_FUZZ_CHECK(d.result != nullptr, "a delivery without a result");
+      const v1::Result& r = *d.result;
+      const server::RoundKey key{r.op(), r.seq(), r.phase()};
+      for (const auto& [session, sink] : d.to) {
+        auto* s = dynamic_cast<NullSink*>(sink.get());
+        HSBN_FUZZ_CHECK(s != nullptr && s->member >= 0 && s->member < int(model.size()),
+                        "a result for a sink the job was never given");
+        HSBN_FUZZ_CHECK(model[s->member].attached,
+                        "a result for member " + std::to_string(s->member) +
+                            ", which has no attached session");
+        HSBN_FUZZ_CHECK(session == model[s->member].session,
+                        "a result for member " + std::to_string(s->member) +
+                            " under a session that is not its current one");
+      }
+      if (r.code() != 0) {
+        HSBN_FUZZ_CHECK(r.data().empty(), "a failed round's result carries a payload");
+        continue;
+      }
+      CheckOk(key, r.channels(), r.count(), r.data(), "delivered");
+      HSBN_FUZZ_CHECK(r.scope() == v1::SCOPE_NODE || r.scope() == v1::SCOPE_GLOBAL ||
+                          r.scope() == v1::SCOPE_SHADOW,
+                      "an OK result with scope " + std::to_string(int(r.scope())));
+      v1::Result canonical = r;
+      canonical.clear_session();
+      const std::string bytes = canonical.SerializeAsString();
+      auto [it, fresh] = ok_in_call.emplace(key, bytes);
+      HSBN_FUZZ_CHECK(fresh || it->second == bytes,
+                      "two different OK results for round " + server::Describe(key) +
+                          " in one call");
+      if (keeps_all_) {
+        auto [kept, first] = ok_.emplace(key, bytes);
+        HSBN_FUZZ_CHECK(first || kept->second == bytes,
+                        "round " + server::Describe(key) +
+                            " answered OK twice with different bytes");
+      }
+    }
+    for (const auto& f : a.forwards) {
+      HSBN_FUZZ_CHECK(f.data != nullptr, "a forward without a payload");
+      CheckOk(f.key, f.channels, f.count, *f.data, "forwarded");
+    }
+  }
+
+ private:
+  void CheckOk(const server::RoundKey& key, uint32_t channels, int64_t count,
+               const std::string& data, const char* how) {
+    const std::string round = server::Describe(key);
+    HSBN_FUZZ_CHECK(channels > 0, std::string(how) + " OK round " + round + " has 0 channels");
+    HSBN_FUZZ_CHECK(int64_t(data.size()) == wire::PayloadBytes(channels),
+                    std::string(how) + " OK round " + round + " has " +
+                        std::to_string(data.size()) + " bytes for " + std::to_string(channels) +
+                        " channels");
+    HSBN_FUZZ_CHECK(count >= 0, std::string(how) + " OK round " + round + " has count " +
+                                    std::to_string(count));
+    HSBN_FUZZ_CHECK(key.phase == v1::PHASE_FORWARD || key.phase == v1::PHASE_BACKWARD,
+                    std::string(how) + " OK round " + round + " has no valid phase");
+    const std::set<int>& who = contributed_[key];
+    for (int m = 0; m < members_; ++m) {
+      HSBN_FUZZ_CHECK(who.count(m) != 0, std::string(how) + " OK round " + round +
+                                             " although member " + std::to_string(m) +
+                                             " never contributed to it");
+    }
+  }
+
+  const int members_;
+  const bool keeps_all_;
+  std::map<server::RoundKey, std::set<int>> contributed_;
+  std::map<server::RoundKey, std::string> ok_;
+};
+
+}  // namespace hsbn::fuzz
+
+#endif  // HSBN_TESTS_FUZZ_INVARIANTS_H_
