@@ -329,12 +329,25 @@ void Job::TellSenderLocked(int32_t index, const SessionId& session, const RoundK
 }
 
 void Job::FinishLocked(const RoundKey& key, Finished finished) {
-  const int64_t bytes = finished.result ? int64_t(finished.result->data().size()) : 0;
-  // A kept result is memory like any other; it is accounted for, never refused (older ones go
-  // first below).
-  finished.charged = bytes + int64_t(finished.contribution_hashes.size() * sizeof(uint64_t)) +
-                     int64_t(sizeof(Finished));
-  if (limits_.budget) limits_.budget->Charge(finished.charged);
+  int64_t bytes = finished.result ? int64_t(finished.result->data().size()) : 0;
+  // A kept result is memory like any other, and less urgent than round data: kept results may
+  // fill at most half the budget. Past that the outcome is kept without the result (a
+  // retransmission is then answered RESOURCE_EXHAUSTED), so no job's kept results can crowd
+  // out the rounds of other jobs.
+  if (bytes > 0 && limits_.budget &&
+      !limits_.budget->TryChargeWithin(bytes, limits_.budget->limit() / 2)) {
+    finished.status = absl::ResourceExhaustedError(absl::StrCat(
+        "round ", Describe(key), " of job '", id_, "' completed, but its result was not kept "
+        "for retransmissions: the aggregator's memory budget (--memory-budget-bytes) is full"));
+    finished.result.reset();
+    finished.contribution_hashes.clear();
+    bytes = 0;
+  }
+  // The small rest (the outcome and the hashes) is bookkeeping, accounted for and never refused.
+  const int64_t rest =
+      int64_t(finished.contribution_hashes.size() * sizeof(uint64_t) + sizeof(Finished));
+  if (limits_.budget) limits_.budget->Charge(rest);
+  finished.charged = bytes + rest;
   held_ += finished.charged;
   auto [it, inserted] = finished_.emplace(key, std::move(finished));
   if (!inserted) {

@@ -47,10 +47,10 @@ std::string SessionId::Bytes() const {
   return s;
 }
 
-bool MemoryBudget::TryCharge(int64_t bytes) {
+bool MemoryBudget::TryChargeWithin(int64_t bytes, int64_t cap) {
   int64_t used = used_.load(std::memory_order_relaxed);
   do {
-    if (bytes > 0 && used + bytes > limit_) return false;
+    if (bytes > 0 && used + bytes > cap) return false;
   } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
   return true;
 }

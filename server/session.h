@@ -43,7 +43,9 @@ class MemoryBudget {
  public:
   explicit MemoryBudget(int64_t limit) : limit_(limit) {}
   // Adds `bytes` unless the total would pass the limit; false (nothing added) then.
-  bool TryCharge(int64_t bytes);
+  bool TryCharge(int64_t bytes) { return TryChargeWithin(bytes, limit_); }
+  // The same against a lower `cap`: for memory that must leave room for more urgent uses.
+  bool TryChargeWithin(int64_t bytes, int64_t cap);
   // Adds `bytes` even past the limit (memory already held that must be accounted for).
   void Charge(int64_t bytes) { used_.fetch_add(bytes, std::memory_order_relaxed); }
   void Release(int64_t bytes) { used_.fetch_sub(bytes, std::memory_order_relaxed); }

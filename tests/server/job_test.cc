@@ -627,6 +627,26 @@ TEST(Job, MemoryBudgetRefusesTheOffenderAndReturnsToZeroWhenTheJobEnds) {
   EXPECT_EQ(budget->used(), 0);
 }
 
+// Kept results are charged like round data, and refused like it: a job whose finished rounds
+// would fill the budget keeps their outcome only, so they cannot crowd out other jobs' rounds.
+TEST(Job, KeptResultsThatTheBudgetCannotHoldAreDroppedNotForced) {
+  auto budget = std::make_shared<MemoryBudget>(16 << 10);  // kept results: 8 KiB at most
+  JobLimits limits;
+  limits.budget = budget;
+  Fixture f(1, 1, 0, false, v1::MEMBER_KIND_WORKER, limits);
+  const std::vector<double> a(256, 1.0), b(256, 0.0);  // 4 KiB per result
+  for (uint64_t seq = 0; seq < 4; ++seq) f.Send(0, Fwd(0, seq, 1, a, b));
+  for (const auto& r : f.sinks[0]->results) EXPECT_EQ(r.code(), 0) << r.message();
+  EXPECT_LE(budget->used(), budget->limit());
+  // The oldest result was kept, a later one was not: a retransmission of it says why.
+  f.Send(0, Fwd(0, 3, 1, a, b));
+  EXPECT_EQ(f.sinks[0]->results.back().code(), int(absl::StatusCode::kResourceExhausted));
+  EXPECT_NE(f.sinks[0]->results.back().message().find("not kept"), std::string::npos);
+  f.Send(0, Fwd(0, 0, 1, a, b));
+  EXPECT_EQ(f.sinks[0]->results.back().code(), 0);
+  EXPECT_EQ(f.sinks[0]->results.back().data(), f.sinks[0]->results[0].data());
+}
+
 TEST(Job, DroppableWhenNoMemberAttachedForTheAttachTimeout) {
   JobLayout layout;
   layout.local_world_size = 2;
