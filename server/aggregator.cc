@@ -183,14 +183,16 @@ class ExchangeCall final {
       Release();
       return;
     }
-    const size_t size = in_.ByteSizeLong();
+    // Sized only when something needs it: a stream that has attached nothing yet, or metrics.
+    const bool unbound = bound_.empty();
+    const size_t size = (metrics_ || unbound) ? in_.ByteSizeLong() : 0;
     if (metrics_) metrics_->Received(Metrics::Link::kMembers, size);
     if (in_.has_batch()) {
       for (const v1::ClientFrame& frame : in_.batch().frames()) Handle(frame);
     } else {
       Handle(in_);
     }
-    if (bound_.empty()) {
+    if (unbound && bound_.empty()) {
       unbound_bytes_ += int64_t(size);
       if (unbound_bytes_ > aggregator_->options().max_unbound_bytes) {
         aggregator_->Refused("unbound_bytes");
