@@ -39,6 +39,18 @@ int64_t Rss(pid_t pid) {
   return -1;
 }
 
+// Polls `done` every 20 ms until it holds; false after a 60 s backstop (an event that never
+// came), never a timing bound on a normal run.
+template <typename F>
+bool WaitFor(F done) {
+  const auto backstop = std::chrono::steady_clock::now() + seconds(60);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > backstop) return false;
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  return true;
+}
+
 Aggregator MustStart(const std::string& dir, const std::string& name,
                      std::vector<std::string> flags) {
   auto a = StartAggregator(dir, name, std::move(flags));
@@ -283,15 +295,12 @@ TEST(Hardening, AWriteStalledPastTheDeadlineDropsTheStream) {
   for (int i = 0; i < 512; ++i) {
     if (!stream->Write(Contribution(session, 0, uint64_t(i), 4096))) break;
   }
-  // Event: the aggregator reports rank 0 of the job disconnected (backstop only).
-  const auto backstop = std::chrono::steady_clock::now() + seconds(60);
-  for (;;) {
+  // Event: the aggregator reports rank 0 of the job disconnected.
+  ASSERT_TRUE(WaitFor([&] {
     v1::StatusResponse st;
-    ASSERT_TRUE(raw.Status("stall", "", &st).ok());
-    if (st.jobs_size() == 0 || !st.jobs(0).members(0).connected()) break;
-    ASSERT_LT(std::chrono::steady_clock::now(), backstop) << "the stalled stream was never dropped";
-    std::this_thread::sleep_for(milliseconds(20));
-  }
+    return raw.Status("stall", "", &st).ok() &&
+           (st.jobs_size() == 0 || !st.jobs(0).members(0).connected());
+  })) << "the stalled stream was never dropped";
   EXPECT_TRUE(absl::StrContains(side.log(), "--write-deadline-ms")) << side.log();
   ctx.TryCancel();
   ExpectServes(side.address, "after-stall");
@@ -333,15 +342,11 @@ TEST(Hardening, JobsThatNeverAttachExpire) {
   ASSERT_TRUE(raw.Join("idle2", 0, 2, 2, nullptr).ok());
   EXPECT_EQ(raw.Join("third", 0, 1, 1, nullptr).error_code(),
             grpc::StatusCode::RESOURCE_EXHAUSTED);
-  // Event: the aggregator drops them (Status shows no job); bounded only as a backstop.
-  const auto backstop = std::chrono::steady_clock::now() + seconds(60);
-  for (;;) {
+  // Event: the aggregator drops them (Status shows no job).
+  ASSERT_TRUE(WaitFor([&] {
     v1::StatusResponse st;
-    ASSERT_TRUE(raw.Status("", "", &st).ok());
-    if (st.jobs_size() == 0) break;
-    ASSERT_LT(std::chrono::steady_clock::now(), backstop) << "idle jobs never expired";
-    std::this_thread::sleep_for(milliseconds(20));
-  }
+    return raw.Status("", "", &st).ok() && st.jobs_size() == 0;
+  })) << "idle jobs never expired";
   ExpectServes(side.address, "third");
 }
 
