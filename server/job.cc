@@ -560,7 +560,7 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   result->set_count(count);
   wire::PackPayload(a, b, channels, result->mutable_data());
   // Finite inputs can still merge to Inf (overflow): data like any other, unless strict.
-  if (CountNonFinite(result->data(), round.key.phase, nullptr) > 0 && layout_.strict_finite) {
+  if (layout_.strict_finite && CountNonFinite(result->data(), round.key.phase, nullptr) > 0) {
     out->refused.push_back("strict_nonfinite");
     FailRoundLocked(round.key,
                     absl::InvalidArgumentError(absl::StrCat(
