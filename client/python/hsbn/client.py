@@ -508,6 +508,11 @@ def default_client(group_nodes=None):
                     "number per job: give every layer the same, or set HSBN_GROUP_NODES"
                     % (int(group_nodes), _default.job_id, have))
         if _default is None or _default.closed:
+            env = os.environ.get("HSBN_GROUP_NODES", "")
+            if group_nodes is not None and env.strip() and env.strip() != str(int(group_nodes)):
+                raise ConfigurationError(
+                    "a layer asks for group_nodes=%d but HSBN_GROUP_NODES=%s; nodes per group "
+                    "are one number per job: make them agree" % (int(group_nodes), env))
             _default = (Client.from_env() if group_nodes is None
                         else Client.from_env(group_nodes=int(group_nodes)))
             _default_implicit, _default_pid = True, os.getpid()
