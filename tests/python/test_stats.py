@@ -41,7 +41,7 @@ def test_counts_rounds_per_scope_and_phase_time_blocked_failures_and_reset(clust
         fresh = clients[0].stats()
         assert isinstance(fresh, hsbn.ClientStats)
         assert fresh.total == hsbn.RoundStats()
-        assert set(fresh.rounds) == {(s, p) for s in ("node", "global", "shadow")
+        assert set(fresh.rounds) == {(s, p) for s in ("node", "global", "shadow", "group")
                                      for p in ("forward", "backward")}
         mean, m2 = np.array([1.0, 2.0, 3.0]), np.array([0.5, 0.5, 0.5])
         n_node, n_global, n_shadow, delay = 6, 4, 3, 0.3
