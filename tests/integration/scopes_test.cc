@@ -73,7 +73,6 @@ TEST(Scopes, AutoScopeDecidesPerOpAtTheRootAndEveryRankGetsTheSameDecision) {
   auto clients = ConnectAll(*c, "auto", 0, policy);
   for (auto& cl : clients) ASSERT_TRUE(cl);
   // op 1: node r's data is {10r - 1, 10r + 1} (nodes far apart); op 2: {-1, 1} everywhere.
-  std::vector<std::vector<Scope>> sent(2);
   OnEveryRank(2, [&](int r) {
     Client& cl = *clients[r];
     for (uint64_t seq = 0; seq < 6; ++seq) {
@@ -105,6 +104,40 @@ TEST(Scopes, AutoScopeDecidesPerOpAtTheRootAndEveryRankGetsTheSameDecision) {
     EXPECT_EQ(s.of(Scope::kGlobal, Phase::kBackward).completed, 2 + 2);
     EXPECT_EQ(s.of(Scope::kNode, Phase::kForward).completed, 2);
     EXPECT_EQ(s.of(Scope::kNode, Phase::kBackward).completed, 6 + 2);
+  }
+}
+
+TEST(Scopes, AutoScopeRechecksBySamplingAndDecidesAgainWhenTheDataChanges) {
+  auto c = testing::StartCluster(2, 1);
+  ASSERT_TRUE(c);
+  AutoPolicy policy;
+  policy.warmup_rounds = 2;
+  policy.recheck_every = 2;
+  auto clients = ConnectAll(*c, "auto-recheck", 0, policy);
+  for (auto& cl : clients) ASSERT_TRUE(cl);
+  // seq 0-1: warm-up (nodes agree) -> seq 2 decides node; samples at seq 4 and 6 (nodes now
+  // far apart) -> seq 8 decides global.
+  std::vector<std::vector<Scope>> decided(2);
+  OnEveryRank(2, [&](int r) {
+    for (uint64_t seq = 0; seq < 10; ++seq) {
+      double a = seq >= 3 ? 10.0 * r : 0.0, b = 2.0;
+      int64_t n = 0;
+      absl::Status s = clients[r]->Forward(9, seq, Scope::kAuto, 1, 2, &a, &b, &n, &a, &b);
+      ASSERT_TRUE(s.ok()) << s;
+      decided[r].push_back(clients[r]->AutoDecisionOf(9).scope);
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(decided[r][2], Scope::kNode);
+    EXPECT_EQ(decided[r][7], Scope::kNode);
+    EXPECT_EQ(decided[r][8], Scope::kGlobal);
+    const AutoDecision d = clients[r]->AutoDecisionOf(9);
+    EXPECT_EQ(d.decided_at, 8);
+    EXPECT_EQ(d.rounds, 2);  // the two samples
+    const ClientStats s = clients[r]->Stats();
+    EXPECT_EQ(s.of(Scope::kShadow, Phase::kForward).completed, 4);  // seq 0, 1, 4, 6
+    EXPECT_EQ(s.of(Scope::kGlobal, Phase::kForward).completed, 3);  // seq 2, 8, 9
+    EXPECT_EQ(s.of(Scope::kNode, Phase::kForward).completed, 3);    // seq 3, 5, 7
   }
 }
 

@@ -80,13 +80,15 @@ def _fmt_status(st, indent=""):
             down = ("  down: %s" % m["down"]) if m.get("down") else ""
             lines.append("%s    %-8s %-9s contributions %s%s"
                          % (indent, what, state, m.get("contributions"), down))
-        for d in job.get("divergence", []):
-            layer = d.get("layer") or "op %s" % d.get("op")
-            lines.append("%s    shadow %s node %s: rounds %s  mean shift avg %.4g max %.4g  "
-                         "var ratio avg %.4g"
-                         % (indent, layer, d.get("node"), d.get("rounds"),
-                            float(d.get("meanShiftAvg", 0)), float(d.get("meanShiftMax", 0)),
-                            float(d.get("varRatioAvg", 0))))
+        for key, unit in (("divergence", "node"), ("groupDivergence", "group")):
+            for d in job.get(key, []):
+                layer = d.get("layer") or "op %s" % d.get("op")
+                lines.append("%s    shadow %s %s %s: rounds %s  mean shift avg %.4g max %.4g  "
+                             "var ratio avg %.4g"
+                             % (indent, layer, unit, d.get("node", 0), d.get("rounds"),
+                                float(d.get("meanShiftAvg", 0)),
+                                float(d.get("meanShiftMax", 0)),
+                                float(d.get("varRatioAvg", 0))))
     if st.get("upstreamError"):
         lines.append("%s  upstream: %s" % (indent, st["upstreamError"]))
     if st.get("upstream"):
