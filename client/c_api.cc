@@ -126,10 +126,10 @@ hsbn_result hsbn_client_create(const hsbn_options* options, hsbn_client** out) {
   if (const char* env = std::getenv("HSBN_STRICT_FINITE"); env != nullptr && *env == '1') {
     o.strict_finite = true;
   }
+  // A caller built against an older hsbn.h has no group_nodes field: the environment decides.
   if (options->struct_size >= offsetof(hsbn_options, group_nodes) + sizeof(int32_t)) {
     o.group_nodes = options->group_nodes;
-  }
-  if (o.group_nodes == 0) {
+  } else {
     if (const char* env = std::getenv("HSBN_GROUP_NODES"); env != nullptr && *env != '\0') {
       char* end = nullptr;
       const long v = std::strtol(env, &end, 10);

@@ -150,3 +150,14 @@ def resume_from_state(state, job_suffix, steps=3):
         return out
     finally:
         client.close()
+
+
+def group_nodes_mismatch_error():
+    """The error of a layer asking for group_nodes=2 in a process whose client joined without
+    groups (the pool's default client)."""
+    bn = hsbn.torch.SyncBatchNorm(3, scope="group", group_nodes=2, name="mismatch")
+    try:
+        bn(torch.randn(4, 3, 2, 2, dtype=torch.float32))
+    except hsbn.ConfigurationError as e:
+        return str(e)
+    return None

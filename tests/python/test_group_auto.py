@@ -110,6 +110,11 @@ def test_a_group_size_that_does_not_divide_the_nodes_fails_to_join_naming_both(f
     assert four_nodes.call(cases.join_error, [(2,)] * 4) == [None] * 4
 
 
+def test_a_layers_group_size_must_be_its_clients(four_nodes):
+    for e in four_nodes.call(cases.group_nodes_mismatch_error, [()] * 4):
+        assert e is not None and "group_nodes=2" in e and "group_nodes=0" in e, e
+
+
 def test_auto_scope_with_groups_compares_groups_with_global(four_nodes):
     # Nodes 0 and 2 are offset by 0, nodes 1 and 3 by 3: each node is far from the global
     # statistics, but each group (0-1, 2-3) is the global mixture.

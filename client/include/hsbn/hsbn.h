@@ -77,8 +77,9 @@ typedef struct hsbn_options {
   int64_t connect_timeout_ms;  /* how long to wait for the sidecar; 0: 10 s */
   const char* token;           /* job token, or NULL for none */
   int32_t strict_finite;       /* 1: the job's strict mode (NaN/Inf fail rounds); 0: data */
-  int32_t group_nodes;         /* nodes per group for HSBN_SCOPE_GROUP; 0: HSBN_GROUP_NODES or
-                                  none. Must divide the number of nodes; the same everywhere */
+  int32_t group_nodes;         /* nodes per group for HSBN_SCOPE_GROUP; 0: none. Must divide
+                                  the number of nodes; the same everywhere (hsbn_client_create_
+                                  from_env reads HSBN_GROUP_NODES) */
 } hsbn_options;
 
 typedef struct hsbn_client_info {
