@@ -40,7 +40,9 @@ def test_the_constructor_takes_torchs_arguments_in_torchs_order():
     assert [(p.name, p.default) for p in ours[:len(torch_params)]] == \
         [(p.name, p.default) for p in torch_params]
     extra = ours[len(torch_params):]
-    assert [p.name for p in extra] == ["scope", "client", "name", "op"]
+    assert [p.name for p in extra] == ["scope", "client", "name", "op", "group_nodes",
+                                      "auto_warmup", "auto_max_mean_shift",
+                                      "auto_max_log_var_ratio", "auto_recheck_every"]
     assert all(p.kind == inspect.Parameter.KEYWORD_ONLY for p in extra)
     bn = hsbn.torch.SyncBatchNorm(5, 1e-3, 0.2, False, False, None, "cpu", torch.float64)
     assert (bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats) == \
