@@ -1,5 +1,6 @@
 // Group and auto scope through the C++ client with real aggregators (a root and a sidecar per
 // node; each rank on its own thread, since rounds block).
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -63,6 +64,32 @@ TEST(Scopes, GroupRoundsReduceEachGroupOfNodesAndTheGroupSizeMustDivideTheNodes)
   EXPECT_EQ(mean, (std::vector<double>{0.5, 0.5, 2.5, 2.5}));
   EXPECT_EQ(m2, (std::vector<double>{0.5, 0.5, 0.5, 0.5}));
   EXPECT_EQ(clients[0]->Stats().of(Scope::kGroup, Phase::kForward).completed, 1);
+}
+
+TEST(Scopes, GroupRoundsOverNodesOfSeveralWorkersMergeEachGroupsWorkersForwardAndBackward) {
+  auto c = testing::StartCluster(4, 2);
+  ASSERT_TRUE(c);
+  auto clients = ConnectAll(*c, "groups-4x2", 2);
+  for (auto& cl : clients) ASSERT_TRUE(cl);
+  // Rank r holds one value, r: groups are ranks 0-3 (mean 1.5) and 4-7 (mean 5.5), m2 5 each.
+  std::vector<double> mean(8), m2(8), sum(8), sum_xmu(8);
+  OnEveryRank(8, [&](int r) {
+    double a = r, b = 0, x = 1.0, y = r;
+    int64_t n = 0;
+    absl::Status s = clients[r]->Forward(2, 0, Scope::kGroup, 1, 1, &a, &b, &n, &mean[r], &m2[r]);
+    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_EQ(n, 4);
+    s = clients[r]->Backward(2, 0, Scope::kGroup, 1, 1, &x, &y, &n, &sum[r], &sum_xmu[r]);
+    EXPECT_TRUE(s.ok()) << s;
+  });
+  for (int r = 0; r < 8; ++r) {
+    const int first = r < 4 ? 0 : 4;
+    EXPECT_EQ(mean[r], r < 4 ? 1.5 : 5.5) << r;
+    EXPECT_EQ(m2[r], 5.0) << r;
+    EXPECT_EQ(sum[r], 4.0) << r;
+    EXPECT_EQ(sum_xmu[r], r < 4 ? 6.0 : 22.0) << r;
+    EXPECT_EQ(std::memcmp(&mean[r], &mean[first], sizeof(double)), 0);
+  }
 }
 
 TEST(Scopes, AutoScopeDecidesPerOpAtTheRootAndEveryRankGetsTheSameDecision) {
