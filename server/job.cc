@@ -676,7 +676,7 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   }
   if (layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR && round.scope == v1::SCOPE_SHADOW &&
       round.key.phase == v1::PHASE_FORWARD) {
-    RecordDivergenceLocked(round, *result);
+    RecordDivergenceLocked(round, *result, out);
   }
   if (round.decide) {
     if (layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR) {
@@ -727,7 +727,27 @@ void Job::DivergenceAcc::Add(int64_t channels, int64_t count, const double* nm,
   log_var_ratio_abs_sum += log_sum / double(channels);
 }
 
-void Job::RecordDivergenceLocked(const Round& round, const v1::Result& global) {
+// What one shadow record costs against the memory budget: the map node and its accumulator.
+constexpr int64_t kRecordBytes = 128;
+
+Job::DivergenceAcc* Job::RecordLocked(Records& records, std::pair<uint32_t, int32_t> key,
+                                      Actions* out) {
+  auto it = records.find(key);
+  if (it != records.end()) return &it->second;
+  if (limits_.budget &&
+      !limits_.budget->TryChargeWithin(kRecordBytes, limits_.budget->limit() / 4)) {
+    if (records_refused_++ == 0) {
+      out->log.push_back(absl::StrCat(
+          "job '", id_, "': shadow records now take a quarter of --memory-budget-bytes; ",
+          "rounds of further layers go unrecorded (their auto decisions are global)"));
+    }
+    return nullptr;
+  }
+  held_ += kRecordBytes;
+  return &records[key];
+}
+
+void Job::RecordDivergenceLocked(const Round& round, const v1::Result& global, Actions* out) {
   const int64_t channels = round.channels;
   std::vector<double> gm(channels), gm2(channels), nm(channels), nm2(channels);
   wire::UnpackPayload(global.data(), channels, gm.data(), gm2.data());
@@ -745,11 +765,15 @@ void Job::RecordDivergenceLocked(const Round& round, const v1::Result& global) {
     }
     if (slot.count > 0) {
       wire::UnpackPayload(slot.data, channels, nm.data(), nm2.data());
-      divergence_[{op, int32_t(node)}].Add(channels, slot.count, nm.data(), nm2.data(),
-                                           global.count(), gm.data(), gm2.data());
+      if (DivergenceAcc* r = RecordLocked(divergence_, {op, int32_t(node)}, out)) {
+        r->Add(channels, slot.count, nm.data(), nm2.data(), global.count(), gm.data(),
+               gm2.data());
+      }
       if (k == 0) {
-        decide_window_[{op, int32_t(node)}].Add(channels, slot.count, nm.data(), nm2.data(),
-                                                global.count(), gm.data(), gm2.data());
+        if (DivergenceAcc* r = RecordLocked(decide_window_, {op, int32_t(node)}, out)) {
+          r->Add(channels, slot.count, nm.data(), nm2.data(), global.count(), gm.data(),
+                 gm2.data());
+        }
       } else {
         // The group's statistics, merged in node order as its group rounds are.
         group_count = MergeChannelMoments(group_count, sm.data(), sm2.data(), slot.count,
@@ -758,10 +782,12 @@ void Job::RecordDivergenceLocked(const Round& round, const v1::Result& global) {
     }
     if (k > 0 && node % size_t(k) == size_t(k) - 1 && group_count > 0) {
       const int32_t group = int32_t(node) / k;
-      group_divergence_[{op, group}].Add(channels, group_count, sm.data(), sm2.data(),
-                                         global.count(), gm.data(), gm2.data());
-      decide_window_[{op, group}].Add(channels, group_count, sm.data(), sm2.data(),
-                                      global.count(), gm.data(), gm2.data());
+      for (Records* records : {&group_divergence_, &decide_window_}) {
+        if (DivergenceAcc* r = RecordLocked(*records, {op, group}, out)) {
+          r->Add(channels, group_count, sm.data(), sm2.data(), global.count(), gm.data(),
+                 gm2.data());
+        }
+      }
     }
   }
 }
@@ -780,6 +806,7 @@ v1::AutoDecision Job::DecideLocked(uint32_t op, const v1::AutoDecide& request) {
     shift = std::max(shift, it->second.mean_shift_sum / double(rounds));
     log_ratio = std::max(log_ratio, it->second.log_var_ratio_abs_sum / double(rounds));
     decide_window_.erase(it);
+    ReleaseLocked(kRecordBytes);
   }
   d.set_mean_shift(shift);
   d.set_log_var_ratio(log_ratio);

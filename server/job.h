@@ -276,7 +276,14 @@ class Job {
   void SendFinishedLocked(int32_t index, const SessionId& session, const RoundKey& key,
                           const Finished& finished, Actions* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RecordDivergenceLocked(const Round& round, const v1::Result& global)
+  void RecordDivergenceLocked(const Round& round, const v1::Result& global, Actions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  using Records = std::map<std::pair<uint32_t, int32_t>, DivergenceAcc>;
+  // The record of `key` in `records`, made if need be. A new record is charged to the memory
+  // budget (within a quarter of it, so that records never crowd out round data); null when the
+  // budget refuses: that round goes unrecorded (and an auto decision without a record for every
+  // node or group is global).
+  DivergenceAcc* RecordLocked(Records& records, std::pair<uint32_t, int32_t> key, Actions* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers only the contributor (`index`, `session`) of round `key` with error `s`.
   void TellSenderLocked(int32_t index, const SessionId& session, const RoundKey& key,
@@ -313,11 +320,12 @@ class Job {
   int64_t rounds_completed_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t rounds_failed_ ABSL_GUARDED_BY(mu_) = 0;
   // (op, node)
-  std::map<std::pair<uint32_t, int32_t>, DivergenceAcc> divergence_ ABSL_GUARDED_BY(mu_);
+  Records divergence_ ABSL_GUARDED_BY(mu_);
   // (op, group), with groups
-  std::map<std::pair<uint32_t, int32_t>, DivergenceAcc> group_divergence_ ABSL_GUARDED_BY(mu_);
+  Records group_divergence_ ABSL_GUARDED_BY(mu_);
   // (op, group or node): the record since op's last auto-scope decision
-  std::map<std::pair<uint32_t, int32_t>, DivergenceAcc> decide_window_ ABSL_GUARDED_BY(mu_);
+  Records decide_window_ ABSL_GUARDED_BY(mu_);
+  int64_t records_refused_ ABSL_GUARDED_BY(mu_) = 0;  // shadow records the budget refused
   std::shared_ptr<const std::string> token_ ABSL_GUARDED_BY(mu_);
   bool reported_down_ ABSL_GUARDED_BY(mu_) = false;  // a sidecar that told its parent so
   std::string down_message_ ABSL_GUARDED_BY(mu_);    // what it said

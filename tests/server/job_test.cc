@@ -844,6 +844,42 @@ TEST(Job, MemoryBudgetRefusesTheOffenderAndReturnsToZeroWhenTheJobEnds) {
   EXPECT_EQ(budget->used(), 0);
 }
 
+// A job that sends shadow rounds for ever more layers cannot grow the root's records without
+// bound: each record is charged, within a quarter of the budget; unrecorded layers decide global.
+TEST(Job, ShadowRecordsAreChargedAndBoundedByAQuarterOfTheBudget) {
+  auto budget = std::make_shared<MemoryBudget>(64 << 10);
+  JobLimits limits;
+  limits.budget = budget;
+  limits.finished_rounds_kept = 0;
+  {
+    Fixture root(1, 2, 0, false, v1::MEMBER_KIND_AGGREGATOR, limits);
+    for (uint32_t op = 0; op < 1000; ++op) {
+      root.Send(0, Fwd(op, 0, 10, {1.0}, {10.0}, v1::SCOPE_SHADOW));
+      root.Send(1, Fwd(op, 0, 10, {3.0}, {10.0}, v1::SCOPE_SHADOW));
+    }
+    EXPECT_LE(budget->used(), budget->limit() / 4);
+    EXPECT_EQ(budget->used(), root.job->held_bytes());
+    v1::JobStatus status;
+    root.job->FillStatus(&status);
+    EXPECT_GT(status.divergence_size(), 0);
+    EXPECT_LT(status.divergence_size(), 2000);  // 4000 records would not fit in 16 KiB
+    // The last op has no record: its decision is global, with zero rounds behind it.
+    root.Send(0, Decide(999, 1, 10, {1.0}, {10.0}, 100.0, 100.0));
+    root.Send(1, Decide(999, 1, 10, {1.0}, {10.0}, 100.0, 100.0));
+    ASSERT_FALSE(root.sinks[0]->results.empty());
+    EXPECT_EQ(root.sinks[0]->results.back().decision().scope(), v1::SCOPE_GLOBAL);
+    EXPECT_EQ(root.sinks[0]->results.back().decision().rounds(), 0);
+    // The first op was recorded: its decision frees its window's records.
+    const int64_t before = budget->used();
+    root.Send(0, Decide(0, 1, 10, {1.0}, {10.0}, 100.0, 100.0));
+    root.Send(1, Decide(0, 1, 10, {1.0}, {10.0}, 100.0, 100.0));
+    EXPECT_EQ(root.sinks[0]->results.back().decision().scope(), v1::SCOPE_NODE);
+    EXPECT_EQ(root.sinks[0]->results.back().decision().rounds(), 1);
+    EXPECT_LT(budget->used(), before);
+  }
+  EXPECT_EQ(budget->used(), 0);
+}
+
 // Kept results are charged like round data, and refused like it: a job whose finished rounds
 // would fill the budget keeps their outcome only, so they cannot crowd out other jobs' rounds.
 TEST(Job, KeptResultsThatTheBudgetCannotHoldAreDroppedNotForced) {
