@@ -17,6 +17,8 @@ through its hsbn-linkproxy. Asserts, per fault:
 
 A worker whose round fails exits, as a trainer does; the script then restarts the whole job as
 torchrun does (all its workers, a new incarnation: seq counts from 0 again, the same job id).
+The other workers of the job get the client's round wait (round timeout + 5 s) to fail on their
+own, so that their failures, and the causes they name, are seen; then they are killed.
 
 Prints a table of faults x outcomes, and writes it (--out, JSON plus a .md table beside it).
 
@@ -52,6 +54,7 @@ class Job:
         self.incarnation = 0
         self.workers = []
         self.restart_at = None  # when all workers of the incarnation are gone
+        self.kill_at = None     # when the incarnation's survivors are killed
         self.progress = {}      # rank -> monotonic time of its last progress line
         self.restarts = 0
 
@@ -68,6 +71,7 @@ class FaultRun:
     def start_job(self, job):
         job.workers = []
         job.restart_at = None
+        job.kill_at = None
         job.progress = {}
         for node in range(self.cluster.nodes):
             for lr in range(self.cluster.workers_per_node):
@@ -107,17 +111,22 @@ class FaultRun:
                 "rank": w.rank, "returncode": w.returncode, "tail": w.lines[-3:]}))
         if w.incarnation != job.incarnation:
             return
-        # torchrun: one worker gone ends the incarnation; the others are stopped, then all
-        # restart.
+        # torchrun: one worker gone ends the incarnation; the others are stopped (after they
+        # had the time to fail on their own), then all restart.
+        if job.kill_at is None:
+            job.kill_at = now + self.args.round_timeout_ms / 1000 + 6
+        if all(o.returncode is not None for o in job.workers):
+            job.restart_at = now + 0.2
+
+    def kill_survivors(self, job):
         for other in job.workers:
             if other.returncode is None and other.expected_death is None:
                 other.expected_death = "supervisor"
-                try:
-                    other.proc.send_signal(signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        if all(o.returncode is not None for o in job.workers):
-            job.restart_at = now + 0.2
+                for sig in (signal.SIGKILL, signal.SIGCONT):
+                    try:
+                        other.proc.send_signal(sig)
+                    except ProcessLookupError:
+                        pass
 
     def pump(self, seconds=None, until=None, limit=None):
         """Runs the event loop for `seconds`, or until until() is true (False at `limit`)."""
@@ -125,6 +134,9 @@ class FaultRun:
         while True:
             now = time.monotonic()
             for job in self.jobs.values():
+                if job.kill_at is not None and now >= job.kill_at and job.restart_at is None:
+                    self.kill_survivors(job)
+                    job.kill_at = float("inf")
                 if job.restart_at is not None and now >= job.restart_at:
                     job.incarnation += 1
                     job.restarts += 1
@@ -142,6 +154,10 @@ class FaultRun:
     def stop(self):
         for w in self.ws.running():
             w.expected_death = "end"
+            try:
+                w.proc.send_signal(signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         self.ws.kill_all()
         while self.ws.running():
             self.ws.poll(1.0, self.on_line)
@@ -236,78 +252,94 @@ def main(argv=None):
         if f not in FAULTS:
             p.error("unknown fault %r" % f)
     rng = random.Random(args.seed)
-    rows, injections = [], []
+    injections = []
+    soaklib.exit_on_sigterm()
     with soaklib.LocalCluster(nodes=args.nodes, workers_per_node=args.workers_per_node,
                               aggregator=agg_bin, linkproxy=proxy_bin, link_proxy=True,
                               round_timeout_ms=args.round_timeout_ms) as cluster:
         run = FaultRun(args, cluster, worker_bin)
-        t0 = time.monotonic()
-        if not run.pump(until=lambda: run.all_progress_since(t0), limit=120):
-            sys.exit("faults: the jobs did not start:\n%s" % "\n".join(
-                str(e) for e in run.events[-10:]))
-        base_fds = {k: v["fds"] for k, v in soaklib.sample_all(cluster).items()}
-        rss_first = None
-        for rep in range(args.repeats):
-            for fault in faults:
-                # A steady state first: every rank of every job progressing.
-                t_ready = time.monotonic()
-                steady = run.pump(until=lambda: run.all_progress_since(t_ready), limit=120)
-                pre = soaklib.sample_all(cluster)
-                n_events = len(run.events)
-                t_inject = time.monotonic()
-                what, t_end, extra = inject(run, cluster, fault, rng, args.hold)
-                recovered = run.pump(until=lambda: run.all_progress_since(t_end),
-                                     limit=max(2 * args.recovery_bound, 60))
-                recovery = None
-                if recovered:
-                    recovery = max(min(j.progress.values()) for j in run.jobs.values()) - t_end
-                # Leaks: the same workers are connected again, so the same fds.
-                post, fds_back = soaklib.wait_fds_settled(
-                    cluster, quiet_s=1.0, limit_s=20,
-                    at_most={k: v["fds"] for k, v in pre.items()})
-                # The event loop did not run while fds settled: catch up (and make sure the jobs
-                # are still running).
-                run.pump(seconds=0.5)
-                evs = run.events[n_events:]
-                fails = [e for e in evs if e[1] == "fail"]
-                row = {
-                    "fault": fault, "repeat": rep, "target": what, "steady_before": steady,
-                    "hold_s": args.hold, "wrong": sum(e[1] == "wrong" for e in evs),
-                    "failed_rounds": len(fails),
-                    "codes": sorted({e[3]["code"] for e in fails}),
-                    "unnamed": [e[3] for e in fails if not e[3]["named"]][:5],
-                    "unexplained_exits": [e[3] for e in evs if e[1] == "unexplained-exit"][:5],
-                    "recovered": recovered, "recovery_s": recovery,
-                    "fds_delta": {k: post[k]["fds"] - pre[k]["fds"] for k in post if k in pre},
-                    "rss_kib": {k: post[k]["rss_kib"] for k in post},
-                    "example": fails[0][3]["message"][:200] if fails else "",
-                    "wrong_lines": [e[3]["line"] for e in evs if e[1] == "wrong"][:3],
-                }
-                row.update(extra)
-                problems = []
-                if row["wrong"]:
-                    problems.append("wrong results")
-                if row["unnamed"] or row["unexplained_exits"]:
-                    problems.append("unnamed failure")
-                if not recovered or recovery > args.recovery_bound:
-                    problems.append("no recovery within %.0f s" % args.recovery_bound)
-                if not fds_back:
-                    problems.append("fds not back: %s" % row["fds_delta"])
-                if fault == "link-delay" and row.get("chunks", 0) == 0:
-                    problems.append("no traffic crossed the delayed link")
-                row["problems"] = problems
-                injections.append(row)
-                print("faults: %-13s %-32s failed %3d codes %-40s recovery %s %s" % (
-                    fault, what, len(fails), ",".join(row["codes"]) or "-",
-                    "%.1f s" % recovery if recovery is not None else "NONE",
-                    "; ".join(problems) or "ok"), flush=True)
-            if rss_first is None:
-                rss_first = {k: v["rss_kib"] for k, v in soaklib.sample_all(cluster).items()}
-        run.stop()
-        end, fds_home = soaklib.wait_fds_settled(cluster, at_most=base_fds)
+        try:
+            end, fds_home, base_fds, rss_first = run_faults(args, cluster, run, faults, rng,
+                                                            injections)
+        finally:
+            run.stop()
         total_restarts = sum(j.restarts for j in run.jobs.values())
         wrong_total = sum(e[1] == "wrong" for e in run.events)
+    return report(args, faults, injections, end, base_fds, rss_first, total_restarts,
+                  wrong_total)
 
+
+def run_faults(args, cluster, run, faults, rng, injections):
+    """Injects every fault --repeats times, appending a row per injection to `injections`."""
+    t0 = time.monotonic()
+    if not run.pump(until=lambda: run.all_progress_since(t0), limit=120):
+        sys.exit("faults: the jobs did not start:\n%s" % "\n".join(
+            str(e) for e in run.events[-10:]))
+    base_fds = {k: v["fds"] for k, v in soaklib.sample_all(cluster).items()}
+    rss_first = None
+    for rep in range(args.repeats):
+        for fault in faults:
+            # A steady state first: every rank of every job progressing.
+            t_ready = time.monotonic()
+            steady = run.pump(until=lambda: run.all_progress_since(t_ready), limit=120)
+            pre = soaklib.sample_all(cluster)
+            n_events = len(run.events)
+            what, t_end, extra = inject(run, cluster, fault, rng, args.hold)
+            recovered = run.pump(until=lambda: run.all_progress_since(t_end),
+                                 limit=max(2 * args.recovery_bound, 60))
+            recovery = None
+            if recovered:
+                recovery = max(min(j.progress.values()) for j in run.jobs.values()) - t_end
+            # Leaks: the same workers are connected again, so the same fds.
+            post, fds_back = soaklib.wait_fds_settled(
+                cluster, quiet_s=1.0, limit_s=20,
+                at_most={k: v["fds"] for k, v in pre.items()})
+            # The event loop did not run while fds settled: catch up (and make sure the jobs
+            # are still running).
+            run.pump(seconds=0.5)
+            evs = run.events[n_events:]
+            fails = [e for e in evs if e[1] == "fail"]
+            row = {
+                "fault": fault, "repeat": rep, "target": what, "steady_before": steady,
+                "hold_s": args.hold, "wrong": sum(e[1] == "wrong" for e in evs),
+                "failed_rounds": len(fails),
+                "codes": sorted({e[3]["code"] for e in fails}),
+                "unnamed": [e[3] for e in fails if not e[3]["named"]][:5],
+                "unexplained_exits": [e[3] for e in evs if e[1] == "unexplained-exit"][:5],
+                "recovered": recovered, "recovery_s": recovery,
+                "fds_delta": {k: post[k]["fds"] - pre[k]["fds"] for k in post if k in pre},
+                "rss_kib": {k: post[k]["rss_kib"] for k in post},
+                "example": fails[0][3]["message"][:200] if fails else "",
+                "wrong_lines": [e[3]["line"] for e in evs if e[1] == "wrong"][:3],
+            }
+            row.update(extra)
+            problems = []
+            if row["wrong"]:
+                problems.append("wrong results")
+            if row["unnamed"] or row["unexplained_exits"]:
+                problems.append("unnamed failure")
+            if not recovered or recovery > args.recovery_bound:
+                problems.append("no recovery within %.0f s" % args.recovery_bound)
+            if not fds_back:
+                problems.append("fds not back: %s" % row["fds_delta"])
+            if fault == "link-delay" and row.get("chunks", 0) == 0:
+                problems.append("no traffic crossed the delayed link")
+            row["problems"] = problems
+            injections.append(row)
+            print("faults: %-13s %-32s failed %3d codes %-40s recovery %s %s" % (
+                fault, what, len(fails), ",".join(row["codes"]) or "-",
+                "%.1f s" % recovery if recovery is not None else "NONE",
+                "; ".join(problems) or "ok"), flush=True)
+        if rss_first is None:
+            rss_first = {k: v["rss_kib"] for k, v in soaklib.sample_all(cluster).items()}
+    run.stop()
+    end, fds_home = soaklib.wait_fds_settled(cluster, at_most=base_fds)
+    return end, fds_home, base_fds, rss_first
+
+
+def report(args, faults, injections, end, base_fds, rss_first, total_restarts, wrong_total):
+    """Prints the table of faults x outcomes, writes --out; returns the exit code."""
+    rows = []
     # One row per fault kind.
     for fault in faults:
         rs = [r for r in injections if r["fault"] == fault]

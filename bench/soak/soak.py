@@ -42,6 +42,7 @@ def main(argv=None):
     soaklib.add_binary_args(p)
     args = p.parse_args(argv)
     worker_bin, agg_bin, proxy_bin = soaklib.binaries(args)
+    soaklib.exit_on_sigterm()
 
     jobs = args.jobs + args.churn_jobs
     rounds_per_step = 2 * args.layers

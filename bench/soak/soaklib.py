@@ -1,9 +1,11 @@
 """Shared by soak.py and faults.py: finding the binaries, sampling aggregator processes from
 /proc, running hsbn-soak-worker processes and reading their reports."""
 
+import atexit
 import glob
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -12,7 +14,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "client", "python"))
 
-from hsbn.cluster import LocalCluster  # noqa: E402  (after the path above)
+from hsbn.cluster import LocalCluster  # noqa: E402,F401  (after the path above; for the scripts)
+
+_ALL_SETS = []
+
+
+@atexit.register
+def _kill_workers_left():
+    # However a script ends (an exception, SIGTERM through sys.exit), no worker outlives it.
+    for ws in _ALL_SETS:
+        for w in ws.running():
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    w.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+
+def exit_on_sigterm():
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))
 
 
 def find_binary(flag_value, env_var, relative):
@@ -131,6 +151,7 @@ class WorkerSet:
     def __init__(self):
         self.sel = selectors.DefaultSelector()
         self.workers = []
+        _ALL_SETS.append(self)
 
     def add(self, w):
         os.set_blocking(w.proc.stdout.fileno(), False)
