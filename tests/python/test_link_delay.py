@@ -77,3 +77,32 @@ def test_link_commands_are_checked_and_need_proxies():
 def test_a_bad_link_delay_is_refused(bad):
     with pytest.raises(ValueError, match="link_delay_ms"):
         hsbn.cluster.LocalCluster(nodes=2, workers_per_node=1, link_delay_ms=bad)
+
+
+def test_the_proxy_binary_documents_its_commands_and_takes_them_on_stdin(tmp_path):
+    import subprocess
+    from hsbn import _lib
+    binary = _lib.linkproxy_path()
+    text = subprocess.run([binary, "--help"], capture_output=True, text=True, check=True).stdout
+    for word in ("--target", "--listen", "--delay-ms", "--control", "--ready-file", "drop",
+                 "reset", "stall", "resume", "delay UP [DOWN]", "stats", "stats-reset", "quit"):
+        assert word in text, word
+    bad = subprocess.run([binary, "--target=127.0.0.1:1", "--delay-ms=-4"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "--delay-ms" in bad.stderr
+    ready = tmp_path / "ready"
+    p = subprocess.Popen([binary, "--target=127.0.0.1:1", "--ready-file=%s" % ready],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        p.stdin.write("delay 3\nstats\nbogus\n")
+        p.stdin.flush()
+        assert p.stdout.readline() == "ok delay up=3 down=3\n"
+        stats = p.stdout.readline()
+        assert stats.startswith("ok mode=forward ") and " delay_down_ms=3 " in stats
+        assert p.stdout.readline().startswith("error unknown command")
+        p.stdin.close()  # EOF on stdin ends the proxy
+        assert p.wait(60) == 0
+        assert ready.read_text().startswith("127.0.0.1:")
+    finally:
+        if p.poll() is None:
+            p.kill()
