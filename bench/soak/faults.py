@@ -102,6 +102,8 @@ class FaultRun:
         elif parts[0] == "FAIL":
             w.saw_fail = True
             code, message = (parts[7], parts[8]) if len(parts) > 8 else ("?", line)
+            # The cluster's temporary folder is no part of the cause (nor of a result file).
+            message = message.replace(self.cluster.workdir, "<cluster dir>")
             named = code in GOOD_CODES and bool(CAUSE.search(message))
             self.events.append((now, "fail", w.job, {"rank": w.rank, "code": code,
                                                      "message": message[:300],

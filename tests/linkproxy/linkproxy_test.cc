@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <sstream>
 #include <string>
@@ -90,8 +91,8 @@ int RecvEnd(int fd) {
 class ProxyFixture {
  public:
   explicit ProxyFixture(int target_port, int64_t delay_ms = 0) {
-    char tmpl[] = "/tmp/hsbn-linkproxy-test-XXXXXX";
-    dir_ = mkdtemp(tmpl);
+    std::string tmpl = std::filesystem::temp_directory_path() / "hsbn-linkproxy-test-XXXXXX";
+    dir_ = mkdtemp(tmpl.data());
     Options o;
     o.target = "127.0.0.1:" + std::to_string(target_port);
     o.delay_up_ms = o.delay_down_ms = delay_ms;

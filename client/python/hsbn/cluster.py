@@ -312,6 +312,11 @@ class LocalCluster:
 
     # --- the simulated link and restarts (fault injection) ---------------------------------------
 
+    @property
+    def workdir(self):
+        """The folder of the sockets, ready files and logs."""
+        return self._workdir
+
     def _control_path(self, node):
         return os.path.join(self._workdir, "link%d.control" % node)
 
