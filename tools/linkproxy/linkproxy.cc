@@ -546,7 +546,9 @@ bool LinkProxy::Step(int timeout_ms) {
           }
           break;
         }
-        if (ev & POLLERR) {
+        // POLLERR, or a hang-up on a side that already sent its FIN: that peer is gone, and
+        // what is queued for it cannot be delivered (polling on would spin).
+        if ((ev & POLLERR) || ((ev & POLLHUP) && (kind == kClient ? c.up.eof : c.down.eof))) {
           ResetConn(c);
           break;
         }

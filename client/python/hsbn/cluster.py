@@ -119,12 +119,11 @@ class LocalCluster:
         nothing (default None: sidecars connect to the root directly).
       link_proxy: put the proxies in place even without a delay (fault injection).
       linkproxy: path of hsbn-linkproxy (default: found as hsbn._lib.linkproxy_path() finds it).
-      aggregator_args: more flags for every aggregator.
     """
 
     def __init__(self, nodes=2, workers_per_node=4, job_id=None, round_timeout_ms=None,
                  root=True, aggregator=None, workdir=None, startup_timeout=30.0,
-                 link_delay_ms=None, link_proxy=False, linkproxy=None, aggregator_args=()):
+                 link_delay_ms=None, link_proxy=False, linkproxy=None):
         if nodes < 1 or workers_per_node < 1:
             raise ValueError("LocalCluster needs at least one node and one worker per node")
         if link_delay_ms is not None and not (
@@ -144,9 +143,6 @@ class LocalCluster:
         self.link_delay_ms = link_delay_ms
         self._link_proxy = bool(link_proxy) or link_delay_ms is not None
         self._linkproxy = linkproxy
-        self._aggregator_args = list(aggregator_args)
-        self._binary = None
-        self._common = []
         self.root = None
         self.proxies = []
         self.sidecars = []
@@ -165,8 +161,6 @@ class LocalCluster:
         common = []
         if self.round_timeout_ms is not None:
             common.append("--round-timeout-ms=%d" % self.round_timeout_ms)
-        common += self._aggregator_args
-        self._binary, self._common = binary, common
         try:
             deadline = time.monotonic() + self._startup_timeout
             if self._with_root:
