@@ -140,6 +140,7 @@ hsbn_result hsbn_client_create(const hsbn_options* options, hsbn_client** out) {
     }
   }
   if (absl::Status s = hsbn::AutoPolicyFromEnv(&o.auto_policy); !s.ok()) return Fail(s);
+  if (absl::Status s = hsbn::IncarnationFromEnv(&o.incarnation); !s.ok()) return Fail(s);
   auto client = hsbn::Client::Connect(o);
   if (!client.ok()) return Fail(client.status());
   *out = new hsbn_client{std::move(*client)};

@@ -146,8 +146,23 @@ absl::StatusOr<ClientOptions> ClientOptions::FromEnv() {
   }
   o.group_nodes = int32_t(v);
   if (absl::Status s = AutoPolicyFromEnv(&o.auto_policy); !s.ok()) return s;
+  if (absl::Status s = IncarnationFromEnv(&o.incarnation); !s.ok()) return s;
   if (absl::Status s = o.Validate(); !s.ok()) return s;
   return o;
+}
+
+absl::Status IncarnationFromEnv(uint64_t* incarnation) {
+  for (const char* name : {"HSBN_INCARNATION", "TORCHELASTIC_RESTART_COUNT"}) {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') continue;
+    if (!absl::SimpleAtoi(v, incarnation)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, "=", wire::Printable(v, 64), " is not a run number (a non-negative integer)"));
+    }
+    return absl::OkStatus();
+  }
+  *incarnation = 0;
+  return absl::OkStatus();
 }
 
 absl::Status AutoPolicyFromEnv(AutoPolicy* policy) {
@@ -876,6 +891,7 @@ class Client::Impl {
     req.set_token(options_.token);
     req.set_strict_finite(options_.strict_finite);
     req.set_group_nodes(options_.group_nodes);
+    req.set_incarnation(options_.incarnation);
     v1::JoinResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(deadline + std::chrono::seconds(5));

@@ -786,6 +786,9 @@ grpc::Status Aggregator::Join(const v1::JoinRequest& req, v1::JoinResponse* resp
     return wire::ToGrpc(joined.status());
   }
   Execute(actions, joined->job->id());
+  // The root holds the old run with this node's session in it: leave it, like a dropped job;
+  // the new run's first forward joins the root again, with the new incarnation.
+  if (joined->replaced && parent_) parent_->Leave(joined->replaced->id());
   Log(LogLevel::kDebug, absl::StrCat("job '", req.job_id(), "': ",
                                      joined->job->MemberName(joined->index), " joined"));
   resp->set_session(joined->session.Bytes());

@@ -941,6 +941,12 @@ void Job::ParentLost(const absl::Status& status, Actions* out) {
                        [&](const RoundKey&) { return status; }, /*tell_parent=*/false, out);
 }
 
+void Job::Retire(const absl::Status& status, Actions* out) {
+  absl::MutexLock lock(&mu_);
+  FailOpenRoundsLocked([](const Round&) { return true; },
+                       [&](const RoundKey&) { return status; }, /*tell_parent=*/false, out);
+}
+
 void Job::Expire(Clock::time_point now, Actions* out) {
   absl::MutexLock lock(&mu_);
   std::vector<std::pair<RoundKey, absl::Status>> doomed;

@@ -82,6 +82,7 @@ struct JobLayout {
   int32_t num_nodes = 0;
   int32_t node_rank = -1;  // at a sidecar: the node it serves for this job; -1 at the root
   bool strict_finite = false;  // JoinRequest.strict_finite: non-finite values fail rounds
+  uint64_t incarnation = 0;    // JoinRequest.incarnation: which run of the job
   int32_t group_nodes = 0;     // JoinRequest.group_nodes: nodes per group, 0: no groups
   // Members expected here: local ranks at a sidecar, nodes at the root.
   int32_t group_size() const {
@@ -194,6 +195,10 @@ class Job {
   void ParentResult(const v1::Result& result, Actions* out);
   // The link to the parent broke: every round waiting for it fails with `status`.
   void ParentLost(const absl::Status& status, Actions* out);
+  // The job was replaced by a new run of it (a Join with a higher incarnation): fails every
+  // open round with `status`, without telling the parent (the parent learns from the new run's
+  // Join).
+  void Retire(const absl::Status& status, Actions* out);
   // Fails rounds whose deadline has passed.
   void Expire(Clock::time_point now, Actions* out);
   // Fails every open round (shutdown).

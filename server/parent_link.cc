@@ -422,6 +422,7 @@ void ParentLink::StartJoin(const Item& item) {
   req.set_local_rank(-1);
   req.set_strict_finite(item.layout.strict_finite);
   req.set_group_nodes(item.layout.group_nodes);
+  req.set_incarnation(item.layout.incarnation);
   if (auto last = last_session_.find(item.job_id); last != last_session_.end()) {
     req.set_previous_session(last->second.Bytes());
   }

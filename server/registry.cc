@@ -112,6 +112,7 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
   layout.node_rank = worker ? req.node_rank() : -1;
   layout.strict_finite = req.strict_finite();
   layout.group_nodes = req.group_nodes();
+  layout.incarnation = req.incarnation();
   const int32_t index = worker ? req.local_rank() : req.node_rank();
 
   Joined joined;
@@ -123,6 +124,25 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
     // a sweep can never see a new job without members and drop it.
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(req.job_id());
+    if (it != jobs_.end() && layout.incarnation != it->second->layout().incarnation) {
+      const uint64_t current = it->second->layout().incarnation;
+      if (layout.incarnation < current) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            who, " of job '", req.job_id(), "' belongs to run (incarnation) ",
+            layout.incarnation, " but aggregator ", options_.id, " already serves run ", current,
+            " of that job: a process of an earlier run is still trying to join"));
+      }
+      // A new run of the job: the old one ends here, and none of its rounds, kept results or
+      // sessions can answer the new run (whose seqs start again from 0).
+      joined.replaced = it->second;
+      std::vector<SessionId> gone;
+      for (const auto& [session, ref] : sessions_) {
+        if (ref.job == joined.replaced) gone.push_back(session);
+      }
+      for (const SessionId& session : gone) sessions_.erase(session);
+      jobs_.erase(it);
+      it = jobs_.end();
+    }
     std::shared_ptr<Job> job;
     if (it == jobs_.end()) {
       if (int32_t(jobs_.size()) >= options_.max_jobs) {
@@ -155,6 +175,17 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
     }
     sessions_[joined.session] = SessionRef{job, index};
     joined.job = std::move(job);
+  }
+  if (joined.replaced) {
+    Log(LogLevel::kInfo, absl::StrCat("job '", req.job_id(), "': run ",
+                                      joined.replaced->layout().incarnation,
+                                      " ended by the Join of run ", layout.incarnation));
+    joined.replaced->Retire(
+        absl::AbortedError(absl::StrCat(
+            "job '", req.job_id(), "' was restarted: run (incarnation) ", layout.incarnation,
+            " joined, so this round of run ", joined.replaced->layout().incarnation,
+            " can never complete")),
+        out);
   }
   if (!req.token().empty()) joined.job->SetToken(req.token());
   return joined;

@@ -52,6 +52,8 @@ class Registry {
     std::shared_ptr<Job> job;
     int32_t index = -1;
     int32_t num_nodes = 0;
+    // The job this Join ended, when it started a new run of it (a higher incarnation).
+    std::shared_ptr<Job> replaced;
   };
 
   explicit Registry(RegistryOptions options);

@@ -183,6 +183,7 @@ int RunRank(const Config& cfg, int local_rank) {
       o.node_rank = cfg.node_rank;
       o.round_timeout = std::chrono::milliseconds(cfg.round_timeout_ms);
       o.connect_timeout = std::chrono::milliseconds(cfg.connect_timeout_ms);
+      o.incarnation = l.incarnation;  // the run number a restarting launcher gives (faults.py)
       auto c = Client::Connect(o);
       if (!c.ok()) {
         Emit(absl::StrCat("FAIL ", job, " ", rank, " - ", step, " join - ",

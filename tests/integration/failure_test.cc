@@ -622,6 +622,66 @@ TEST(Failures, FinishedJobIsDroppedAtTheRootToo) {
   EXPECT_EQ(jobs, 0) << "the root still holds the finished job";
 }
 
+// A job restarted under the same job id (torchrun restarts every worker, seqs start again from
+// 0) with a higher incarnation ends the old run at the sidecars and the root: the old run's open
+// rounds fail ABORTED, and no round of it can answer the new run, not even for a member whose
+// contribution is byte-identical to its old one. A process of the old run cannot join again.
+TEST(Failures, RestartedRunNeverMeetsTheOldRunsRounds) {
+  auto c = StartCluster(2, 1);
+  ASSERT_TRUE(c);
+  auto connect = [&](int rank, uint64_t incarnation) -> absl::StatusOr<std::unique_ptr<Client>> {
+    ClientOptions o = testing::RankOptions(*c, rank, "restarted");
+    o.incarnation = incarnation;
+    return Client::Connect(o);
+  };
+  auto global = [](std::vector<Client*> clients, uint32_t op, const std::vector<double>& means,
+                   std::vector<std::vector<double>>* out) {
+    std::vector<absl::StatusOr<std::shared_ptr<PendingRound>>> started;
+    for (size_t i = 0; i < clients.size(); ++i) {
+      const std::vector<double> a(2, means[i]), b(2, 1.0);
+      started.push_back(
+          clients[i]->Start(Phase::kForward, op, 0, Scope::kGlobal, 2, 2, a.data(), b.data()));
+    }
+    std::vector<absl::Status> st;
+    out->assign(clients.size(), std::vector<double>(2));
+    for (size_t i = 0; i < clients.size(); ++i) {
+      std::vector<double> b(2);
+      st.push_back(started[i].ok() ? clients[i]->Wait(**started[i], nullptr, (*out)[i].data(),
+                                                      b.data())
+                                   : started[i].status());
+    }
+    return st;
+  };
+  auto old0 = connect(0, 0), old1 = connect(1, 0);
+  ASSERT_TRUE(old0.ok() && old1.ok()) << old0.status() << old1.status();
+  std::vector<std::vector<double>> means;
+  auto st = global({old0->get(), old1->get()}, 0, {1.0, 3.0}, &means);
+  ASSERT_TRUE(st[0].ok() && st[1].ok()) << st[0] << st[1];
+  EXPECT_EQ(means[0][0], 2.0);
+  // A round of the old run left open at the root: rank 0 contributed, rank 1 never will.
+  const std::vector<double> a(2, 5.0), b(2, 1.0);
+  auto open = (*old0)->Start(Phase::kForward, 1, 0, Scope::kGlobal, 2, 2, a.data(), b.data());
+  ASSERT_TRUE(open.ok()) << open.status();
+
+  // The restart: both ranks join run 1 while the old run's processes still hold their streams.
+  auto new0 = connect(0, 1), new1 = connect(1, 1);
+  ASSERT_TRUE(new0.ok() && new1.ok()) << new0.status() << new1.status();
+  std::vector<double> ra(2), rb(2);
+  absl::Status aborted = (*old0)->Wait(**open, nullptr, ra.data(), rb.data());
+  EXPECT_EQ(aborted.code(), absl::StatusCode::kAborted) << aborted;
+  EXPECT_NE(aborted.message().find("restarted"), std::string::npos) << aborted;
+  // Rank 0 sends exactly what it sent in run 0 under the same key; rank 1 sends new data.
+  st = global({new0->get(), new1->get()}, 0, {1.0, 7.0}, &means);
+  ASSERT_TRUE(st[0].ok() && st[1].ok()) << st[0] << st[1];
+  EXPECT_EQ(means[0][0], 4.0);  // (1 + 7) / 2, not run 0's 2
+  EXPECT_EQ(means[1][0], 4.0);
+  // The old run's process cannot join the job again: its run is over.
+  auto stale = connect(0, 0);
+  ASSERT_FALSE(stale.ok());
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition) << stale.status();
+  EXPECT_NE(stale.status().message().find("incarnation"), std::string::npos) << stale.status();
+}
+
 TEST(CApi, ForwardRoundAndErrors) {
   auto c = StartCluster(1, 1);
   ASSERT_TRUE(c);

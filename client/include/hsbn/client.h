@@ -61,6 +61,10 @@ struct AutoPolicy {
 // HSBN_AUTO_RECHECK_EVERY into *policy where set (INVALID_ARGUMENT for a value that does not
 // parse; Validate checks the ranges).
 absl::Status AutoPolicyFromEnv(AutoPolicy* policy);
+// Which run of the job this process belongs to: HSBN_INCARNATION, else torchrun's
+// TORCHELASTIC_RESTART_COUNT, else 0 (JoinRequest.incarnation). INVALID_ARGUMENT when set to
+// something other than a non-negative integer.
+absl::Status IncarnationFromEnv(uint64_t* incarnation);
 
 // An auto-scope op's decision as the client knows it (Client::AutoDecisionOf).
 struct AutoDecision {
@@ -91,6 +95,9 @@ struct ClientOptions {
   // Nodes per group for Scope::kGroup (HSBN_GROUP_NODES); 0: the job has no groups. Must divide
   // the number of nodes; every process of a job must agree.
   int32_t group_nodes = 0;
+  // Which run of the job (IncarnationFromEnv): a restarted job's processes must use a higher
+  // number than the previous run's, so that no aggregator mistakes them for the old run.
+  uint64_t incarnation = 0;
   // The policy of auto-scope ops without one of their own (Client::SetAutoPolicy); from
   // HSBN_AUTO_WARMUP, HSBN_AUTO_MAX_MEAN_SHIFT, HSBN_AUTO_MAX_LOG_VAR_RATIO,
   // HSBN_AUTO_RECHECK_EVERY.
