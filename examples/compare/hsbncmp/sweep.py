@@ -280,7 +280,9 @@ def _write(args, command, env, cfg, cells, default_cell, wall, final):
 def run(args, command):
     tasks = ["cls"]
     default_cell = (args.batch, args.skew)
+    # The default cell first: the goals are read from it, and a sweep cut short keeps it.
     cells_todo = [(b, sk) for sk in args.sweep_skews for b in args.sweep_batches]
+    cells_todo.sort(key=lambda c: c != default_cell)
     env = cli.environment()
     os.makedirs(args.out, exist_ok=True)
     print("hsbn_compare --sweep: %d nodes x %d workers, batches %s x skews %s, modes %s, "
@@ -301,6 +303,7 @@ def run(args, command):
                 n = max(n, args.sweep_default_seeds)
             seeds = list(range(args.first_seed, args.first_seed + n))
             cfg = cli.make_cfg(args, tasks, seeds, b, sk)
+            cfg["evals"] = 1   # no learning curves in the sweep
             cfg["test_items"] = int(len(np.load(cache["cls_test_y"], mmap_mode="r")))
             runs = cli.run_cell(args, cfg, d, pool, cache,
                                 label="cell %d/%d (batch %d, skew %g): "
