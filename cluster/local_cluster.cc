@@ -3,7 +3,9 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -111,10 +113,24 @@ std::string LocalCluster::DefaultAggregatorPath() {
 #endif
 }
 
+std::string LocalCluster::DefaultLinkProxyPath() {
+  if (const char* p = std::getenv("HSBN_LINKPROXY"); p != nullptr && *p != '\0') return p;
+#ifdef HSBN_BUILD_LINKPROXY
+  return HSBN_BUILD_LINKPROXY;
+#else
+  return "hsbn-linkproxy";
+#endif
+}
+
 absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(ClusterOptions options) {
   if (options.nodes < 1 || options.workers_per_node < 1) {
     return absl::InvalidArgumentError("a cluster needs at least one node and one worker");
   }
+  if (options.link_delay_ms < 0 || options.link_delay_ms > 600000) {
+    return absl::InvalidArgumentError(absl::StrCat("link_delay_ms must be within [0, 600000], got ",
+                                                   options.link_delay_ms));
+  }
+  if (options.link_delay_ms > 0) options.link_proxy = true;
   if (options.aggregator.empty()) options.aggregator = DefaultAggregatorPath();
   if (access(options.aggregator.c_str(), X_OK) != 0) {
     return absl::NotFoundError(absl::StrCat("hsbn-aggregator not found at '", options.aggregator,
@@ -135,6 +151,19 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(ClusterOptions
     if (!root.ok()) return root.status();
     c->root_ = std::move(*root);
     c->root_address_ = bound;
+  }
+  if (c->options_.link_proxy && !c->root_address_.empty()) {
+    if (c->options_.linkproxy.empty()) c->options_.linkproxy = DefaultLinkProxyPath();
+    if (access(c->options_.linkproxy.c_str(), X_OK) != 0) {
+      return absl::NotFoundError(absl::StrCat("hsbn-linkproxy not found at '",
+                                              c->options_.linkproxy,
+                                              "'; build it or set HSBN_LINKPROXY"));
+    }
+    c->proxies_.resize(c->options_.nodes);
+    c->proxy_addresses_.resize(c->options_.nodes);
+    for (int n = 0; n < c->options_.nodes; ++n) {
+      if (absl::Status s = c->StartLinkProxy(n); !s.ok()) return s;
+    }
   }
   c->sidecars_.resize(c->options_.nodes);
   for (int n = 0; n < c->options_.nodes; ++n) {
@@ -158,27 +187,87 @@ absl::StatusOr<std::unique_ptr<Subprocess>> LocalCluster::StartAggregator(
   for (const auto& f : options_.extra_flags) argv.push_back(f);
   auto p = Subprocess::Spawn(argv, {}, absl::StrCat(options_.dir, "/", name, ".log"));
   if (!p.ok()) return p.status();
+  auto address = WaitReady(name, ready, p->get());
+  if (!address.ok()) return address.status();
+  *bound = *address;
+  return p;
+}
+
+absl::StatusOr<std::string> LocalCluster::WaitReady(const std::string& name,
+                                                    const std::string& ready, Subprocess* p) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (std::chrono::steady_clock::now() < until) {
     std::ifstream in(ready);
     std::string line;
-    if (in && std::getline(in, line) && !line.empty()) {
-      *bound = line;
-      return p;
-    }
-    if (!(*p)->Running()) {
-      return absl::InternalError(absl::StrCat("aggregator '", name, "' exited at start; see ",
-                                              (*p)->log_path()));
+    if (in && std::getline(in, line) && !line.empty()) return line;
+    if (!p->Running()) {
+      return absl::InternalError(absl::StrCat("'", name, "' exited at start; see ",
+                                              p->log_path()));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  return absl::DeadlineExceededError(absl::StrCat("aggregator '", name,
-                                                  "' did not become ready in 20 s"));
+  return absl::DeadlineExceededError(absl::StrCat("'", name, "' did not become ready in 20 s"));
+}
+
+absl::Status LocalCluster::StartLinkProxy(int node) {
+  const std::string name = absl::StrCat("link", node);
+  const std::string ready = absl::StrCat(options_.dir, "/", name, ".ready");
+  std::remove(ready.c_str());
+  std::vector<std::string> argv = {
+      options_.linkproxy, "--target=" + root_address_, "--listen=127.0.0.1:0",
+      absl::StrCat("--delay-ms=", options_.link_delay_ms),
+      absl::StrCat("--control=", options_.dir, "/", name, ".control"), "--ready-file=" + ready};
+  auto p = Subprocess::Spawn(argv, {}, absl::StrCat(options_.dir, "/", name, ".log"));
+  if (!p.ok()) return p.status();
+  auto address = WaitReady(name, ready, p->get());
+  if (!address.ok()) return address.status();
+  proxies_[node] = std::move(*p);
+  proxy_addresses_[node] = *address;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> LocalCluster::LinkCommand(int node, const std::string& command) {
+  if (proxies_.empty()) {
+    return absl::FailedPreconditionError("this cluster has no link proxies (link_proxy)");
+  }
+  if (node < 0 || node >= options_.nodes) {
+    return absl::InvalidArgumentError(absl::StrCat("no node ", node));
+  }
+  const std::string path = absl::StrCat(options_.dir, "/link", node, ".control");
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError("control socket path too long: " + path);
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size());
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    if (fd >= 0) close(fd);
+    return absl::UnavailableError(absl::StrCat("link proxy ", node, " does not answer on ", path));
+  }
+  timeval tv{30, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  const std::string line = command + "\n";
+  std::string answer;
+  if (send(fd, line.data(), line.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(line.size())) {
+    char ch;
+    while (recv(fd, &ch, 1, 0) == 1 && ch != '\n') answer += ch;
+  }
+  close(fd);
+  if (answer.rfind("ok", 0) == 0) return answer.size() > 3 ? answer.substr(3) : "";
+  if (answer.empty()) {
+    return absl::UnavailableError(absl::StrCat("link proxy ", node, " gave no answer"));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("link proxy ", node, ": ", answer));
 }
 
 absl::Status LocalCluster::StartSidecar(int node) {
   std::vector<std::string> flags = {"--role=node", "--listen=" + sidecar_address(node)};
-  if (!root_address_.empty()) flags.push_back("--upstream=" + root_address_);
+  if (!proxy_addresses_.empty()) {
+    flags.push_back("--upstream=" + proxy_addresses_[node]);
+  } else if (!root_address_.empty()) {
+    flags.push_back("--upstream=" + root_address_);
+  }
   std::string bound;
   auto p = StartAggregator(absl::StrCat("node", node), flags, &bound);
   if (!p.ok()) return p.status();
@@ -217,6 +306,9 @@ std::map<std::string, std::string> LocalCluster::WorkerEnv(int rank,
 void LocalCluster::Stop() {
   for (auto& s : sidecars_) {
     if (s) s->Stop();
+  }
+  for (auto& p : proxies_) {
+    if (p) p->Stop();
   }
   if (root_) root_->Stop();
 }

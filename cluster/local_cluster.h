@@ -58,6 +58,13 @@ struct ClusterOptions {
   std::string dir;         // sockets, ready files, logs; "" = a new temporary directory
   std::vector<std::string> extra_flags;  // given to every aggregator
   bool root = true;        // start a root when nodes > 1
+  // Simulated cross-node link: with link_proxy (or a link_delay_ms > 0) every sidecar reaches
+  // the root through its own hsbn-linkproxy, which holds each chunk link_delay_ms in each
+  // direction; LinkCommand() cuts, stalls or re-delays one node's link. Node rounds never
+  // cross it, global and shadow rounds cross it twice (partial up, result down).
+  bool link_proxy = false;
+  int link_delay_ms = 0;
+  std::string linkproxy;   // path of hsbn-linkproxy; "" = $HSBN_LINKPROXY or the build's
 };
 
 class LocalCluster {
@@ -73,6 +80,14 @@ class LocalCluster {
   const std::string& root_address() const { return root_address_; }
   Subprocess* sidecar(int node) { return sidecars_.at(node).get(); }
   Subprocess* root() { return root_.get(); }
+  // The node's link proxy, or nullptr when the cluster has none.
+  Subprocess* link_proxy(int node) {
+    return proxies_.empty() ? nullptr : proxies_.at(node).get();
+  }
+  // Sends one command line to node `node`'s link proxy (see `hsbn-linkproxy --help`: drop,
+  // reset, stall, resume, delay UP [DOWN], stats) and returns its answer line without "ok ";
+  // an "error ..." answer is INVALID_ARGUMENT.
+  absl::StatusOr<std::string> LinkCommand(int node, const std::string& command);
 
   // RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, HSBN_JOB_ID, HSBN_ADDRESS.
   std::map<std::string, std::string> WorkerEnv(int rank, const std::string& job_id) const;
@@ -85,6 +100,8 @@ class LocalCluster {
 
   // The aggregator binary this cluster runs.
   static std::string DefaultAggregatorPath();
+  // The link proxy it runs when asked for one.
+  static std::string DefaultLinkProxyPath();
 
  private:
   explicit LocalCluster(ClusterOptions options) : options_(std::move(options)) {}
@@ -92,12 +109,18 @@ class LocalCluster {
                                                               std::vector<std::string> flags,
                                                               std::string* bound);
   absl::Status StartSidecar(int node);
+  absl::Status StartLinkProxy(int node);
+  // Waits for a ready file naming the bound address (written by aggregators and proxies).
+  absl::StatusOr<std::string> WaitReady(const std::string& name, const std::string& ready,
+                                        Subprocess* p);
 
   ClusterOptions options_;
   bool own_dir_ = false;
   std::string root_address_;
   std::unique_ptr<Subprocess> root_;
   std::vector<std::unique_ptr<Subprocess>> sidecars_;
+  std::vector<std::unique_ptr<Subprocess>> proxies_;  // one per node, or none
+  std::vector<std::string> proxy_addresses_;
 };
 
 }  // namespace hsbn::cluster

@@ -1,5 +1,5 @@
-"""Builds hsbn's wheel from the CMake build: the Python package, libhsbn.so and hsbn-aggregator,
-and the shared libraries they need that a plain Linux system does not have (gRPC, protobuf,
+"""Builds hsbn's wheel from the CMake build: the Python package, libhsbn.so, hsbn-aggregator
+and hsbn-linkproxy (LocalCluster's simulated link, when built), and the shared libraries they need that a plain Linux system does not have (gRPC, protobuf,
 Abseil, OpenSSL, ...), as auditwheel does: each bundled library is renamed with a hash of its
 contents (so it never clashes with another copy in the process), every reference to it is
 patched, and every native file finds its neighbours through RPATH $ORIGIN. Only glibc and the
@@ -9,7 +9,8 @@ The package uses ctypes, not the Python C API, so the wheel is `py3-none-linux_<
 Nothing is written into the source tree: the staging area is a temporary folder.
 
   python3 hsbn_wheel.py --lib build/client/libhsbn.so --aggregator build/server/hsbn-aggregator \\
-      --out build/dist          (what the CMake target hsbn_wheel runs)
+      --linkproxy build/tools/linkproxy/hsbn-linkproxy --out build/dist
+                                (what the CMake target hsbn_wheel runs)
 
 It is also the package's PEP 517 build backend, so `pip install client/python` builds the same
 wheel from the CMake build folder ($HSBN_BUILD_DIR, default build/ at the repository root, or
@@ -155,11 +156,15 @@ def _record_hash(data):
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def build(lib, aggregator, out_dir, work_dir=None, plat=None):
-    """Builds the wheel into out_dir and returns its path."""
+def build(lib, aggregator, out_dir, work_dir=None, plat=None, linkproxy=None):
+    """Builds the wheel into out_dir and returns its path. `linkproxy` (optional) is the
+    hsbn-linkproxy binary that LocalCluster's link_delay_ms / link_proxy use."""
     project = _project()
     plat = plat or "linux_" + platform.machine()
-    for f, what in ((lib, "libhsbn.so"), (aggregator, "hsbn-aggregator")):
+    natives_in = [(lib, "libhsbn.so"), (aggregator, "hsbn-aggregator")]
+    if linkproxy:
+        natives_in.append((linkproxy, "hsbn-linkproxy"))
+    for f, what in natives_in:
         if not os.path.isfile(f):
             raise BuildError("%s (%s) does not exist; build it first: cmake --build build "
                              "--target hsbn_c hsbn-aggregator" % (f, what))
@@ -175,7 +180,7 @@ def build(lib, aggregator, out_dir, work_dir=None, plat=None):
         native = os.path.join(stage, "hsbn", "_native")
         os.makedirs(native)
         elves = []
-        for src, name in ((lib, "libhsbn.so"), (aggregator, "hsbn-aggregator")):
+        for src, name in natives_in:
             dst = os.path.join(native, name)
             shutil.copyfile(src, dst)
             os.chmod(dst, 0o755)
@@ -239,7 +244,9 @@ def _native_from_build():
     lib = os.environ.get("HSBN_LIBRARY") or os.path.join(build_dir, "client", "libhsbn.so")
     agg = os.environ.get("HSBN_AGGREGATOR") or os.path.join(build_dir, "server",
                                                             "hsbn-aggregator")
-    return lib, agg
+    proxy = os.environ.get("HSBN_LINKPROXY") or os.path.join(build_dir, "tools", "linkproxy",
+                                                             "hsbn-linkproxy")
+    return lib, agg, (proxy if os.path.isfile(proxy) else None)
 
 
 def get_requires_for_build_wheel(config_settings=None):
@@ -247,8 +254,8 @@ def get_requires_for_build_wheel(config_settings=None):
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
-    lib, agg = _native_from_build()
-    return os.path.basename(build(lib, agg, wheel_directory))
+    lib, agg, proxy = _native_from_build()
+    return os.path.basename(build(lib, agg, wheel_directory, linkproxy=proxy))
 
 
 def build_sdist(sdist_directory, config_settings=None):
@@ -260,12 +267,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lib", required=True, help="libhsbn.so from the CMake build")
     p.add_argument("--aggregator", required=True, help="hsbn-aggregator from the CMake build")
+    p.add_argument("--linkproxy", help="hsbn-linkproxy from the CMake build (optional)")
     p.add_argument("--out", required=True, help="folder for the .whl")
     p.add_argument("--work", help="folder for the temporary staging area (default: $TMPDIR)")
     p.add_argument("--plat", help="platform tag (default: linux_<machine>)")
     a = p.parse_args(argv)
     try:
-        build(a.lib, a.aggregator, a.out, a.work, a.plat)
+        build(a.lib, a.aggregator, a.out, a.work, a.plat, linkproxy=a.linkproxy)
     except BuildError as e:
         print("hsbn_wheel: %s" % e, file=sys.stderr)
         return 1

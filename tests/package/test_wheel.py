@@ -40,6 +40,7 @@ def test_the_wheel_is_python3_generic_and_tagged_for_linux_x86_64(wheel):
         metadata = z.read("hsbn-0.1.0.dist-info/METADATA").decode()
         entry = z.read("hsbn-0.1.0.dist-info/entry_points.txt").decode()
         agg = z.getinfo("hsbn/_native/hsbn-aggregator")
+        proxy = z.getinfo("hsbn/_native/hsbn-linkproxy")  # LocalCluster(link_delay_ms=...)
     assert "Tag: py3-none-linux_x86_64\n" in meta and "Root-Is-Purelib: false\n" in meta
     # Nothing tied to one Python version: no extension modules, no bytecode.
     assert not [n for n in names if re.search(r"\.(pyc|pyd)$|cpython-|abi3", n)]
@@ -49,6 +50,7 @@ def test_the_wheel_is_python3_generic_and_tagged_for_linux_x86_64(wheel):
     assert any(re.match(r"hsbn/_native/libgrpc-[0-9a-f]{8}\.so\.\d+$", n) for n in natives)
     assert any(re.match(r"hsbn/_native/libprotobuf-[0-9a-f]{8}\.so\.\d+$", n) for n in natives)
     assert (agg.external_attr >> 16) & 0o111 == 0o111
+    assert (proxy.external_attr >> 16) & 0o111 == 0o111
     assert re.search(r"^Requires-External: glibc \(>=2\.\d+\)$", metadata, re.M)
     assert re.search(r"^Requires-Dist: numpy$", metadata, re.M)
     assert "hsbn = hsbn.cli:main\n" in entry

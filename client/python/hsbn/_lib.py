@@ -2,13 +2,15 @@
 
 Only the C ABI is bound, never C++ symbols, so the package works with any PyTorch build.
 The native parts are looked up, in order:
-  1. the environment: HSBN_LIBRARY (path to libhsbn.so), HSBN_AGGREGATOR (path to hsbn-aggregator);
+  1. the environment: HSBN_LIBRARY (path to libhsbn.so), HSBN_AGGREGATOR (path to hsbn-aggregator),
+     HSBN_LINKPROXY (path to hsbn-linkproxy, which LocalCluster's simulated link runs);
   2. the copy inside the installed package, hsbn/_native/ (the wheel puts them there, with the
      libraries they need);
   3. the system's loader paths: libhsbn.so in a folder of LD_LIBRARY_PATH or in the ld.so cache
-     (ldconfig), as dlopen("libhsbn.so") finds it; hsbn-aggregator on PATH;
-  4. the repository's CMake build folders (build*/client/libhsbn.so, build*/server/hsbn-aggregator)
-     relative to this source file, for a checkout used through PYTHONPATH=client/python.
+     (ldconfig), as dlopen("libhsbn.so") finds it; hsbn-aggregator and hsbn-linkproxy on PATH;
+  4. the repository's CMake build folders (build*/client/libhsbn.so, build*/server/hsbn-aggregator,
+     build*/tools/linkproxy/hsbn-linkproxy) relative to this source file, for a checkout used
+     through PYTHONPATH=client/python.
 """
 
 import ctypes
@@ -102,6 +104,20 @@ def aggregator_path():
     path = _locate("HSBN_AGGREGATOR", "hsbn-aggregator",
                    os.path.join("server", "hsbn-aggregator"),
                    "aggregator binary (hsbn-aggregator)", lambda: (on_path(), "$PATH"))
+    if not os.access(path, os.X_OK):
+        raise NativeNotFoundError("%s is not executable; `chmod +x` it." % path)
+    return path
+
+
+def linkproxy_path():
+    """Path of the hsbn-linkproxy binary (LocalCluster's link_delay_ms and link_proxy), found
+    as described in the module docstring."""
+    def on_path():
+        p = shutil.which("hsbn-linkproxy")
+        return os.path.abspath(p) if p else None
+    path = _locate("HSBN_LINKPROXY", "hsbn-linkproxy",
+                   os.path.join("tools", "linkproxy", "hsbn-linkproxy"),
+                   "link proxy binary (hsbn-linkproxy)", lambda: (on_path(), "$PATH"))
     if not os.access(path, os.X_OK):
         raise NativeNotFoundError("%s is not executable; `chmod +x` it." % path)
     return path

@@ -8,6 +8,12 @@ and tests.
 It starts real aggregator processes: a root listening on 127.0.0.1 (TCP, as across machines)
 and one sidecar per simulated node on a Unix socket, forwarding global rounds to the root.
 Worker ranks are laid out as torchrun lays them out: rank = node * workers_per_node + local_rank.
+
+With link_delay_ms (or link_proxy=True) every sidecar reaches the root through its own
+hsbn-linkproxy, which holds every chunk link_delay_ms in each direction: a simulated cross-node
+link on one machine (node rounds never cross it; global and shadow rounds cross it up and
+down). link_command(node, "drop" | "stall" | "resume" | "delay MS" | ...) cuts, stalls or
+re-delays one node's link; link_stats(node) reads the proxy's counters.
 """
 
 import multiprocessing
@@ -36,16 +42,24 @@ def _free_port():
 
 
 class _Aggregator:
-    def __init__(self, name, args, workdir):
+    """A child process (an aggregator or a link proxy) that writes its bound address into a
+    ready file once listening."""
+
+    def __init__(self, name, args, workdir, id_flag=True):
         self.name = name
         self.ready_file = os.path.join(workdir, name + ".ready")
         self.log_path = os.path.join(workdir, name + ".log")
-        self.args = args + ["--id=" + name, "--ready-file=" + self.ready_file]
+        self.args = args + (["--id=" + name] if id_flag else []) + [
+            "--ready-file=" + self.ready_file]
         self.proc = None
         self.addresses = []
 
     def start(self):
-        self._log = open(self.log_path, "wb")
+        try:
+            os.remove(self.ready_file)
+        except FileNotFoundError:
+            pass
+        self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
 
@@ -99,12 +113,24 @@ class LocalCluster:
       workdir: where sockets, ready files and logs go (default: a fresh temporary folder,
         removed on exit; a given folder is kept).
       startup_timeout: seconds to wait for the aggregators to be listening.
+      link_delay_ms: a simulated cross-node link: each sidecar reaches the root through its own
+        hsbn-linkproxy, holding every chunk this many milliseconds in each direction, so a
+        global round pays about 2 x link_delay_ms more than on loopback and a node round
+        nothing (default None: sidecars connect to the root directly).
+      link_proxy: put the proxies in place even without a delay (fault injection).
+      linkproxy: path of hsbn-linkproxy (default: found as hsbn._lib.linkproxy_path() finds it).
+      aggregator_args: more flags for every aggregator.
     """
 
     def __init__(self, nodes=2, workers_per_node=4, job_id=None, round_timeout_ms=None,
-                 root=True, aggregator=None, workdir=None, startup_timeout=30.0):
+                 root=True, aggregator=None, workdir=None, startup_timeout=30.0,
+                 link_delay_ms=None, link_proxy=False, linkproxy=None, aggregator_args=()):
         if nodes < 1 or workers_per_node < 1:
             raise ValueError("LocalCluster needs at least one node and one worker per node")
+        if link_delay_ms is not None and not (
+                isinstance(link_delay_ms, int) and 0 <= link_delay_ms <= 600000):
+            raise ValueError("link_delay_ms must be an int within [0, 600000], got %r"
+                             % (link_delay_ms,))
         self.nodes = int(nodes)
         self.workers_per_node = int(workers_per_node)
         self.world_size = self.nodes * self.workers_per_node
@@ -115,7 +141,14 @@ class LocalCluster:
         self._workdir = workdir
         self._own_workdir = workdir is None
         self._startup_timeout = startup_timeout
+        self.link_delay_ms = link_delay_ms
+        self._link_proxy = bool(link_proxy) or link_delay_ms is not None
+        self._linkproxy = linkproxy
+        self._aggregator_args = list(aggregator_args)
+        self._binary = None
+        self._common = []
         self.root = None
+        self.proxies = []
         self.sidecars = []
         self.root_address = None
         self.node_addresses = []
@@ -132,6 +165,8 @@ class LocalCluster:
         common = []
         if self.round_timeout_ms is not None:
             common.append("--round-timeout-ms=%d" % self.round_timeout_ms)
+        common += self._aggregator_args
+        self._binary, self._common = binary, common
         try:
             deadline = time.monotonic() + self._startup_timeout
             if self._with_root:
@@ -140,11 +175,23 @@ class LocalCluster:
                 self.root.start()
                 self.root.wait_ready(deadline)
                 self.root_address = self.root.addresses[0]
+            upstreams = [self.root_address] * self.nodes
+            if self._link_proxy and self.root_address:
+                proxy_binary = self._linkproxy or _lib.linkproxy_path()
+                for n in range(self.nodes):
+                    self.proxies.append(_Aggregator("link%d" % n, [
+                        proxy_binary, "--target=" + self.root_address, "--listen=127.0.0.1:0",
+                        "--delay-ms=%d" % (self.link_delay_ms or 0),
+                        "--control=" + self._control_path(n)], self._workdir, id_flag=False))
+                    self.proxies[-1].start()
+                for n, proxy in enumerate(self.proxies):
+                    proxy.wait_ready(deadline)
+                    upstreams[n] = proxy.addresses[0]
             for n in range(self.nodes):
                 sock = os.path.join(self._workdir, "node%d.sock" % n)
                 args = [binary, "--role=node", "--listen=unix:" + sock] + common
-                if self.root_address:
-                    args.append("--upstream=" + self.root_address)
+                if upstreams[n]:
+                    args.append("--upstream=" + upstreams[n])
                 self.sidecars.append(_Aggregator("node%d" % n, args, self._workdir))
                 self.sidecars[-1].start()
             for agg in self.sidecars:
@@ -157,7 +204,7 @@ class LocalCluster:
         return self
 
     def stop(self):
-        for agg in self.sidecars + ([self.root] if self.root else []):
+        for agg in self.sidecars + self.proxies + ([self.root] if self.root else []):
             agg.stop()
         if self._own_workdir and self._workdir and os.path.isdir(self._workdir):
             shutil.rmtree(self._workdir, ignore_errors=True)
@@ -259,9 +306,72 @@ class LocalCluster:
         return [results[r] for r in range(self.world_size)]
 
     def logs(self):
-        """The aggregators' output so far, by aggregator id (for diagnosing a failure)."""
-        aggs = ([self.root] if self.root else []) + self.sidecars
+        """The aggregators' and link proxies' output so far, by id (for diagnosing a failure)."""
+        aggs = ([self.root] if self.root else []) + self.sidecars + self.proxies
         return {a.name: a.log_tail(100000) for a in aggs}
+
+    # --- the simulated link and restarts (fault injection) ---------------------------------------
+
+    def _control_path(self, node):
+        return os.path.join(self._workdir, "link%d.control" % node)
+
+    def link_command(self, node, command, timeout=30.0):
+        """Sends one command line to node `node`'s link proxy (`hsbn-linkproxy --help`: drop,
+        reset, stall, resume, delay UP [DOWN], stats, stats-reset) and returns its answer
+        without the leading "ok". An "error ..." answer raises ClusterError."""
+        if not self.proxies:
+            raise ClusterError("this LocalCluster has no link proxies (link_delay_ms or "
+                               "link_proxy=True)")
+        if not 0 <= node < self.nodes:
+            raise ValueError("no node %d in this cluster" % node)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(self._control_path(node))
+            s.sendall(command.encode() + b"\n")
+            answer = b""
+            while not answer.endswith(b"\n"):
+                part = s.recv(4096)
+                if not part:
+                    break
+                answer += part
+        answer = answer.decode().strip()
+        if not answer.startswith("ok"):
+            raise ClusterError("link proxy %d: %s" % (node, answer or "no answer"))
+        return answer[3:]
+
+    def link_stats(self, node):
+        """Node `node`'s link proxy counters: mode, open, accepted, refused, reset, delays, and
+        per direction (up: sidecar -> root; down) bytes, chunks and held_min/max/sum_us, the
+        time each chunk was held before it was written on."""
+        stats = {}
+        for word in self.link_command(node, "stats").split():
+            key, _, value = word.partition("=")
+            stats[key] = value if key == "mode" else int(value)
+        return stats
+
+    def pids(self):
+        """The process ids of the running aggregators and link proxies, by id."""
+        procs = ([self.root] if self.root else []) + self.sidecars + self.proxies
+        return {p.name: p.proc.pid for p in procs if p.proc is not None and p.proc.poll() is None}
+
+    def restart_sidecar(self, node):
+        """Stops node `node`'s sidecar (SIGTERM; nothing if it already died) and starts it
+        again on the same socket."""
+        agg = self.sidecars[node]
+        agg.stop()
+        agg.start()
+        agg.wait_ready(time.monotonic() + self._startup_timeout)
+
+    def restart_root(self):
+        """Stops the root (SIGTERM; nothing if it already died) and starts it again on the
+        same address, so sidecars (and link proxies) reconnect to it."""
+        if not self.root:
+            raise ClusterError("this LocalCluster has no root")
+        self.root.stop()
+        self.root.args = [a if not a.startswith("--listen=") else "--listen=" + self.root_address
+                          for a in self.root.args]
+        self.root.start()
+        self.root.wait_ready(time.monotonic() + self._startup_timeout)
 
 
 def _run_worker(env, rank, fn, args, queue):

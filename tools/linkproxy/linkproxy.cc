@@ -1,0 +1,580 @@
+#include "linkproxy.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <sstream>
+
+namespace hsbn::linkproxy {
+namespace {
+
+constexpr size_t kReadSize = 64 * 1024;
+constexpr size_t kMaxControlLine = 4096;
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void SetNonBlocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+// Closes with an RST instead of a FIN: the peer sees "connection reset", as when a link or a
+// middlebox drops the connection.
+void CloseWithReset(int fd) {
+  if (fd < 0) return;
+  linger l{1, 0};
+  setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof(l));
+  close(fd);
+}
+
+bool Resolve(const std::string& hostport, bool passive, addrinfo** out, std::string* error) {
+  std::string host, port;
+  if (!SplitHostPort(hostport, &host, &port)) {
+    *error = "'" + hostport + "' is not host:port";
+    return false;
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  if (passive) hints.ai_flags = AI_PASSIVE;
+  const int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, out);
+  if (rc != 0) {
+    *error = "cannot resolve '" + hostport + "': " + gai_strerror(rc);
+    return false;
+  }
+  return true;
+}
+
+std::vector<std::string> Words(const std::string& line) {
+  std::istringstream in(line);
+  std::vector<std::string> w;
+  for (std::string s; in >> s;) w.push_back(s);
+  return w;
+}
+
+bool ParseMs(const std::string& s, int64_t* ms) {
+  if (s.empty() || s.size() > 9) return false;
+  for (char ch : s) {
+    if (ch < '0' || ch > '9') return false;
+  }
+  *ms = std::stoll(s);
+  return true;
+}
+
+void AddHeld(DirectionStats& d, int64_t us) {
+  d.held_min_us = d.held_min_us < 0 ? us : std::min(d.held_min_us, us);
+  d.held_max_us = std::max(d.held_max_us, us);
+  d.held_sum_us += us;
+}
+
+}  // namespace
+
+bool SplitHostPort(const std::string& s, std::string* host, std::string* port) {
+  const size_t colon = s.rfind(':');
+  if (colon == std::string::npos || colon + 1 == s.size()) return false;
+  *host = s.substr(0, colon);
+  if (host->size() >= 2 && host->front() == '[' && host->back() == ']') {
+    *host = host->substr(1, host->size() - 2);
+  }
+  *port = s.substr(colon + 1);
+  for (char ch : *port) {
+    if (ch < '0' || ch > '9') return false;
+  }
+  return port->size() <= 5;
+}
+
+struct LinkProxy::Chunk {
+  int64_t read_ns;
+  int64_t release_ns;
+  std::string data;
+  size_t off = 0;
+  bool started = false;
+};
+
+struct LinkProxy::Direction {
+  std::deque<Chunk> q;
+  int64_t queued = 0;
+  int64_t last_release_ns = 0;  // chunks leave in the order they came, whatever the delay
+  bool eof = false;             // the source sent FIN
+  bool shut = false;            // the FIN was passed on
+};
+
+struct LinkProxy::Conn {
+  int client = -1;
+  int server = -1;
+  bool connecting = true;
+  bool dead = false;
+  Direction up, down;
+};
+
+struct LinkProxy::Control {
+  Control(int in, int out, bool own) : in_fd(in), out_fd(out), owned(own) {}
+  int in_fd;
+  int out_fd;
+  bool owned;  // an accepted socket: closed on EOF
+  bool closed = false;
+  std::string buf;
+};
+
+LinkProxy::LinkProxy(const Options& options) : options_(options) {}
+
+std::unique_ptr<LinkProxy> LinkProxy::Create(const Options& options, std::string* error) {
+  if (options.target.empty()) {
+    *error = "--target is required";
+    return nullptr;
+  }
+  std::string host, port;
+  if (!SplitHostPort(options.target, &host, &port)) {
+    *error = "--target '" + options.target + "' is not host:port";
+    return nullptr;
+  }
+  if (options.delay_up_ms < 0 || options.delay_down_ms < 0 || options.delay_up_ms > 600000 ||
+      options.delay_down_ms > 600000) {
+    *error = "delays must be within [0, 600000] ms";
+    return nullptr;
+  }
+  std::unique_ptr<LinkProxy> p(new LinkProxy(options));
+  p->stats_.delay_up_ms = options.delay_up_ms;
+  p->stats_.delay_down_ms = options.delay_down_ms;
+  addrinfo* ai = nullptr;
+  if (!Resolve(options.listen, true, &ai, error)) return nullptr;
+  for (addrinfo* a = ai; a != nullptr; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 128) == 0) {
+      p->listen_fd_ = fd;
+      break;
+    }
+    close(fd);
+  }
+  freeaddrinfo(ai);
+  if (p->listen_fd_ < 0) {
+    *error = "cannot listen on '" + options.listen + "': " + std::strerror(errno);
+    return nullptr;
+  }
+  SetNonBlocking(p->listen_fd_);
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  getsockname(p->listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len);
+  char hbuf[NI_MAXHOST], sbuf[NI_MAXSERV];
+  getnameinfo(reinterpret_cast<sockaddr*>(&ss), len, hbuf, sizeof(hbuf), sbuf, sizeof(sbuf),
+              NI_NUMERICHOST | NI_NUMERICSERV);
+  p->bound_ = ss.ss_family == AF_INET6 ? std::string("[") + hbuf + "]:" + sbuf
+                                       : std::string(hbuf) + ":" + sbuf;
+  return p;
+}
+
+LinkProxy::~LinkProxy() {
+  for (auto& c : conns_) CloseConn(*c);
+  for (auto& ctl : controls_) {
+    if (ctl->owned && !ctl->closed) close(ctl->in_fd);
+  }
+  if (listen_fd_ >= 0) close(listen_fd_);
+  if (control_listen_fd_ >= 0) {
+    close(control_listen_fd_);
+    unlink(control_path_.c_str());
+  }
+}
+
+std::string LinkProxy::address() const { return bound_; }
+
+void LinkProxy::AddControlFd(int in_fd, int out_fd) {
+  controls_.push_back(std::make_unique<Control>(in_fd, out_fd, false));
+}
+
+bool LinkProxy::AddControlSocket(const std::string& path, std::string* error) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) {
+    *error = "control socket path too long: " + path;
+    return false;
+  }
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size());
+  unlink(path.c_str());
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      listen(fd, 16) != 0) {
+    *error = "cannot listen on control socket " + path + ": " + std::strerror(errno);
+    if (fd >= 0) close(fd);
+    return false;
+  }
+  SetNonBlocking(fd);
+  control_listen_fd_ = fd;
+  control_path_ = path;
+  return true;
+}
+
+const char* LinkProxy::Help() {
+  return "commands (one per line; each is answered with one line, \"ok ...\" or \"error ...\"):\n"
+         "  forward | resume   forward normally (the start state)\n"
+         "  drop               reset (RST) every open connection, and reset every new one until\n"
+         "                     resume: the link is cut\n"
+         "  reset              reset every open connection once; new ones are forwarded\n"
+         "  stall              stop reading and writing every connection (and accepting new\n"
+         "                     ones), keeping them open, until resume: the link is a black hole\n"
+         "  delay UP [DOWN]    hold every chunk UP ms in the up direction (client -> target)\n"
+         "                     and DOWN ms (default UP) in the down direction before writing it\n"
+         "                     on; each chunk is timestamped when read, so the delay adds\n"
+         "                     latency without serializing throughput; order is kept\n"
+         "  stats              mode, connection counts and per-direction traffic: bytes,\n"
+         "                     chunks, and the min/max/sum of how long chunks were held (us)\n"
+         "  stats-reset        zero the traffic counters (bytes, chunks, held)\n"
+         "  quit               close everything and exit\n";
+}
+
+std::string LinkProxy::FormatStats(const Stats& s) {
+  std::ostringstream o;
+  o << "mode=" << s.mode << " open=" << s.open << " accepted=" << s.accepted
+    << " refused=" << s.refused << " reset=" << s.reset << " delay_up_ms=" << s.delay_up_ms
+    << " delay_down_ms=" << s.delay_down_ms;
+  for (const auto& [name, d] : {std::make_pair("up", &s.up), std::make_pair("down", &s.down)}) {
+    o << " " << name << "_bytes=" << d->bytes << " " << name << "_chunks=" << d->chunks << " "
+      << name << "_held_min_us=" << d->held_min_us << " " << name
+      << "_held_max_us=" << d->held_max_us << " " << name << "_held_sum_us=" << d->held_sum_us;
+  }
+  return o.str();
+}
+
+Stats LinkProxy::GetStats() const {
+  Stats s = stats_;
+  s.mode = mode_;
+  s.open = 0;
+  for (const auto& c : conns_) s.open += c->dead ? 0 : 1;
+  return s;
+}
+
+std::string LinkProxy::Command(const std::string& line) {
+  const std::vector<std::string> w = Words(line);
+  if (w.empty()) return "error empty command";
+  const std::string& cmd = w[0];
+  if ((cmd == "forward" || cmd == "resume") && w.size() == 1) {
+    mode_ = "forward";
+    return "ok forward";
+  }
+  if ((cmd == "drop" || cmd == "reset") && w.size() == 1) {
+    int n = 0;
+    for (auto& c : conns_) {
+      if (!c->dead) {
+        ResetConn(*c);
+        ++n;
+      }
+    }
+    stats_.reset += n;
+    if (cmd == "drop") mode_ = "drop";
+    return "ok " + cmd + " reset=" + std::to_string(n);
+  }
+  if (cmd == "stall" && w.size() == 1) {
+    mode_ = "stall";
+    return "ok stall";
+  }
+  if (cmd == "delay" && (w.size() == 2 || w.size() == 3)) {
+    int64_t up = 0, down = 0;
+    if (!ParseMs(w[1], &up) || !ParseMs(w.back(), &down) || up > 600000 || down > 600000) {
+      return "error delay takes one or two integers of milliseconds in [0, 600000]";
+    }
+    stats_.delay_up_ms = up;
+    stats_.delay_down_ms = down;
+    return "ok delay up=" + std::to_string(up) + " down=" + std::to_string(down);
+  }
+  if (cmd == "stats" && w.size() == 1) return "ok " + FormatStats(GetStats());
+  if (cmd == "stats-reset" && w.size() == 1) {
+    stats_.up = DirectionStats();
+    stats_.down = DirectionStats();
+    return "ok stats-reset";
+  }
+  if (cmd == "quit" && w.size() == 1) {
+    quit_ = true;
+    return "ok quit";
+  }
+  if (cmd == "help") return "ok see --help";
+  return "error unknown command or arguments: '" + line.substr(0, 100) +
+         "' (forward, resume, drop, reset, stall, delay UP [DOWN], stats, stats-reset, quit)";
+}
+
+void LinkProxy::Accept() {
+  for (;;) {
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) return;
+    if (mode_ == "drop") {
+      CloseWithReset(fd);
+      ++stats_.refused;
+      continue;
+    }
+    StartConnect(fd);
+  }
+}
+
+void LinkProxy::StartConnect(int client_fd) {
+  addrinfo* ai = nullptr;
+  std::string error;
+  if (!Resolve(options_.target, false, &ai, &error)) {
+    CloseWithReset(client_fd);
+    ++stats_.refused;
+    return;
+  }
+  int fd = -1;
+  for (addrinfo* a = ai; a != nullptr && fd < 0; a = a->ai_next) {
+    fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    if (connect(fd, a->ai_addr, a->ai_addrlen) != 0 && errno != EINPROGRESS) {
+      close(fd);
+      fd = -1;
+    }
+  }
+  freeaddrinfo(ai);
+  if (fd < 0) {
+    CloseWithReset(client_fd);
+    ++stats_.refused;
+    return;
+  }
+  const int one = 1;
+  setsockopt(client_fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  auto c = std::make_unique<Conn>();
+  c->client = client_fd;
+  c->server = fd;
+  conns_.push_back(std::move(c));
+  ++stats_.accepted;
+}
+
+void LinkProxy::ResetConn(Conn& c) {
+  if (c.dead) return;
+  CloseWithReset(c.client);
+  CloseWithReset(c.server);
+  c.client = c.server = -1;
+  c.dead = true;
+}
+
+void LinkProxy::CloseConn(Conn& c) {
+  if (c.dead) return;
+  close(c.client);
+  close(c.server);
+  c.client = c.server = -1;
+  c.dead = true;
+}
+
+void LinkProxy::ReadInto(Conn& c, bool up) {
+  Direction& d = up ? c.up : c.down;
+  const int src = up ? c.client : c.server;
+  if (d.eof || c.dead) return;
+  Chunk ch;
+  ch.data.resize(kReadSize);
+  const ssize_t n = recv(src, ch.data.data(), ch.data.size(), 0);
+  if (n < 0) {
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) ResetConn(c);
+    return;
+  }
+  if (n == 0) {
+    d.eof = true;
+    return;
+  }
+  ch.data.resize(static_cast<size_t>(n));
+  ch.read_ns = NowNs();
+  const int64_t delay_ms = up ? stats_.delay_up_ms : stats_.delay_down_ms;
+  ch.release_ns = std::max(ch.read_ns + delay_ms * 1000000, d.last_release_ns);
+  d.last_release_ns = ch.release_ns;
+  d.queued += n;
+  d.q.push_back(std::move(ch));
+}
+
+void LinkProxy::WriteFrom(Conn& c, bool up) {
+  Direction& d = up ? c.up : c.down;
+  DirectionStats& st = up ? stats_.up : stats_.down;
+  const int dst = up ? c.server : c.client;
+  while (!c.dead && !d.q.empty()) {
+    Chunk& ch = d.q.front();
+    const int64_t now = NowNs();
+    if (ch.release_ns > now) return;
+    if (!ch.started) {
+      ch.started = true;
+      AddHeld(st, (now - ch.read_ns) / 1000);
+    }
+    const ssize_t n = send(dst, ch.data.data() + ch.off, ch.data.size() - ch.off, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) ResetConn(c);
+      return;
+    }
+    ch.off += static_cast<size_t>(n);
+    st.bytes += n;
+    d.queued -= n;
+    if (ch.off < ch.data.size()) return;
+    ++st.chunks;
+    d.q.pop_front();
+  }
+}
+
+void LinkProxy::FinishDirections(Conn& c) {
+  if (c.dead || c.connecting) return;
+  for (bool up : {true, false}) {
+    Direction& d = up ? c.up : c.down;
+    if (d.eof && d.q.empty() && !d.shut) {
+      shutdown(up ? c.server : c.client, SHUT_WR);
+      d.shut = true;
+    }
+  }
+  if (c.up.shut && c.down.shut) CloseConn(c);
+}
+
+void LinkProxy::ServeControl(Control& ctl) {
+  char buf[1024];
+  const ssize_t n = read(ctl.in_fd, buf, sizeof(buf));
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  if (n <= 0) {
+    ctl.closed = true;
+    if (ctl.owned) {
+      close(ctl.in_fd);
+    } else {
+      quit_ = true;  // stdin closed: whoever started us is gone
+    }
+    return;
+  }
+  ctl.buf.append(buf, static_cast<size_t>(n));
+  size_t nl;
+  while ((nl = ctl.buf.find('\n')) != std::string::npos) {
+    std::string line = ctl.buf.substr(0, nl);
+    ctl.buf.erase(0, nl + 1);
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    const std::string answer = Command(line) + "\n";
+    // Answers are short; a controller that does not read them loses them, never blocks us.
+    (void)!write(ctl.out_fd, answer.data(), answer.size());
+  }
+  if (ctl.buf.size() > kMaxControlLine) {
+    const std::string answer = "error command line too long\n";
+    (void)!write(ctl.out_fd, answer.data(), answer.size());
+    ctl.buf.clear();
+  }
+}
+
+bool LinkProxy::Step(int timeout_ms) {
+  if (quit_) return false;
+  enum Kind { kListen, kControlListen, kControl, kClient, kServer };
+  std::vector<pollfd> fds;
+  std::vector<std::pair<Kind, size_t>> tags;
+  const bool stalled = mode_ == "stall";
+  if (!stalled) {
+    fds.push_back({listen_fd_, POLLIN, 0});
+    tags.push_back({kListen, 0});
+  }
+  if (control_listen_fd_ >= 0) {
+    fds.push_back({control_listen_fd_, POLLIN, 0});
+    tags.push_back({kControlListen, 0});
+  }
+  for (size_t i = 0; i < controls_.size(); ++i) {
+    if (controls_[i]->closed) continue;
+    fds.push_back({controls_[i]->in_fd, POLLIN, 0});
+    tags.push_back({kControl, i});
+  }
+  const int64_t now = NowNs();
+  int64_t wake_ns = -1;
+  auto want_write = [&](const Direction& d) {
+    if (d.q.empty()) return false;
+    if (d.q.front().release_ns <= now) return true;
+    const int64_t wait = d.q.front().release_ns - now;
+    wake_ns = wake_ns < 0 ? wait : std::min(wake_ns, wait);
+    return false;
+  };
+  if (!stalled) {
+    for (size_t i = 0; i < conns_.size(); ++i) {
+      Conn& c = *conns_[i];
+      if (c.dead) continue;
+      if (c.connecting) {
+        fds.push_back({c.server, POLLOUT, 0});
+        tags.push_back({kServer, i});
+        continue;
+      }
+      short ce = 0, se = 0;
+      if (!c.up.eof && c.up.queued < options_.max_queued_bytes) ce |= POLLIN;
+      if (!c.down.eof && c.down.queued < options_.max_queued_bytes) se |= POLLIN;
+      if (want_write(c.down)) ce |= POLLOUT;
+      if (want_write(c.up)) se |= POLLOUT;
+      fds.push_back({c.client, ce, 0});
+      tags.push_back({kClient, i});
+      fds.push_back({c.server, se, 0});
+      tags.push_back({kServer, i});
+    }
+  }
+  int timeout = timeout_ms;
+  if (wake_ns >= 0) {
+    const int wake_ms = static_cast<int>((wake_ns + 999999) / 1000000);
+    timeout = timeout < 0 ? wake_ms : std::min(timeout, wake_ms);
+  }
+  const int rc = poll(fds.data(), fds.size(), timeout);
+  if (rc < 0 && errno != EINTR) return false;
+  for (size_t k = 0; rc > 0 && k < fds.size(); ++k) {
+    const short ev = fds[k].revents;
+    if (ev == 0) continue;
+    const auto [kind, i] = tags[k];
+    switch (kind) {
+      case kListen:
+        Accept();
+        break;
+      case kControlListen: {
+        const int fd = accept4(control_listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        if (fd >= 0) controls_.push_back(std::make_unique<Control>(fd, fd, true));
+        break;
+      }
+      case kControl:
+        ServeControl(*controls_[i]);
+        break;
+      case kClient:
+      case kServer: {
+        Conn& c = *conns_[i];
+        if (c.dead) break;
+        if (kind == kServer && c.connecting) {
+          int err = 0;
+          socklen_t len = sizeof(err);
+          getsockopt(c.server, SOL_SOCKET, SO_ERROR, &err, &len);
+          if (err != 0) {
+            ResetConn(c);
+            ++stats_.refused;
+            --stats_.accepted;
+          } else {
+            c.connecting = false;
+          }
+          break;
+        }
+        if (ev & POLLERR) {
+          ResetConn(c);
+          break;
+        }
+        if (ev & (POLLIN | POLLHUP)) ReadInto(c, kind == kClient);
+        break;
+      }
+    }
+  }
+  if (!stalled) {
+    for (auto& c : conns_) {
+      if (c->dead || c->connecting) continue;
+      WriteFrom(*c, true);
+      WriteFrom(*c, false);
+      FinishDirections(*c);
+    }
+  }
+  conns_.erase(std::remove_if(conns_.begin(), conns_.end(),
+                              [](const std::unique_ptr<Conn>& c) { return c->dead; }),
+               conns_.end());
+  controls_.erase(std::remove_if(controls_.begin(), controls_.end(),
+                                 [](const std::unique_ptr<Control>& c) { return c->closed && c->owned; }),
+                  controls_.end());
+  return !quit_;
+}
+
+void LinkProxy::Run() {
+  while (Step(-1)) {
+  }
+}
+
+}  // namespace hsbn::linkproxy
