@@ -93,8 +93,12 @@ def analyze(cells):
             pairs["precise closes"] = {
                 "share": closed["mean"] / gap["mean"] if closed and gap["mean"] else
                 float("nan")}
+        sync = {m: summary[m]["sync_ms"]["mean"] for m in summary}
+        ratios = {"%s/global" % m: sync[m] / sync["global"]
+                  for m in ("node", "group", "auto") if m in sync and sync.get("global")}
         out.append({"batch": cell["batch"], "skew": cell["skew"], "seeds": cell["seeds"],
-                    "summary": summary, "pairs": pairs, "check": cell.get("check")})
+                    "summary": summary, "pairs": pairs, "sync_ratios": ratios,
+                    "check": cell.get("check")})
     return out
 
 
@@ -175,6 +179,11 @@ def markdown(analysis, cfg, command, env, default_cell, wall):
                          "%s |" % ("%.0f%%" % (100 * cell["pairs"]["precise closes"]["share"])
                                    if not math.isnan(cell["pairs"]["precise closes"]["share"])
                                    else "—"))
+        if cell.get("sync_ratios"):
+            lines.append("")
+            lines.append("Sync time relative to global: " + ", ".join(
+                "%s %.0f%%" % (k.split("/")[0], 100 * v)
+                for k, v in cell["sync_ratios"].items()) + ".")
         if cell.get("check") is not None:
             lines.append("")
             lines.append("global vs reference check: **%s**" % (
@@ -327,3 +336,28 @@ def run(args, command):
               % len(failed))
         return 1
     return 0
+
+
+def render(out_dir):
+    """Rewrites sweep.md, runs.csv and the plots of a finished (or cut short) sweep from its
+    sweep.json, with this code's report."""
+    import json
+    import types
+    with open(os.path.join(out_dir, "sweep.json")) as f:
+        res = json.load(f)
+    cells = []
+    for a in res["analysis"]:
+        runs = [r for r in res["runs"]
+                if r["cfg"]["batch"] == a["batch"] and r["cfg"]["skew"] == a["skew"]]
+        cells.append({"batch": a["batch"], "skew": a["skew"], "seeds": a["seeds"],
+                      "runs": runs, "check": a.get("check")})
+    args = types.SimpleNamespace(out=out_dir)
+    _write(args, res["command"], res["environment"], res["config"], cells,
+           tuple(res["default_cell"]), res["wall_s"], res["complete"])
+
+
+if __name__ == "__main__":
+    import sys
+    if len(sys.argv) != 2:
+        sys.exit("usage: python3 -m hsbncmp.sweep OUT_DIR  (re-renders OUT_DIR/sweep.json)")
+    render(sys.argv[1])
