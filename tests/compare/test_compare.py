@@ -91,6 +91,8 @@ def test_smoke_every_mode_both_tasks(tmp_path, native_parts):
     for name in ("results.md", "results.json", "runs.csv", "compare.png"):
         assert (out / name).stat().st_size > 0, name
     res = json.loads((out / "results.json").read_text())
+    # The default run crosses a simulated cross-node link.
+    assert res["config"]["link_delay_ms"] == cli.LINK_DELAY_MS == 1
     for task in ("cls", "seg"):
         assert sorted(res["summary"][task]) == sorted(MODES)
         for mode, s in res["summary"][task].items():
