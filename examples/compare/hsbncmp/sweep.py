@@ -189,11 +189,63 @@ def markdown(analysis, cfg, command, env, default_cell, wall):
             lines.append("global vs reference check: **%s**" % (
                 "PASS" if cell["check"]["pass"] else "FAIL"))
         lines.append("")
-    lines.append("Plots: `gap_vs_batch.svg` (global − mode accuracy gap against the per-worker "
-                 "batch, paired mean and 95% CI), `acc_vs_sync.svg` (accuracy against sync time "
-                 "per step, every cell).")
+    lines += goals(analysis, default_cell)
+    lines.append("Plots (SVG and PNG): `gap_vs_batch` (global − mode accuracy gap against the "
+                 "per-worker batch, paired mean and 95% CI), `acc_vs_sync` (accuracy against "
+                 "sync time per step, every cell).")
     lines.append("")
     return "\n".join(lines)
+
+
+def goals(analysis, default_cell):
+    """The issue's goals, read from the default cell (and every cell for the check)."""
+    lines = ["## Goals", ""]
+    checks = [(c["batch"], c["skew"], c["check"]["pass"]) for c in analysis if c.get("check")]
+    if checks:
+        lines.append("- global ≈ reference (the program's check) in every cell: **%s** (%s)." % (
+            "met" if all(ok for _, _, ok in checks) else "missed",
+            ", ".join("batch %d skew %g %s" % (b, sk, "PASS" if ok else "FAIL")
+                      for b, sk, ok in checks)))
+    cell = next((c for c in analysis if (c["batch"], c["skew"]) == default_cell), None)
+    if cell is None:
+        return lines + [""]
+    p, r = cell["pairs"], cell.get("sync_ratios", {})
+    if "auto-target" in p:
+        t = p["auto-target"]
+        ratio = r.get("auto/global")
+        acc_ok = t["n"] >= 5 and t["mean"] >= 0
+        time_ok = ratio is not None and ratio <= GOAL_TIME
+        lines.append(
+            "- auto ≥ node + %.1f × (global − node), paired over %d seeds: auto − target = %s "
+            "points → **%s**%s; auto's sync time = %s of global's (goal ≤ %.0f%%) → **%s**."
+            % (GOAL_SHARE, t["n"], _ci(t), "met" if acc_ok else "missed",
+               "" if t["n"] < 2 or t["lo"] >= 0 or t["hi"] < 0
+               else " (the interval includes 0)",
+               "%.0f%%" % (100 * ratio) if ratio is not None else "—", 100 * GOAL_TIME,
+               "met" if time_ok else "missed"))
+    if "group-node" in p and "global-group" in p:
+        gn, gg = p["group-node"], p["global-group"]
+        rg, rn = r.get("group/global"), r.get("node/global")
+        acc_between = gn["mean"] >= 0 and gg["mean"] >= 0
+        time_between = rg is not None and rn is not None and rn <= rg <= 1.0
+        lines.append(
+            "- group between node and global: accuracy group − node %s, global − group %s → "
+            "**%s**; sync time node %s, group %s of global's → **%s**."
+            % (_ci(gn), _ci(gg), "met" if acc_between else "missed",
+               "%.0f%%" % (100 * rn) if rn is not None else "—",
+               "%.0f%%" % (100 * rg) if rg is not None else "—",
+               "met" if time_between else "missed"))
+    if "precise closes" in p and "global-node" in p:
+        share = p["precise closes"]["share"]
+        lines.append(
+            "- precise_bn on node's models closes %s of the global − node gap (%s points): "
+            "node precise_bn − rank 0 = %s points; sync_running_stats: %s."
+            % ("%.0f%%" % (100 * share) if share == share else "—",
+               _pct(p["global-node"]["mean"]), _ci(p.get("node precise_bn-rank0",
+                                                          {"n": 0, "mean": float("nan")})),
+               _ci(p.get("node sync_running_stats-rank0", {"n": 0, "mean": float("nan")}))))
+    lines.append("")
+    return lines
 
 
 def plot(out_dir, analysis, default_cell):
@@ -232,6 +284,7 @@ def plot(out_dir, analysis, default_cell):
     fig.suptitle("hsbn sweep: how much accuracy each scope gives up against global")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "gap_vs_batch.svg"))
+    fig.savefig(os.path.join(out_dir, "gap_vs_batch.png"), dpi=80)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7.5, 5))
@@ -256,6 +309,7 @@ def plot(out_dir, analysis, default_cell):
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "acc_vs_sync.svg"))
+    fig.savefig(os.path.join(out_dir, "acc_vs_sync.png"), dpi=80)
     plt.close(fig)
 
 
@@ -328,8 +382,8 @@ def run(args, command):
                           final=True)
     print()
     print(md)
-    print("hsbn_compare: wrote %s/{sweep.md,sweep.json,runs.csv,gap_vs_batch.svg,"
-          "acc_vs_sync.svg}" % args.out)
+    print("hsbn_compare: wrote %s/{sweep.md,sweep.json,runs.csv,gap_vs_batch.{svg,png},"
+          "acc_vs_sync.{svg,png}}" % args.out)
     failed = [c for c in analysis if c.get("check") and not c["check"]["pass"]]
     if failed:
         print("hsbn_compare: FAIL: global does not match reference in %d cell(s)"
