@@ -46,13 +46,16 @@ hsbn_result CopyOut(const std::string& text, char* buf, size_t buf_len, size_t* 
   return HSBN_OK;
 }
 
+constexpr char kBadScope[] = "scope must be HSBN_SCOPE_NODE, _GLOBAL, _SHADOW, _GROUP or _AUTO";
+
 hsbn_result Invalid(const char* what) {
   g_last_error = what;
   return HSBN_INVALID_ARGUMENT;
 }
 
 bool ToScope(hsbn_scope scope, hsbn::Scope* out) {
-  if (scope != HSBN_SCOPE_NODE && scope != HSBN_SCOPE_GLOBAL && scope != HSBN_SCOPE_SHADOW) {
+  if (scope != HSBN_SCOPE_NODE && scope != HSBN_SCOPE_GLOBAL && scope != HSBN_SCOPE_SHADOW &&
+      scope != HSBN_SCOPE_GROUP && scope != HSBN_SCOPE_AUTO) {
     return false;
   }
   *out = static_cast<hsbn::Scope>(int(scope));
@@ -123,6 +126,20 @@ hsbn_result hsbn_client_create(const hsbn_options* options, hsbn_client** out) {
   if (const char* env = std::getenv("HSBN_STRICT_FINITE"); env != nullptr && *env == '1') {
     o.strict_finite = true;
   }
+  if (options->struct_size >= offsetof(hsbn_options, group_nodes) + sizeof(int32_t)) {
+    o.group_nodes = options->group_nodes;
+  }
+  if (o.group_nodes == 0) {
+    if (const char* env = std::getenv("HSBN_GROUP_NODES"); env != nullptr && *env != '\0') {
+      char* end = nullptr;
+      const long v = std::strtol(env, &end, 10);
+      if (*end != '\0' || v < 0 || v > (1L << 30)) {
+        return Invalid("HSBN_GROUP_NODES is not a number of nodes (0 or a positive integer)");
+      }
+      o.group_nodes = int32_t(v);
+    }
+  }
+  if (absl::Status s = hsbn::AutoPolicyFromEnv(&o.auto_policy); !s.ok()) return Fail(s);
   auto client = hsbn::Client::Connect(o);
   if (!client.ok()) return Fail(client.status());
   *out = new hsbn_client{std::move(*client)};
@@ -162,7 +179,7 @@ hsbn_result hsbn_forward(hsbn_client* client, uint32_t op, uint64_t seq, hsbn_sc
   g_last_error.clear();
   hsbn::Scope s;
   if (client == nullptr) return Invalid("null client");
-  if (!ToScope(scope, &s)) return Invalid("scope must be HSBN_SCOPE_NODE, _GLOBAL or _SHADOW");
+  if (!ToScope(scope, &s)) return Invalid(kBadScope);
   return Done(client->client->Forward(op, seq, s, channels, count, mean, m2, out_count, out_mean,
                                       out_m2));
 }
@@ -174,7 +191,7 @@ hsbn_result hsbn_backward(hsbn_client* client, uint32_t op, uint64_t seq, hsbn_s
   g_last_error.clear();
   hsbn::Scope s;
   if (client == nullptr) return Invalid("null client");
-  if (!ToScope(scope, &s)) return Invalid("scope must be HSBN_SCOPE_NODE, _GLOBAL or _SHADOW");
+  if (!ToScope(scope, &s)) return Invalid(kBadScope);
   return Done(client->client->Backward(op, seq, s, channels, count, sum_dy, sum_dy_xmu,
                                        out_count, out_sum_dy, out_sum_dy_xmu));
 }
@@ -185,7 +202,7 @@ hsbn_result hsbn_round_start(hsbn_client* client, hsbn_phase phase, uint32_t op,
   g_last_error.clear();
   hsbn::Scope s;
   if (client == nullptr || out == nullptr) return Invalid("null client or output pointer");
-  if (!ToScope(scope, &s)) return Invalid("scope must be HSBN_SCOPE_NODE, _GLOBAL or _SHADOW");
+  if (!ToScope(scope, &s)) return Invalid(kBadScope);
   if (phase != HSBN_PHASE_FORWARD && phase != HSBN_PHASE_BACKWARD) {
     return Invalid("phase must be HSBN_PHASE_FORWARD or HSBN_PHASE_BACKWARD");
   }
@@ -215,12 +232,14 @@ hsbn_result hsbn_client_stats(const hsbn_client* client, hsbn_stats* out) {
   const hsbn::ClientStats s = client->client->Stats();
   hsbn_stats full;
   std::memset(&full, 0, sizeof full);
-  static_assert(sizeof full.rounds / sizeof full.rounds[0] == hsbn::ClientStats::kScopes);
+  // rounds[][] holds node, global and shadow (the first version); group comes after.
+  static_assert(sizeof full.rounds / sizeof full.rounds[0] + 1 == hsbn::ClientStats::kScopes);
   static_assert(sizeof full.rounds[0] / sizeof full.rounds[0][0] == hsbn::ClientStats::kPhases);
   for (int si = 0; si < hsbn::ClientStats::kScopes; ++si) {
     for (int pi = 0; pi < hsbn::ClientStats::kPhases; ++pi) {
       const hsbn::RoundStats& r = s.rounds[si][pi];
-      full.rounds[si][pi] = {r.completed, r.failed, r.blocked_seconds, r.max_blocked_seconds};
+      hsbn_round_stats& to = si < 3 ? full.rounds[si][pi] : full.group_rounds[pi];
+      to = {r.completed, r.failed, r.blocked_seconds, r.max_blocked_seconds};
     }
   }
   full.bytes_sent = s.bytes_sent;
@@ -283,6 +302,48 @@ hsbn_result hsbn_check_layout(int64_t rank, int64_t world_size, int64_t local_ra
   g_last_error.clear();
   return Done(
       hsbn::wire::CheckWorkerLayout(rank, world_size, local_rank, local_world_size, node_rank));
+}
+
+hsbn_result hsbn_check_layout_groups(int64_t rank, int64_t world_size, int64_t local_rank,
+                                     int64_t local_world_size, int64_t node_rank,
+                                     int64_t group_nodes) {
+  g_last_error.clear();
+  return Done(hsbn::wire::CheckWorkerLayout(rank, world_size, local_rank, local_world_size,
+                                            node_rank, /*max_world_size=*/0, group_nodes));
+}
+
+hsbn_result hsbn_set_auto_policy(hsbn_client* client, uint32_t op,
+                                 const hsbn_auto_policy* policy) {
+  g_last_error.clear();
+  if (client == nullptr || policy == nullptr) return Invalid("null client or policy");
+  hsbn::AutoPolicy p;
+  p.warmup_rounds = policy->warmup_rounds;
+  p.max_mean_shift = policy->max_mean_shift;
+  p.max_log_var_ratio = policy->max_log_var_ratio;
+  p.recheck_every = policy->recheck_every;
+  return Done(client->client->SetAutoPolicy(op, p));
+}
+
+hsbn_result hsbn_get_auto_decision(const hsbn_client* client, uint32_t op,
+                                   hsbn_auto_decision* out) {
+  g_last_error.clear();
+  if (client == nullptr || out == nullptr) return Invalid("null client or output pointer");
+  const hsbn::AutoDecision d = client->client->AutoDecisionOf(op);
+  out->decided = d.decided ? 1 : 0;
+  out->scope = d.decided ? int32_t(d.scope) : 0;
+  out->mean_shift = d.mean_shift;
+  out->log_var_ratio = d.log_var_ratio;
+  out->rounds = d.rounds;
+  out->decided_at = d.decided_at;
+  return HSBN_OK;
+}
+
+hsbn_result hsbn_set_auto_decision(hsbn_client* client, uint32_t op, hsbn_scope scope) {
+  g_last_error.clear();
+  if (client == nullptr) return Invalid("null client");
+  hsbn::Scope s;
+  if (!ToScope(scope, &s)) return Invalid(kBadScope);
+  return Done(client->client->SetAutoDecision(op, s));
 }
 
 }  // extern "C"

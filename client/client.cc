@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <cstdlib>
@@ -23,18 +24,55 @@
 
 namespace hsbn {
 
-const char* ScopeName(Scope scope) { return wire::ScopeName(v1::Scope(int(scope))); }
+const char* ScopeName(Scope scope) {
+  if (scope == Scope::kAuto) return "auto";
+  return wire::ScopeName(v1::Scope(int(scope)));
+}
 
 absl::StatusOr<Scope> ParseScope(const std::string& name) {
+  if (name == "auto") return Scope::kAuto;
   v1::Scope s = wire::ParseScope(name);
   if (s == v1::SCOPE_UNSPECIFIED) {
     return absl::InvalidArgumentError(
-        absl::StrCat("scope '", name, "' is not one of node, global, shadow"));
+        absl::StrCat("scope '", name, "' is not one of node, global, shadow, group, auto"));
   }
   return Scope(int(s));
 }
 
+absl::Status AutoPolicy::Validate() const {
+  if (warmup_rounds < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "auto scope: warmup_rounds (HSBN_AUTO_WARMUP) is ", warmup_rounds,
+        "; the decision needs at least 1 shadow round"));
+  }
+  if (!(max_mean_shift >= 0) || !std::isfinite(max_mean_shift)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "auto scope: max_mean_shift (HSBN_AUTO_MAX_MEAN_SHIFT) is ", max_mean_shift,
+        "; it must be a finite number >= 0"));
+  }
+  if (!(max_log_var_ratio >= 0) || !std::isfinite(max_log_var_ratio)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "auto scope: max_log_var_ratio (HSBN_AUTO_MAX_LOG_VAR_RATIO) is ", max_log_var_ratio,
+        "; it must be a finite number >= 0"));
+  }
+  if (recheck_every < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "auto scope: recheck_every (HSBN_AUTO_RECHECK_EVERY) is ", recheck_every,
+        "; 0 (never) or a number of rounds"));
+  }
+  return absl::OkStatus();
+}
+
 namespace {
+
+absl::Status EnvDouble(const char* name, double* out) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return absl::OkStatus();
+  if (!absl::SimpleAtod(v, out)) {
+    return absl::InvalidArgumentError(absl::StrCat(name, "='", v, "' is not a number"));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status EnvInt(const char* name, bool required, int64_t* out) {
   const char* v = std::getenv(name);
@@ -101,8 +139,29 @@ absl::StatusOr<ClientOptions> ClientOptions::FromEnv() {
   v = 0;
   if (absl::Status s = EnvInt("HSBN_STRICT_FINITE", false, &v); !s.ok()) return s;
   o.strict_finite = v != 0;
+  v = 0;
+  if (absl::Status s = EnvInt("HSBN_GROUP_NODES", false, &v); !s.ok()) return s;
+  if (v != int64_t(int32_t(v))) {
+    return absl::InvalidArgumentError(absl::StrCat("HSBN_GROUP_NODES=", v, " is out of range"));
+  }
+  o.group_nodes = int32_t(v);
+  if (absl::Status s = AutoPolicyFromEnv(&o.auto_policy); !s.ok()) return s;
   if (absl::Status s = o.Validate(); !s.ok()) return s;
   return o;
+}
+
+absl::Status AutoPolicyFromEnv(AutoPolicy* policy) {
+  if (absl::Status s = EnvInt("HSBN_AUTO_WARMUP", false, &policy->warmup_rounds); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = EnvDouble("HSBN_AUTO_MAX_MEAN_SHIFT", &policy->max_mean_shift); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = EnvDouble("HSBN_AUTO_MAX_LOG_VAR_RATIO", &policy->max_log_var_ratio);
+      !s.ok()) {
+    return s;
+  }
+  return EnvInt("HSBN_AUTO_RECHECK_EVERY", false, &policy->recheck_every);
 }
 
 absl::Status ClientOptions::Validate() const {
@@ -113,7 +172,9 @@ absl::Status ClientOptions::Validate() const {
         "connect_timeout (HSBN_CONNECT_TIMEOUT_MS) is ", connect_timeout.count(),
         " ms; it must be within [0, ", client_internal::kMaxWaitMs, "]"));
   }
-  return wire::CheckWorkerLayout(rank, world_size, local_rank, local_world_size, node_rank);
+  if (absl::Status s = auto_policy.Validate(); !s.ok()) return s;
+  return wire::CheckWorkerLayout(rank, world_size, local_rank, local_world_size, node_rank,
+                                 /*max_world_size=*/0, group_nodes);
 }
 
 // How results reach the caller (leader/follower, no reader thread).
@@ -186,7 +247,8 @@ class PendingRound {
   uint32_t op = 0;
   uint64_t seq = 0;
   Phase phase = Phase::kForward;
-  Scope scope = Scope::kNode;
+  Scope scope = Scope::kNode;  // the scope sent (what auto scope chose)
+  bool decide = false;         // auto scope's decision round
   int64_t channels = 0;
   std::shared_ptr<ClientConn> conn;  // the stream it was sent on
   bool counted = false;  // in the client's stats already; touched only by its waiter
@@ -261,8 +323,14 @@ class Client::Impl {
     if (phase != Phase::kForward && phase != Phase::kBackward) {
       return absl::InvalidArgumentError("phase must be forward or backward");
     }
-    if (scope != Scope::kNode && scope != Scope::kGlobal && scope != Scope::kShadow) {
-      return absl::InvalidArgumentError("scope must be node, global or shadow");
+    if (scope != Scope::kNode && scope != Scope::kGlobal && scope != Scope::kShadow &&
+        scope != Scope::kGroup && scope != Scope::kAuto) {
+      return absl::InvalidArgumentError("scope must be node, global, shadow, group or auto");
+    }
+    if (scope == Scope::kGroup && options_.group_nodes <= 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "round ", round(), ": group scope, but this client joined without a group size; set "
+          "HSBN_GROUP_NODES (ClientOptions::group_nodes) on every process of the job"));
     }
     if (channels <= 0) {
       return absl::InvalidArgumentError(absl::StrCat("round ", round(), ": channels=", channels,
@@ -277,12 +345,20 @@ class Client::Impl {
       return absl::ResourceExhaustedError(absl::StrCat(
           "round ", round(), ": ", channels, " channels do not fit in one message"));
     }
+    bool decide = false;
+    v1::AutoDecide request;
+    if (scope == Scope::kAuto) {
+      if (absl::Status s = ResolveAuto(op, seq, phase, &scope, &decide, &request); !s.ok()) {
+        return s;
+      }
+    }
     v1::ClientFrame frame;
     v1::Contribution* c = frame.mutable_contribution();
     c->set_op(op);
     c->set_seq(seq);
     c->set_phase(v1::Phase(int(phase)));
     c->set_scope(v1::Scope(int(scope)));
+    if (decide) *c->mutable_decide() = request;
     c->set_channels(uint32_t(channels));
     c->set_count(count);
     wire::PackPayload(a, b, channels, c->mutable_data());
@@ -306,6 +382,7 @@ class Client::Impl {
       pending->seq = seq;
       pending->phase = phase;
       pending->scope = scope;
+      pending->decide = decide;
       pending->channels = channels;
       pending->conn = conn;
       std::unique_lock<std::mutex> lk(rounds_mu_);
@@ -392,6 +469,7 @@ class Client::Impl {
   absl::Status Wait(PendingRound& p, int64_t* out_count, double* out_a, double* out_b,
                     Clock::time_point blocked_since) {
     absl::Status s = WaitResult(p, out_count, out_a, out_b);
+    if (p.decide) s = TakeDecision(p, s);
     Record(p.scope, p.phase, s.ok(), !p.counted, Clock::now() - blocked_since);
     p.counted = true;
     return s;
@@ -473,6 +551,58 @@ class Client::Impl {
     return client_internal::DeliverAnswer(p.answer, p.channels, out_count, out_a, out_b);
   }
 
+  // --- auto scope --------------------------------------------------------------------------------
+
+  absl::Status SetAutoPolicy(uint32_t op, const AutoPolicy& policy) {
+    if (absl::Status s = policy.Validate(); !s.ok()) return s;
+    std::lock_guard<std::mutex> lock(auto_mu_);
+    AutoOp& a = auto_[op];
+    const AutoPolicy& now = a.has_policy ? a.policy : options_.auto_policy;
+    const bool same = now.warmup_rounds == policy.warmup_rounds &&
+                      now.max_mean_shift == policy.max_mean_shift &&
+                      now.max_log_var_ratio == policy.max_log_var_ratio &&
+                      now.recheck_every == policy.recheck_every;
+    if (a.started && !same) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "auto scope of op ", op, ": its policy cannot change after its first round"));
+    }
+    a.policy = policy;
+    a.has_policy = true;
+    return absl::OkStatus();
+  }
+
+  AutoDecision AutoDecisionOf(uint32_t op) const {
+    std::lock_guard<std::mutex> lock(auto_mu_);
+    auto it = auto_.find(op);
+    return it == auto_.end() ? AutoDecision{} : it->second.last;
+  }
+
+  absl::Status SetAutoDecision(uint32_t op, Scope scope) {
+    if (scope != Scope::kNode && scope != Scope::kGroup && scope != Scope::kGlobal) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "auto scope of op ", op, ": a decision is node, group or global, not ",
+          ScopeName(scope)));
+    }
+    if (scope == Scope::kGroup && options_.group_nodes <= 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "auto scope of op ", op, ": the saved decision is group, but this job has no groups "
+          "(HSBN_GROUP_NODES is not set)"));
+    }
+    std::lock_guard<std::mutex> lock(auto_mu_);
+    AutoOp& a = auto_[op];
+    if (a.open_decide >= 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "auto scope of op ", op, ": its decision round (seq ", a.open_decide,
+          ") is in flight"));
+    }
+    a.epochs.clear();
+    a.epochs.push_back(Epoch{-1, scope});
+    a.last = AutoDecision{};
+    a.last.decided = true;
+    a.last.scope = scope;
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<v1::StatusResponse> Status(bool include_upstream) {
     // This client's own job, with its token: with tokens on that is all Status will show.
     v1::StatusRequest req;
@@ -494,6 +624,113 @@ class Client::Impl {
   std::atomic<int64_t> aggregator_timeout_ms_{30000};
 
  private:
+  // Auto scope's state of one op. An epoch is a decision: `scope` applies to the op's rounds
+  // after seq `decided_at` (all of them for a restored decision, decided_at = -1), except the
+  // re-check samples and decision rounds of its policy.
+  struct Epoch {
+    int64_t decided_at;
+    Scope scope;
+  };
+  struct AutoOp {
+    AutoPolicy policy;
+    bool has_policy = false;
+    bool started = false;        // it made a round: its policy is fixed
+    std::vector<Epoch> epochs;   // in seq order, the last few
+    int64_t open_decide = -1;    // seq of a decision round started and not waited for
+    AutoDecision last;
+  };
+
+  // The wire scope of auto-scope round (op, seq, phase): a pure function of seq and the op's
+  // decisions so far, so every rank picks the same. Sets *decide (and *request) on a decision
+  // round's forward.
+  absl::Status ResolveAuto(uint32_t op, uint64_t seq_u, Phase phase, Scope* scope, bool* decide,
+                           v1::AutoDecide* request) {
+    std::lock_guard<std::mutex> lock(auto_mu_);
+    AutoOp& a = auto_[op];
+    a.started = true;
+    const AutoPolicy& policy = a.has_policy ? a.policy : options_.auto_policy;
+    const int64_t seq = int64_t(seq_u & ((uint64_t(1) << 62) - 1));
+    const bool forward = phase == Phase::kForward;
+    const Scope sample = forward ? Scope::kShadow : Scope::kNode;  // shadow's answer is node's
+    auto decision_round = [&]() -> absl::Status {
+      if (a.open_decide >= 0 && a.open_decide != seq) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "auto scope of op ", op, ": round seq ", seq, " started before the decision round "
+            "(seq ", a.open_decide, ") was waited for; wait for it first, so that every rank "
+            "uses the same decision"));
+      }
+      *scope = Scope::kGlobal;
+      if (forward) {
+        *decide = true;
+        request->set_max_mean_shift(policy.max_mean_shift);
+        request->set_max_log_var_ratio(policy.max_log_var_ratio);
+        request->set_warmup_rounds(policy.warmup_rounds);
+        a.open_decide = seq;
+      }
+      return absl::OkStatus();
+    };
+    // The decision that governs seq: the last one made before it.
+    const Epoch* epoch = nullptr;
+    for (const Epoch& e : a.epochs) {
+      if (e.decided_at < seq) epoch = &e;
+      if (e.decided_at == seq) {  // the decision round itself (its backward, a retransmission)
+        *scope = Scope::kGlobal;
+        return absl::OkStatus();
+      }
+    }
+    if (epoch == nullptr) {
+      if (seq < policy.warmup_rounds) {
+        *scope = sample;
+        return absl::OkStatus();
+      }
+      return decision_round();
+    }
+    if (policy.recheck_every > 0) {
+      const int64_t k = seq - std::max<int64_t>(epoch->decided_at, 0);
+      if (k > 0 && k % policy.recheck_every == 0) {
+        const int64_t j = k / policy.recheck_every;
+        if (j <= policy.warmup_rounds) {
+          *scope = sample;
+          return absl::OkStatus();
+        }
+        if (j == policy.warmup_rounds + 1) return decision_round();
+      }
+    }
+    if (a.open_decide >= 0 && a.open_decide < seq && forward) return decision_round();
+    *scope = epoch->scope;
+    return absl::OkStatus();
+  }
+
+  // A decision round was waited for: keep its decision (the same in every rank's result).
+  absl::Status TakeDecision(PendingRound& p, absl::Status s) {
+    std::lock_guard<std::mutex> lock(auto_mu_);
+    AutoOp& a = auto_[p.op];
+    if (a.open_decide == int64_t(p.seq)) a.open_decide = -1;
+    if (!s.ok()) return s;
+    const v1::Scope got = p.answer.decision.scope();
+    if (!p.answer.has_decision ||
+        (got != v1::SCOPE_NODE && got != v1::SCOPE_GLOBAL &&
+         !(got == v1::SCOPE_GROUP && options_.group_nodes > 0))) {
+      return absl::InternalError(absl::StrCat(
+          "round ", wire::RoundName(p.op, p.seq, v1::PHASE_FORWARD), ": the aggregator answered "
+          "the auto-scope decision round without a valid decision; check that the sidecars and "
+          "the root run the same hsbn version as this client"));
+    }
+    const Scope decided = Scope(int(got));
+    a.epochs.push_back(Epoch{int64_t(p.seq), decided});
+    if (a.epochs.size() > 8) a.epochs.erase(a.epochs.begin());
+    a.last.decided = true;
+    a.last.scope = decided;
+    a.last.mean_shift = p.answer.decision.mean_shift();
+    a.last.log_var_ratio = p.answer.decision.log_var_ratio();
+    a.last.rounds = p.answer.decision.rounds();
+    a.last.decided_at = int64_t(p.seq);
+    return s;
+  }
+
+  mutable std::mutex auto_mu_;  // a leaf lock
+  std::map<uint32_t, AutoOp> auto_;
+
   std::chrono::milliseconds RoundTimeout() const {
     return client_internal::RoundWait(options_.round_timeout, aggregator_timeout_ms_.load());
   }
@@ -638,6 +875,7 @@ class Client::Impl {
     req.set_previous_session(session_);
     req.set_token(options_.token);
     req.set_strict_finite(options_.strict_finite);
+    req.set_group_nodes(options_.group_nodes);
     v1::JoinResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(deadline + std::chrono::seconds(5));
@@ -749,6 +987,14 @@ absl::Status Client::Backward(uint32_t op, uint64_t seq, Scope scope, int64_t ch
 }
 
 ClientStats Client::Stats() const { return impl_->Stats(); }
+
+absl::Status Client::SetAutoPolicy(uint32_t op, const AutoPolicy& policy) {
+  return impl_->SetAutoPolicy(op, policy);
+}
+AutoDecision Client::AutoDecisionOf(uint32_t op) const { return impl_->AutoDecisionOf(op); }
+absl::Status Client::SetAutoDecision(uint32_t op, Scope scope) {
+  return impl_->SetAutoDecision(op, scope);
+}
 void Client::ResetStats() { impl_->ResetStats(); }
 
 RoundStats& RoundStats::operator+=(const RoundStats& other) {

@@ -13,6 +13,10 @@ Answer TakeAnswer(v1::Result* r) {
   a.status = wire::StatusFromCode(r->code(), r->message());
   a.count = r->count();
   a.data.swap(*r->mutable_data());
+  if (r->has_decision()) {
+    a.has_decision = true;
+    a.decision = r->decision();
+  }
   return a;
 }
 

@@ -23,6 +23,8 @@ struct Answer {
   absl::Status status;
   int64_t count = 0;
   std::string data;  // [a | b]: 2 * channels doubles, when the answer is OK
+  bool has_decision = false;  // Result.decision (auto scope's decision round)
+  v1::AutoDecision decision;
 };
 
 // The answer `r` carries; its payload is moved out of `r`.

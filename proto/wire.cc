@@ -55,6 +55,7 @@ const char* ScopeName(v1::Scope scope) {
     case v1::SCOPE_NODE: return "node";
     case v1::SCOPE_GLOBAL: return "global";
     case v1::SCOPE_SHADOW: return "shadow";
+    case v1::SCOPE_GROUP: return "group";
     default: return "unknown-scope";
   }
 }
@@ -63,6 +64,7 @@ v1::Scope ParseScope(const std::string& name) {
   if (name == "node") return v1::SCOPE_NODE;
   if (name == "global") return v1::SCOPE_GLOBAL;
   if (name == "shadow") return v1::SCOPE_SHADOW;
+  if (name == "group") return v1::SCOPE_GROUP;
   return v1::SCOPE_UNSPECIFIED;
 }
 
@@ -82,7 +84,7 @@ v1::Result ErrorResult(uint32_t op, uint64_t seq, v1::Phase phase, const absl::S
 
 absl::Status CheckWorkerLayout(int64_t rank, int64_t world_size, int64_t local_rank,
                                int64_t local_world_size, int64_t node_rank,
-                               int64_t max_world_size) {
+                               int64_t max_world_size, int64_t group_nodes) {
   auto bad = [](const std::string& what) { return absl::InvalidArgumentError(what); };
   if (world_size <= 0) return bad(absl::StrCat("WORLD_SIZE=", world_size, " must be positive"));
   if (max_world_size > 0 && world_size > max_world_size) {
@@ -111,6 +113,17 @@ absl::Status CheckWorkerLayout(int64_t rank, int64_t world_size, int64_t local_r
     return bad(absl::StrCat("RANK=", rank, " but GROUP_RANK*LOCAL_WORLD_SIZE+LOCAL_RANK=",
                             node_rank * local_world_size + local_rank,
                             "; hsbn expects torchrun's rank layout"));
+  }
+  return CheckGroupNodes(group_nodes, nodes);
+}
+
+absl::Status CheckGroupNodes(int64_t group_nodes, int64_t num_nodes) {
+  if (group_nodes == 0) return absl::OkStatus();
+  if (group_nodes < 0 || num_nodes <= 0 || num_nodes % group_nodes != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "HSBN_GROUP_NODES=", group_nodes, " does not divide the job's ", num_nodes,
+        " nodes (WORLD_SIZE / LOCAL_WORLD_SIZE); group scope needs groups of equal size: "
+        "choose a positive divisor of ", num_nodes, ", or 0 for no groups"));
   }
   return absl::OkStatus();
 }

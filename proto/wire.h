@@ -31,8 +31,8 @@ grpc::Status ToGrpc(const absl::Status& status);
 absl::Status StatusFromCode(int code, const std::string& message);
 
 const char* PhaseName(v1::Phase phase);   // "forward", "backward"
-const char* ScopeName(v1::Scope scope);   // "node", "global", "shadow"
-// Parses "node", "global", "shadow"; SCOPE_UNSPECIFIED if unknown.
+const char* ScopeName(v1::Scope scope);   // "node", "global", "shadow", "group"
+// Parses "node", "global", "shadow", "group"; SCOPE_UNSPECIFIED if unknown.
 v1::Scope ParseScope(const std::string& name);
 // "op 3, seq 7, forward"
 std::string RoundName(uint32_t op, uint64_t seq, v1::Phase phase);
@@ -43,10 +43,14 @@ v1::Result ErrorResult(uint32_t op, uint64_t seq, v1::Phase phase, const absl::S
 // The one check of a worker's layout, as torchrun names it (RANK, WORLD_SIZE, LOCAL_RANK,
 // LOCAL_WORLD_SIZE, GROUP_RANK): LOCAL_WORLD_SIZE workers on every node, ranked node by node.
 // INVALID_ARGUMENT naming the variable otherwise. `max_world_size` > 0 also bounds WORLD_SIZE
-// (RESOURCE_EXHAUSTED naming the aggregator's --max-world-size).
+// (RESOURCE_EXHAUSTED naming the aggregator's --max-world-size). `group_nodes` (K of group
+// scope, HSBN_GROUP_NODES; 0: no groups) must divide the number of nodes (CheckGroupNodes).
 absl::Status CheckWorkerLayout(int64_t rank, int64_t world_size, int64_t local_rank,
                                int64_t local_world_size, int64_t node_rank,
-                               int64_t max_world_size = 0);
+                               int64_t max_world_size = 0, int64_t group_nodes = 0);
+// K nodes per group: 0 (no groups), or a positive divisor of `num_nodes`. INVALID_ARGUMENT
+// naming both numbers otherwise.
+absl::Status CheckGroupNodes(int64_t group_nodes, int64_t num_nodes);
 
 // Untrusted text made safe for an error message or a log line: bytes outside printable ASCII
 // become \xNN, and text past `max` bytes is cut with "...".

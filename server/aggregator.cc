@@ -714,19 +714,22 @@ void Aggregator::Execute(Actions& actions, const std::string& job_id) {
     }
     for (const auto& member : actions.timed_out) m->RoundTimedOut(job_id, member);
   }
-  for (auto& d : actions.deliveries) {
-    for (auto& [session, sink] : d.to) {
-      v1::Result r = *d.result;  // the one copy per member: the outbox keeps it
-      r.set_session(session.Bytes());
-      sink->Send(std::move(r));
-    }
-  }
+  // Partials go up before results go down: a shadow partial is then queued to the root before
+  // its workers can start their next round, so the root sees a node's rounds in the order the
+  // node ran them (auto scope's decision round relies on it; docs/PROTOCOL.md).
   if (!actions.forwards.empty() || !actions.aborts.empty()) {
     std::shared_ptr<Job> job = registry_.FindJob(job_id);
     if (job && parent_) {
       std::shared_ptr<const std::string> token = job->token();
       for (const auto& f : actions.forwards) parent_->Forward(job_id, job->layout(), token, f);
       for (const auto& a : actions.aborts) parent_->Abort(job_id, job->layout(), token, a);
+    }
+  }
+  for (auto& d : actions.deliveries) {
+    for (auto& [session, sink] : d.to) {
+      v1::Result r = *d.result;  // the one copy per member: the outbox keeps it
+      r.set_session(session.Bytes());
+      sink->Send(std::move(r));
     }
   }
   if (parent_) {

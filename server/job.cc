@@ -27,7 +27,11 @@ std::vector<uint64_t> Job::HashContributions(const Round& round) {
   return hashes;
 }
 
-std::string Describe(const RoundKey& key) { return wire::RoundName(key.op, key.seq, key.phase); }
+std::string Describe(const RoundKey& key) {
+  std::string name = wire::RoundName(key.op, key.seq, key.phase);
+  if (key.group > 0) absl::StrAppend(&name, ", group ", key.group - 1);
+  return name;
+}
 
 Job::Job(std::string id, JobLayout layout, JobLimits limits)
     : id_(std::move(id)),
@@ -96,6 +100,12 @@ absl::Status Job::CheckLayout(const JobLayout& d, const std::string& who) const 
         who, ": strict_finite=", d.strict_finite ? "on" : "off", " but job '", id_,
         "' was joined with strict_finite=", layout_.strict_finite ? "on" : "off",
         "; every process of a job must set HSBN_STRICT_FINITE the same way"));
+  }
+  if (d.group_nodes != layout_.group_nodes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": group_nodes=", d.group_nodes, " but job '", id_, "' was joined with group_nodes=",
+        layout_.group_nodes, "; every process of a job must set HSBN_GROUP_NODES (group_nodes) "
+        "the same way"));
   }
   if (d.node_rank != layout_.node_rank) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -171,7 +181,9 @@ void Job::MemberGone(int32_t index, const SessionId& session, bool left, Clock::
                           "' (its stream broke: the process probably exited or was killed) "
                           "while this round waited for it");
   const int failed = FailOpenRoundsLocked(
-      [&](const Round& round) { return !round.slots[index].filled; },
+      [&](const Round& round) {
+        return index >= round.lo && index < round.hi && !round.slots[index].filled;
+      },
       [&](const RoundKey& key) {
         return absl::UnavailableError(absl::StrCat("round ", Describe(key), ": ", why));
       },
@@ -223,8 +235,18 @@ void Job::EraseOpenLocked(std::map<RoundKey, Round>::iterator it) {
 }
 
 bool Job::ScopeReachesParent(v1::Scope scope) const {
-  return scope != v1::SCOPE_NODE && layout_.member_kind == v1::MEMBER_KIND_WORKER &&
-         layout_.num_nodes > 1;
+  // A group of one node is the node: its sidecar answers.
+  return scope != v1::SCOPE_NODE && !(scope == v1::SCOPE_GROUP && layout_.group_nodes == 1) &&
+         layout_.member_kind == v1::MEMBER_KIND_WORKER && layout_.num_nodes > 1;
+}
+
+RoundKey Job::KeyOf(int32_t index, const v1::Contribution& c) const {
+  RoundKey key{c.op(), c.seq(), c.phase()};
+  if (c.scope() == v1::SCOPE_GROUP && layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR &&
+      layout_.group_nodes > 0) {
+    key.group = index / layout_.group_nodes + 1;
+  }
+  return key;
 }
 
 absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const Round* open,
@@ -239,8 +261,28 @@ absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const
     return bad("phase", absl::StrCat("is ", int(c.phase()), "; expected forward or backward"));
   }
   if (c.scope() != v1::SCOPE_NODE && c.scope() != v1::SCOPE_GLOBAL &&
-      c.scope() != v1::SCOPE_SHADOW) {
-    return bad("scope", absl::StrCat("is ", int(c.scope()), "; expected node, global or shadow"));
+      c.scope() != v1::SCOPE_SHADOW && c.scope() != v1::SCOPE_GROUP) {
+    return bad("scope", absl::StrCat("is ", int(c.scope()),
+                                     "; expected node, global, shadow or group"));
+  }
+  if (c.scope() == v1::SCOPE_GROUP && layout_.group_nodes <= 0) {
+    return bad("scope", absl::StrCat("is group, but job '", id_, "' was joined without a group "
+                                     "size: set HSBN_GROUP_NODES (group_nodes) to the nodes per "
+                                     "group on every process of the job"));
+  }
+  if (c.has_decide()) {
+    const v1::AutoDecide& d = c.decide();
+    if (c.phase() != v1::PHASE_FORWARD || c.scope() != v1::SCOPE_GLOBAL) {
+      return bad("decide", "is set on a round that is not a global forward round");
+    }
+    if (!(d.max_mean_shift() >= 0) || !std::isfinite(d.max_mean_shift()) ||
+        !(d.max_log_var_ratio() >= 0) || !std::isfinite(d.max_log_var_ratio()) ||
+        d.warmup_rounds() < 0) {
+      return bad("decide", absl::StrCat("holds max_mean_shift=", d.max_mean_shift(),
+                                        ", max_log_var_ratio=", d.max_log_var_ratio(),
+                                        ", warmup_rounds=", d.warmup_rounds(),
+                                        "; thresholds are finite and >= 0, warm-up >= 0"));
+    }
   }
   if (layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR && c.scope() == v1::SCOPE_NODE) {
     return bad("scope", "is node, which a root aggregator never reduces");
@@ -297,6 +339,23 @@ absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const
       return bad("scope", absl::StrCat("is ", wire::ScopeName(c.scope()), " but ",
                                        MemberName(open->first_contributor), " sent ",
                                        wire::ScopeName(open->scope)));
+    }
+    if (c.has_decide() != (open->decide != nullptr) ||
+        (c.has_decide() && (c.decide().max_mean_shift() != open->decide->max_mean_shift() ||
+                            c.decide().max_log_var_ratio() != open->decide->max_log_var_ratio() ||
+                            c.decide().warmup_rounds() != open->decide->warmup_rounds()))) {
+      auto text = [](const v1::AutoDecide* d) {
+        return d == nullptr ? std::string("no auto-scope decision request")
+                            : absl::StrCat("an auto-scope decision request (max_mean_shift=",
+                                           d->max_mean_shift(), ", max_log_var_ratio=",
+                                           d->max_log_var_ratio(), ", warm-up ",
+                                           d->warmup_rounds(), ")");
+      };
+      return bad("decide", absl::StrCat("is ", text(c.has_decide() ? &c.decide() : nullptr),
+                                        " but ", MemberName(open->first_contributor), " sent ",
+                                        text(open->decide.get()),
+                                        "; every worker must give an auto-scope layer the same "
+                                        "warm-up and thresholds"));
     }
     const Slot& slot = open->slots[index];
     if (slot.filled && (slot.count != c.count() || slot.data != c.data())) {
@@ -405,7 +464,7 @@ void Job::DeliverLocked(const Round& round, std::shared_ptr<const v1::Result> re
                         Actions* out) {
   Actions::Delivery d;
   d.result = std::move(result);
-  for (size_t i = 0; i < round.slots.size(); ++i) {
+  for (size_t i = size_t(round.lo); i < size_t(round.hi); ++i) {
     if (members_[i].sink) d.to.emplace_back(members_[i].session, members_[i].sink);
   }
   if (!d.to.empty()) out->deliveries.push_back(std::move(d));
@@ -426,7 +485,7 @@ bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribu
                      Clock::time_point now, Actions* out) {
   absl::MutexLock lock(&mu_);
   if (!members_[index].joined || members_[index].session != session) return false;
-  const RoundKey key{c.op(), c.seq(), c.phase()};
+  const RoundKey key = KeyOf(index, c);
   if (auto f = finished_.find(key); f != finished_.end()) {
     const auto& hashes = f->second.contribution_hashes;
     if (f->second.status.ok() && size_t(index) < hashes.size() &&
@@ -448,7 +507,23 @@ bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribu
   }
   auto it = open_.find(key);
   Round* open = it == open_.end() ? nullptr : &it->second;
-  if (absl::Status s = ValidateLocked(index, c, open, out); !s.ok()) {
+  absl::Status valid = ValidateLocked(index, c, open, out);
+  if (valid.ok() && open == nullptr && layout_.group_nodes > 0 &&
+      layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR) {
+    // At the root a group round and a round of another scope under the same (op, seq, phase)
+    // have different keys: catch the scope mismatch here rather than at the deadline.
+    auto sibling = open_.lower_bound(RoundKey{key.op, key.seq, key.phase, 0});
+    if (sibling != open_.end() && sibling->first.op == key.op && sibling->first.seq == key.seq &&
+        sibling->first.phase == key.phase && sibling->second.scope != c.scope()) {
+      valid = absl::InvalidArgumentError(absl::StrCat(
+          MemberName(index), " sent an invalid contribution to round ", Describe(key),
+          ": field 'scope' is ", wire::ScopeName(c.scope()), " but ",
+          MemberName(sibling->second.first_contributor), " sent ",
+          wire::ScopeName(sibling->second.scope)));
+      FailRoundLocked(sibling->first, valid, /*tell_parent=*/true, out);
+    }
+  }
+  if (absl::Status s = valid; !s.ok()) {
     // The sender gets the error even if it has no slot in the open round (FailRoundLocked
     // answers the members whose slots are filled).
     if (open == nullptr || !open->slots[index].filled) TellSenderLocked(index, session, key, s, out);
@@ -458,7 +533,12 @@ bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribu
   Member& member = members_[index];
   ++member.contributions;
   if (open == nullptr) {
-    if (absl::Status s = BlockedLocked(key); !s.ok()) {
+    int32_t lo = 0, hi = int32_t(members_.size());
+    if (key.group > 0) {
+      lo = (key.group - 1) * layout_.group_nodes;
+      hi = lo + layout_.group_nodes;
+    }
+    if (absl::Status s = BlockedLocked(key, lo, hi); !s.ok()) {
       TellSenderLocked(index, session, key, s, out);
       FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
       return true;
@@ -488,6 +568,9 @@ bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribu
     round.channels = c.channels();
     round.first_contributor = index;
     round.slots.resize(members_.size());
+    round.lo = lo;
+    round.hi = hi;
+    if (c.has_decide()) round.decide = std::make_shared<const v1::AutoDecide>(c.decide());
     round.charged = bytes;
     round.opened = now;
     round.deadline = now + limits_.round_timeout;
@@ -510,7 +593,7 @@ bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribu
   slot.filled = true;
   slot.count = c.count();
   slot.data = c.data();
-  if (++open->filled == int32_t(open->slots.size())) CompleteLocked(*open, out);
+  if (++open->filled == open->hi - open->lo) CompleteLocked(*open, out);
   return true;
 }
 
@@ -522,12 +605,13 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   double* sa = b + channels;
   double* sb = sa + channels;
   int64_t count = 0;
+  const auto first = round.slots.begin() + round.lo, last = round.slots.begin() + round.hi;
   // Counts are each >= 0; their sum must fit in int64, or the result would be wrong.
-  for (const Slot& slot : round.slots) {
-    if (__builtin_add_overflow(count, slot.count, &count)) {
+  for (auto slot = first; slot != last; ++slot) {
+    if (__builtin_add_overflow(count, slot->count, &count)) {
       out->refused.push_back("count_overflow");
       std::vector<std::string> who;
-      for (size_t i = 0; i < round.slots.size(); ++i) {
+      for (size_t i = size_t(round.lo); i < size_t(round.hi); ++i) {
         who.push_back(absl::StrCat(MemberName(int32_t(i)), " count=", round.slots[i].count));
       }
       FailRoundLocked(round.key,
@@ -541,15 +625,15 @@ void Job::CompleteLocked(Round& round, Actions* out) {
     }
   }
   count = 0;
-  // Fixed order: member index 0, 1, ... — the same bits for every member and every rerun.
-  for (const Slot& slot : round.slots) {
-    wire::UnpackPayload(slot.data, channels, sa, sb);
+  // Fixed order: member index lo, lo + 1, ... — the same bits for every member and every rerun.
+  for (auto slot = first; slot != last; ++slot) {
+    wire::UnpackPayload(slot->data, channels, sa, sb);
     if (round.key.phase == v1::PHASE_FORWARD) {
-      count = MergeChannelMoments(count, a, b, slot.count, sa, sb, channels);
+      count = MergeChannelMoments(count, a, b, slot->count, sa, sb, channels);
     } else {
       AddChannelSums(a, sa, channels);
       AddChannelSums(b, sb, channels);
-      count += slot.count;
+      count += slot->count;
     }
   }
   auto result = std::make_shared<v1::Result>();
@@ -575,8 +659,9 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   const RoundKey key = round.key;
   if (ScopeReachesParent(round.scope) && limits_.has_parent) {
     out->forwards.push_back(Actions::Forward{key, round.scope, round.channels, count,
-                                             std::make_shared<const std::string>(result->data())});
-    if (round.scope == v1::SCOPE_GLOBAL) {
+                                             std::make_shared<const std::string>(result->data()),
+                                             round.decide});
+    if (round.scope != v1::SCOPE_SHADOW) {
       round.forwarded = true;
       // The root's own deadline for this round fires first (its round opened no later than
       // ours was forwarded), and its error names the missing nodes and ranks; ours is only the
@@ -593,6 +678,21 @@ void Job::CompleteLocked(Round& round, Actions* out) {
       round.key.phase == v1::PHASE_FORWARD) {
     RecordDivergenceLocked(round, *result);
   }
+  if (round.decide) {
+    if (layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR) {
+      *result->mutable_decision() = DecideLocked(key.op, *round.decide);
+      out->log.push_back(absl::StrCat(
+          "job '", id_, "': auto scope of op ", key.op, " decided at seq ", key.seq, ": ",
+          wire::ScopeName(result->decision().scope()), " (largest average mean shift ",
+          result->decision().mean_shift(), ", |log var ratio| ",
+          result->decision().log_var_ratio(), ", over ", result->decision().rounds(),
+          " shadow rounds)"));
+    } else {
+      // One node: node (group) and global are the same statistics.
+      v1::AutoDecision* d = result->mutable_decision();
+      d->set_scope(layout_.group_nodes > 0 ? v1::SCOPE_GROUP : v1::SCOPE_NODE);
+    }
+  }
   std::shared_ptr<const v1::Result> shared = result;
   // At the root, shadow partials are fire-and-forget: the nodes are not waiting.
   if (!(layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR && round.scope == v1::SCOPE_SHADOW)) {
@@ -606,33 +706,90 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   FinishLocked(key, Finished{absl::OkStatus(), shared, std::move(hashes)});
 }
 
+void Job::DivergenceAcc::Add(int64_t channels, int64_t count, const double* nm,
+                             const double* nm2, int64_t global_count, const double* gm,
+                             const double* gm2) {
+  double shift_sum = 0, shift_max = 0, ratio_sum = 0, log_sum = 0;
+  for (int64_t c = 0; c < channels; ++c) {
+    const double gvar = gm2[c] / double(global_count);
+    const double nvar = nm2[c] / double(count);
+    const double shift = std::fabs(nm[c] - gm[c]) / std::sqrt(gvar + 1e-5);
+    const double ratio = (nvar + 1e-5) / (gvar + 1e-5);
+    shift_sum += shift;
+    shift_max = std::max(shift_max, shift);
+    ratio_sum += ratio;
+    log_sum += std::fabs(std::log(ratio));
+  }
+  rounds += 1;
+  mean_shift_sum += shift_sum / double(channels);
+  mean_shift_max = std::max(mean_shift_max, shift_max);
+  var_ratio_sum += ratio_sum / double(channels);
+  log_var_ratio_abs_sum += log_sum / double(channels);
+}
+
 void Job::RecordDivergenceLocked(const Round& round, const v1::Result& global) {
   const int64_t channels = round.channels;
   std::vector<double> gm(channels), gm2(channels), nm(channels), nm2(channels);
   wire::UnpackPayload(global.data(), channels, gm.data(), gm2.data());
   if (global.count() == 0) return;
+  const uint32_t op = round.key.op;
+  const int32_t k = layout_.group_nodes;
+  std::vector<double> sm(channels), sm2(channels);
+  int64_t group_count = 0;
   for (size_t node = 0; node < round.slots.size(); ++node) {
     const Slot& slot = round.slots[node];
-    if (slot.count == 0) continue;
-    wire::UnpackPayload(slot.data, channels, nm.data(), nm2.data());
-    double shift_sum = 0, shift_max = 0, ratio_sum = 0, log_sum = 0;
-    for (int64_t c = 0; c < channels; ++c) {
-      const double gvar = gm2[c] / double(global.count());
-      const double nvar = nm2[c] / double(slot.count);
-      const double shift = std::fabs(nm[c] - gm[c]) / std::sqrt(gvar + 1e-5);
-      const double ratio = (nvar + 1e-5) / (gvar + 1e-5);
-      shift_sum += shift;
-      shift_max = std::max(shift_max, shift);
-      ratio_sum += ratio;
-      log_sum += std::fabs(std::log(ratio));
+    if (k > 0 && node % size_t(k) == 0) {
+      group_count = 0;
+      std::fill(sm.begin(), sm.end(), 0.0);
+      std::fill(sm2.begin(), sm2.end(), 0.0);
     }
-    DivergenceAcc& acc = divergence_[{round.key.op, int32_t(node)}];
-    acc.rounds += 1;
-    acc.mean_shift_sum += shift_sum / double(channels);
-    acc.mean_shift_max = std::max(acc.mean_shift_max, shift_max);
-    acc.var_ratio_sum += ratio_sum / double(channels);
-    acc.log_var_ratio_abs_sum += log_sum / double(channels);
+    if (slot.count > 0) {
+      wire::UnpackPayload(slot.data, channels, nm.data(), nm2.data());
+      divergence_[{op, int32_t(node)}].Add(channels, slot.count, nm.data(), nm2.data(),
+                                           global.count(), gm.data(), gm2.data());
+      if (k == 0) {
+        decide_window_[{op, int32_t(node)}].Add(channels, slot.count, nm.data(), nm2.data(),
+                                                global.count(), gm.data(), gm2.data());
+      } else {
+        // The group's statistics, merged in node order as its group rounds are.
+        group_count = MergeChannelMoments(group_count, sm.data(), sm2.data(), slot.count,
+                                          nm.data(), nm2.data(), channels);
+      }
+    }
+    if (k > 0 && node % size_t(k) == size_t(k) - 1 && group_count > 0) {
+      const int32_t group = int32_t(node) / k;
+      group_divergence_[{op, group}].Add(channels, group_count, sm.data(), sm2.data(),
+                                         global.count(), gm.data(), gm2.data());
+      decide_window_[{op, group}].Add(channels, group_count, sm.data(), sm2.data(),
+                                      global.count(), gm.data(), gm2.data());
+    }
   }
+}
+
+v1::AutoDecision Job::DecideLocked(uint32_t op, const v1::AutoDecide& request) {
+  const int32_t units = layout_.group_nodes > 0 ? layout_.num_nodes / layout_.group_nodes
+                                                : layout_.num_nodes;
+  v1::AutoDecision d;
+  int64_t fewest = std::numeric_limits<int64_t>::max();
+  double shift = 0, log_ratio = 0;
+  for (int32_t u = 0; u < units; ++u) {
+    auto it = decide_window_.find({op, u});
+    const int64_t rounds = it == decide_window_.end() ? 0 : it->second.rounds;
+    fewest = std::min(fewest, rounds);
+    if (rounds == 0) continue;
+    shift = std::max(shift, it->second.mean_shift_sum / double(rounds));
+    log_ratio = std::max(log_ratio, it->second.log_var_ratio_abs_sum / double(rounds));
+    decide_window_.erase(it);
+  }
+  d.set_mean_shift(shift);
+  d.set_log_var_ratio(log_ratio);
+  d.set_rounds(fewest == std::numeric_limits<int64_t>::max() ? 0 : fewest);
+  // No record for some node or group (its shadow partials were lost): the safe choice, global.
+  const bool cheap = fewest > 0 && fewest != std::numeric_limits<int64_t>::max() &&
+                     shift <= request.max_mean_shift() && log_ratio <= request.max_log_var_ratio();
+  d.set_scope(!cheap ? v1::SCOPE_GLOBAL
+                     : layout_.group_nodes > 0 ? v1::SCOPE_GROUP : v1::SCOPE_NODE);
+  return d;
 }
 
 bool Job::NodeDown(std::string* message) const {
@@ -641,8 +798,8 @@ bool Job::NodeDown(std::string* message) const {
   return reported_down_;
 }
 
-absl::Status Job::BlockedLocked(const RoundKey& key) const {
-  for (size_t i = 0; i < members_.size(); ++i) {
+absl::Status Job::BlockedLocked(const RoundKey& key, int32_t lo, int32_t hi) const {
+  for (size_t i = size_t(lo); i < size_t(hi); ++i) {
     if (members_[i].gone) {
       // A member that took part before and whose stream is gone cannot contribute.
       return absl::UnavailableError(absl::StrCat(
@@ -673,7 +830,9 @@ void Job::ChildState(int32_t index, const v1::NodeState& state, Actions* out) {
   m.down = state.message().empty() ? "a worker there disconnected"
                                     : wire::Printable(state.message(), 512);
   const int failed = FailOpenRoundsLocked(
-      [&](const Round& round) { return !round.slots[index].filled; },
+      [&](const Round& round) {
+        return index >= round.lo && index < round.hi && !round.slots[index].filled;
+      },
       [&](const RoundKey& key) {
         return absl::UnavailableError(absl::StrCat(
             "round ", Describe(key), " of job '", id_, "' cannot complete: ", MemberName(index),
@@ -686,11 +845,23 @@ void Job::ChildState(int32_t index, const v1::NodeState& state, Actions* out) {
 
 void Job::ChildAbort(int32_t index, const v1::Abort& abort, Actions* out) {
   absl::MutexLock lock(&mu_);
-  const RoundKey key{abort.op(), abort.seq(), abort.phase()};
-  if (finished_.count(key)) return;
   absl::Status s = wire::StatusFromCode(abort.code() == 0 ? int(absl::StatusCode::kAborted)
                                                           : abort.code(),
                                         wire::Printable(abort.message(), 1024));
+  // An abort does not say the round's scope: with groups it may be the node's group round.
+  const RoundKey key{abort.op(), abort.seq(), abort.phase()};
+  if (layout_.group_nodes > 0) {
+    const RoundKey group_key{abort.op(), abort.seq(), abort.phase(),
+                             index / layout_.group_nodes + 1};
+    if (open_.count(group_key)) {
+      FailRoundLocked(group_key, s, /*tell_parent=*/true, out);
+      return;
+    }
+    if (!open_.count(key) && !finished_.count(key) && !finished_.count(group_key)) {
+      FinishLocked(group_key, Finished{s, nullptr, {}});
+    }
+  }
+  if (finished_.count(key)) return;
   if (open_.count(key)) {
     FailRoundLocked(key, s, /*tell_parent=*/true, out);
   } else {
@@ -758,7 +929,7 @@ void Job::Expire(Clock::time_point now, Actions* out) {
       continue;
     }
     std::vector<std::string> missing;
-    for (size_t i = 0; i < round.slots.size(); ++i) {
+    for (size_t i = size_t(round.lo); i < size_t(round.hi); ++i) {
       if (!round.slots[i].filled) {
         missing.push_back(MemberName(int32_t(i)));
         out->timed_out.push_back(
@@ -813,8 +984,9 @@ void Job::FillStatus(v1::JobStatus* s) const {
   s->set_open_rounds(int64_t(open_.size()));
   s->set_rounds_completed(rounds_completed_);
   s->set_rounds_failed(rounds_failed_);
-  for (const auto& [k, acc] : divergence_) {
-    v1::Divergence* d = s->add_divergence();
+  s->set_group_nodes(layout_.group_nodes);
+  auto fill = [](const std::pair<uint32_t, int32_t>& k, const DivergenceAcc& acc,
+                 v1::Divergence* d) {
     d->set_op(k.first);
     d->set_node(k.second);
     d->set_rounds(acc.rounds);
@@ -823,7 +995,9 @@ void Job::FillStatus(v1::JobStatus* s) const {
     d->set_mean_shift_max(acc.mean_shift_max);
     d->set_var_ratio_avg(acc.var_ratio_sum / n);
     d->set_log_var_ratio_abs_avg(acc.log_var_ratio_abs_sum / n);
-  }
+  };
+  for (const auto& [k, acc] : divergence_) fill(k, acc, s->add_divergence());
+  for (const auto& [k, acc] : group_divergence_) fill(k, acc, s->add_group_divergence());
 }
 
 }  // namespace hsbn::server

@@ -55,17 +55,21 @@ struct RoundKey {
   uint32_t op = 0;
   uint64_t seq = 0;
   v1::Phase phase = v1::PHASE_UNSPECIFIED;
+  // 0, or at the root, 1 + the group index of a group-scope round: each group's round is a
+  // round of its own (its nodes only), under the same (op, seq, phase) as the others'.
+  int32_t group = 0;
   bool operator<(const RoundKey& o) const {
     if (op != o.op) return op < o.op;
     if (seq != o.seq) return seq < o.seq;
-    return phase < o.phase;
+    if (phase != o.phase) return phase < o.phase;
+    return group < o.group;
   }
   bool operator==(const RoundKey& o) const {
-    return op == o.op && seq == o.seq && phase == o.phase;
+    return op == o.op && seq == o.seq && phase == o.phase && group == o.group;
   }
   template <typename H>
   friend H AbslHashValue(H h, const RoundKey& k) {
-    return H::combine(std::move(h), k.op, k.seq, int(k.phase));
+    return H::combine(std::move(h), k.op, k.seq, int(k.phase), k.group);
   }
 };
 std::string Describe(const RoundKey& key);
@@ -78,6 +82,7 @@ struct JobLayout {
   int32_t num_nodes = 0;
   int32_t node_rank = -1;  // at a sidecar: the node it serves for this job; -1 at the root
   bool strict_finite = false;  // JoinRequest.strict_finite: non-finite values fail rounds
+  int32_t group_nodes = 0;     // JoinRequest.group_nodes: nodes per group, 0: no groups
   // Members expected here: local ranks at a sidecar, nodes at the root.
   int32_t group_size() const {
     return member_kind == v1::MEMBER_KIND_WORKER ? local_world_size : num_nodes;
@@ -106,6 +111,7 @@ struct Actions {
     uint32_t channels;
     int64_t count;
     std::shared_ptr<const std::string> data;
+    std::shared_ptr<const v1::AutoDecide> decide;  // the round asks the root to decide; or null
   };
   struct Abort {  // tell the parent that this round failed below it
     RoundKey key;
@@ -216,8 +222,10 @@ class Job {
     v1::Scope scope = v1::SCOPE_UNSPECIFIED;
     uint32_t channels = 0;
     int32_t first_contributor = -1;
-    std::vector<Slot> slots;
+    std::vector<Slot> slots;  // one per member; only [lo, hi) take part
+    int32_t lo = 0, hi = 0;   // its members: all, or at the root one group's nodes
     int32_t filled = 0;
+    std::shared_ptr<const v1::AutoDecide> decide;  // Contribution.decide; null: none
     int64_t charged = 0;     // bytes charged to the budget for this round
     bool forwarded = false;  // waiting for the parent
     Clock::time_point opened;  // first contribution
@@ -243,6 +251,9 @@ class Job {
   struct DivergenceAcc {
     int64_t rounds = 0;
     double mean_shift_sum = 0, mean_shift_max = 0, var_ratio_sum = 0, log_var_ratio_abs_sum = 0;
+    // Adds one round: a partial of `count` values (mean, m2) against the global statistics.
+    void Add(int64_t channels, int64_t count, const double* mean, const double* m2,
+             int64_t global_count, const double* gmean, const double* gm2);
   };
 
   absl::Status ValidateLocked(int32_t index, const v1::Contribution& c, const Round* open,
@@ -272,8 +283,16 @@ class Job {
                         const absl::Status& s, Actions* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool ScopeReachesParent(v1::Scope scope) const;
-  // Why a new round cannot complete here (a member gone, or a node below down); OK if it can.
-  absl::Status BlockedLocked(const RoundKey& key) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The key of `c` from member `index`: at the root a group round is keyed by its group.
+  RoundKey KeyOf(int32_t index, const v1::Contribution& c) const;
+  // Why a new round of members [lo, hi) cannot complete here (a member gone, or a node below
+  // down); OK if it can.
+  absl::Status BlockedLocked(const RoundKey& key, int32_t lo, int32_t hi) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // At the root: the auto-scope decision for `op` from the shadow rounds recorded since its
+  // last decision (per group with groups, else per node); resets that record.
+  v1::AutoDecision DecideLocked(uint32_t op, const v1::AutoDecide& request)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Charges `bytes` to the budget (false: refused, nothing charged) / releases them.
   bool ChargeLocked(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseLocked(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -295,6 +314,10 @@ class Job {
   int64_t rounds_failed_ ABSL_GUARDED_BY(mu_) = 0;
   // (op, node)
   std::map<std::pair<uint32_t, int32_t>, DivergenceAcc> divergence_ ABSL_GUARDED_BY(mu_);
+  // (op, group), with groups
+  std::map<std::pair<uint32_t, int32_t>, DivergenceAcc> group_divergence_ ABSL_GUARDED_BY(mu_);
+  // (op, group or node): the record since op's last auto-scope decision
+  std::map<std::pair<uint32_t, int32_t>, DivergenceAcc> decide_window_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<const std::string> token_ ABSL_GUARDED_BY(mu_);
   bool reported_down_ ABSL_GUARDED_BY(mu_) = false;  // a sidecar that told its parent so
   std::string down_message_ ABSL_GUARDED_BY(mu_);    // what it said

@@ -26,6 +26,7 @@ const char* ScopeLabel(int scope) {
     case v1::SCOPE_NODE: return "node";
     case v1::SCOPE_GLOBAL: return "global";
     case v1::SCOPE_SHADOW: return "shadow";
+    case v1::SCOPE_GROUP: return "group";
     default: return "unknown";
   }
 }

@@ -150,7 +150,7 @@ class Metrics {
 
  private:
   class StateCollector;
-  static constexpr int kScopes = 4;   // unspecified, node, global, shadow
+  static constexpr int kScopes = 5;   // unspecified, node, global, shadow, group
   static constexpr int kPhases = 3;   // unspecified, forward, backward
   static constexpr int kCodes = 17;   // gRPC codes 0..16
 

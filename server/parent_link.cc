@@ -338,7 +338,7 @@ ParentLink::Item ParentLink::MakeItem(const std::string& job_id, const JobLayout
 void ParentLink::Forward(const std::string& job_id, const JobLayout& layout,
                          std::shared_ptr<const std::string> token, const Actions::Forward& f) {
   Item item = MakeItem(job_id, layout, std::move(token), f.key);
-  item.wants_answer = f.scope == v1::SCOPE_GLOBAL;
+  item.wants_answer = f.scope != v1::SCOPE_SHADOW;
   v1::Contribution* c = item.frame.mutable_contribution();
   c->set_op(f.key.op);
   c->set_seq(f.key.seq);
@@ -347,6 +347,7 @@ void ParentLink::Forward(const std::string& job_id, const JobLayout& layout,
   c->set_channels(f.channels);
   c->set_count(f.count);
   c->set_data(*f.data);
+  if (f.decide) *c->mutable_decide() = *f.decide;
   Enqueue(std::move(item));
 }
 
@@ -420,6 +421,7 @@ void ParentLink::StartJoin(const Item& item) {
   req.set_rank(-1);
   req.set_local_rank(-1);
   req.set_strict_finite(item.layout.strict_finite);
+  req.set_group_nodes(item.layout.group_nodes);
   if (auto last = last_session_.find(item.job_id); last != last_session_.end()) {
     req.set_previous_session(last->second.Bytes());
   }

@@ -37,7 +37,7 @@ absl::Status Registry::CheckRequest(const v1::JoinRequest& req, const std::strin
   if (worker) {
     absl::Status s = wire::CheckWorkerLayout(req.rank(), req.world_size(), req.local_rank(),
                                              req.local_world_size(), req.node_rank(),
-                                             options_.max_world_size);
+                                             options_.max_world_size, req.group_nodes());
     if (!s.ok()) return absl::Status(s.code(), absl::StrCat(who, " of job '", req.job_id(), "': ",
                                                             s.message()));
     return absl::OkStatus();
@@ -57,6 +57,9 @@ absl::Status Registry::CheckRequest(const v1::JoinRequest& req, const std::strin
   if (req.node_rank() < 0 || req.node_rank() >= num_nodes) {
     return bad(absl::StrCat("node_rank (GROUP_RANK) is ", req.node_rank(), "; the job has ",
                             num_nodes, " nodes"));
+  }
+  if (absl::Status s = wire::CheckGroupNodes(req.group_nodes(), num_nodes); !s.ok()) {
+    return bad(std::string(s.message()));
   }
   return absl::OkStatus();
 }
@@ -108,6 +111,7 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
   layout.num_nodes = req.world_size() / req.local_world_size();
   layout.node_rank = worker ? req.node_rank() : -1;
   layout.strict_finite = req.strict_finite();
+  layout.group_nodes = req.group_nodes();
   const int32_t index = worker ? req.local_rank() : req.node_rank();
 
   Joined joined;

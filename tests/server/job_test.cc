@@ -28,9 +28,10 @@ class RecordingSink : public ResultSink {
 struct Fixture {
   explicit Fixture(int lws, int nodes = 1, int node = 0, bool parent = false,
                    v1::MemberKind kind = v1::MEMBER_KIND_WORKER, JobLimits limits = {},
-                   bool strict = false) {
+                   bool strict = false, int group_nodes = 0) {
     layout.member_kind = kind;
     layout.strict_finite = strict;
+    layout.group_nodes = group_nodes;
     layout.local_world_size = lws;
     layout.num_nodes = nodes;
     layout.world_size = lws * nodes;
@@ -410,6 +411,222 @@ TEST(Job, RootRecordsHowFarEachNodeIsFromGlobalInShadowRounds) {
     EXPECT_NEAR(d.mean_shift_avg(), 1.0 / std::sqrt(2.0 + 1e-5), 1e-12);
     EXPECT_NEAR(d.var_ratio_avg(), (1.0 + 1e-5) / (2.0 + 1e-5), 1e-12);
   }
+}
+
+// --- group scope ---------------------------------------------------------------------------------
+
+Fixture GroupRoot(int nodes, int k) {
+  return Fixture(1, nodes, 0, false, v1::MEMBER_KIND_AGGREGATOR, {}, false, k);
+}
+
+TEST(Job, RootCompletesEachGroupAsSoonAsItsNodesContributedAndAnswersOnlyThem) {
+  Fixture root = GroupRoot(4, 2);  // groups {0, 1} and {2, 3}
+  root.Send(3, Fwd(0, 0, 2, {10.0}, {1.0}, v1::SCOPE_GROUP));
+  root.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_GROUP));
+  EXPECT_TRUE(root.sinks[0]->results.empty());
+  root.Send(1, Fwd(0, 0, 3, {5.0}, {2.0}, v1::SCOPE_GROUP));
+  // Group 0 is done (node 1 was its last), group 1 still waits for node 2.
+  ASSERT_EQ(root.sinks[0]->results.size(), 1u);
+  ASSERT_EQ(root.sinks[1]->results.size(), 1u);
+  EXPECT_TRUE(root.sinks[2]->results.empty());
+  EXPECT_TRUE(root.sinks[3]->results.empty());
+  const v1::Result& g0 = root.sinks[0]->results[0];
+  EXPECT_EQ(g0.code(), 0);
+  EXPECT_EQ(g0.count(), 4);
+  EXPECT_EQ(g0.scope(), v1::SCOPE_GROUP);
+  // {1} and three values of mean 5, m2 2: mean 4, m2 = 2 + 1*3*16/4 = 14
+  EXPECT_NEAR(A(g0)[0], 4.0, 1e-15);
+  EXPECT_NEAR(B(g0)[0], 14.0, 1e-13);
+  EXPECT_EQ(g0.data(), root.sinks[1]->results[0].data());
+  root.Send(2, Fwd(0, 0, 2, {20.0}, {1.0}, v1::SCOPE_GROUP));
+  ASSERT_EQ(root.sinks[2]->results.size(), 1u);
+  ASSERT_EQ(root.sinks[3]->results.size(), 1u);
+  EXPECT_EQ(root.sinks[0]->results.size(), 1u);  // group 0 got nothing more
+  EXPECT_EQ(root.sinks[2]->results[0].count(), 4);
+  EXPECT_NEAR(A(root.sinks[2]->results[0])[0], 15.0, 1e-15);
+  EXPECT_EQ(root.sinks[2]->results[0].data(), root.sinks[3]->results[0].data());
+  // A group round is merged in node order, like any other: the same bits whatever the arrival.
+  Fixture again = GroupRoot(4, 2);
+  again.Send(1, Fwd(0, 0, 3, {5.0}, {2.0}, v1::SCOPE_GROUP));
+  again.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_GROUP));
+  ASSERT_EQ(again.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(again.sinks[0]->results[0].data(), g0.data());
+}
+
+TEST(Job, GroupOfAllNodesEqualsGlobalAndTheRootNamesTheGroupWhenItTimesOut) {
+  Fixture root = GroupRoot(2, 2);
+  root.Send(0, Fwd(0, 0, 10, {0.0}, {10.0}, v1::SCOPE_GROUP));
+  root.Send(1, Fwd(0, 0, 10, {2.0}, {10.0}, v1::SCOPE_GROUP));
+  root.Send(0, Fwd(0, 1, 10, {0.0}, {10.0}, v1::SCOPE_GLOBAL));
+  root.Send(1, Fwd(0, 1, 10, {2.0}, {10.0}, v1::SCOPE_GLOBAL));
+  ASSERT_EQ(root.sinks[0]->results.size(), 2u);
+  EXPECT_EQ(root.sinks[0]->results[0].data(), root.sinks[0]->results[1].data());
+  Fixture four = GroupRoot(4, 2);
+  const auto t0 = Clock::now();
+  four.Send(2, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_GROUP), t0);
+  Actions a;
+  four.job->Expire(t0 + std::chrono::hours(1), &a);
+  four.Deliver(a);
+  ASSERT_EQ(four.sinks[2]->results.size(), 1u);
+  const std::string& msg = four.sinks[2]->results[0].message();
+  EXPECT_EQ(four.sinks[2]->results[0].code(), int(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_NE(msg.find("group 1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("node 3"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("node 0"), std::string::npos) << msg;  // not a member of that round
+}
+
+TEST(Job, GroupAndGlobalUnderOneRoundKeyAreAScopeMismatch) {
+  Fixture root = GroupRoot(4, 2);
+  root.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_GLOBAL));
+  root.Send(1, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_GROUP));
+  ASSERT_EQ(root.sinks[0]->results.size(), 1u);
+  ASSERT_EQ(root.sinks[1]->results.size(), 1u);
+  EXPECT_EQ(root.sinks[1]->results[0].code(), int(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(root.sinks[1]->results[0].message().find("'scope' is group"), std::string::npos)
+      << root.sinks[1]->results[0].message();
+  EXPECT_EQ(root.sinks[0]->results[0].code(), int(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(Job, GroupScopeWithoutAGroupSizeIsRefusedNamingTheSetting) {
+  Fixture f(2, 2, 0, /*parent=*/true);
+  f.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_GROUP));
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[0]->results[0].code(), int(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(f.sinks[0]->results[0].message().find("HSBN_GROUP_NODES"), std::string::npos);
+}
+
+TEST(Job, SidecarForwardsGroupRoundsAndAnswersGroupsOfOneNodeItself) {
+  Fixture f(2, 4, 1, /*parent=*/true, v1::MEMBER_KIND_WORKER, {}, false, /*group_nodes=*/2);
+  f.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_GROUP));
+  Actions a = f.Send(1, Fwd(0, 0, 1, {3.0}, {0.0}, v1::SCOPE_GROUP));
+  ASSERT_EQ(a.forwards.size(), 1u);
+  EXPECT_EQ(a.forwards[0].scope, v1::SCOPE_GROUP);
+  EXPECT_TRUE(f.sinks[0]->results.empty());  // waits for the root's group result
+  v1::Result root;
+  root.set_phase(v1::PHASE_FORWARD);
+  root.set_channels(1);
+  root.set_count(4);
+  *root.mutable_data() = *a.forwards[0].data;
+  Actions b;
+  f.job->ParentResult(root, &b);
+  f.Deliver(b);
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[0]->results[0].scope(), v1::SCOPE_GROUP);
+  Fixture one(2, 4, 1, /*parent=*/true, v1::MEMBER_KIND_WORKER, {}, false, /*group_nodes=*/1);
+  one.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_GROUP));
+  Actions c = one.Send(1, Fwd(0, 0, 1, {3.0}, {0.0}, v1::SCOPE_GROUP));
+  EXPECT_TRUE(c.forwards.empty());
+  ASSERT_EQ(one.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(A(one.sinks[0]->results[0])[0], 2.0);
+  EXPECT_EQ(one.sinks[0]->results[0].scope(), v1::SCOPE_GROUP);
+}
+
+TEST(Job, GroupSizeMustDivideTheNodesAndMatchTheJob) {
+  absl::Status s = wire::CheckGroupNodes(3, 4);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("HSBN_GROUP_NODES=3"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("4 nodes"), std::string::npos) << s.message();
+  EXPECT_TRUE(wire::CheckGroupNodes(2, 4).ok());
+  EXPECT_TRUE(wire::CheckGroupNodes(0, 3).ok());
+  EXPECT_FALSE(wire::CheckGroupNodes(-1, 4).ok());
+  EXPECT_EQ(wire::CheckWorkerLayout(0, 8, 0, 2, 0, 0, 3).code(),
+            absl::StatusCode::kInvalidArgument);
+  Fixture f(2, 4, 0, true, v1::MEMBER_KIND_WORKER, {}, false, 2);
+  JobLayout other = f.layout;
+  other.group_nodes = 4;
+  s = f.job->CheckLayout(other, "rank 1");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("group_nodes=4"), std::string::npos) << s.message();
+}
+
+// --- auto scope ----------------------------------------------------------------------------------
+
+v1::Contribution Decide(uint32_t op, uint64_t seq, int64_t count, std::vector<double> mean,
+                        std::vector<double> m2, double max_shift = 0.05, double max_log = 0.05) {
+  v1::Contribution c = Fwd(op, seq, count, std::move(mean), std::move(m2), v1::SCOPE_GLOBAL);
+  c.mutable_decide()->set_max_mean_shift(max_shift);
+  c.mutable_decide()->set_max_log_var_ratio(max_log);
+  c.mutable_decide()->set_warmup_rounds(2);
+  return c;
+}
+
+TEST(Job, RootDecidesAutoScopePerOpFromItsShadowRecordAndTellsEveryNode) {
+  Fixture root(1, 2, 0, false, v1::MEMBER_KIND_AGGREGATOR);
+  // op 1: the nodes agree (node == global); op 2: node means 0 and 2 (mean shift 0.707).
+  for (uint64_t seq = 0; seq < 2; ++seq) {
+    root.Send(0, Fwd(1, seq, 10, {1.0}, {10.0}, v1::SCOPE_SHADOW));
+    root.Send(1, Fwd(1, seq, 10, {1.0}, {10.0}, v1::SCOPE_SHADOW));
+    root.Send(0, Fwd(2, seq, 10, {0.0}, {10.0}, v1::SCOPE_SHADOW));
+    root.Send(1, Fwd(2, seq, 10, {2.0}, {10.0}, v1::SCOPE_SHADOW));
+  }
+  for (uint32_t op : {1u, 2u}) {
+    root.Send(0, Decide(op, 2, 10, {1.0}, {10.0}));
+    root.Send(1, Decide(op, 2, 10, {1.0}, {10.0}));
+  }
+  for (auto& sink : root.sinks) {
+    ASSERT_EQ(sink->results.size(), 2u);
+    const v1::Result& same = sink->results[0];
+    const v1::Result& apart = sink->results[1];
+    ASSERT_TRUE(same.has_decision());
+    EXPECT_EQ(same.decision().scope(), v1::SCOPE_NODE);
+    EXPECT_EQ(same.decision().rounds(), 2);
+    EXPECT_NEAR(same.decision().mean_shift(), 0.0, 1e-15);
+    EXPECT_EQ(apart.decision().scope(), v1::SCOPE_GLOBAL);
+    EXPECT_NEAR(apart.decision().mean_shift(), 1.0 / std::sqrt(2.0 + 1e-5), 1e-12);
+    EXPECT_EQ(apart.decision().SerializeAsString(),
+              root.sinks[0]->results[1].decision().SerializeAsString());
+  }
+  // Thresholds are the request's: with a looser one, op 2's next window keeps node scope.
+  for (uint64_t seq = 3; seq < 5; ++seq) {
+    root.Send(0, Fwd(2, seq, 10, {0.0}, {10.0}, v1::SCOPE_SHADOW));
+    root.Send(1, Fwd(2, seq, 10, {2.0}, {10.0}, v1::SCOPE_SHADOW));
+  }
+  root.Send(0, Decide(2, 5, 10, {1.0}, {10.0}, /*max_shift=*/1.0, /*max_log=*/1.0));
+  root.Send(1, Decide(2, 5, 10, {1.0}, {10.0}, 1.0, 1.0));
+  ASSERT_EQ(root.sinks[0]->results.size(), 3u);
+  EXPECT_EQ(root.sinks[0]->results[2].decision().scope(), v1::SCOPE_NODE);
+  EXPECT_EQ(root.sinks[0]->results[2].decision().rounds(), 2);  // this window only
+}
+
+TEST(Job, WithGroupsAutoScopeComparesGroupsWithGlobal) {
+  Fixture root = GroupRoot(4, 2);
+  // Nodes 0 and 1 are far apart but their group is the global average; so is group 1's.
+  const double means[4] = {0.0, 2.0, 0.0, 2.0};
+  for (int n = 0; n < 4; ++n) root.Send(n, Fwd(7, 0, 10, {means[n]}, {10.0}, v1::SCOPE_SHADOW));
+  v1::JobStatus status;
+  root.job->FillStatus(&status);
+  EXPECT_EQ(status.group_nodes(), 2);
+  ASSERT_EQ(status.group_divergence_size(), 2);
+  EXPECT_NEAR(status.group_divergence(0).mean_shift_avg(), 0.0, 1e-15);
+  ASSERT_EQ(status.divergence_size(), 4);
+  EXPECT_GT(status.divergence(0).mean_shift_avg(), 0.5);
+  for (int n = 0; n < 4; ++n) root.Send(n, Decide(7, 1, 10, {1.0}, {10.0}));
+  ASSERT_EQ(root.sinks[3]->results.size(), 1u);
+  EXPECT_EQ(root.sinks[3]->results[0].decision().scope(), v1::SCOPE_GROUP);
+}
+
+TEST(Job, AutoDecisionWithoutARecordIsGlobalAndDifferentRequestsAreRefused) {
+  Fixture root(1, 2, 0, false, v1::MEMBER_KIND_AGGREGATOR);
+  root.Send(0, Decide(3, 0, 10, {1.0}, {10.0}));
+  root.Send(1, Decide(3, 0, 10, {1.0}, {10.0}));
+  ASSERT_EQ(root.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(root.sinks[0]->results[0].decision().scope(), v1::SCOPE_GLOBAL);
+  EXPECT_EQ(root.sinks[0]->results[0].decision().rounds(), 0);
+  root.Send(0, Decide(3, 1, 10, {1.0}, {10.0}, 0.05));
+  root.Send(1, Decide(3, 1, 10, {1.0}, {10.0}, 0.5));
+  ASSERT_EQ(root.sinks[1]->results.size(), 2u);
+  EXPECT_EQ(root.sinks[1]->results[1].code(), int(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(root.sinks[1]->results[1].message().find("max_mean_shift=0.5"), std::string::npos)
+      << root.sinks[1]->results[1].message();
+  v1::Contribution bad = Decide(3, 2, 10, {1.0}, {10.0}, std::nan(""));
+  root.Send(0, bad);
+  EXPECT_EQ(root.sinks[0]->results.back().code(), int(absl::StatusCode::kInvalidArgument));
+  // A single-node job decides at its sidecar: node and global are the same there.
+  Fixture one(2, 1, 0, false);
+  one.Send(0, Decide(3, 0, 1, {1.0}, {0.0}));
+  one.Send(1, Decide(3, 0, 1, {1.0}, {0.0}));
+  ASSERT_EQ(one.sinks[1]->results.size(), 1u);
+  EXPECT_EQ(one.sinks[1]->results[0].decision().scope(), v1::SCOPE_NODE);
 }
 
 TEST(Job, ChildAbortFailsTheRoundForTheOtherNodesAtOnce) {

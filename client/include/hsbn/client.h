@@ -30,12 +30,47 @@ namespace v1 {
 class StatusResponse;
 }
 
-enum class Scope : int { kNode = 1, kGlobal = 2, kShadow = 3 };
+// kGroup: the workers of this node's group (ClientOptions::group_nodes consecutive nodes).
+// kAuto: not a wire scope but a policy the client runs per op (AutoPolicy): shadow for a
+// warm-up, then one global round on which the root decides node (group, when the job has
+// groups) or global for that op, the same for every rank; the decision applies from the next
+// forward round on (docs/PROTOCOL.md, "Auto scope").
+enum class Scope : int { kNode = 1, kGlobal = 2, kShadow = 3, kGroup = 4, kAuto = 5 };
 enum class Phase : int { kForward = 1, kBackward = 2 };
 
 const char* ScopeName(Scope scope);
-// "node", "global" or "shadow".
+// "node", "global", "shadow", "group" or "auto".
 absl::StatusOr<Scope> ParseScope(const std::string& name);
+
+// How an auto-scope op decides (every rank must use the same for the same op).
+struct AutoPolicy {
+  int64_t warmup_rounds = 50;       // forward rounds seq 0 .. warmup_rounds-1 run in shadow
+  double max_mean_shift = 0.05;     // thresholds on the root's record (max over nodes/groups of
+  double max_log_var_ratio = 0.05;  // the averages over the warm-up); above either: global
+  // 0: decide once. N > 0: after a decision at seq D, forward rounds D + N, D + 2N, ... run in
+  // shadow, and after warmup_rounds of them the next one (D + N * (warmup_rounds + 1)) decides
+  // again from those samples.
+  int64_t recheck_every = 0;
+
+  // INVALID_ARGUMENT naming the field unless warmup_rounds >= 1, thresholds finite and >= 0,
+  // recheck_every >= 0.
+  absl::Status Validate() const;
+};
+
+// Reads HSBN_AUTO_WARMUP, HSBN_AUTO_MAX_MEAN_SHIFT, HSBN_AUTO_MAX_LOG_VAR_RATIO and
+// HSBN_AUTO_RECHECK_EVERY into *policy where set (INVALID_ARGUMENT for a value that does not
+// parse; Validate checks the ranges).
+absl::Status AutoPolicyFromEnv(AutoPolicy* policy);
+
+// An auto-scope op's decision as the client knows it (Client::AutoDecisionOf).
+struct AutoDecision {
+  bool decided = false;
+  Scope scope = Scope::kAuto;  // kNode, kGroup or kGlobal once decided
+  double mean_shift = 0;       // the root's numbers behind it (0 for a restored decision)
+  double log_var_ratio = 0;
+  int64_t rounds = 0;
+  int64_t decided_at = -1;     // seq of the round that decided; -1: restored (SetAutoDecision)
+};
 
 struct ClientOptions {
   std::string address = "unix:/tmp/hsbn.sock";  // the node's sidecar
@@ -53,10 +88,18 @@ struct ClientOptions {
   // or a merge that overflows, fails the round naming the member. Off: non-finite values
   // propagate to every member by IEEE arithmetic, as in torch's SyncBatchNorm.
   bool strict_finite = false;
+  // Nodes per group for Scope::kGroup (HSBN_GROUP_NODES); 0: the job has no groups. Must divide
+  // the number of nodes; every process of a job must agree.
+  int32_t group_nodes = 0;
+  // The policy of auto-scope ops without one of their own (Client::SetAutoPolicy); from
+  // HSBN_AUTO_WARMUP, HSBN_AUTO_MAX_MEAN_SHIFT, HSBN_AUTO_MAX_LOG_VAR_RATIO,
+  // HSBN_AUTO_RECHECK_EVERY.
+  AutoPolicy auto_policy;
 
   // From torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK and HSBN_JOB_ID
   // (or TORCHELASTIC_RUN_ID), HSBN_ADDRESS, HSBN_ROUND_TIMEOUT_MS, HSBN_CONNECT_TIMEOUT_MS,
-  // HSBN_TOKEN or HSBN_TOKEN_FILE, HSBN_STRICT_FINITE (1/0).
+  // HSBN_TOKEN or HSBN_TOKEN_FILE, HSBN_STRICT_FINITE (1/0), HSBN_GROUP_NODES and the
+  // HSBN_AUTO_* variables above.
   static absl::StatusOr<ClientOptions> FromEnv();
   // Checks the layout for consistency (the errors name the variable to fix).
   absl::Status Validate() const;
@@ -87,7 +130,7 @@ struct RoundStats {
 // before they name a valid scope and phase are not counted. There is no "local" scope at this
 // level: a local BatchNorm layer makes no rounds.
 struct ClientStats {
-  static constexpr int kScopes = 3;  // node, global, shadow
+  static constexpr int kScopes = 4;  // node, global, shadow, group (auto counts as what it sent)
   static constexpr int kPhases = 2;  // forward, backward
   RoundStats rounds[kScopes][kPhases];  // [int(scope) - 1][int(phase) - 1]
   // Serialized protobuf bytes of the frames written to and read from the round streams
@@ -113,7 +156,9 @@ class Client {
   Client& operator=(const Client&) = delete;
 
   // Starts a round: copies the inputs (`channels` doubles each: mean and m2 for forward,
-  // sum_dy and sum_dy_xmu for backward) and sends them.
+  // sum_dy and sum_dy_xmu for backward) and sends them. With Scope::kAuto the client picks the
+  // wire scope from the op's state (see Scope); a forward past the decision round while that
+  // round has not been waited for is FAILED_PRECONDITION (its ranks could not agree).
   absl::StatusOr<std::shared_ptr<PendingRound>> Start(Phase phase, uint32_t op, uint64_t seq,
                                                       Scope scope, int64_t channels,
                                                       int64_t count, const double* a,
@@ -127,6 +172,14 @@ class Client {
   absl::Status Backward(uint32_t op, uint64_t seq, Scope scope, int64_t channels, int64_t count,
                         const double* sum_dy, const double* sum_dy_xmu, int64_t* out_count,
                         double* out_sum_dy, double* out_sum_dy_xmu);
+
+  // Auto scope, per op. SetAutoPolicy: the op's policy (before its first auto round; a later
+  // call with another policy is FAILED_PRECONDITION). AutoDecisionOf: what the op decided so
+  // far. SetAutoDecision: restores a decision (node, group or global) saved from an earlier
+  // run, so the op skips its warm-up.
+  absl::Status SetAutoPolicy(uint32_t op, const AutoPolicy& policy);
+  AutoDecision AutoDecisionOf(uint32_t op) const;
+  absl::Status SetAutoDecision(uint32_t op, Scope scope);
 
   // Round counters and blocked time since Connect or the last ResetStats. Cheap (one short
   // lock); safe to call from any thread, also while rounds are in flight.

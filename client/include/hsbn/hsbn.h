@@ -49,7 +49,10 @@ typedef enum hsbn_result {
 typedef enum hsbn_scope {
   HSBN_SCOPE_NODE = 1,
   HSBN_SCOPE_GLOBAL = 2,
-  HSBN_SCOPE_SHADOW = 3
+  HSBN_SCOPE_SHADOW = 3,
+  HSBN_SCOPE_GROUP = 4,  /* the node's group of hsbn_options.group_nodes consecutive nodes */
+  HSBN_SCOPE_AUTO = 5    /* shadow for a warm-up, then node (group) or global, decided per op by
+                            the root (hsbn_set_auto_policy, hsbn_get_auto_decision) */
 } hsbn_scope;
 
 typedef enum hsbn_phase {
@@ -74,6 +77,8 @@ typedef struct hsbn_options {
   int64_t connect_timeout_ms;  /* how long to wait for the sidecar; 0: 10 s */
   const char* token;           /* job token, or NULL for none */
   int32_t strict_finite;       /* 1: the job's strict mode (NaN/Inf fail rounds); 0: data */
+  int32_t group_nodes;         /* nodes per group for HSBN_SCOPE_GROUP; 0: HSBN_GROUP_NODES or
+                                  none. Must divide the number of nodes; the same everywhere */
 } hsbn_options;
 
 typedef struct hsbn_client_info {
@@ -114,6 +119,8 @@ typedef struct hsbn_stats {
   int64_t bytes_sent;             /* serialized bytes of the frames written to the round stream */
   int64_t bytes_received;         /* ... and read from it (gRPC / HTTP/2 framing not included) */
   double elapsed_seconds;         /* wall time since creation or the last reset */
+  hsbn_round_stats group_rounds[2];  /* HSBN_SCOPE_GROUP's, [phase - 1] (auto-scope rounds
+                                        count under the scope they were sent with) */
 } hsbn_stats;
 
 /* Name of a result code ("INVALID_ARGUMENT"); never NULL. */
@@ -131,6 +138,11 @@ void hsbn_options_init(hsbn_options* options);
  * check the client and the aggregator apply. */
 hsbn_result hsbn_check_layout(int64_t rank, int64_t world_size, int64_t local_rank,
                               int64_t local_world_size, int64_t node_rank);
+/* The same with K nodes per group (group scope): K = 0 (none) or a divisor of the number of
+ * nodes, else HSBN_INVALID_ARGUMENT naming both numbers. */
+hsbn_result hsbn_check_layout_groups(int64_t rank, int64_t world_size, int64_t local_rank,
+                                     int64_t local_world_size, int64_t node_rank,
+                                     int64_t group_nodes);
 
 /* Joins the job at the sidecar and opens the round stream. */
 hsbn_result hsbn_client_create(const hsbn_options* options, hsbn_client** out);
@@ -170,6 +182,34 @@ hsbn_result hsbn_client_stats(const hsbn_client* client, hsbn_stats* out);
 /* Zeroes the client's round statistics and restarts elapsed_seconds. Rounds in flight are
  * counted when they end. */
 hsbn_result hsbn_client_reset_stats(hsbn_client* client);
+
+/* Auto scope (docs/PROTOCOL.md, "Auto scope"). A policy per op; every rank must give an op the
+ * same. Defaults: HSBN_AUTO_WARMUP (50), HSBN_AUTO_MAX_MEAN_SHIFT (0.05),
+ * HSBN_AUTO_MAX_LOG_VAR_RATIO (0.05), HSBN_AUTO_RECHECK_EVERY (0: never). */
+typedef struct hsbn_auto_policy {
+  int64_t warmup_rounds;       /* forward rounds seq 0 .. warmup_rounds-1 run in shadow; >= 1 */
+  double max_mean_shift;       /* thresholds on the root's record; above either: global */
+  double max_log_var_ratio;
+  int64_t recheck_every;       /* 0: decide once; N: sample one round in N in shadow after a
+                                  decision, and decide again after warmup_rounds samples */
+} hsbn_auto_policy;
+
+typedef struct hsbn_auto_decision {
+  int32_t decided;             /* 0: not yet (warm-up) */
+  int32_t scope;               /* HSBN_SCOPE_NODE, _GROUP or _GLOBAL once decided */
+  double mean_shift;           /* the root's numbers behind it (0 for a restored decision) */
+  double log_var_ratio;
+  int64_t rounds;              /* shadow rounds it was decided from (fewest over nodes/groups) */
+  int64_t decided_at;          /* seq of the decision round; -1: restored */
+} hsbn_auto_decision;
+
+/* Sets op's policy (before its first auto round; FAILED_PRECONDITION after it, if different). */
+hsbn_result hsbn_set_auto_policy(hsbn_client* client, uint32_t op, const hsbn_auto_policy* policy);
+/* What op has decided so far. */
+hsbn_result hsbn_get_auto_decision(const hsbn_client* client, uint32_t op,
+                                   hsbn_auto_decision* out);
+/* Restores a saved decision (HSBN_SCOPE_NODE, _GROUP or _GLOBAL): op skips its warm-up. */
+hsbn_result hsbn_set_auto_decision(hsbn_client* client, uint32_t op, hsbn_scope scope);
 
 /* The sidecar's status (jobs, members, open rounds, shadow divergence) as JSON text.
  * Writes at most buf_len bytes including the terminating NUL; *needed gets the full size. */

@@ -157,6 +157,8 @@ class Options(ctypes.Structure):
         ("round_timeout_ms", ctypes.c_int64),
         ("connect_timeout_ms", ctypes.c_int64),
         ("token", ctypes.c_char_p),
+        ("strict_finite", ctypes.c_int32),
+        ("group_nodes", ctypes.c_int32),
     ]
 
 
@@ -205,12 +207,35 @@ class CStats(ctypes.Structure):
         ("bytes_sent", ctypes.c_int64),
         ("bytes_received", ctypes.c_int64),
         ("elapsed_seconds", ctypes.c_double),
+        ("group_rounds", CRoundStats * 2),
+    ]
+
+
+class AutoPolicy(ctypes.Structure):
+    _fields_ = [
+        ("warmup_rounds", ctypes.c_int64),
+        ("max_mean_shift", ctypes.c_double),
+        ("max_log_var_ratio", ctypes.c_double),
+        ("recheck_every", ctypes.c_int64),
+    ]
+
+
+class AutoDecision(ctypes.Structure):
+    _fields_ = [
+        ("decided", ctypes.c_int32),
+        ("scope", ctypes.c_int32),
+        ("mean_shift", ctypes.c_double),
+        ("log_var_ratio", ctypes.c_double),
+        ("rounds", ctypes.c_int64),
+        ("decided_at", ctypes.c_int64),
     ]
 
 
 SCOPE_NODE = 1
 SCOPE_GLOBAL = 2
 SCOPE_SHADOW = 3
+SCOPE_GROUP = 4
+SCOPE_AUTO = 5
 PHASE_FORWARD = 1
 PHASE_BACKWARD = 2
 
@@ -230,6 +255,11 @@ _SIGNATURES = {
     "hsbn_abi_version": (_c_int, []),
     "hsbn_check_layout": (_c_int, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_int64, ctypes.c_int64]),
+    "hsbn_check_layout_groups": (_c_int, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]),
+    "hsbn_set_auto_policy": (_c_int, [_p_void, _c_u32, ctypes.POINTER(AutoPolicy)]),
+    "hsbn_get_auto_decision": (_c_int, [_p_void, _c_u32, ctypes.POINTER(AutoDecision)]),
+    "hsbn_set_auto_decision": (_c_int, [_p_void, _c_u32, _c_int]),
     "hsbn_options_init": (None, [ctypes.POINTER(Options)]),
     "hsbn_client_create": (_c_int, [ctypes.POINTER(Options), ctypes.POINTER(_p_void)]),
     "hsbn_client_create_from_env": (_c_int, [ctypes.POINTER(_p_void)]),

@@ -20,7 +20,11 @@ import numpy as np
 from . import _lib
 from .errors import ConfigurationError, UnavailableError, error_for, UNAVAILABLE
 
-SCOPES = {"node": _lib.SCOPE_NODE, "global": _lib.SCOPE_GLOBAL, "shadow": _lib.SCOPE_SHADOW}
+SCOPES = {"node": _lib.SCOPE_NODE, "global": _lib.SCOPE_GLOBAL, "shadow": _lib.SCOPE_SHADOW,
+          "group": _lib.SCOPE_GROUP, "auto": _lib.SCOPE_AUTO}
+# Scopes rounds are sent (and counted) with; an "auto" round counts as what it sent.
+STAT_SCOPES = ("node", "global", "shadow", "group")
+_SCOPE_NAMES = {v: k for k, v in SCOPES.items()}
 PHASES = {"forward": _lib.PHASE_FORWARD, "backward": _lib.PHASE_BACKWARD}
 
 DEFAULT_ADDRESS = "unix:/tmp/hsbn.sock"
@@ -43,13 +47,18 @@ def op_label(op):
     return label if label is not None else "layer op=%d" % op
 
 
-def _check_layout(rank, world_size, local_rank, local_world_size, node_rank, source):
+def _check_layout(rank, world_size, local_rank, local_world_size, node_rank, source,
+                  group_nodes=0):
     """Raises ConfigurationError unless the five numbers describe one worker of a job with
-    LOCAL_WORLD_SIZE workers on every node, ranked node by node as torchrun ranks them. The
-    check is the library's (hsbn_check_layout), the one the C++ client and the aggregator use."""
+    LOCAL_WORLD_SIZE workers on every node, ranked node by node as torchrun ranks them, and
+    group_nodes (HSBN_GROUP_NODES) is 0 or divides the number of nodes. The check is the
+    library's (hsbn_check_layout_groups), the one the C++ client and the aggregator use."""
     lib = _lib.lib()
-    if lib.hsbn_check_layout(int(rank), int(world_size), int(local_rank), int(local_world_size),
-                             int(node_rank)) != 0:
+    if lib.hsbn_check_layout_groups(int(rank), int(world_size), int(local_rank),
+                                    int(local_world_size), int(node_rank),
+                                    int(group_nodes)) != 0:
+        if "HSBN_GROUP_NODES" in _lib.last_error():
+            raise ConfigurationError("inconsistent %s: %s" % (source, _lib.last_error()))
         raise ConfigurationError(
             "inconsistent %s: %s (RANK=%s WORLD_SIZE=%s LOCAL_RANK=%s LOCAL_WORLD_SIZE=%s "
             "GROUP_RANK=%s). Launch the trainer with torchrun, or set all five as torchrun "
@@ -112,8 +121,9 @@ class RoundStats:
 class ClientStats:
     """What a Client did since it connected or since its last reset_stats() (Client.stats).
 
-    rounds: {(scope, phase): RoundStats} for every scope in "node", "global", "shadow" and
-      phase in "forward", "backward" (all six keys always present). There is no "local" entry:
+    rounds: {(scope, phase): RoundStats} for every scope in "node", "global", "shadow", "group"
+      and phase in "forward", "backward" (all eight keys always present); an auto-scope layer's
+      rounds count under the scope each was sent with. There is no "local" entry:
       a local BatchNorm layer makes no rounds.
     bytes_sent, bytes_received: serialized bytes of the frames written to and read from the
       round stream (contributions and results; gRPC/HTTP/2 framing not included).
@@ -126,8 +136,9 @@ class ClientStats:
 
     def get(self, scope=None, phase=None):
         """RoundStats of one scope and phase; None sums over all scopes (or phases)."""
-        if scope is not None and scope not in SCOPES:
-            raise ConfigurationError("scope must be one of %s, not %r" % (sorted(SCOPES), scope))
+        if scope is not None and scope not in STAT_SCOPES:
+            raise ConfigurationError("scope must be one of %s, not %r"
+                                     % (sorted(STAT_SCOPES), scope))
         if phase is not None and phase not in PHASES:
             raise ConfigurationError("phase must be one of %s, not %r" % (sorted(PHASES), phase))
         total = RoundStats()
@@ -154,7 +165,7 @@ class ClientStats:
     @classmethod
     def empty(cls):
         """All zeros (what a model whose layers make no rounds has)."""
-        return cls({(s, p): RoundStats() for s in SCOPES for p in PHASES})
+        return cls({(s, p): RoundStats() for s in STAT_SCOPES for p in PHASES})
 
 
 class Client:
@@ -168,16 +179,22 @@ class Client:
       round_timeout_ms: how long a round waits; 0 means the aggregator's timeout plus 5 s.
       connect_timeout_ms: how long to wait for the sidecar; 0 means 10 s.
       token: the job token when the aggregator requires one.
+      group_nodes: nodes per group for scope "group" (HSBN_GROUP_NODES): 0 (no groups) or a
+        divisor of the number of nodes; every process of the job must give the same.
     """
 
     def __init__(self, address, job_id, rank, world_size, local_rank, local_world_size,
-                 node_rank, round_timeout_ms=0, connect_timeout_ms=0, token=None):
+                 node_rank, round_timeout_ms=0, connect_timeout_ms=0, token=None, group_nodes=0):
         self._handle = None
         if not job_id:
             raise ConfigurationError("job_id is empty: give every worker of the job the same "
                                      "non-empty job id (HSBN_JOB_ID)")
         layout = [int(v) for v in (rank, world_size, local_rank, local_world_size, node_rank)]
-        _check_layout(*layout, source="worker layout")
+        try:
+            group_nodes = int(group_nodes or 0)
+        except (TypeError, ValueError):
+            raise ConfigurationError("group_nodes must be an integer, not %r" % (group_nodes,))
+        _check_layout(*layout, source="worker layout", group_nodes=group_nodes)
         _check_address(address, int(connect_timeout_ms))
         lib = _lib.lib()
         opts = _lib.Options()
@@ -193,6 +210,7 @@ class Client:
         opts.round_timeout_ms = int(round_timeout_ms)
         opts.connect_timeout_ms = int(connect_timeout_ms)
         opts.token = self._token_b
+        opts.group_nodes = group_nodes
         handle = ctypes.c_void_p()
         rc = lib.hsbn_client_create(ctypes.byref(opts), ctypes.byref(handle))
         if rc != 0:
@@ -214,6 +232,7 @@ class Client:
         self.local_world_size = info.local_world_size
         self.node_rank = info.node_rank
         self.num_nodes = info.num_nodes
+        self.group_nodes = group_nodes
         self.max_channels = info.max_channels
         self.aggregator_round_timeout_ms = info.round_timeout_ms
 
@@ -224,8 +243,8 @@ class Client:
         Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, HSBN_JOB_ID (falling
         back to torchrun's TORCHELASTIC_RUN_ID when that is set and not "none"), HSBN_ADDRESS
         (default unix:/tmp/hsbn.sock), HSBN_ROUND_TIMEOUT_MS, HSBN_CONNECT_TIMEOUT_MS,
-        HSBN_TOKEN or HSBN_TOKEN_FILE. `env` replaces os.environ; keyword arguments override
-        what the environment says.
+        HSBN_TOKEN or HSBN_TOKEN_FILE, HSBN_GROUP_NODES. `env` replaces os.environ; keyword
+        arguments override what the environment says.
         """
         env = os.environ if env is None else env
         names = {"RANK": "rank", "WORLD_SIZE": "world_size", "LOCAL_RANK": "local_rank",
@@ -255,7 +274,8 @@ class Client:
                 "(for example the launcher's job id), or run torchrun with --rdzv-id")
         kw["address"] = env.get("HSBN_ADDRESS") or DEFAULT_ADDRESS
         for var, name in (("HSBN_ROUND_TIMEOUT_MS", "round_timeout_ms"),
-                          ("HSBN_CONNECT_TIMEOUT_MS", "connect_timeout_ms")):
+                          ("HSBN_CONNECT_TIMEOUT_MS", "connect_timeout_ms"),
+                          ("HSBN_GROUP_NODES", "group_nodes")):
             if env.get(var):
                 try:
                     kw[name] = int(env[var])
@@ -340,14 +360,67 @@ class Client:
         if rc != 0:
             raise error_for(rc, "stats call failed: %s" % _lib.last_error())
         rounds = {}
-        for scope, sc in SCOPES.items():
+        for scope in STAT_SCOPES:
+            sc = SCOPES[scope]
             for phase, ph in PHASES.items():
-                r = raw.rounds[sc - 1][ph - 1]
+                r = raw.group_rounds[ph - 1] if scope == "group" else raw.rounds[sc - 1][ph - 1]
                 rounds[(scope, phase)] = RoundStats(int(r.completed), int(r.failed),
                                                     float(r.blocked_seconds),
                                                     float(r.max_blocked_seconds))
         return ClientStats(rounds, int(raw.bytes_sent), int(raw.bytes_received),
                            float(raw.elapsed_seconds))
+
+    # --- auto scope ----------------------------------------------------------------------------
+
+    def set_auto_policy(self, op, warmup_rounds=50, max_mean_shift=0.05, max_log_var_ratio=0.05,
+                        recheck_every=0):
+        """Sets how auto-scope round `op` decides (before its first auto round): shadow for
+        forward rounds seq < warmup_rounds, then one global round on which the root decides
+        node (group, with groups) or global from its record: global when, for some node
+        (group), the average mean shift exceeds max_mean_shift or the average |log var ratio|
+        exceeds max_log_var_ratio. recheck_every=N > 0 samples one round in N in shadow after
+        a decision and decides again after warmup_rounds samples. Every rank must give an op
+        the same policy."""
+        self._check_open()
+        p = _lib.AutoPolicy()
+        try:
+            p.warmup_rounds = int(warmup_rounds)
+            p.max_mean_shift = float(max_mean_shift)
+            p.max_log_var_ratio = float(max_log_var_ratio)
+            p.recheck_every = int(recheck_every)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ConfigurationError("auto scope policy of %s: %s" % (op_label(op), e))
+        rc = self._lib.hsbn_set_auto_policy(self._handle, int(op) & 0xFFFFFFFF, ctypes.byref(p))
+        if rc != 0:
+            raise error_for(rc, "auto scope policy of %s: %s" % (op_label(op), _lib.last_error()))
+
+    def auto_decision(self, op):
+        """What auto-scope round `op` decided: None during its warm-up, else a dict with scope
+        ("node", "group" or "global"), mean_shift, log_var_ratio, rounds (the root's numbers
+        behind it; 0 for a restored decision) and decided_at (seq of the deciding round, -1 if
+        restored)."""
+        self._check_open()
+        d = _lib.AutoDecision()
+        rc = self._lib.hsbn_get_auto_decision(self._handle, int(op) & 0xFFFFFFFF, ctypes.byref(d))
+        if rc != 0:
+            raise error_for(rc, _lib.last_error())
+        if not d.decided:
+            return None
+        return {"scope": _SCOPE_NAMES.get(d.scope, "unknown"), "mean_shift": float(d.mean_shift),
+                "log_var_ratio": float(d.log_var_ratio), "rounds": int(d.rounds),
+                "decided_at": int(d.decided_at)}
+
+    def set_auto_decision(self, op, scope):
+        """Restores a decision ("node", "group" or "global") for auto-scope round `op`: it
+        skips its warm-up."""
+        self._check_open()
+        if scope not in ("node", "group", "global"):
+            raise ConfigurationError("an auto-scope decision is 'node', 'group' or 'global', "
+                                     "not %r" % (scope,))
+        rc = self._lib.hsbn_set_auto_decision(self._handle, int(op) & 0xFFFFFFFF, SCOPES[scope])
+        if rc != 0:
+            raise error_for(rc, "restoring the auto-scope decision of %s: %s"
+                            % (op_label(op), _lib.last_error()))
 
     def reset_stats(self):
         """Zeroes this client's round statistics (rounds in flight count when they end)."""
@@ -418,14 +491,25 @@ def _leave_at_exit():
         client.close()
 
 
-def default_client():
+def default_client(group_nodes=None):
     """The process's shared Client, created from the environment on first use. A client
     created here leaves its job when the process exits normally (at interpreter exit, and at
-    the end of a multiprocessing child, which skips atexit)."""
+    the end of a multiprocessing child, which skips atexit). group_nodes: the nodes per group
+    a layer needs (None: whatever HSBN_GROUP_NODES says); ConfigurationError when the client
+    exists with another."""
     global _default, _default_implicit, _default_pid, _exit_hooked
     with _default_lock:
+        if _default is not None and not _default.closed:
+            have = getattr(_default, "group_nodes", 0)
+            if group_nodes is not None and int(group_nodes) != have:
+                raise ConfigurationError(
+                    "a layer asks for group_nodes=%d, but this process's hsbn client joined "
+                    "job %r with group_nodes=%d (HSBN_GROUP_NODES); nodes per group are one "
+                    "number per job: give every layer the same, or set HSBN_GROUP_NODES"
+                    % (int(group_nodes), _default.job_id, have))
         if _default is None or _default.closed:
-            _default = Client.from_env()
+            _default = (Client.from_env() if group_nodes is None
+                        else Client.from_env(group_nodes=int(group_nodes)))
             _default_implicit, _default_pid = True, os.getpid()
             if not _exit_hooked:
                 _exit_hooked = True

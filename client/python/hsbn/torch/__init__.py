@@ -15,7 +15,7 @@ it binds hsbn's C ABI only, never PyTorch's C++ ABI.
 
 from .modules import (SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm,
                       LayerMismatchError, next_op, op_for_name, model_client, stats, divergence,
-                      SCOPES)
+                      scopes, auto_decisions, SCOPES)
 from ._function import SyncBatchNormFunction, SyncStats, sync_stats, reset_sync_stats
 from ._population import sync_running_stats, precise_bn
 from . import _ops
@@ -44,5 +44,5 @@ def cuda_ops():
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm",
            "LayerMismatchError", "SyncBatchNormFunction", "SCOPES", "next_op", "op_for_name",
-           "model_client", "stats", "divergence", "set_cuda_ops", "cuda_ops", "SyncStats", "sync_stats",
+           "model_client", "stats", "divergence", "scopes", "auto_decisions", "set_cuda_ops", "cuda_ops", "SyncStats", "sync_stats",
            "reset_sync_stats", "sync_running_stats", "precise_bn"]

@@ -1,9 +1,11 @@
 """hsbn.torch.SyncBatchNorm, convert_sync_batchnorm and revert_sync_batchnorm.
 
 SyncBatchNorm is torch.nn.SyncBatchNorm with a `scope` instead of a process group: the batch
-statistics are reduced by the node's sidecar aggregator over the worker's node ("node"), the
-whole job ("global"), or not at all ("local"); "shadow" normalizes with node statistics while
-the root measures how far they are from the global ones.
+statistics are reduced by the node's sidecar aggregator over the worker's node ("node"), a
+group of group_nodes consecutive nodes ("group"), the whole job ("global"), or not at all
+("local"); "shadow" normalizes with node statistics while the root measures how far they are
+from the global ones; "auto" runs shadow for a warm-up, then keeps node (group) or takes global
+per layer, as the root decides from that record (the same decision on every rank).
 
 Round keys. A round is keyed by (op, seq, phase). `op` names the layer:
   - a layer of a converted model: a 31-bit hash of "<model name>.<qualified name>" (e.g.
@@ -27,6 +29,8 @@ every rank raises LayerMismatchError naming them. See docs/PYTORCH.md.
 import fnmatch
 import hashlib
 import itertools
+import math
+import os
 import sys
 import threading
 import warnings
@@ -44,7 +48,9 @@ from ..client import ClientStats, default_client
 from ..errors import ConfigurationError, HsbnError, InvalidArgumentError, INVALID_ARGUMENT
 from ._function import SyncBatchNormFunction
 
-SCOPES = ("local", "node", "global", "shadow")
+SCOPES = ("local", "node", "global", "shadow", "group", "auto")
+_AUTO_DECISIONS = ("node", "group", "global")
+_METADATA_KEY = "hsbn_auto"  # in a layer's state_dict metadata: its auto-scope decision
 
 _COUNTER_OPS = 1 << 30      # directly constructed layers: [0, 2**30)
 _CHECK_BASE = 1 << 30       # layer checks of converted models: [2**30, 2**31)
@@ -82,6 +88,43 @@ def _check_scope(scope, where=""):
         raise ConfigurationError("scope%s must be one of %s, not %r"
                                  % (where, ", ".join(repr(s) for s in SCOPES), scope))
     return scope
+
+
+def _check_group_nodes(group_nodes, where=""):
+    if group_nodes is None:
+        return None
+    if isinstance(group_nodes, bool) or not isinstance(group_nodes, int) or group_nodes < 0:
+        raise ConfigurationError("group_nodes%s must be a non-negative int (the nodes per group; "
+                                 "0: no groups), not %r" % (where, group_nodes))
+    return group_nodes
+
+
+def _auto_policy(warmup, max_mean_shift, max_log_var_ratio, recheck_every, where=""):
+    """The auto-scope policy a layer was given ({} when all are None: the client's defaults,
+    HSBN_AUTO_* or 50 / 0.05 / 0.05 / 0); ConfigurationError naming a bad one."""
+    given = {"warmup_rounds": warmup, "max_mean_shift": max_mean_shift,
+             "max_log_var_ratio": max_log_var_ratio, "recheck_every": recheck_every}
+    if all(v is None for v in given.values()):
+        return {}
+    policy = {"warmup_rounds": 50, "max_mean_shift": 0.05, "max_log_var_ratio": 0.05,
+              "recheck_every": 0}
+    for k, v in given.items():
+        if v is None:
+            continue
+        if k in ("warmup_rounds", "recheck_every"):
+            low = 1 if k == "warmup_rounds" else 0
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigurationError("auto scope%s: %s must be an int >= %d, not %r"
+                                         % (where, "auto_warmup" if k == "warmup_rounds"
+                                            else "auto_recheck_every", low, v))
+        else:
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or v < 0):
+                raise ConfigurationError("auto scope%s: auto_%s must be a finite number >= 0, "
+                                         "not %r" % (where, k, v))
+            v = float(v)
+        policy[k] = v
+    return policy
 
 
 def _check_process_group(process_group, what):
@@ -125,6 +168,7 @@ class _ClientBook:
         self.seqs_lock = threading.Lock()
         self.seqs = {}     # op -> itertools.count of its next seq
         self.checks = {}   # (check op, digest) -> None when passed, its LayerMismatchError if not
+        self.auto = {}     # op -> the auto-scope policy given to the client (a dict)
 
     def next_seq(self, op):
         counter = self.seqs.get(op)
@@ -159,7 +203,8 @@ class _LayerCheck:
         self.model = model
         self.entries = tuple(entries)   # (qualified name, op, scope, channels), module order
         self.op = _check_op_for_model(model)
-        self.scope = ("global" if any(e[2] in ("global", "shadow") for e in self.entries)
+        self.scope = ("global" if any(e[2] in ("global", "shadow", "group", "auto")
+                                      for e in self.entries)
                       else "node")
         self.digest = self._prefix_digest(len(self.entries))
 
@@ -313,7 +358,13 @@ class SyncBatchNorm(_BatchNorm):
         says which scope to use.
       device, dtype: as torch's.
     hsbn's (keyword only):
-      scope: "local" (plain BatchNorm, no exchange), "node", "global" (default) or "shadow".
+      scope: "local" (plain BatchNorm, no exchange), "node", "group", "global" (default),
+        "shadow" or "auto" (docs/PYTORCH.md, "Group and auto scope").
+      group_nodes: nodes per group, for the job (one number per job: it is sent when the
+        process's client joins). None: HSBN_GROUP_NODES. Needed by scope="group"; with
+        scope="auto" it makes auto choose between group and global instead of node and global.
+      auto_warmup, auto_max_mean_shift, auto_max_log_var_ratio, auto_recheck_every: scope="auto"'s
+        policy (None: the client's defaults, HSBN_AUTO_* or 50 rounds, 0.05, 0.05, 0 = never).
       client: the hsbn.Client to use; None uses hsbn.default_client(), created from the
         environment at the first synchronized forward.
       name: the layer's round key; every rank must give the same layer the same name. Without
@@ -331,11 +382,19 @@ class SyncBatchNorm(_BatchNorm):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
                  track_running_stats=True, process_group=None, device=None, dtype=None, *,
-                 scope="global", client=None, name=None, op=None):
+                 scope="global", client=None, name=None, op=None, group_nodes=None,
+                 auto_warmup=None, auto_max_mean_shift=None, auto_max_log_var_ratio=None,
+                 auto_recheck_every=None):
         _check_process_group(process_group, "hsbn.torch.SyncBatchNorm")
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype)
         self.scope = _check_scope(scope)
+        self.group_nodes = _check_group_nodes(group_nodes)
+        self.auto_policy = _auto_policy(auto_warmup, auto_max_mean_shift, auto_max_log_var_ratio,
+                                        auto_recheck_every)
+        self._auto_decision = None  # {"scope": ..., ...} once decided (or restored)
+        self._auto_restore = None   # a decision loaded from a state_dict, for the client
+        self._register_state_dict_hook(_save_auto_decision)
         self.client = client
         self._seq = 0  # this object's synchronized forward calls (round seqs count per op)
         self._check = None      # the _LayerCheck of the model this layer was converted in
@@ -379,8 +438,39 @@ class SyncBatchNorm(_BatchNorm):
         self.__dict__.setdefault("model_name", None)
         self.__dict__.setdefault("layer_name", None)
         self.__dict__.setdefault("_key_source", "op")
+        self.__dict__.setdefault("group_nodes", None)
+        self.__dict__.setdefault("auto_policy", {})
+        self.__dict__.setdefault("_auto_decision", None)
+        self.__dict__.setdefault("_auto_restore", None)
         self.__dict__.setdefault("samples_seen", 0)
         _client.set_op_label(self.op, self._label())
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        saved = (local_metadata or {}).get(_METADATA_KEY)
+        if saved is None or self.scope != "auto":
+            return
+        if not isinstance(saved, Mapping) or saved.get("scope") not in _AUTO_DECISIONS:
+            error_msgs.append("%s: the saved auto-scope decision %r is not one of %s"
+                              % (self._label(), saved, ", ".join(_AUTO_DECISIONS)))
+            return
+        self._auto_decision = dict(saved)
+        self._auto_restore = saved["scope"]
+
+    @property
+    def auto_decision(self):
+        """This auto-scope layer's decision ({"scope", "mean_shift", "log_var_ratio", "rounds",
+        "decided_at"}), None during its warm-up or for other scopes."""
+        return dict(self._auto_decision) if self._auto_decision is not None else None
+
+    def current_scope(self):
+        """The scope this layer's next training forward uses: its scope, or for "auto" the
+        decided scope ("shadow" during the warm-up)."""
+        if self.scope != "auto":
+            return self.scope
+        return self._auto_decision["scope"] if self._auto_decision is not None else "shadow"
 
     def _check_input_dim(self, input):
         if input.dim() < 2:
@@ -388,6 +478,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def extra_repr(self):
         key = ", name={!r}".format(self.layer_name) if self.layer_name is not None else ""
+        if self.scope == "auto":
+            key += ", current={!r}".format(self.current_scope())
         return super().extra_repr() + ", scope={!r}{}, op={}".format(self.scope, key, self.op)
 
     def _check_model(self, client, book):
@@ -425,10 +517,12 @@ class SyncBatchNorm(_BatchNorm):
         # Resolve the client before touching any state: a missing sidecar changes nothing.
         client = None
         if sync:
-            client = self.client if self.client is not None else default_client()
+            client = self._client()
             book = _book(client)
             self._check_model(client, book)
             self._warn_about_ddp()
+            if self.scope == "auto":
+                self._prepare_auto(client, book)
         # Exponential average factor, exactly as torch.nn.modules.batchnorm._BatchNorm.
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats:
@@ -450,16 +544,42 @@ class SyncBatchNorm(_BatchNorm):
         self._seq += 1
         running_mean = self.running_mean if self.track_running_stats else None
         running_var = self.running_var if self.track_running_stats else None
-        return SyncBatchNormFunction.apply(input, self.weight, self.bias, running_mean,
-                                           running_var, self.eps, factor, client, self.op, seq,
-                                           self.scope, getattr(self, "cuda_ops", None))
+        out = SyncBatchNormFunction.apply(input, self.weight, self.bias, running_mean,
+                                          running_var, self.eps, factor, client, self.op, seq,
+                                          self.scope, getattr(self, "cuda_ops", None))
+        if self.scope == "auto" and (self._auto_decision is None
+                                     or self.auto_policy.get("recheck_every")):
+            decided = client.auto_decision(self.op)
+            if decided is not None:
+                self._auto_decision = decided
+        return out
+
+    def _client(self):
+        if self.client is not None:
+            have = getattr(self.client, "group_nodes", 0)
+            if self.group_nodes is not None and self.group_nodes != have:
+                raise ConfigurationError(
+                    "%s asks for group_nodes=%d, but its client joined with group_nodes=%d; "
+                    "create the hsbn.Client with group_nodes=%d"
+                    % (self._label(), self.group_nodes, have, self.group_nodes))
+            return self.client
+        return default_client(group_nodes=self.group_nodes)
+
+    def _prepare_auto(self, client, book):
+        """Gives the client this layer's auto-scope policy (once) and a restored decision."""
+        if self.auto_policy and book.auto.get(self.op) != self.auto_policy:
+            client.set_auto_policy(self.op, **self.auto_policy)
+            book.auto[self.op] = dict(self.auto_policy)
+        if self._auto_restore is not None:
+            client.set_auto_decision(self.op, self._auto_restore)
+            self._auto_restore = None
 
     def _warn_about_ddp(self):
         # Looked for at the layer's 1st, 2nd, 4th, 8th, ... synchronized forward (cheap, and a
         # model wrapped in DDP after a first forward is still seen), once per process.
         global _ddp_warned
         seq = self._seq
-        if (_ddp_warned or self.scope not in ("node", "shadow") or seq & (seq - 1)
+        if (_ddp_warned or self.scope not in ("node", "shadow", "group", "auto") or seq & (seq - 1)
                 or seq > 1024):
             return
         if _ddp_broadcasting_buffers():
@@ -476,6 +596,14 @@ class SyncBatchNorm(_BatchNorm):
     def convert_sync_batchnorm(cls, module, process_group=None, **kwargs):
         """hsbn.torch.convert_sync_batchnorm, as torch.nn.SyncBatchNorm's classmethod."""
         return convert_sync_batchnorm(module, process_group, **kwargs)
+
+
+def _save_auto_decision(module, state_dict, prefix, local_metadata):
+    """A state_dict hook: an auto-scope layer's decision goes into its metadata entry (which
+    torch.save keeps and load_state_dict hands back), not into a key, so the state_dict still
+    loads, strictly, into torch.nn.BatchNorm*d and into models of other scopes."""
+    if getattr(module, "scope", None) == "auto" and module._auto_decision is not None:
+        local_metadata[_METADATA_KEY] = dict(module._auto_decision)
 
 
 class _BatchNormXd(_BatchNorm):
@@ -517,7 +645,9 @@ def _copy_state(src, dst):
 
 
 def convert_sync_batchnorm(module, process_group=None, *, scope="global", client=None,
-                           layer_scopes=None, name=None):
+                           layer_scopes=None, name=None, group_nodes=None, auto_warmup=None,
+                           auto_max_mean_shift=None, auto_max_log_var_ratio=None,
+                           auto_recheck_every=None):
     """Replaces every BatchNorm*d (and torch.nn.SyncBatchNorm) layer in `module` with an
     hsbn.torch.SyncBatchNorm, keeping its parameters, buffers, requires_grad and train/eval
     mode, like torch.nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group). Returns the
@@ -531,6 +661,8 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
     name: the model's name (default: its class name, e.g. "ResNet"). Each layer's rounds are
       keyed by "<name>.<qualified name>", so two models trained in one process need different
       names, and every rank must use the same one.
+    group_nodes, auto_warmup, auto_max_mean_shift, auto_max_log_var_ratio, auto_recheck_every:
+      given to every new layer (see SyncBatchNorm).
 
     Layers already of type hsbn.torch.SyncBatchNorm keep their scope and state; those numbered
     in construction order are keyed by their qualified name here (those given name= or op= at
@@ -539,6 +671,11 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
     """
     _check_process_group(process_group, "hsbn.torch.convert_sync_batchnorm")
     _check_scope(scope)
+    _check_group_nodes(group_nodes)
+    auto_kw = dict(auto_warmup=auto_warmup, auto_max_mean_shift=auto_max_mean_shift,
+                   auto_max_log_var_ratio=auto_max_log_var_ratio,
+                   auto_recheck_every=auto_recheck_every)
+    _auto_policy(*auto_kw.values())  # fails here, before anything is converted
     if layer_scopes is not None and not (callable(layer_scopes)
                                          or isinstance(layer_scopes, Mapping)):
         raise ConfigurationError("layer_scopes must be a mapping or a callable, not %r"
@@ -561,7 +698,8 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
             out = SyncBatchNorm(mod.num_features, mod.eps, mod.momentum, mod.affine,
                                 mod.track_running_stats,
                                 scope=_layer_scope(qualified, mod, scope, layer_scopes),
-                                client=client, op=_KEYED_AT_CONVERSION)
+                                client=client, op=_KEYED_AT_CONVERSION,
+                                group_nodes=group_nodes, **auto_kw)
             _copy_state(mod, out)
             out._revert_to = type(mod)
         if isinstance(out, SyncBatchNorm):
@@ -661,13 +799,38 @@ def stats(module):
     return ClientStats.empty() if client is None else client.stats()
 
 
-def divergence(module):
+def scopes(module):
+    """{layer name: scope} of every hsbn SyncBatchNorm in `module` (names as divergence()
+    gives them): the scope each uses now. An auto-scope layer shows its decision ("node",
+    "group" or "global") once made or restored, "shadow" during its warm-up; auto_decisions()
+    gives the numbers behind it."""
+    out = {}
+    for qualified, m in module.named_modules():
+        if isinstance(m, SyncBatchNorm):
+            out[m.layer_name or qualified or type(m).__name__] = m.current_scope()
+    return out
+
+
+def auto_decisions(module):
+    """{layer name: decision} of the auto-scope layers of `module`: None during the warm-up,
+    else {"scope", "mean_shift", "log_var_ratio", "rounds", "decided_at"}: the root's largest
+    per-node (per-group) averages over the warm-up and the fewest shadow rounds recorded, and
+    the seq of the deciding round (-1 for a decision restored from a state_dict)."""
+    out = {}
+    for qualified, m in module.named_modules():
+        if isinstance(m, SyncBatchNorm) and m.scope == "auto":
+            out[m.layer_name or qualified or type(m).__name__] = m.auto_decision
+    return out
+
+
+def divergence(module, groups=False):
     """How far each node's statistics were from the global ones, per synchronized layer of
-    `module` in shadow scope, as the root has recorded them so far: a dict from the layer's
-    name to a list of {"node", "rounds", "mean_shift_avg", "mean_shift_max", "var_ratio_avg",
-    "log_var_ratio_abs_avg"} (docs/PROTOCOL.md, "Scopes"). Empty when no layer runs in shadow
-    scope or the root has not seen a shadow round yet. The root can also keep the record after
-    the job ends (hsbn-aggregator --divergence-dir)."""
+    `module` in shadow scope (auto scope's warm-up included), as the root has recorded them so
+    far: a dict from the layer's name to a list of {"node", "rounds", "mean_shift_avg",
+    "mean_shift_max", "var_ratio_avg", "log_var_ratio_abs_avg"} (docs/PROTOCOL.md, "Scopes").
+    groups=True: the same per group of a job with groups ("group" instead of "node"). Empty
+    when no layer runs in shadow scope or the root has not seen a shadow round yet. The root can
+    also keep the record after the job ends (hsbn-aggregator --divergence-dir)."""
     client = model_client(module)
     if client is None:
         return {}
@@ -680,12 +843,13 @@ def divergence(module):
     for job in (status.get("upstream") or {}).get("jobs", []):
         if job.get("jobId") != client.job_id:
             continue
-        for d in job.get("divergence", []):
+        unit = "group" if groups else "node"
+        for d in job.get("groupDivergence" if groups else "divergence", []):
             op = int(d.get("op", 0))
             if op not in names:
                 continue
             out.setdefault(names[op], []).append({
-                "node": int(d.get("node", 0)),
+                unit: int(d.get("node", 0)),
                 "rounds": int(d.get("rounds", 0)),
                 "mean_shift_avg": float(d.get("meanShiftAvg", 0.0)),
                 "mean_shift_max": float(d.get("meanShiftMax", 0.0)),
@@ -693,6 +857,6 @@ def divergence(module):
                 "log_var_ratio_abs_avg": float(d.get("logVarRatioAbsAvg", 0.0)),
             })
     for rows in out.values():
-        rows.sort(key=lambda r: r["node"])
+        rows.sort(key=lambda r: r["group" if groups else "node"])
     return out
 
