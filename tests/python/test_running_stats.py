@@ -147,3 +147,41 @@ def test_a_rank_that_never_calls_fails_the_others_at_the_deadline_with_a_message
     assert out[0]["type"] == "DeadlineExceededError", out[0]
     assert "the check round of hsbn.torch.sync_running_stats" in out[0]["message"], out[0]
     assert "rank 1" in out[0]["message"], out[0]
+
+
+@pytest.fixture(scope="module")
+def group_pool():
+    # 4 nodes x 1 worker in groups of 2 nodes: group scope pools ranks {0, 1} and {2, 3}.
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HSBN_GROUP_NODES", "2")
+    try:
+        with hsbn.cluster.LocalCluster(nodes=4, workers_per_node=1,
+                                       round_timeout_ms=60000) as cluster:
+            workers = WorkerPool(cluster)
+            try:
+                yield workers
+            finally:
+                workers.close()
+    finally:
+        mp.undo()
+
+
+def test_group_scope_pools_each_group_of_nodes(group_pool):
+    out = group_pool.call(cases.train_then_sync, [("PoolGroup", "group", r, True)
+                                                  for r in range(4)])
+    n_batches = [1, 0, 2, 3]
+    prec = group_pool.call(cases.precise, [("PreciseGroup", "group", r, n_batches)
+                                           for r in range(4)])
+    batches = {r: cases.rank_batches(r, n_batches[r]) for r in range(4)}
+    for members in ([0, 1], [2, 3]):
+        ref = cases.layer_inputs_reference(batches, members)
+        for layer in LAYERS:
+            records = [out[r]["before"][layer] for r in members]
+            mean, var = mixture(records, [rec["seen"] for rec in records])
+            for r in members:
+                assert close(out[r]["once"][layer]["mean"], mean), (r, layer)
+                assert close(out[r]["once"][layer]["var"], var), (r, layer)
+                assert close(prec[r]["after"][layer]["mean"], ref[layer]["mean"], 1e-10)
+                assert close(prec[r]["after"][layer]["var"], ref[layer]["var"], 1e-10)
+    # The two groups really ended with different statistics.
+    assert not close(out[0]["once"]["1"]["mean"], out[2]["once"]["1"]["mean"], 1e-3)
