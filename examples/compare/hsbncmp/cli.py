@@ -61,7 +61,7 @@ inputs, --precise-items each).
 
 Writes to --out: results.md (the table, per-layer divergence, the check), compare.png
 (learning curves, metric vs time per step), results.json and runs.csv (raw results).
-The defaults take about 15 minutes on a 2-core machine.
+The defaults took 17 minutes on a shared 2-core machine (load average 28; docs/COMPARISON.md).
 
 --sweep runs the study on classification instead: per-worker batch x skew cells
 (--sweep-batches, --sweep-skews), --sweep-seeds seeds per cell and --sweep-default-seeds in
