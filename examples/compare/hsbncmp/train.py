@@ -253,9 +253,12 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
     mine = torch.tensor([step_s[warm:].mean(), sync_s[warm:].mean()], dtype=torch.float64)
     gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(gathered, mine)
-    scopes = None
+    scopes, decisions = None, None
     if mode == "auto" and rank == 0 and hasattr(hsbn.torch, "scopes"):
         scopes = {k: str(v) for k, v in hsbn.torch.scopes(model).items()}
+        decisions = {k: (None if v is None else {kk: (vv if isinstance(vv, (int, float, str))
+                                                      else str(vv)) for kk, vv in v.items()})
+                     for k, v in hsbn.torch.auto_decisions(model).items()}
     divergence = None
     if mode == "shadow" and rank == 0:
         divergence = _shadow_divergence(model, client, steps, hsbn)
@@ -267,7 +270,7 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
         "task": task, "seed": seed, "mode": mode, "steps": steps,
         "metric": final, "metric_avg_stats": final_avg,
         "metric_sync_stats": final_sync, "metric_precise_bn": final_precise,
-        "scopes": scopes,
+        "scopes": scopes, "auto_decisions": decisions,
         "curve": curve, "loss": (loss_t.numpy() / world).tolist(),
         "step_ms": float(per_rank[:, 0].mean() * 1e3),
         "step_ms_max_rank": float(per_rank[:, 0].max() * 1e3),
