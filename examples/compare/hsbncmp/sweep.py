@@ -213,12 +213,13 @@ def goals(analysis, default_cell):
     if "auto-target" in p:
         t = p["auto-target"]
         ratio = r.get("auto/global")
-        acc_ok = t["n"] >= 5 and t["mean"] >= 0
+        acc = ("not assessed (the goal asks for ≥ 5 seeds)" if t["n"] < 5
+               else "met" if t["mean"] >= 0 else "missed")
         time_ok = ratio is not None and ratio <= GOAL_TIME
         lines.append(
             "- auto ≥ node + %.1f × (global − node), paired over %d seeds: auto − target = %s "
             "points → **%s**%s; auto's sync time = %s of global's (goal ≤ %.0f%%) → **%s**."
-            % (GOAL_SHARE, t["n"], _ci(t), "met" if acc_ok else "missed",
+            % (GOAL_SHARE, t["n"], _ci(t), acc,
                "" if t["n"] < 2 or t["lo"] >= 0 or t["hi"] < 0
                else " (the interval includes 0)",
                "%.0f%%" % (100 * ratio) if ratio is not None else "—", 100 * GOAL_TIME,
