@@ -14,7 +14,8 @@ from conftest import COMPARE, REPO
 from hsbncmp import cli, data
 
 SCRIPT = os.path.join(COMPARE, "hsbn_compare.py")
-MODES = ["local", "node", "shadow", "global", "reference"]
+# Every mode this hsbn has (group and auto come with the group scope).
+MODES = [m for m in cli.ALL_MODES if cli._mode_available(m)]
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +84,25 @@ def test_smoke_every_mode_both_tasks(tmp_path, native_parts):
     out = tmp_path / "out"
     cmd = [sys.executable, SCRIPT, "--nodes", "2", "--workers-per-node", "2", "--steps", "3",
            "--seeds", "1", "--test-size", "48", "--evals", "2", "--out", str(out),
+           "--modes", ",".join(MODES), "--group-nodes", "1", "--precise-items", "6",
            "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for name in ("results.md", "results.json", "runs.csv", "compare.png"):
         assert (out / name).stat().st_size > 0, name
     res = json.loads((out / "results.json").read_text())
+    # The default run crosses a simulated cross-node link.
+    assert res["config"]["link_delay_ms"] == cli.LINK_DELAY_MS == 1
     for task in ("cls", "seg"):
         assert sorted(res["summary"][task]) == sorted(MODES)
         for mode, s in res["summary"][task].items():
             assert 0.0 <= s["metric_mean"] <= 1.0 and s["step_ms"] > 0, (task, mode)
+            assert 0.0 <= s["metric_sync_stats_mean"] <= 1.0, (task, mode)
+            if mode != "reference":
+                assert 0.0 <= s["metric_precise_bn_mean"] <= 1.0, (task, mode)
+        # global's running statistics are the same on every worker: pooling them is a no-op.
+        g = res["summary"][task]["global"]
+        assert g["metric_sync_stats_mean"] == g["metric_mean"]
         assert res["summary"][task]["global"]["sync_ms"] > 0
         assert res["summary"][task]["local"]["sync_ms"] == 0
         assert res["summary"][task]["node"]["norm_batch"] == 2 * res["config"]["batch"]
@@ -105,7 +115,46 @@ def test_smoke_every_mode_both_tasks(tmp_path, native_parts):
     assert "PASS: global matches reference" in md and "| reference |" in md
     with open(out / "runs.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 2 * 6  # every mode of both tasks, plus the reversed references
+    # every mode of both tasks, plus the reversed references
+    assert len(rows) == 2 * (len(MODES) + 1)
+    assert "sync_running_stats" in md and "precise_bn" in md
+
+
+def test_a_tiny_sweep_pairs_seeds_and_writes_its_report(tmp_path, native_parts):
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, SCRIPT, "--sweep", "--nodes", "4", "--workers-per-node", "1",
+           "--steps", "2", "--test-size", "32", "--sweep-batches", "2,4", "--sweep-skews",
+           "0.8", "--sweep-seeds", "1", "--sweep-default-seeds", "2", "--precise-items", "4",
+           "--modes", "node,global,reference", "--out", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for name in ("sweep.md", "sweep.json", "runs.csv", "gap_vs_batch.svg", "acc_vs_sync.svg"):
+        assert (out / name).stat().st_size > 0, name
+    res = json.loads((out / "sweep.json").read_text())
+    assert res["complete"]
+    cells = {(c["batch"], c["skew"]): c for c in res["analysis"]}
+    assert sorted(cells) == [(2, 0.8), (4, 0.8)]
+    assert cells[(4, 0.8)]["seeds"] == [0, 1] and cells[(2, 0.8)]["seeds"] == [0]
+    pair = cells[(4, 0.8)]["pairs"]["global-node"]
+    runs = {(r["cfg"]["batch"], r["seed"], r["mode"]): r["metric"] for r in res["runs"]}
+    diffs = [runs[(4, s, "global")] - runs[(4, s, "node")] for s in (0, 1)]
+    assert pair["n"] == 2 and abs(pair["mean"] - np.mean(diffs)) < 1e-12
+    assert pair["lo"] <= pair["mean"] <= pair["hi"]
+    assert all(c["check"]["pass"] for c in cells.values())
+    with open(out / "runs.csv") as f:
+        rows = list(csv.DictReader(f))
+    # (1 + 2 seeds) x (node, global, reference, reference-reversed)
+    assert len(rows) == 3 * 4 and {r["batch"] for r in rows} == {"2", "4"}
+    assert "default cell" in (out / "sweep.md").read_text()
+
+
+def test_t_interval_of_paired_differences():
+    from hsbncmp import sweep
+    p = sweep.paired({0: 1.0, 1: 2.0, 2: 4.0}, {0: 0.0, 1: 0.5, 2: 1.0, 3: 9.0})
+    d = np.array([1.0, 1.5, 3.0])
+    half = 4.303 * d.std(ddof=1) / np.sqrt(3)
+    assert p["n"] == 3 and p["seeds"] == [0, 1, 2]
+    assert abs(p["mean"] - d.mean()) < 1e-12 and abs(p["hi"] - (d.mean() + half)) < 1e-12
 
 
 def test_check_fails_on_a_real_difference():

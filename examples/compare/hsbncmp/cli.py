@@ -18,8 +18,12 @@ from . import data, models, report, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__)))))
-ALL_MODES = ["local", "node", "shadow", "global", "reference"]
-DIST_MODES = ["local", "node", "shadow", "global"]
+ALL_MODES = ["local", "node", "shadow", "group", "auto", "global", "reference"]
+DIST_MODES = ["local", "node", "shadow", "group", "auto", "global"]
+DEFAULT_MODES = ["local", "node", "group", "auto", "global", "reference"]
+# The simulated cross-node link of the default run, in ms each way (docs/COMPARISON.md says
+# why this value).
+LINK_DELAY_MS = 1
 DEFAULT_LR = {"cls": 0.05, "seg": 0.05}
 CHECK_FACTOR = 10.0
 CHECK_FLOOR = 1e-6
@@ -33,6 +37,9 @@ on the same items in the same order, with the same global SGD batch, in each mod
   local      plain BatchNorm over each worker's own batch (DDP's default)
   node       statistics of the node's batch (hsbn scope "node")
   shadow     node statistics; the root records per layer how far they are from global
+  group      statistics of a group of --group-nodes consecutive nodes (hsbn scope "group")
+  auto       hsbn scope "auto": shadow for a warm-up, then per layer node (or group) where
+             its statistics stayed close to the global ones, global where they did not
   global     statistics of the global batch (hsbn scope "global")
   reference  one process, plain BatchNorm over the concatenated global batch
 Gradients are averaged with DDP over gloo. `global` must match `reference` up to
@@ -42,13 +49,24 @@ Tasks (Fashion-MNIST from Debian's dataset-fashion-mnist):
   cls  classification of 28x28 items, small CNN with BN after every conv; test accuracy
   seg  semantic segmentation of 56x56 mosaics of 2x2 items (pixels labelled with their
        item's class or background), small encoder-decoder with BN; test mIoU
-Each node's workers see class-skewed data (--skew): with 2 nodes, node 0 mostly classes
-0-4 (clothing), node 1 mostly 5-9 (shoes, bags). That is what makes node statistics differ
-from global ones; with --skew 0 the nodes see the same distribution.
+Each node's workers see class-skewed data (--skew): every class has a home node (classes
+split into contiguous blocks over the nodes), so node statistics differ from global ones;
+with --skew 0 the nodes see the same distribution. The sidecars reach the root through a
+simulated cross-node link (--link-delay-ms each way).
+
+The test metric is scored three ways: with rank 0's running statistics (what a checkpoint
+saved by rank 0 holds), after hsbn.torch.sync_running_stats (running statistics pooled over
+the job) and after hsbn.torch.precise_bn (recomputed over every worker's last training
+inputs, --precise-items each).
 
 Writes to --out: results.md (the table, per-layer divergence, the check), compare.png
 (learning curves, metric vs time per step), results.json and runs.csv (raw results).
-The defaults take about 10 minutes on a 2-core machine.
+The defaults took 17 minutes on a shared 2-core machine (load average 28; docs/COMPARISON.md).
+
+--sweep runs the study on classification instead: per-worker batch x skew cells
+(--sweep-batches, --sweep-skews), --sweep-seeds seeds per cell and --sweep-default-seeds in
+the default cell (--batch, --skew), paired by seed; writes sweep.md, sweep.json, runs.csv and
+two plots (gap_vs_batch.svg, acc_vs_sync.svg) to --out (default results/sweep).
 """
 
 EPILOG = """\
@@ -62,17 +80,24 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="hsbn_compare.py", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("topology and batch")
-    g.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
-    g.add_argument("--workers-per-node", type=int, default=4,
-                   help="worker processes per node (default 4)")
+    g.add_argument("--nodes", type=int, default=4, help="simulated nodes (default 4)")
+    g.add_argument("--workers-per-node", type=int, default=2,
+                   help="worker processes per node (default 2)")
+    g.add_argument("--group-nodes", type=int, default=2,
+                   help="nodes per group for the group mode, and auto's alternative to "
+                        "global (default 2; must divide --nodes)")
+    g.add_argument("--link-delay-ms", type=int, default=None,
+                   help="simulated sidecar-root link delay in ms each way (default %d; 0 = "
+                        "loopback)" % LINK_DELAY_MS)
     g.add_argument("--batch", type=int, default=4,
                    help="images (mosaics) per worker per step (default 4); the global batch is "
                         "nodes x workers-per-node x batch")
     g = p.add_argument_group("what to run")
     g.add_argument("--task", choices=["both", "cls", "seg"], default="both",
                    help="classification, segmentation or both (default both)")
-    g.add_argument("--modes", default=",".join(ALL_MODES),
-                   help="comma-separated modes to run (default all: %s)" % ",".join(ALL_MODES))
+    g.add_argument("--modes", default=None,
+                   help="comma-separated modes to run, from %s (default %s)"
+                        % (",".join(ALL_MODES), ",".join(DEFAULT_MODES)))
     g.add_argument("--seeds", type=int, default=2,
                    help="seeds per mode (default 2); each seed changes the initial weights, "
                         "the data order and the node shards")
@@ -98,8 +123,12 @@ def parse_args(argv=None):
                         "(segmentation, default 1000)")
     g.add_argument("--evals", type=int, default=5,
                    help="points on the learning curve (evaluations during training; default 5)")
-    g.add_argument("--out", default=os.path.join(REPO, "results", "compare"),
-                   help="output folder (default results/compare in the repository)")
+    g.add_argument("--precise-items", type=int, default=256,
+                   help="training items (mosaics) per worker that precise_bn recomputes the "
+                        "running statistics over: each worker's last ones (default 256)")
+    g.add_argument("--out", default=None,
+                   help="output folder (default results/compare in the repository, "
+                        "results/sweep with --sweep)")
     g.add_argument("--data-dir", default=data.DEFAULT_DATA_DIR,
                    help="folder with Fashion-MNIST's *-ubyte.gz files (default %s)"
                         % data.DEFAULT_DATA_DIR)
@@ -107,16 +136,52 @@ def parse_args(argv=None):
                    help="aggregators' round deadline (default 120000; workers on an "
                         "oversubscribed CPU can be slow)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("the sweep (classification)")
+    g.add_argument("--sweep", action="store_true",
+                   help="run the study: every (batch, skew) cell, paired by seed")
+    g.add_argument("--sweep-batches", default="2,4,8",
+                   help="per-worker batches of the sweep (default 2,4,8)")
+    g.add_argument("--sweep-skews", default="0,0.8", help="skews of the sweep (default 0,0.8)")
+    g.add_argument("--sweep-seeds", type=int, default=3,
+                   help="seeds per cell (default 3)")
+    g.add_argument("--sweep-default-seeds", type=int, default=5,
+                   help="seeds in the default cell (--batch, --skew; default 5)")
     args = p.parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.modes is None:
+        modes = [m for m in DEFAULT_MODES if _mode_available(m)]
+    else:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ALL_MODES]
     if bad or not modes:
         p.error("--modes: unknown %s; choose from %s" % (", ".join(bad) or "(none)",
                                                          ", ".join(ALL_MODES)))
+    missing = [m for m in modes if not _mode_available(m)]
+    if missing:
+        p.error("--modes: this hsbn has no scope %s" % ", ".join(repr(m) for m in missing))
     args.modes = [m for m in ALL_MODES if m in modes]
-    for name in ("nodes", "workers_per_node", "batch", "seeds", "evals"):
+    for name in ("nodes", "workers_per_node", "batch", "seeds", "evals", "group_nodes",
+                 "sweep_seeds", "sweep_default_seeds", "precise_items"):
         if getattr(args, name) < 1:
             p.error("--%s must be at least 1" % name.replace("_", "-"))
+    if args.nodes % args.group_nodes:
+        p.error("--group-nodes %d does not divide --nodes %d" % (args.group_nodes, args.nodes))
+    if args.link_delay_ms is None:
+        args.link_delay_ms = LINK_DELAY_MS if _cluster_has_link_delay() else 0
+    elif args.link_delay_ms < 0:
+        p.error("--link-delay-ms must be >= 0")
+    elif args.link_delay_ms and not _cluster_has_link_delay():
+        p.error("--link-delay-ms: this hsbn's LocalCluster has no simulated link")
+    try:
+        args.sweep_batches = [int(v) for v in args.sweep_batches.split(",") if v.strip()]
+        args.sweep_skews = [float(v) for v in args.sweep_skews.split(",") if v.strip()]
+    except ValueError:
+        p.error("--sweep-batches and --sweep-skews are comma-separated numbers")
+    if args.sweep and (not args.sweep_batches or not args.sweep_skews
+                       or min(args.sweep_batches) < 1
+                       or not all(0 <= v <= 1 for v in args.sweep_skews)):
+        p.error("--sweep-batches need values >= 1 and --sweep-skews values in [0, 1]")
+    if args.out is None:
+        args.out = os.path.join(REPO, "results", "sweep" if args.sweep else "compare")
     if args.steps is not None and args.steps < 1:
         p.error("--steps must be at least 1")
     if not 0.0 <= args.skew <= 1.0:
@@ -124,6 +189,20 @@ def parse_args(argv=None):
     if args.nodes * args.workers_per_node * args.batch < 2:
         p.error("the global batch needs at least 2 items")
     return args
+
+
+def _mode_available(mode):
+    """group and auto need an hsbn with those scopes."""
+    if mode not in ("group", "auto"):
+        return True
+    import hsbn.client
+    return mode in hsbn.client.SCOPES
+
+
+def _cluster_has_link_delay():
+    import inspect
+    import hsbn.cluster
+    return "link_delay_ms" in inspect.signature(hsbn.cluster.LocalCluster).parameters
 
 
 # --- progress ----------------------------------------------------------------------------------
@@ -319,28 +398,102 @@ def environment():
                           if load[0] > 0.5 * cpus else "")}
 
 
+def make_cfg(args, tasks, seeds, batch, skew):
+    world = args.nodes * args.workers_per_node
+    lr = {t: args.lr if args.lr is not None else DEFAULT_LR[t] for t in tasks}
+    return {"nodes": args.nodes, "workers_per_node": args.workers_per_node, "world": world,
+            "batch": batch, "tasks": tasks, "seeds": seeds, "skew": skew,
+            "evals": args.evals, "lr": lr, "train_size": args.train_size,
+            "epochs": args.epochs, "modes": args.modes,
+            "group_nodes": args.group_nodes if "group" in args.modes or "auto" in args.modes
+            else 0,
+            "link_delay_ms": args.link_delay_ms, "precise_items": args.precise_items}
+
+
+def run_cell(args, cfg, d, pool, cache, label=""):
+    """Trains every (task, seed, mode) of `cfg` (distributed runs in one LocalCluster, then the
+    one-process references); returns the runs."""
+    import hsbn.cluster
+    tasks, seeds = cfg["tasks"], cfg["seeds"]
+    plans, inits = {}, {}
+    for task in tasks:
+        for seed in seeds:
+            plans[(task, seed)] = data.make_plan(
+                task, seed, d["train_y"], pool, cfg["nodes"], cfg["workers_per_node"],
+                cfg["batch"], args.epochs, args.steps, cfg["skew"])
+            inits[(task, seed)] = initial_state(task, seed)
+    cfg["steps"] = {t: plans[(t, seeds[0])]["steps"] for t in tasks}
+    cfg["params"] = {t: models.parameter_count(t) for t in tasks}
+    print("hsbn_compare: %s%s" % (label, "; ".join(
+        "%s: %d steps (%d per epoch), %d parameters" % (
+            report.TASK_NAME[t], cfg["steps"][t], plans[(t, seeds[0])]["per_epoch"],
+            cfg["params"][t]) for t in tasks)))
+    # Seeds in the middle loop, modes in the inner one: load drifts hit every mode alike.
+    dist_jobs = [(t, s, m) for t in tasks for s in seeds for m in cfg["modes"]
+                 if m in DIST_MODES]
+    ref_jobs = []
+    if "reference" in cfg["modes"]:
+        for t in tasks:
+            for s in seeds:
+                ref_jobs.append((cfg, t, s, "reference", "forward", inits[(t, s)],
+                                 plans[(t, s)], cache))
+                if "global" in cfg["modes"]:
+                    ref_jobs.append((cfg, t, s, "reference-reversed", "reversed",
+                                     inits[(t, s)], plans[(t, s)], cache))
+    runs = []
+    ctx = multiprocessing.get_context("spawn")
+    if dist_jobs:
+        counter = ctx.Array("q", 2)
+        labels = ["%s%s seed %d %s" % (label, report.TASK_NAME[t], s, m)
+                  for t, s, m in dist_jobs]
+        totals = [plans[(t, s)]["steps"] for t, s, m in dist_jobs]
+        print("hsbn_compare: %d distributed runs in a LocalCluster (a root, %d sidecars, "
+              "%d workers, link delay %d ms each way)"
+              % (len(dist_jobs), cfg["nodes"], cfg["world"], cfg["link_delay_ms"]))
+        kwargs = {}
+        if cfg["link_delay_ms"]:
+            kwargs["link_delay_ms"] = cfg["link_delay_ms"]
+        with hsbn.cluster.LocalCluster(nodes=cfg["nodes"],
+                                       workers_per_node=cfg["workers_per_node"],
+                                       round_timeout_ms=args.round_timeout_ms,
+                                       **kwargs) as cluster:
+            with Progress(counter, labels, totals, not args.no_progress):
+                out = cluster.run(train.cluster_worker, cfg, dist_jobs, inits, plans, cache,
+                                  counter)
+        runs += out[0]
+    if ref_jobs:
+        counter = ctx.Array("q", 2)
+        procs = max(1, min(len(ref_jobs), os.cpu_count() or 1))
+        labels = ["%sreference runs (%d at a time)" % (label, procs)]
+        totals = [j[6]["steps"] for j in ref_jobs]
+        print("hsbn_compare: %d one-process reference runs" % len(ref_jobs))
+        with Progress(counter, labels, totals, not args.no_progress):
+            runs += run_references([j + (0,) for j in ref_jobs], procs, counter)
+    return runs
+
+
+def _command(argv):
+    return shlex.join(["python3", os.path.relpath(os.path.abspath(sys.argv[0]), REPO)
+                       if argv is None else "hsbn_compare.py"]
+                      + (sys.argv[1:] if argv is None else list(argv)))
+
+
 def main(argv=None):
     args = parse_args(argv)
-    tasks = ["cls", "seg"] if args.task == "both" else [args.task]
-    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    world = args.nodes * args.workers_per_node
     try:
         data.check_data_dir(args.data_dir)
     except data.DataMissingError as e:
         print("hsbn_compare: %s" % e, file=sys.stderr)
         return 2
-    import hsbn
-    import hsbn.cluster
+    if args.sweep:
+        from . import sweep
+        return sweep.run(args, _command(argv))
+    tasks = ["cls", "seg"] if args.task == "both" else [args.task]
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     env = environment()
     os.makedirs(args.out, exist_ok=True)
-    lr = {t: args.lr if args.lr is not None else DEFAULT_LR[t] for t in tasks}
-    cfg = {"nodes": args.nodes, "workers_per_node": args.workers_per_node, "world": world,
-           "batch": args.batch, "tasks": tasks, "seeds": seeds, "skew": args.skew,
-           "evals": args.evals, "lr": lr, "train_size": args.train_size,
-           "epochs": args.epochs, "modes": args.modes}
-    command = shlex.join(["python3", os.path.relpath(os.path.abspath(sys.argv[0]), REPO)
-                          if argv is None else "hsbn_compare.py"]
-                         + (sys.argv[1:] if argv is None else list(argv)))
+    cfg = make_cfg(args, tasks, seeds, args.batch, args.skew)
+    command = _command(argv)
     print("hsbn_compare: %d nodes x %d workers, %d per worker, tasks %s, modes %s, seeds %s; "
           "%s" % (args.nodes, args.workers_per_node, args.batch, ",".join(tasks),
                   ",".join(args.modes), ",".join(map(str, seeds)), env["machine"]))
@@ -349,54 +502,7 @@ def main(argv=None):
     try:
         d, cache = prepare(args, tasks, tmp)
         pool = data.training_pool(d["train_y"], args.train_size)
-        plans, inits = {}, {}
-        for task in tasks:
-            for seed in seeds:
-                plans[(task, seed)] = data.make_plan(
-                    task, seed, d["train_y"], pool, args.nodes, args.workers_per_node,
-                    args.batch, args.epochs, args.steps, args.skew)
-                inits[(task, seed)] = initial_state(task, seed)
-        cfg["steps"] = {t: plans[(t, seeds[0])]["steps"] for t in tasks}
-        cfg["params"] = {t: models.parameter_count(t) for t in tasks}
-        print("hsbn_compare: %s" % "; ".join(
-            "%s: %d steps (%d per epoch), %d parameters" % (
-                report.TASK_NAME[t], cfg["steps"][t], plans[(t, seeds[0])]["per_epoch"],
-                cfg["params"][t]) for t in tasks))
-        # Seeds in the middle loop, modes in the inner one: load drifts hit every mode alike.
-        dist_jobs = [(t, s, m) for t in tasks for s in seeds for m in args.modes
-                     if m in DIST_MODES]
-        ref_jobs = []
-        if "reference" in args.modes:
-            for t in tasks:
-                for s in seeds:
-                    ref_jobs.append((cfg, t, s, "reference", "forward", inits[(t, s)],
-                                     plans[(t, s)], cache))
-                    if "global" in args.modes:
-                        ref_jobs.append((cfg, t, s, "reference-reversed", "reversed",
-                                         inits[(t, s)], plans[(t, s)], cache))
-        runs = []
-        ctx = multiprocessing.get_context("spawn")
-        if dist_jobs:
-            counter = ctx.Array("q", 2)
-            labels = ["%s seed %d %s" % (report.TASK_NAME[t], s, m) for t, s, m in dist_jobs]
-            totals = [plans[(t, s)]["steps"] for t, s, m in dist_jobs]
-            print("hsbn_compare: %d distributed runs in a LocalCluster (a root, %d sidecars, "
-                  "%d workers)" % (len(dist_jobs), args.nodes, world))
-            with hsbn.cluster.LocalCluster(nodes=args.nodes, workers_per_node=args.workers_per_node,
-                                           round_timeout_ms=args.round_timeout_ms) as cluster:
-                with Progress(counter, labels, totals, not args.no_progress):
-                    out = cluster.run(train.cluster_worker, cfg, dist_jobs, inits, plans, cache,
-                                      counter)
-            runs += out[0]
-        if ref_jobs:
-            counter = ctx.Array("q", 2)
-            procs = max(1, min(len(ref_jobs), os.cpu_count() or 1))
-            labels = ["reference runs (%d at a time)" % procs]
-            totals = [j[6]["steps"] for j in ref_jobs]
-            print("hsbn_compare: %d one-process reference runs" % len(ref_jobs))
-            with Progress(counter, labels, totals, not args.no_progress):
-                runs += run_references(
-                    [j + (0,) for j in ref_jobs], procs, counter)
+        runs = run_cell(args, cfg, d, pool, cache)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     wall = time.monotonic() - t_start

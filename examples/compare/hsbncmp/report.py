@@ -10,7 +10,7 @@ import numpy as np
 
 from . import data
 
-MODE_ORDER = ["local", "node", "shadow", "global", "reference"]
+MODE_ORDER = ["local", "node", "shadow", "group", "auto", "global", "reference"]
 TASK_NAME = {"cls": "classification", "seg": "segmentation"}
 METRIC_NAME = {"cls": "test accuracy", "seg": "test mIoU"}
 
@@ -23,10 +23,25 @@ def _mean_std(values):
 
 
 def norm_batch(mode, cfg):
+    """The normalization batch of a mode; auto's is per layer: its smallest choice."""
     b = cfg["batch"]
+    group = b * cfg["workers_per_node"] * max(1, cfg.get("group_nodes") or 1)
     return {"local": b, "node": b * cfg["workers_per_node"], "shadow": b * cfg["workers_per_node"],
+            "group": group, "auto": group if cfg.get("group_nodes", 0) > 1
+            else b * cfg["workers_per_node"],
             "global": b * cfg["world"], "reference": b * cfg["world"],
             "reference-reversed": b * cfg["world"]}[mode]
+
+
+def _norm_batch_text(mode, cfg):
+    if mode == "auto":
+        return "%d–%d" % (norm_batch("auto", cfg), norm_batch("global", cfg))
+    return "%d" % norm_batch(mode, cfg)
+
+
+def _opt(values):
+    v = [x for x in values if x is not None]
+    return _mean_std(v) if v else (float("nan"), float("nan"))
 
 
 def summarize(runs, cfg):
@@ -40,9 +55,13 @@ def summarize(runs, cfg):
                 continue
             m, s = _mean_std([r["metric"] for r in rs])
             ma, sa = _mean_std([r["metric_avg_stats"] for r in rs])
+            ms, ss = _opt([r.get("metric_sync_stats") for r in rs])
+            mp, sp = _opt([r.get("metric_precise_bn") for r in rs])
             out[task][mode] = {
                 "seeds": len(rs), "metric_mean": m, "metric_std": s,
                 "metric_avg_stats_mean": ma, "metric_avg_stats_std": sa,
+                "metric_sync_stats_mean": ms, "metric_sync_stats_std": ss,
+                "metric_precise_bn_mean": mp, "metric_precise_bn_std": sp,
                 "step_ms": float(np.mean([r["step_ms"] for r in rs])),
                 "sync_ms": float(np.mean([r["sync_ms"] for r in rs])),
                 "final_loss": float(np.mean([np.mean(r["loss"][-max(1, len(r["loss"]) // 10):])
@@ -90,12 +109,14 @@ def markdown(summary, divergence, check, cfg, command, environment):
         "(global batch %d), %s, seeds %s, per-node class skew %.2f. Metric: %s, as mean ± std "
         "over seeds in %%, scored with rank 0's running statistics (what a checkpoint saved by "
         "rank 0 holds). Times: mean over workers of the wall time of one training step "
-        "(forward, backward, optimizer) and of the time spent in hsbn rounds within it; "
-        "measured on %s."
+        "(forward, backward, optimizer) and of the time spent in hsbn rounds within it, with "
+        "the sidecar–root link delayed by %d ms each way%s; measured on %s."
         % (cfg["nodes"], cfg["workers_per_node"], cfg["batch"], cfg["world"] * cfg["batch"],
            ", ".join("%s %d steps" % (TASK_NAME[t], cfg["steps"][t]) for t in cfg["tasks"]),
            ", ".join(str(s) for s in cfg["seeds"]), cfg["skew"],
            " / ".join("%s %s" % (TASK_NAME[t], METRIC_NAME[t]) for t in cfg["tasks"]),
+           cfg.get("link_delay_ms", 0),
+           "; groups of %d nodes" % cfg["group_nodes"] if cfg.get("group_nodes") else "",
            environment["machine"]))
     lines.append("")
     head = "| mode | norm. batch |"
@@ -107,7 +128,7 @@ def markdown(summary, divergence, check, cfg, command, environment):
     for mode in MODE_ORDER:
         if not any(mode in summary[t] for t in cfg["tasks"]):
             continue
-        row = "| %s | %d |" % (mode, norm_batch(mode, cfg))
+        row = "| %s | %s |" % (mode, _norm_batch_text(mode, cfg))
         for t in cfg["tasks"]:
             s = summary[t].get(mode)
             if s is None:
@@ -120,17 +141,30 @@ def markdown(summary, divergence, check, cfg, command, environment):
     lines.append("The reference row is one process over the global batch (its ms/step is not "
                  "comparable: one process does all the work, without DDP or hsbn).")
     lines.append("")
-    lines.append("Scored instead with the running statistics averaged over all workers:")
+    lines.append("The same models scored with other running statistics: the plain average of "
+                 "every worker's (naive), pooled over the job by `hsbn.torch.sync_running_stats` "
+                 "(law of total variance, weighted by samples seen), and recomputed by "
+                 "`hsbn.torch.precise_bn` over every worker's last %d training items "
+                 "(pooled exactly over the job):" % cfg.get("precise_items", 0))
     lines.append("")
-    lines.append("| mode |" + "".join(" %s |" % TASK_NAME[t] for t in cfg["tasks"]))
-    lines.append("|---|" + "---:|" * len(cfg["tasks"]))
+    head = "| mode |"
+    sep = "|---|"
+    for t in cfg["tasks"]:
+        head += " %s: rank 0 | naive average | sync_running_stats | precise_bn |" % TASK_NAME[t]
+        sep += "---:|---:|---:|---:|"
+    lines += [head, sep]
     for mode in MODE_ORDER:
         if not any(mode in summary[t] for t in cfg["tasks"]):
             continue
-        lines.append("| %s |" % mode + "".join(
-            " %s |" % (_fmt_metric(summary[t][mode]["metric_avg_stats_mean"],
-                                   summary[t][mode]["metric_avg_stats_std"])
-                       if mode in summary[t] else "—") for t in cfg["tasks"]))
+        row = "| %s |" % mode
+        for t in cfg["tasks"]:
+            s = summary[t].get(mode)
+            if s is None:
+                row += " — | — | — | — |"
+                continue
+            row += "".join(" %s |" % _fmt_metric(s[k + "_mean"], s[k + "_std"]) for k in (
+                "metric", "metric_avg_stats", "metric_sync_stats", "metric_precise_bn"))
+        lines.append(row)
     lines.append("")
     if any(divergence.get(t) for t in cfg["tasks"]):
         lines.append("## Shadow mode: how far node statistics were from global, per layer")
@@ -188,13 +222,18 @@ def markdown(summary, divergence, check, cfg, command, environment):
 def write_csv(path, runs, cfg):
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["task", "seed", "mode", "steps", "norm_batch", "metric", "metric_name",
-                    "metric_avg_stats", "step_ms", "sync_ms", "final_loss"])
+        w.writerow(["task", "seed", "mode", "batch", "skew", "steps", "norm_batch", "metric",
+                    "metric_name", "metric_avg_stats", "metric_sync_stats",
+                    "metric_precise_bn", "step_ms", "sync_ms", "final_loss"])
         for r in runs:
-            w.writerow([r["task"], r["seed"], r["mode"], r["steps"], norm_batch(r["mode"], cfg),
-                        "%.6f" % r["metric"], METRIC_NAME[r["task"]],
-                        "%.6f" % r["metric_avg_stats"], "%.3f" % r["step_ms"],
-                        "%.3f" % r["sync_ms"], "%.6f" % r["loss"][-1]])
+            c = r.get("cfg", cfg)
+            w.writerow([r["task"], r["seed"], r["mode"], c["batch"], c["skew"], r["steps"],
+                        norm_batch(r["mode"], c), "%.6f" % r["metric"], METRIC_NAME[r["task"]],
+                        "%.6f" % r["metric_avg_stats"],
+                        "%.6f" % r.get("metric_sync_stats", float("nan")),
+                        "" if r.get("metric_precise_bn") is None
+                        else "%.6f" % r["metric_precise_bn"],
+                        "%.3f" % r["step_ms"], "%.3f" % r["sync_ms"], "%.6f" % r["loss"][-1]])
 
 
 def write_json(path, payload):
@@ -218,7 +257,8 @@ def plot(path, runs, summary, cfg):
 
     tasks = cfg["tasks"]
     colors = {"local": "tab:red", "node": "tab:orange", "shadow": "tab:olive",
-              "global": "tab:blue", "reference": "black"}
+              "group": "tab:purple", "auto": "tab:green", "global": "tab:blue",
+              "reference": "black"}
     styles = {"reference": ":", "shadow": "--"}  # shadow computes what node does: dashed on it
     fig, axes = plt.subplots(len(tasks), 3, figsize=(15, 4.2 * len(tasks)), squeeze=False)
     for i, task in enumerate(tasks):

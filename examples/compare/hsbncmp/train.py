@@ -12,6 +12,7 @@ averages the workers' gradients, whose losses are averages over equal-sized work
 """
 
 import math
+import os
 import time
 
 import numpy as np
@@ -19,10 +20,13 @@ import numpy as np
 from . import data, models
 
 # The weights are also kept after this many steps, for the global vs reference check before
-# training has amplified round-off.
-EARLY_STEPS = 3
+# training has amplified round-off. One step: at 4 nodes x 2 workers, 2 of 5 seeds already
+# amplified round-off 10-100x past the reversed-order reference's by step 3 (gaps 2e-6 to 2e-5,
+# against ~1e-2 between node and global), while after one step the gap stays at ~1e-7.
+EARLY_STEPS = 1
 
-SCOPE = {"local": "local", "node": "node", "global": "global", "shadow": "shadow"}
+SCOPE = {"local": "local", "node": "node", "global": "global", "shadow": "shadow",
+         "group": "group", "auto": "auto"}
 
 
 # --- data --------------------------------------------------------------------------------------
@@ -110,6 +114,10 @@ def cluster_worker(cfg, jobs, inits, plans, cache, progress):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if cfg.get("group_nodes"):
+        # Groups of K consecutive nodes for scope "group" (and auto's choice between group and
+        # global): a setting of the job, the same on every worker.
+        os.environ["HSBN_GROUP_NODES"] = str(cfg["group_nodes"])
     client = hsbn.Client.from_env()
     hsbn.set_default_client(client)
     arrays = load_cache(cache)
@@ -148,6 +156,41 @@ def _distributed_eval(torch, dist, model, task, xs, ys, rank, world, stats):
     for b, s in zip(bufs, saved):
         b.copy_(s)
     return metric(task, counts.numpy())
+
+
+def precise_batches(torch, task, plan, arrays, rank, items, chunk=32):
+    """This worker's own training inputs of the last steps (`items` of them, or all it saw),
+    in batches of `chunk`: what precise_bn recomputes the statistics over."""
+    steps = plan["steps"]
+    per = plan["idx"].shape[2] if task == "cls" else plan["cells"].shape[2]
+    k = min(steps, max(1, -(-items // per)))
+    x = torch.cat([batch(torch, task, plan, arrays, s, [rank])[0]
+                   for s in range(steps - k, steps)])[:items]
+    return list(torch.split(x, chunk))
+
+
+def _pooled_evals(torch, dist, hsbn, cfg, model, task, plan, arrays, xs, ys, rank, world):
+    """The metric with the running statistics pooled over the job (sync_running_stats,
+    global) and recomputed over every worker's last training inputs (precise_bn, global); the
+    model's own statistics are restored after each."""
+    bufs = []
+    for _, m in _bn_layers(torch, model):
+        bufs += [m.running_mean, m.running_var]
+    saved = [b.clone() for b in bufs]
+    out = []
+    for how in ("sync", "precise"):
+        if how == "sync":
+            hsbn.torch.sync_running_stats(model, "global")
+        else:
+            hsbn.torch.precise_bn(model, precise_batches(torch, task, plan, arrays, rank,
+                                                         cfg["precise_items"]), "global")
+        counts = torch.from_numpy(eval_counts(torch, model, task, xs[rank::world],
+                                              ys[rank::world]))
+        dist.all_reduce(counts)
+        out.append(metric(task, counts.numpy()))
+        for b, s in zip(bufs, saved):
+            b.copy_(s)
+    return out
 
 
 def _blocked_seconds(client):
@@ -201,6 +244,8 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
     xs_t, ys_t = arrays[task + "_test_x"], arrays[task + "_test_y"]
     final = _distributed_eval(torch, dist, model, task, xs_t, ys_t, rank, world, "rank0")
     final_avg = _distributed_eval(torch, dist, model, task, xs_t, ys_t, rank, world, "avg")
+    final_sync, final_precise = _pooled_evals(torch, dist, hsbn, cfg, model, task, plan,
+                                              arrays, xs_t, ys_t, rank, world)
     # The global training loss (mean over the workers' equal-sized batches), and timings.
     loss_t = torch.from_numpy(losses)
     dist.all_reduce(loss_t)
@@ -208,6 +253,12 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
     mine = torch.tensor([step_s[warm:].mean(), sync_s[warm:].mean()], dtype=torch.float64)
     gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(gathered, mine)
+    scopes, decisions = None, None
+    if mode == "auto" and rank == 0 and hasattr(hsbn.torch, "scopes"):
+        scopes = {k: str(v) for k, v in hsbn.torch.scopes(model).items()}
+        decisions = {k: (None if v is None else {kk: (vv if isinstance(vv, (int, float, str))
+                                                      else str(vv)) for kk, vv in v.items()})
+                     for k, v in hsbn.torch.auto_decisions(model).items()}
     divergence = None
     if mode == "shadow" and rank == 0:
         divergence = _shadow_divergence(model, client, steps, hsbn)
@@ -218,6 +269,8 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
     return {
         "task": task, "seed": seed, "mode": mode, "steps": steps,
         "metric": final, "metric_avg_stats": final_avg,
+        "metric_sync_stats": final_sync, "metric_precise_bn": final_precise,
+        "scopes": scopes, "auto_decisions": decisions,
         "curve": curve, "loss": (loss_t.numpy() / world).tolist(),
         "step_ms": float(per_rank[:, 0].mean() * 1e3),
         "step_ms_max_rank": float(per_rank[:, 0].max() * 1e3),
@@ -299,7 +352,8 @@ def reference_run(cfg, task, seed, label, order, init, plan, cache, progress, jo
     warm = min(5, steps // 5)
     return {
         "task": task, "seed": seed, "mode": label, "steps": steps,
-        "metric": final, "metric_avg_stats": final,
+        "metric": final, "metric_avg_stats": final, "metric_sync_stats": final,
+        "metric_precise_bn": None, "scopes": None,
         "curve": curve, "loss": losses.tolist(),
         "step_ms": float(step_s[warm:].mean() * 1e3), "step_ms_max_rank": None,
         "sync_ms": 0.0, "divergence": None,

@@ -6,6 +6,8 @@ torch.nn.SyncBatchNorm.
     ...
     model = hsbn.torch.revert_sync_batchnorm(model)   # back to torch.nn.BatchNorm*d
     hsbn.torch.stats(model).total.blocked_seconds   # time spent blocked in rounds
+    hsbn.torch.sync_running_stats(model, "global")  # pool running statistics over the job
+    hsbn.torch.precise_bn(model, batches)           # recompute them over batches of every rank
 
 Works with any PyTorch that has torch.batch_norm_stats (1.13 and 2.x), on CPU and CUDA tensors;
 it binds hsbn's C ABI only, never PyTorch's C++ ABI.
@@ -15,6 +17,7 @@ from .modules import (SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchno
                       LayerMismatchError, next_op, op_for_name, model_client, stats, divergence,
                       scopes, auto_decisions, SCOPES)
 from ._function import SyncBatchNormFunction, SyncStats, sync_stats, reset_sync_stats
+from ._population import sync_running_stats, precise_bn
 from . import _ops
 
 
@@ -42,4 +45,4 @@ def cuda_ops():
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm",
            "LayerMismatchError", "SyncBatchNormFunction", "SCOPES", "next_op", "op_for_name",
            "model_client", "stats", "divergence", "scopes", "auto_decisions", "set_cuda_ops", "cuda_ops", "SyncStats", "sync_stats",
-           "reset_sync_stats"]
+           "reset_sync_stats", "sync_running_stats", "precise_bn"]

@@ -400,6 +400,10 @@ class SyncBatchNorm(_BatchNorm):
         self._check = None      # the _LayerCheck of the model this layer was converted in
         self._revert_to = None  # the class it was converted from
         self._input_dim = None  # the dimension of its last input (for revert)
+        # Values per channel that went into the running statistics through this object (its
+        # own input, N * spatial per training forward): sync_running_stats weights ranks by it.
+        # Not in the state_dict (which stays torch's); 0 means "no record".
+        self.samples_seen = 0
         if op is _KEYED_AT_CONVERSION:
             self.op, self.model_name, self.layer_name, self._key_source = None, None, None, "model"
         elif op is not None:
@@ -438,6 +442,7 @@ class SyncBatchNorm(_BatchNorm):
         self.__dict__.setdefault("auto_policy", {})
         self.__dict__.setdefault("_auto_decision", None)
         self.__dict__.setdefault("_auto_restore", None)
+        self.__dict__.setdefault("samples_seen", 0)
         _client.set_op_label(self.op, self._label())
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -520,6 +525,8 @@ class SyncBatchNorm(_BatchNorm):
                 self._prepare_auto(client, book)
         # Exponential average factor, exactly as torch.nn.modules.batchnorm._BatchNorm.
         factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.samples_seen += input.numel() // max(1, input.shape[1])
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
