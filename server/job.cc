@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "hsbn/moments.h"
+#include "round_merge.h"
 #include "wire.h"
 
 namespace hsbn::server {
@@ -540,18 +541,17 @@ void Job::CompleteLocked(Round& round, Actions* out) {
       return;
     }
   }
-  count = 0;
-  // Fixed order: member index 0, 1, ... — the same bits for every member and every rerun.
-  for (const Slot& slot : round.slots) {
-    wire::UnpackPayload(slot.data, channels, sa, sb);
-    if (round.key.phase == v1::PHASE_FORWARD) {
-      count = MergeChannelMoments(count, a, b, slot.count, sa, sb, channels);
-    } else {
-      AddChannelSums(a, sa, channels);
-      AddChannelSums(b, sb, channels);
-      count += slot.count;
-    }
-  }
+  // Fixed order: member index 0, 1, ... — the same bits for every member and every rerun, and
+  // the same reduction as the shared-memory node path (round_merge.h).
+  count = wire::ReduceInOrder(
+      round.key.phase == v1::PHASE_FORWARD, channels, int(round.slots.size()),
+      [&](int i, const double** ai, const double** bi) {
+        wire::UnpackPayload(round.slots[size_t(i)].data, channels, sa, sb);
+        *ai = sa;
+        *bi = sb;
+        return round.slots[size_t(i)].count;
+      },
+      a, b);
   auto result = std::make_shared<v1::Result>();
   result->set_op(round.key.op);
   result->set_seq(round.key.seq);

@@ -114,6 +114,9 @@ typedef struct hsbn_stats {
   int64_t bytes_sent;             /* serialized bytes of the frames written to the round stream */
   int64_t bytes_received;         /* ... and read from it (gRPC / HTTP/2 framing not included) */
   double elapsed_seconds;         /* wall time since creation or the last reset */
+  /* Added in the second version: how the node's rounds travel, NUL-terminated: "shm",
+   * "grpc: <why>" or "pending" (until the sidecar heard from every local rank); cut to fit. */
+  char transport[256];
 } hsbn_stats;
 
 /* Name of a result code ("INVALID_ARGUMENT"); never NULL. */

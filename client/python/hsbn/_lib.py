@@ -189,6 +189,7 @@ class CStats(ctypes.Structure):
         ("bytes_sent", ctypes.c_int64),
         ("bytes_received", ctypes.c_int64),
         ("elapsed_seconds", ctypes.c_double),
+        ("transport", ctypes.c_char * 256),
     ]
 
 
