@@ -71,6 +71,10 @@ class ShmChannel {
   int32_t max_channels() const { return segment_ ? segment_->geometry().max_channels : 0; }
   // False once the sidecar closed the hand-off connection or invalidated the segment.
   bool Alive() const;
+  // The mapped segment (null before the answer or on the stream): for tests that play a
+  // hostile worker of the same job.
+  shm::Segment* segment() const { return segment_.get(); }
+  int doorbell() const { return doorbell_; }
 
   // Posts a round (REQUIRES: mapped(), channels <= max_channels()). Reduces it when this rank
   // is the last to post. Waits for a free slot until `deadline` when the ring is full.
