@@ -200,6 +200,8 @@ class PendingRound {
   // Shared-memory rounds: the channel and the slot it was posted in (conn is null).
   std::shared_ptr<client_internal::ShmChannel> shm;
   client_internal::ShmRound shm_round;
+  bool shm_waited = false;  // a shared-memory round already waited for: its outcome
+  absl::Status shm_status;
   // Started before the node's transport was decided: the inputs, sent at Wait.
   std::vector<double> deferred;
   int64_t deferred_count = 0;
@@ -506,11 +508,20 @@ class Client::Impl {
 
   absl::Status WaitResult(PendingRound& p, int64_t* out_count, double* out_a, double* out_b) {
     const auto deadline = Clock::now() + RoundTimeout();
+    if (p.shm_waited) {
+      // Waited for before: its answer was taken then (a failed round fails again).
+      return p.shm_status.ok() ? absl::FailedPreconditionError("this round was already waited for")
+                               : p.shm_status;
+    }
     if (p.shm && !p.deferred.empty()) {
       // Started before the node's transport was decided: decide, then start it for real.
       std::shared_ptr<client_internal::ShmChannel> shm = std::move(p.shm);
       absl::Status s = shm->Await(deadline);
-      if (!s.ok()) return s;
+      if (!s.ok()) {
+        p.shm_waited = true;
+        p.shm_status = s;
+        return s;
+      }
       {
         std::lock_guard<std::mutex> lock(mu_);
         SetTransport(shm->note());
@@ -520,8 +531,13 @@ class Client::Impl {
       const int64_t ch = p.channels;
       auto q = Start(p.phase, p.op, p.seq, p.scope, ch, p.deferred_count, in.data(),
                      in.data() + ch);
-      if (!q.ok()) return q.status();
-      return WaitResult(**q, out_count, out_a, out_b);
+      p.shm_waited = true;
+      if (!q.ok()) {
+        p.shm_status = q.status();
+        return q.status();
+      }
+      p.shm_status = WaitResult(**q, out_count, out_a, out_b);
+      return p.shm_status;
     }
     if (p.shm) {
       absl::Status s = p.shm->Wait(p.shm_round, deadline, RoundTimeout(), out_count, out_a,
@@ -529,9 +545,15 @@ class Client::Impl {
       if (s.ok()) {
         bytes_received_.fetch_add(wire::PayloadBytes(p.channels), std::memory_order_relaxed);
       }
+      if (s.code() == absl::StatusCode::kDeadlineExceeded && p.shm->Posted(p.shm_round)) {
+        return s;  // the caller's own timeout: as on the stream, it may wait again
+      }
       p.shm.reset();
+      p.shm_waited = true;
+      p.shm_status = s;
       return s;
     }
+    if (!p.conn) return absl::FailedPreconditionError("this round was never sent");
     {
       std::unique_lock<std::mutex> lk(rounds_mu_);
       Conn& conn = *p.conn;

@@ -301,6 +301,13 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
   const Clock::time_point deadline = std::min(aggregator_deadline, client_deadline);
   const uint64_t id = RoundId(r.slot, r.posted);
   const std::string round = wire::RoundName(r.key.op, r.key.seq, v1::Phase(r.key.phase));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Waited for again after its caller's own timeout: it is no longer abandoned.
+    if (auto a = abandoned_.find(r.slot); a != abandoned_.end() && a->second.posted == r.posted) {
+      abandoned_.erase(a);
+    }
+  }
 
   auto release = [&](const absl::Status& s) {
     std::lock_guard<std::mutex> lock(mu_);

@@ -71,6 +71,11 @@ class ShmChannel {
   int32_t max_channels() const { return segment_ ? segment_->geometry().max_channels : 0; }
   // False once the sidecar closed the hand-off connection or invalidated the segment.
   bool Alive() const;
+  // True while the round's contribution is still posted (its caller's own timeout passed: it
+  // may be waited for again).
+  bool Posted(const ShmRound& round) const {
+    return segment_ && segment_->State(config_.local_rank, round.slot) == round.posted;
+  }
   // The mapped segment (null before the answer or on the stream): for tests that play a
   // hostile worker of the same job.
   shm::Segment* segment() const { return segment_.get(); }

@@ -259,12 +259,15 @@ void Segment::Sleep(int32_t rank, int32_t i, uint32_t posted, std::chrono::nanos
   Store(&s->sleeping, 0);
 }
 
+bool Segment::BeginDeliver(int32_t rank, int32_t i, uint32_t posted) const {
+  return Cas(&slot(rank, i)->state, posted, Word(GenOf(posted), kWriting));
+}
+
 void Segment::Deliver(int32_t rank, int32_t i, uint32_t posted, int32_t code,
                       const std::string& message, int64_t count, int64_t channels,
                       const double* a, const double* b) const {
   SlotHead* s = slot(rank, i);
   const uint32_t gen = GenOf(posted);
-  if (!Cas(&s->state, posted, Word(gen, kWriting))) return;  // withdrawn meanwhile
   s->code = code;
   const size_t n = std::min(message.size(), kTextBytes);
   std::memcpy(s->message, message.data(), n);
@@ -436,14 +439,20 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
       Enqueue(abort, o);
     }
     const std::string message(error.message());
+    std::vector<bool> mine = BeginAll(idx, posted);
     for (int32_t r = 0; r < n; ++r) {
-      Deliver(r, idx[r], posted[r], int32_t(error.code()), message, 0, 0, nullptr, nullptr);
+      if (mine[size_t(r)]) {
+        Deliver(r, idx[r], posted[r], int32_t(error.code()), message, 0, 0, nullptr, nullptr);
+      }
     }
     return true;
   }
+  std::vector<bool> mine = BeginAll(idx, posted);
   for (int32_t r = 0; r < n; ++r) {
-    Deliver(r, idx[r], posted[r], 0, "", count, channels, result.data(),
-            result.data() + channels);
+    if (mine[size_t(r)]) {
+      Deliver(r, idx[r], posted[r], 0, "", count, channels, result.data(),
+              result.data() + channels);
+    }
   }
   return true;
 }
@@ -589,15 +598,32 @@ std::vector<Item> Segment::TakeQueue(int* malformed) {
 
 int Segment::DeliverAll(const Key& key, int32_t code, const std::string& message, int64_t count,
                         int64_t channels, const double* d) {
+  std::vector<int32_t> idx(size_t(g_.ranks), -1);
+  std::vector<uint32_t> posted(size_t(g_.ranks), 0);
+  for (int32_t r = 0; r < g_.ranks; ++r) {
+    if (!FindPosted(r, key, 0, &idx[size_t(r)], &posted[size_t(r)])) idx[size_t(r)] = -1;
+  }
+  std::vector<bool> mine = BeginAll(idx, posted);
   int delivered = 0;
   for (int32_t r = 0; r < g_.ranks; ++r) {
-    int32_t i;
-    uint32_t w;
-    if (!FindPosted(r, key, 0, &i, &w)) continue;
-    Deliver(r, i, w, code, message, count, channels, d, d ? d + channels : nullptr);
+    if (!mine[size_t(r)]) continue;
+    Deliver(r, idx[size_t(r)], posted[size_t(r)], code, message, count, channels, d,
+            d ? d + channels : nullptr);
     ++delivered;
   }
   return delivered;
+}
+
+std::vector<bool> Segment::BeginAll(const std::vector<int32_t>& idx,
+                                    const std::vector<uint32_t>& posted) const {
+  // Every slot leaves "posted" before any gets its answer: a rank that has its answer may
+  // leave the job at once, and the others must not then take the round for one that waits
+  // for it.
+  std::vector<bool> mine(idx.size(), false);
+  for (size_t r = 0; r < idx.size(); ++r) {
+    mine[r] = idx[r] >= 0 && BeginDeliver(int32_t(r), idx[r], posted[r]);
+  }
+  return mine;
 }
 
 }  // namespace hsbn::shm

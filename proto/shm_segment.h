@@ -202,6 +202,11 @@ class Segment {
   Segment(char* base, const Geometry& g, int fd) : base_(base), g_(g), fd_(fd) {}
   bool FindPosted(int32_t rank, const Key& key, int32_t hint, int32_t* index,
                   uint32_t* state) const;
+  // Delivering is two steps: BeginDeliver moves a posted slot to "writing" (false if its owner
+  // withdrew it), Deliver writes the answer and publishes it.
+  bool BeginDeliver(int32_t rank, int32_t i, uint32_t posted) const;
+  std::vector<bool> BeginAll(const std::vector<int32_t>& idx,
+                             const std::vector<uint32_t>& posted) const;
   void Deliver(int32_t rank, int32_t i, uint32_t posted, int32_t code, const std::string& message,
                int64_t count, int64_t channels, const double* a, const double* b) const;
   bool Enqueue(const Item& item, const ReduceOptions& options);
