@@ -189,6 +189,7 @@ uint32_t Segment::Post(int32_t rank, int32_t i, const Key& key, int32_t scope, i
   Store(&s->claim, gen << 1);
   Store(&s->sleeping, 0);
   const uint32_t posted = Word(gen, kPosted);
+  __atomic_fetch_add(&header()->posts[rank], 1, __ATOMIC_RELAXED);
   // Sequentially consistent: of the ranks posting one round, the last to post sees every
   // other's post in its scan (TryReduce), so some rank always reduces it.
   Store(&s->state, posted);
@@ -440,6 +441,7 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
     }
     const std::string message(error.message());
     std::vector<bool> mine = BeginAll(idx, posted);
+    __atomic_fetch_add(&header()->failed, 1, __ATOMIC_RELAXED);
     for (int32_t r = 0; r < n; ++r) {
       if (mine[size_t(r)]) {
         Deliver(r, idx[r], posted[r], int32_t(error.code()), message, 0, 0, nullptr, nullptr);
@@ -448,6 +450,7 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
     return true;
   }
   std::vector<bool> mine = BeginAll(idx, posted);
+  __atomic_fetch_add(&header()->completed, 1, __ATOMIC_RELAXED);
   for (int32_t r = 0; r < n; ++r) {
     if (mine[size_t(r)]) {
       Deliver(r, idx[r], posted[r], 0, "", count, channels, result.data(),
@@ -605,6 +608,13 @@ int Segment::DeliverAll(const Key& key, int32_t code, const std::string& message
   }
   std::vector<bool> mine = BeginAll(idx, posted);
   int delivered = 0;
+  for (bool m : mine) {
+    if (m) {
+      __atomic_fetch_add(code == 0 ? &header()->completed : &header()->failed, 1,
+                         __ATOMIC_RELAXED);
+      break;
+    }
+  }
   for (int32_t r = 0; r < g_.ranks; ++r) {
     if (!mine[size_t(r)]) continue;
     Deliver(r, idx[size_t(r)], posted[size_t(r)], code, message, count, channels, d,

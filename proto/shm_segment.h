@@ -92,6 +92,9 @@ struct Header {
   uint32_t epoch;      // bumped on every change of dead or gone
   char dead_text[kTextBytes];
   uint32_t gone[kMaxRanks];  // per local rank: 0 here, 1 its stream broke, 2 it left
+  uint64_t completed;        // rounds answered through the segment (for Status)
+  uint64_t failed;
+  uint64_t posts[kMaxRanks];  // contributions posted per local rank (for Status)
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header too large");
 

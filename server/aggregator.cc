@@ -880,6 +880,7 @@ grpc::Status Aggregator::AnswerStatus(const v1::StatusRequest& req, v1::StatusRe
     v1::JobStatus* js = resp->add_jobs();
     job->FillStatus(js);
     js->set_node_transport(NodeTransport(job->id()));
+    if (shm_) shm_->AddCounts(job->id(), js);
   }
   return grpc::Status::OK;
 }
@@ -893,6 +894,7 @@ void Aggregator::FillStatus(const std::string& job_id, v1::StatusResponse* resp)
       v1::JobStatus* js = resp->add_jobs();
       job->FillStatus(js);
       js->set_node_transport(NodeTransport(job->id()));
+      if (shm_) shm_->AddCounts(job->id(), js);
     }
   }
 }

@@ -527,6 +527,23 @@ void ShmTransport::ParentLost(const absl::Status& status) {
   }
 }
 
+void ShmTransport::AddCounts(const std::string& job_id, v1::JobStatus* status) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end() || !it->second.segment) return;
+  // Written by the job's workers: shown, never trusted for anything else.
+  const shm::Header* h = it->second.segment->header();
+  const int64_t done = int64_t(__atomic_load_n(&h->completed, __ATOMIC_RELAXED) & (~0ull >> 2));
+  const int64_t failed = int64_t(__atomic_load_n(&h->failed, __ATOMIC_RELAXED) & (~0ull >> 2));
+  status->set_rounds_completed(status->rounds_completed() + done);
+  status->set_rounds_failed(status->rounds_failed() + failed);
+  for (v1::MemberStatus& m : *status->mutable_members()) {
+    if (m.index() < 0 || m.index() >= it->second.segment->geometry().ranks) continue;
+    const uint64_t posts = __atomic_load_n(&h->posts[m.index()], __ATOMIC_RELAXED);
+    m.set_contributions(m.contributions() + int64_t(posts & (~0ull >> 2)));
+  }
+}
+
 std::string ShmTransport::Describe(const std::string& job_id) const {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);

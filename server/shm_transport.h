@@ -85,6 +85,8 @@ class ShmTransport {
   void ParentLost(const absl::Status& status);
   // "shm", "grpc: <why>", "pending", or "" for a job this transport does not know.
   std::string Describe(const std::string& job_id) const;
+  // Adds the rounds answered through the job's segment to its Status counters.
+  void AddCounts(const std::string& job_id, v1::JobStatus* status) const;
 
  private:
   enum class Decision { kPending, kShm, kGrpc };
