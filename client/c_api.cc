@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -246,6 +247,7 @@ hsbn_result hsbn_client_stats(const hsbn_client* client, hsbn_stats* out) {
   full.bytes_sent = s.bytes_sent;
   full.bytes_received = s.bytes_received;
   full.elapsed_seconds = s.elapsed_seconds;
+  std::snprintf(full.transport, sizeof full.transport, "%s", s.transport.c_str());
   const size_t n = std::min(out->struct_size, sizeof full);
   full.struct_size = n;
   std::memcpy(out, &full, n);

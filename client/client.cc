@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -20,6 +21,7 @@
 #include "hsbn/status.h"
 #include "hsbn/v1/hsbn.grpc.pb.h"
 #include "result.h"
+#include "shm_channel.h"
 #include "wire.h"
 
 namespace hsbn {
@@ -147,6 +149,7 @@ absl::StatusOr<ClientOptions> ClientOptions::FromEnv() {
   o.group_nodes = int32_t(v);
   if (absl::Status s = AutoPolicyFromEnv(&o.auto_policy); !s.ok()) return s;
   if (absl::Status s = IncarnationFromEnv(&o.incarnation); !s.ok()) return s;
+  if (const char* t = std::getenv("HSBN_TRANSPORT"); t != nullptr) o.transport = t;
   if (absl::Status s = o.Validate(); !s.ok()) return s;
   return o;
 }
@@ -188,6 +191,11 @@ absl::Status ClientOptions::Validate() const {
         " ms; it must be within [0, ", client_internal::kMaxWaitMs, "]"));
   }
   if (absl::Status s = auto_policy.Validate(); !s.ok()) return s;
+  if (!transport.empty() && transport != "auto" && transport != "grpc") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "transport (HSBN_TRANSPORT) is '", wire::Printable(transport, 64),
+        "'; expected auto (shared memory where the node can use it) or grpc"));
+  }
   return wire::CheckWorkerLayout(rank, world_size, local_rank, local_world_size, node_rank,
                                  /*max_world_size=*/0, group_nodes);
 }
@@ -265,7 +273,15 @@ class PendingRound {
   Scope scope = Scope::kNode;  // the scope sent (what auto scope chose)
   bool decide = false;         // auto scope's decision round
   int64_t channels = 0;
-  std::shared_ptr<ClientConn> conn;  // the stream it was sent on
+  std::shared_ptr<ClientConn> conn;  // the stream it was sent on (gRPC rounds)
+  // Shared-memory rounds: the channel and the slot it was posted in (conn is null).
+  std::shared_ptr<client_internal::ShmChannel> shm;
+  client_internal::ShmRound shm_round;
+  bool shm_waited = false;  // a shared-memory round already waited for: its outcome
+  absl::Status shm_status;
+  // Started before the node's transport was decided: the inputs, sent at Wait.
+  std::vector<double> deferred;
+  int64_t deferred_count = 0;
   bool counted = false;  // in the client's stats already; touched only by its waiter
   // Guarded by Client::Impl::rounds_mu_ until done; after that, read only by its waiter.
   std::condition_variable cv;
@@ -292,6 +308,8 @@ class Client::Impl {
  public:
   using Conn = ClientConn;
   using Clock = std::chrono::steady_clock;
+  // How long a round's Start waits for the node's transport before leaving it to its Wait.
+  static constexpr std::chrono::milliseconds kDecisionWait{500};
 
   explicit Impl(ClientOptions options) : options_(std::move(options)) {
     grpc::ChannelArguments args;
@@ -362,6 +380,11 @@ class Client::Impl {
     }
     bool decide = false;
     v1::AutoDecide request;
+    // Group and auto-scope rounds take the stream even where the node has shared memory: the
+    // segment carries neither a group nor a decision, and an auto layer's shadow partials must
+    // reach the root ahead of its decision round, which one path keeps in order. Every rank
+    // of a layer asks for the same scope, so a round still never mixes transports.
+    const bool stream_only = scope == Scope::kAuto || scope == Scope::kGroup;
     if (scope == Scope::kAuto) {
       if (absl::Status s = ResolveAuto(op, seq, phase, &scope, &decide, &request); !s.ok()) {
         return s;
@@ -384,13 +407,61 @@ class Client::Impl {
     // previous write failed, or ours did), it is sent again once on a new stream.
     for (int attempt = 0;; ++attempt) {
       std::shared_ptr<Conn> conn;
+      std::shared_ptr<client_internal::ShmChannel> shm;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (!conn_ || conn_->broken) {
+        // A sidecar that closed the shared-memory socket is gone (restarted): rejoin, as for a
+        // broken stream, which nobody reads while rounds travel through shared memory.
+        if (!conn_ || conn_->broken || (shm_ && !shm_->Alive())) {
           if (absl::Status s = ConnectLocked(); !s.ok()) return s;
         }
         conn = conn_;
+        shm = shm_;
         c->set_session(session_);
+      }
+      if (shm != nullptr && !stream_only) {
+        if (!shm->decided()) {
+          // The sidecar answers once every local rank of the job presented its session. Wait
+          // briefly: when the other ranks are not there yet (they may be started by this very
+          // thread, as tests do), the round is sent at its Wait instead.
+          absl::Status s = shm->Await(std::min(deadline, Clock::now() + kDecisionWait));
+          if (s.code() == absl::StatusCode::kDeadlineExceeded) {
+            auto pending = std::make_shared<PendingRound>();
+            pending->op = op;
+            pending->seq = seq;
+            pending->phase = phase;
+            pending->scope = scope;
+            pending->channels = channels;
+            pending->shm = std::move(shm);
+            pending->deferred_count = count;
+            pending->deferred.assign(a, a + channels);
+            pending->deferred.insert(pending->deferred.end(), b, b + channels);
+            return pending;
+          }
+          if (!s.ok()) return s;
+          std::lock_guard<std::mutex> lock(mu_);
+          SetTransport(shm->note());
+          if (!shm->mapped() && shm_ == shm) shm_.reset();
+        }
+        // Every rank chooses by the channel count alone, so a round never mixes transports;
+        // one wider than the aggregator allows goes into the segment to fail there for all.
+        if (shm->mapped() && (channels <= shm->max_channels() ||
+                              (max_channels_ > 0 && channels > max_channels_))) {
+          auto r = shm->Start(shm::Key{op, seq, int32_t(phase)}, int32_t(scope), channels, count,
+                              a, b, deadline);
+          if (!r.ok()) return r.status();
+          bytes_sent_.fetch_add(wire::PayloadBytes(std::min<int64_t>(channels, shm->max_channels())),
+                                std::memory_order_relaxed);
+          auto pending = std::make_shared<PendingRound>();
+          pending->op = op;
+          pending->seq = seq;
+          pending->phase = phase;
+          pending->scope = scope;
+          pending->channels = channels;
+          pending->shm = std::move(shm);
+          pending->shm_round = *r;
+          return pending;
+        }
       }
       auto pending = std::make_shared<PendingRound>();
       pending->op = op;
@@ -519,6 +590,7 @@ class Client::Impl {
     out.bytes_sent = bytes_sent_.load(std::memory_order_relaxed);
     out.bytes_received = bytes_received_.load(std::memory_order_relaxed);
     out.elapsed_seconds = Seconds(now - stats_since_);
+    out.transport = transport_;
     return out;
   }
 
@@ -534,6 +606,52 @@ class Client::Impl {
 
   absl::Status WaitResult(PendingRound& p, int64_t* out_count, double* out_a, double* out_b) {
     const auto deadline = Clock::now() + RoundTimeout();
+    if (p.shm_waited) {
+      // Waited for before: its answer was taken then (a failed round fails again).
+      return p.shm_status.ok() ? absl::FailedPreconditionError("this round was already waited for")
+                               : p.shm_status;
+    }
+    if (p.shm && !p.deferred.empty()) {
+      // Started before the node's transport was decided: decide, then start it for real.
+      std::shared_ptr<client_internal::ShmChannel> shm = std::move(p.shm);
+      absl::Status s = shm->Await(deadline);
+      if (!s.ok()) {
+        p.shm_waited = true;
+        p.shm_status = s;
+        return s;
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        SetTransport(shm->note());
+        if (!shm->mapped() && shm_ == shm) shm_.reset();
+      }
+      std::vector<double> in = std::move(p.deferred);
+      const int64_t ch = p.channels;
+      auto q = Start(p.phase, p.op, p.seq, p.scope, ch, p.deferred_count, in.data(),
+                     in.data() + ch);
+      p.shm_waited = true;
+      if (!q.ok()) {
+        p.shm_status = q.status();
+        return q.status();
+      }
+      p.shm_status = WaitResult(**q, out_count, out_a, out_b);
+      return p.shm_status;
+    }
+    if (p.shm) {
+      absl::Status s = p.shm->Wait(p.shm_round, deadline, RoundTimeout(), out_count, out_a,
+                                   out_b);
+      if (s.ok()) {
+        bytes_received_.fetch_add(wire::PayloadBytes(p.channels), std::memory_order_relaxed);
+      }
+      if (s.code() == absl::StatusCode::kDeadlineExceeded && p.shm->Posted(p.shm_round)) {
+        return s;  // the caller's own timeout: as on the stream, it may wait again
+      }
+      p.shm.reset();
+      p.shm_waited = true;
+      p.shm_status = s;
+      return s;
+    }
+    if (!p.conn) return absl::FailedPreconditionError("this round was never sent");
     {
       std::unique_lock<std::mutex> lk(rounds_mu_);
       Conn& conn = *p.conn;
@@ -892,6 +1010,7 @@ class Client::Impl {
     req.set_strict_finite(options_.strict_finite);
     req.set_group_nodes(options_.group_nodes);
     req.set_incarnation(options_.incarnation);
+    req.set_shm_offer(OfferShm());
     v1::JoinResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(deadline + std::chrono::seconds(5));
@@ -936,13 +1055,60 @@ class Client::Impl {
                                                  " closed the stream at once"));
     }
     conn_ = std::move(conn);
+    // The node's transport: shared memory if the sidecar offers it and every local rank takes
+    // it (decided by the sidecar; awaited at the first round).
+    shm_.reset();
+    if (!OfferShm()) {
+      SetTransport("grpc: HSBN_TRANSPORT=grpc");
+    } else if (resp.shm_socket().empty()) {
+      SetTransport(resp.shm_note().empty()
+                       ? std::string("grpc: the sidecar does not offer shared memory")
+                       : wire::Printable(resp.shm_note(), 512));
+    } else {
+      client_internal::ShmConfig config;
+      config.socket = resp.shm_socket();
+      config.session = session_;
+      config.token = options_.token;
+      config.job_id = options_.job_id;
+      config.local_rank = options_.local_rank;
+      config.local_world_size = options_.local_world_size;
+      config.node_rank = options_.node_rank;
+      config.num_nodes = resp.num_nodes();
+      config.strict_finite = options_.strict_finite;
+      config.max_channels = resp.max_channels();
+      config.round_timeout = std::chrono::milliseconds(
+          std::clamp<int64_t>(resp.round_timeout_ms(), 1, client_internal::kMaxWaitMs));
+      auto opened = client_internal::ShmChannel::Open(std::move(config));
+      if (opened.ok()) {
+        shm_ = std::move(*opened);
+        SetTransport("pending");
+      } else {
+        // The sidecar falls back to gRPC for the whole node when this rank never shows up.
+        SetTransport(absl::StrCat("grpc: ", opened.status().message()));
+      }
+    }
     return absl::OkStatus();
+  }
+
+  bool OfferShm() const {
+    std::string t = options_.transport;
+    if (t.empty()) {
+      const char* env = std::getenv("HSBN_TRANSPORT");
+      t = env ? env : "auto";
+    }
+    return t != "grpc";
+  }
+
+  void SetTransport(const std::string& t) {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    transport_ = t;
   }
 
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Aggregator::Stub> stub_;
   std::mutex mu_;  // connection state; taken before rounds_mu_, never while holding it
   std::shared_ptr<Conn> conn_;
+  std::shared_ptr<client_internal::ShmChannel> shm_;  // null: rounds use the stream
   std::string session_;  // the 16-byte secret from Join; empty before the first
   uint64_t generation_ = 0;
   std::mutex rounds_mu_;  // pending_, the PendingRounds, the Conns' poll state
@@ -959,6 +1125,7 @@ class Client::Impl {
   mutable std::mutex stats_mu_;
   Counters counters_[ClientStats::kScopes][ClientStats::kPhases];
   Clock::time_point stats_since_ = Clock::now();
+  std::string transport_;  // guarded by stats_mu_
   std::atomic<int64_t> bytes_sent_{0};
   std::atomic<int64_t> bytes_received_{0};
 };

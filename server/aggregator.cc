@@ -522,6 +522,23 @@ void Aggregator::Start(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>>
     link.metrics = options_.metrics.get();
     parent_ = std::make_unique<ParentLink>(this, std::move(link), cqs_[0].get());
   }
+  if (options_.role == AggregatorOptions::Role::kNode && options_.shm &&
+      !options_.shm_socket.empty()) {
+    ShmOptions shm;
+    shm.socket = options_.shm_socket;
+    shm.socket_mode = options_.socket_mode;
+    shm.ring = options_.shm_ring;
+    shm.max_channels = std::min(options_.shm_max_channels, options_.limits.max_channels);
+    shm.wait = options_.shm_wait;
+    shm.has_parent = parent_ != nullptr;
+    shm.round_timeout = options_.limits.round_timeout;
+    shm_ = std::make_unique<ShmTransport>(std::move(shm), &registry_, this);
+    if (absl::Status s = shm_->Start(); !s.ok()) {
+      Log(LogLevel::kWarn, absl::StrCat("shared-memory node path off: ", s.message(),
+                                        "; node rounds use the gRPC stream"));
+      shm_.reset();
+    }
+  }
   ticker_ = std::thread([this] { TickLoop(); });
   for (size_t i = 0; i < cqs_.size(); ++i) {
     grpc::ServerCompletionQueue* cq = cqs_[i].get();
@@ -564,6 +581,7 @@ void Aggregator::Shutdown(const std::string& why) {
     stopping_ = true;
   }
   if (ticker_.joinable()) ticker_.join();
+  if (shm_) shm_->Shutdown(why);
   for (auto& job : registry_.Jobs()) {
     Actions actions;
     job->FailAll(absl::UnavailableError(absl::StrCat(
@@ -622,6 +640,7 @@ void Aggregator::TickLoop() {
                        d.expired ? "no member attached a stream within --attach-timeout-ms"
                                  : "every member left or lost its stream"));
       if (!options_.divergence_dir.empty()) SaveDivergence(*d.job);
+      if (shm_) shm_->DropJob(d.job->id());
       // The root holds the job while this node is a member of it: leave, so it can drop it too.
       if (parent_) parent_->Leave(d.job->id());
     }
@@ -743,11 +762,13 @@ void Aggregator::StreamClosed(const std::vector<SessionId>& sessions) {
     if (!registry_.Find(session, &ref)) continue;
     Actions actions;
     ref.job->MemberGone(ref.index, session, /*left=*/false, Clock::now(), &actions);
+    if (shm_) shm_->MemberGone(ref.job->id(), ref.index, /*left=*/false);
     Execute(actions, ref.job->id());
   }
 }
 
 void Aggregator::OnParentResult(const std::string& job_id, const v1::Result& result) {
+  if (shm_ && shm_->ParentResult(job_id, result)) return;
   std::shared_ptr<Job> job = registry_.FindJob(job_id);
   if (!job) return;
   Actions actions;
@@ -761,6 +782,7 @@ bool Aggregator::NodeDown(const std::string& job_id, std::string* message) {
 }
 
 void Aggregator::OnParentLost(const absl::Status& status) {
+  if (shm_) shm_->ParentLost(status);
   for (auto& job : registry_.Jobs()) {
     Actions actions;
     job->ParentLost(status, &actions);
@@ -770,6 +792,9 @@ void Aggregator::OnParentLost(const absl::Status& status) {
 
 grpc::Status Aggregator::Join(const v1::JoinRequest& req, v1::JoinResponse* resp) {
   Actions actions;
+  if (shm_ && req.kind() == v1::MEMBER_KIND_WORKER) {
+    if (absl::Status s = shm_->CheckJoin(req); !s.ok()) return wire::ToGrpc(s);
+  }
   absl::StatusOr<Registry::Joined> joined = registry_.Join(req, &actions);
   if (Metrics* m = options_.metrics.get()) m->JoinAnswered(joined.status().code());
   if (!joined.ok()) {
@@ -789,6 +814,12 @@ grpc::Status Aggregator::Join(const v1::JoinRequest& req, v1::JoinResponse* resp
   // The root holds the old run with this node's session in it: leave it, like a dropped job;
   // the new run's first forward joins the root again, with the new incarnation.
   if (joined->replaced && parent_) parent_->Leave(joined->replaced->id());
+  if (joined->replaced && shm_) {
+    shm_->DropJob(joined->replaced->id(),
+                  absl::StrCat("job '", joined->replaced->id(), "' was restarted: run ",
+                               req.incarnation(), " joined, so this round of run ",
+                               joined->replaced->layout().incarnation, " can never complete"));
+  }
   Log(LogLevel::kDebug, absl::StrCat("job '", req.job_id(), "': ",
                                      joined->job->MemberName(joined->index), " joined"));
   resp->set_session(joined->session.Bytes());
@@ -798,7 +829,40 @@ grpc::Status Aggregator::Join(const v1::JoinRequest& req, v1::JoinResponse* resp
   resp->set_round_timeout_ms(options_.limits.round_timeout.count());
   resp->set_aggregator_id(options_.id);
   resp->set_accepts_batches(true);
+  if (shm_ && req.kind() == v1::MEMBER_KIND_WORKER) {
+    shm_->Joined(req, joined->index, resp);
+  } else if (options_.role == AggregatorOptions::Role::kNode) {
+    resp->set_shm_note(options_.shm ? "grpc: the sidecar's shared-memory socket is not available"
+                                    : "grpc: the sidecar runs with --shm=off");
+  }
   return grpc::Status::OK;
+}
+
+std::string Aggregator::NodeTransport(const std::string& job_id) const {
+  if (options_.role != AggregatorOptions::Role::kNode) return "";
+  if (!shm_) {
+    return options_.shm ? "grpc: the sidecar's shared-memory socket is not available"
+                        : "grpc: the sidecar runs with --shm=off";
+  }
+  return shm_->Describe(job_id);
+}
+
+void Aggregator::ShmToParent(const std::string& job_id, const shm::Item& item) {
+  std::shared_ptr<Job> job = registry_.FindJob(job_id);
+  if (!job || !parent_) return;
+  const RoundKey key{item.key.op, item.key.seq, v1::Phase(item.key.phase)};
+  std::shared_ptr<const std::string> token = job->token();
+  if (item.kind == shm::kPartial) {
+    auto data = std::make_shared<std::string>();
+    wire::PackPayload(item.data.data(), item.data.data() + item.channels, item.channels,
+                      data.get());
+    parent_->Forward(job_id, job->layout(), token,
+                     Actions::Forward{key, v1::Scope(item.scope), uint32_t(item.channels),
+                                      item.count, std::move(data), /*decide=*/nullptr});
+  } else {
+    parent_->Abort(job_id, job->layout(), token,
+                   Actions::Abort{key, wire::StatusFromCode(item.code, item.message)});
+  }
 }
 
 grpc::Status Aggregator::Leave(const v1::LeaveRequest& req) {
@@ -808,9 +872,12 @@ grpc::Status Aggregator::Leave(const v1::LeaveRequest& req) {
   }
   Actions actions;
   std::string job_id;
+  Registry::SessionRef ref;
+  const bool known = shm_ && registry_.Find(session, &ref);
   if (absl::Status s = registry_.Leave(session, &actions, &job_id); !s.ok()) {
     return wire::ToGrpc(s);
   }
+  if (known) shm_->MemberGone(job_id, ref.index, /*left=*/true);
   Execute(actions, job_id);
   return grpc::Status::OK;
 }
@@ -821,7 +888,12 @@ grpc::Status Aggregator::AnswerStatus(const v1::StatusRequest& req, v1::StatusRe
   resp->set_aggregator_id(options_.id);
   resp->set_role(options_.role == AggregatorOptions::Role::kRoot ? "root" : "node");
   resp->set_uptime_s(std::chrono::duration<double>(Clock::now() - started_).count());
-  for (auto& job : *jobs) job->FillStatus(resp->add_jobs());
+  for (auto& job : *jobs) {
+    v1::JobStatus* js = resp->add_jobs();
+    job->FillStatus(js);
+    js->set_node_transport(NodeTransport(job->id()));
+    if (shm_) shm_->AddCounts(job->id(), js);
+  }
   return grpc::Status::OK;
 }
 
@@ -830,7 +902,12 @@ void Aggregator::FillStatus(const std::string& job_id, v1::StatusResponse* resp)
   resp->set_role(options_.role == AggregatorOptions::Role::kRoot ? "root" : "node");
   resp->set_uptime_s(std::chrono::duration<double>(Clock::now() - started_).count());
   for (auto& job : registry_.Jobs()) {
-    if (job_id.empty() || job->id() == job_id) job->FillStatus(resp->add_jobs());
+    if (job_id.empty() || job->id() == job_id) {
+      v1::JobStatus* js = resp->add_jobs();
+      job->FillStatus(js);
+      js->set_node_transport(NodeTransport(job->id()));
+      if (shm_) shm_->AddCounts(job->id(), js);
+    }
   }
 }
 

@@ -39,6 +39,7 @@
 #include "metrics.h"
 #include "parent_link.h"
 #include "registry.h"
+#include "shm_transport.h"
 #include "stream_writer.h"
 #include "tokens.h"
 
@@ -74,9 +75,17 @@ struct AggregatorOptions {
   std::chrono::milliseconds attach_timeout{60000};  // --attach-timeout-ms: joined, never attached
   int64_t max_unbound_bytes = int64_t(1) << 20;    // --max-unbound-bytes: sent before any Attach
   std::string divergence_dir;  // --divergence-dir: where a finished job's shadow record goes
+  // Node role: the shared-memory node path (shm_transport.h). --shm=off disables it; the socket
+  // where workers fetch segments is derived from --listen by main.
+  bool shm = true;
+  std::string shm_socket;
+  mode_t socket_mode = 0660;
+  int32_t shm_ring = 16;                           // --shm-ring
+  int32_t shm_max_channels = 8192;                 // --shm-max-channels
+  std::chrono::milliseconds shm_wait{30000};       // --shm-wait-ms
 };
 
-class Aggregator final : public UpstreamListener {
+class Aggregator final : public UpstreamListener, public ShmListener {
  public:
   explicit Aggregator(AggregatorOptions options);
   ~Aggregator() override;
@@ -117,6 +126,8 @@ class Aggregator final : public UpstreamListener {
   void OnParentResult(const std::string& job_id, const v1::Result& result) override;
   void OnParentLost(const absl::Status& status) override;
   bool NodeDown(const std::string& job_id, std::string* message) override;
+  // ShmListener (called by the shared-memory transport's thread).
+  void ShmToParent(const std::string& job_id, const shm::Item& item) override;
 
   // The unary methods, run on the event thread.
   grpc::Status Join(const v1::JoinRequest& req, v1::JoinResponse* resp);
@@ -150,6 +161,9 @@ class Aggregator final : public UpstreamListener {
   Registry registry_;
   WriterLimits writer_limits_;
   std::unique_ptr<ParentLink> parent_;
+  std::unique_ptr<ShmTransport> shm_;  // node role with --shm=on; null otherwise
+  // "shm", "grpc: <why>" or "pending": how the node's rounds of `job_id` travel (Status).
+  std::string NodeTransport(const std::string& job_id) const;
 
   absl::Mutex tick_mu_;
   bool stopping_ ABSL_GUARDED_BY(tick_mu_) = false;

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "hsbn/moments.h"
+#include "round_merge.h"
 #include "wire.h"
 
 namespace hsbn::server {
@@ -624,18 +625,18 @@ void Job::CompleteLocked(Round& round, Actions* out) {
       return;
     }
   }
-  count = 0;
-  // Fixed order: member index lo, lo + 1, ... — the same bits for every member and every rerun.
-  for (auto slot = first; slot != last; ++slot) {
-    wire::UnpackPayload(slot->data, channels, sa, sb);
-    if (round.key.phase == v1::PHASE_FORWARD) {
-      count = MergeChannelMoments(count, a, b, slot->count, sa, sb, channels);
-    } else {
-      AddChannelSums(a, sa, channels);
-      AddChannelSums(b, sb, channels);
-      count += slot->count;
-    }
-  }
+  // Fixed order: member index lo, lo + 1, ... — the same bits for every member and every rerun,
+  // and the same reduction as the shared-memory node path (round_merge.h).
+  count = wire::ReduceInOrder(
+      round.key.phase == v1::PHASE_FORWARD, channels, int(round.hi - round.lo),
+      [&](int i, const double** ai, const double** bi) {
+        const Slot& slot = round.slots[size_t(round.lo + i)];
+        wire::UnpackPayload(slot.data, channels, sa, sb);
+        *ai = sa;
+        *bi = sb;
+        return slot.count;
+      },
+      a, b);
   auto result = std::make_shared<v1::Result>();
   result->set_op(round.key.op);
   result->set_seq(round.key.seq);

@@ -230,6 +230,7 @@ struct Settings {
   bool allow_insecure_token_file = false;
   int event_threads = 1;
   mode_t socket_mode = 0660;
+  std::string shm = "on";
   int64_t metrics_max_jobs = int64_t(hsbn::server::Metrics::kDefaultMaxJobLabels);
   int log_lines_per_second = hsbn::server::kDefaultLogLinesPerSecond;
 };
@@ -288,6 +289,21 @@ void AddFlags(FlagTable& f, Settings* s, AggregatorOptions* o) {
   f.Text("divergence-dir", "DIR", &o->divergence_dir,
          "Root role: when a job ends, write its shadow-mode divergence record (per layer op and "
          "node) to DIR/JOB.divergence.json, so it outlives the job. Default: off.");
+
+  f.group("Shared-memory node path (node role; docs/PROTOCOL.md)");
+  f.Choice("shm", "", {"on", "off"}, &s->shm,
+           "on: a job's node rounds travel through a per-job shared-memory segment when every "
+           "local rank offers it (the trainers fetch it on the socket --listen's path + \".shm\", "
+           "or an abstract socket for a TCP --listen); off: always the gRPC stream. Default on.");
+  f.Int("shm-max-channels", &o->shm_max_channels, 1, 1 << 20,
+        "Largest round (BN channels) that travels through shared memory; larger rounds use the "
+        "gRPC stream. Sets the segment size: at 8 local ranks and the default ring, 8192 "
+        "channels make a 21 MiB segment.");
+  f.Int("shm-ring", &o->shm_ring, 1, 256,
+        "Rounds in flight per worker in the segment; a worker with more waits for a slot.");
+  f.Millis("shm-wait-ms", &o->shm_wait, kInt32Max,
+           "How long the sidecar waits for every local rank of a job to fetch the segment before "
+           "the node falls back to the gRPC stream.");
 
   f.group("Metrics");
   f.Text("metrics-listen", "HOST:PORT", &s->metrics_listen,
@@ -449,6 +465,8 @@ int main(int argc, char** argv) {
   hsbn::server::SetLogName(options.id);
   hsbn::server::SetLogRateLimit(settings.log_lines_per_second);
 
+  options.socket_mode = socket_mode;
+  options.shm = settings.shm == "on";
   const std::string default_listen =
       options.role == AggregatorOptions::Role::kRoot ? "0.0.0.0:7070" : "unix:/tmp/hsbn.sock";
   const std::string listen_flag = app.count("--listen") == 0 ? default_listen : settings.listen;
@@ -456,6 +474,18 @@ int main(int argc, char** argv) {
   if (listen.empty()) {
     std::cerr << "hsbn-aggregator: --listen names no address\n";
     return 2;
+  }
+  // The shared-memory hand-off socket: next to the first Unix socket (same directory, same
+  // mode), or an abstract one (named at random) when the sidecar listens on TCP only.
+  for (const auto& l : listen) {
+    if (l.rfind("unix:", 0) == 0) {
+      options.shm_socket = l.substr(5) + ".shm";
+      break;
+    }
+  }
+  if (options.shm_socket.empty()) {
+    const hsbn::server::SessionId r = hsbn::server::SessionId::Random();
+    options.shm_socket = absl::StrCat("@hsbn-shm-", getpid(), "-", absl::Hex(r.hi));
   }
 
   // TLS on the TCP listeners.

@@ -425,7 +425,11 @@ class Bench:
             addrs.append(launch.server(cmd, "node%d" % n, ready)[0])
         return addrs
 
-    def hsbn(self, workers, nodes, resnet):
+    def hsbn(self, workers, nodes, resnet, impl="hsbn"):
+        """impl "hsbn": the node path through shared memory (the default where the node can use
+        it); "hsbn-grpc": the same workers with HSBN_TRANSPORT=grpc (the Exchange stream)."""
+        env = {"HSBN_TRANSPORT": "grpc"} if impl == "hsbn-grpc" else {"HSBN_TRANSPORT": "auto"}
+
         def body(launch, d):
             addrs = self.start_hsbn_topology(launch, d, nodes)
             scopes = "node,global" if nodes > 1 else "node"
@@ -441,10 +445,10 @@ class Bench:
                                "--node-rank=%d" % (r // local), "--out=" + out]
                               + self.plan_flags(self.p["channels"], resnet, "fwd,bwd", scopes,
                                                 est_key="hsbn-%d" % nodes, workers=workers),
-                              "worker%d" % r)
+                              "worker%d" % r, env=env)
             return files
-        return self.measure("hsbn", "unix" if nodes == 1 else "unix+tcp", workers, nodes, body,
-                            est_key="hsbn-%d" % nodes)
+        transport = ("shm" if impl == "hsbn" else "unix") + ("" if nodes == 1 else "+tcp")
+        return self.measure(impl, transport, workers, nodes, body, est_key="hsbn-%d" % nodes)
 
     def hsbn_load(self, role):
         """Aggregator throughput: many concurrent jobs against one sidecar (node scope) or, through
@@ -615,6 +619,34 @@ def goals(rows):
     else:
         g.append(dict(goal="ResNet-50 step below torch gloo and Gloo default", measured="not measured",
                       met=False))
+    # Issue 13 (the shared-memory node path): node p50 at 2 and 4 workers vs Open MPI's shm
+    # MPI_Allreduce; ResNet-50 node-scope step vs the gRPC path; global excess over node in
+    # sidecar-root round trips (goal 2 above measures the bound).
+    for w in (2, 4):
+        h = find(rows, impl="hsbn", kind="lat", nodes=1, workers=w, channels=256, scope="node",
+                 phase="fwd")
+        hg_ = find(rows, impl="hsbn-grpc", kind="lat", nodes=1, workers=w, channels=256,
+                   scope="node", phase="fwd")
+        m = find(rows, impl="mpi-shm", kind="lat", workers=w, channels=256)
+        if h and m:
+            g.append(dict(goal="shm node p50 (%d workers, C=256) <= Open MPI shm Allreduce" % w,
+                          measured="%.1f us vs MPI %.1f us (%.2fx); gRPC path %s us"
+                          % (h["p50_us"], m["p50_us"], h["p50_us"] / m["p50_us"],
+                             fmt(hg_ and hg_["p50_us"], 1)),
+                          met=h["p50_us"] <= m["p50_us"]))
+        else:
+            g.append(dict(goal="shm node p50 (%d workers) <= Open MPI shm" % w,
+                          measured="not measured", met=False))
+    hs_ = [r for r in rows if r["impl"] == "hsbn" and r["kind"] == "step" and r["nodes"] == 1]
+    for st in hs_:
+        sg = find(rows, impl="hsbn-grpc", kind="step", nodes=1, workers=st["workers"],
+                  scope=st["scope"])
+        if sg:
+            g.append(dict(goal="ResNet-50 node-scope step (%d workers): shm >= 5x below gRPC path"
+                          % st["workers"],
+                          measured="p50 %.1f ms vs gRPC %.1f ms (%.1fx)"
+                          % (st["p50_ms"], sg["p50_ms"], sg["p50_ms"] / st["p50_ms"]),
+                          met=sg["p50_ms"] >= 5 * st["p50_ms"]))
     # 5. Root: node partials per CPU-second.
     ld = find(rows, kind="load", role="root")
     if ld:
@@ -871,10 +903,11 @@ def main():
     for w in worker_counts:
         resnet = w in p["resnet_workers"]
         print("workers=%d" % w, file=sys.stderr)
-        if w > 1 and have_hsbn and want("hsbn"):
-            bench.hsbn(w, 1, resnet)
-            if w % 2 == 0:
-                bench.hsbn(w, 2, resnet)
+        for impl in ("hsbn", "hsbn-grpc"):
+            if w > 1 and have_hsbn and (only is None or impl in only):
+                bench.hsbn(w, 1, resnet, impl)
+                if w % 2 == 0:
+                    bench.hsbn(w, 2, resnet, impl)
         for exe, fam in (("bench_raw_star", "raw"), ("bench_grpc_star", "grpc")):
             for tr in ("unix", "tcp"):
                 if want("%s-%s" % (fam, tr)) and bench.have(exe):

@@ -169,7 +169,7 @@ TEST(ClientConcurrency, CApiRoundsStartedOnOneThreadAndWaitedOnOthers) {
           int64_t count = 0;
           hsbn_result r = hsbn_round_wait(item.round, &count, mean, m2);
           std::string err = r == HSBN_OK ? CheckMerged(7, item.seq, count, mean)
-                                         : absl::StrCat("seq ", item.seq, ": ", r);
+                                         : absl::StrCat("seq ", item.seq, ": ", r, " ", hsbn_last_error());
           if (err.empty()) {
             ++ok_rounds;
           } else {

@@ -177,3 +177,32 @@ def test_stats_from_a_converted_model(cluster):
             local = hsbn.torch.convert_sync_batchnorm(build(), scope="local")
             assert hsbn.torch.model_client(local) is None
             assert hsbn.torch.stats(local) == hsbn.ClientStats.empty()
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_stats_say_how_the_nodes_rounds_travel(transport, monkeypatch):
+    # Shared memory where the node can use it (every local rank offers it), else the stream,
+    # with the same results either way. The library reads HSBN_TRANSPORT from the process.
+    monkeypatch.setenv("HSBN_TRANSPORT", transport)
+    with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=2) as c:
+        envs = [c.worker_env(r, job_id="transport-" + transport) for r in range(2)]
+        clients = [hsbn.Client.from_env(e) for e in envs]
+        try:
+            out = [None, None]
+
+            def work(r):
+                mean = np.array([1.0 + r, 2.0, 3.0])
+                out[r] = clients[r].forward(0, 0, "node", 4, mean, np.array([0.5, 0.5, 0.5]))
+            _in_threads([lambda: work(0), lambda: work(1)])
+            for r in range(2):
+                s = clients[r].stats()
+                want = "shm" if transport == "auto" else "grpc: HSBN_TRANSPORT=grpc"
+                assert s.transport == want, s.transport
+                assert s.as_dict()["transport"] == want
+                assert s.get("node", "forward").completed == 1
+            assert out[0][0] == 8
+            assert np.array_equal(out[0][1], out[1][1])
+            assert out[0][1][0] == 1.5
+        finally:
+            for cl in clients:
+                cl.close()

@@ -92,6 +92,10 @@ struct ClientOptions {
   // or a merge that overflows, fails the round naming the member. Off: non-finite values
   // propagate to every member by IEEE arithmetic, as in torch's SyncBatchNorm.
   bool strict_finite = false;
+  // How this worker's node rounds travel: "auto" (shared memory when the sidecar and every
+  // local rank can use it, else the gRPC stream), "grpc" (never shared memory), or empty: from
+  // HSBN_TRANSPORT, else "auto". Every local rank of a node ends up on the same transport.
+  std::string transport;
   // Nodes per group for Scope::kGroup (HSBN_GROUP_NODES); 0: the job has no groups. Must divide
   // the number of nodes; every process of a job must agree.
   int32_t group_nodes = 0;
@@ -105,8 +109,9 @@ struct ClientOptions {
 
   // From torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK and HSBN_JOB_ID
   // (or TORCHELASTIC_RUN_ID), HSBN_ADDRESS, HSBN_ROUND_TIMEOUT_MS, HSBN_CONNECT_TIMEOUT_MS,
-  // HSBN_TOKEN or HSBN_TOKEN_FILE, HSBN_STRICT_FINITE (1/0), HSBN_GROUP_NODES and the
-  // HSBN_AUTO_* variables above.
+  // HSBN_TOKEN or HSBN_TOKEN_FILE, HSBN_STRICT_FINITE (1/0), HSBN_GROUP_NODES, the
+  // HSBN_AUTO_* variables above, HSBN_INCARNATION (or TORCHELASTIC_RESTART_COUNT) and
+  // HSBN_TRANSPORT (auto/grpc).
   static absl::StatusOr<ClientOptions> FromEnv();
   // Checks the layout for consistency (the errors name the variable to fix).
   absl::Status Validate() const;
@@ -141,10 +146,15 @@ struct ClientStats {
   static constexpr int kPhases = 2;  // forward, backward
   RoundStats rounds[kScopes][kPhases];  // [int(scope) - 1][int(phase) - 1]
   // Serialized protobuf bytes of the frames written to and read from the round streams
-  // (contributions, results; gRPC and HTTP/2 framing not included).
+  // (contributions, results; gRPC and HTTP/2 framing not included), plus the statistics bytes
+  // (16 per channel) of rounds through the node's shared memory, each way.
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
   double elapsed_seconds = 0;  // wall time since Connect or the last ResetStats
+  // How the node's rounds travel now: "shm", "grpc: <why>" (the sidecar's or this client's
+  // reason), or "pending" until the sidecar has heard from every local rank. Rounds wider than
+  // the segment's channel cap take the gRPC stream either way.
+  std::string transport;
 
   const RoundStats& of(Scope scope, Phase phase) const {
     return rounds[int(scope) - 1][int(phase) - 1];

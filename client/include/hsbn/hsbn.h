@@ -122,6 +122,9 @@ typedef struct hsbn_stats {
   double elapsed_seconds;         /* wall time since creation or the last reset */
   hsbn_round_stats group_rounds[2];  /* HSBN_SCOPE_GROUP's, [phase - 1] (auto-scope rounds
                                         count under the scope they were sent with) */
+  /* Added after group_rounds: how the node's rounds travel, NUL-terminated: "shm",
+   * "grpc: <why>" or "pending" (until the sidecar heard from every local rank); cut to fit. */
+  char transport[256];
 } hsbn_stats;
 
 /* Name of a result code ("INVALID_ARGUMENT"); never NULL. */

@@ -208,6 +208,7 @@ class CStats(ctypes.Structure):
         ("bytes_received", ctypes.c_int64),
         ("elapsed_seconds", ctypes.c_double),
         ("group_rounds", CRoundStats * 2),
+        ("transport", ctypes.c_char * 256),
     ]
 
 

@@ -128,11 +128,14 @@ class ClientStats:
     bytes_sent, bytes_received: serialized bytes of the frames written to and read from the
       round stream (contributions and results; gRPC/HTTP/2 framing not included).
     elapsed_seconds: wall time since the client connected or its last reset_stats().
+    transport: how the node's rounds travel: "shm" (the node's shared-memory segment),
+      "grpc: <why>", or "pending" until the sidecar has heard from every local rank.
     """
     rounds: dict
     bytes_sent: int = 0
     bytes_received: int = 0
     elapsed_seconds: float = 0.0
+    transport: str = ""
 
     def get(self, scope=None, phase=None):
         """RoundStats of one scope and phase; None sums over all scopes (or phases)."""
@@ -159,7 +162,7 @@ class ClientStats:
         for (s, p), r in self.rounds.items():
             out.setdefault(s, {})[p] = dataclasses.asdict(r)
         out.update(bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
-                   elapsed_seconds=self.elapsed_seconds)
+                   elapsed_seconds=self.elapsed_seconds, transport=self.transport)
         return out
 
     @classmethod
@@ -367,8 +370,11 @@ class Client:
                 rounds[(scope, phase)] = RoundStats(int(r.completed), int(r.failed),
                                                     float(r.blocked_seconds),
                                                     float(r.max_blocked_seconds))
+        transport = ""
+        if raw.struct_size >= _lib.CStats.transport.offset + _lib.CStats.transport.size:
+            transport = raw.transport.decode("utf-8", "replace")
         return ClientStats(rounds, int(raw.bytes_sent), int(raw.bytes_received),
-                           float(raw.elapsed_seconds))
+                           float(raw.elapsed_seconds), transport)
 
     # --- auto scope ----------------------------------------------------------------------------
 

@@ -1,0 +1,415 @@
+#include "shm_channel.h"
+
+#include <poll.h>
+#include <sched.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "hsbn/v1/hsbn.pb.h"
+#include "wire.h"
+
+namespace hsbn::client_internal {
+
+namespace {
+
+constexpr char kHelloMagic[8] = {'H', 'S', 'B', 'N', 'S', 'H', 'M', '1'};
+constexpr auto kSlice = std::chrono::milliseconds(200);
+
+uint64_t RoundId(int32_t slot, uint32_t posted) { return (uint64_t(uint32_t(slot)) << 32) | posted; }
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<ShmChannel>> ShmChannel::Open(ShmConfig config) {
+  auto ch = std::shared_ptr<ShmChannel>(new ShmChannel(std::move(config)));
+  const std::string& name = ch->config_.socket;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (name.empty() || name.size() >= sizeof(addr.sun_path)) {
+    return absl::UnavailableError(absl::StrCat("bad shared-memory socket name '", name, "'"));
+  }
+  socklen_t len = sizeof(addr);
+  if (name[0] == '@') {
+    std::memcpy(addr.sun_path + 1, name.data() + 1, name.size() - 1);
+    len = socklen_t(offsetof(sockaddr_un, sun_path) + name.size());
+  } else {
+    std::memcpy(addr.sun_path, name.data(), name.size());
+  }
+  ch->sock_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (ch->sock_ < 0 || connect(ch->sock_, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot connect to the sidecar's shared-memory "
+                                               "socket ", name, ": ", std::strerror(errno)));
+  }
+  std::string hello(kHelloMagic, sizeof kHelloMagic);
+  hello += ch->config_.session;
+  hello += ch->config_.token.substr(0, 4096);
+  if (send(ch->sock_, hello.data(), hello.size(), MSG_NOSIGNAL) != ssize_t(hello.size())) {
+    return absl::UnavailableError(absl::StrCat("cannot send to the sidecar's shared-memory "
+                                               "socket ", name, ": ", std::strerror(errno)));
+  }
+  return ch;
+}
+
+ShmChannel::~ShmChannel() {
+  segment_.reset();
+  if (doorbell_ >= 0) close(doorbell_);
+  if (sock_ >= 0) close(sock_);
+}
+
+absl::Status ShmChannel::Await(Clock::time_point deadline) {
+  std::lock_guard<std::mutex> lock(await_mu_);
+  if (decided()) return absl::OkStatus();
+  const auto now = Clock::now();
+  const int ms = deadline <= now ? 0
+                                 : int(std::min<int64_t>(
+                                       std::chrono::duration_cast<std::chrono::milliseconds>(
+                                           deadline - now).count() + 1, 1 << 30));
+  pollfd p{sock_, POLLIN, 0};
+  const int ready = poll(&p, 1, ms);
+  if (ready == 0) {
+    return absl::DeadlineExceededError(
+        "the sidecar has not decided this node's transport yet: it waits for every local rank "
+        "of the job to join (--shm-wait-ms)");
+  }
+  char text[1024];
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+  iovec iov{text, sizeof text - 1};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  const ssize_t got = recvmsg(sock_, &msg, MSG_CMSG_CLOEXEC);
+  std::vector<int> fds;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < n; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+        fds.push_back(fd);
+      }
+    }
+  }
+  auto close_fds = [&] {
+    for (int fd : fds) close(fd);
+  };
+  if (got <= 0) {
+    close_fds();
+    return absl::UnavailableError(
+        "the sidecar closed its shared-memory socket before answering (it restarted or shut "
+        "down); the next call rejoins");
+  }
+  const std::string answer(text, size_t(got));
+  if (answer == "shm" && fds.size() == 2) {
+    auto seg = shm::Segment::Map(fds[0], config_.local_world_size);
+    close(fds[0]);
+    if (!seg.ok()) {
+      close(fds[1]);
+      // The other ranks use the segment: this rank must not fall back on its own.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot map the node's shared-memory segment: ", seg.status().message(),
+          "; the node's other ranks use it, so this rank cannot run (set HSBN_TRANSPORT=grpc on "
+          "every worker of the node)"));
+    }
+    if ((*seg)->header()->dead != 0) {
+      close(fds[1]);
+      return absl::UnavailableError(
+          "the node's sidecar invalidated its shared-memory segment (it restarted or shut "
+          "down); the next call rejoins");
+    }
+    segment_ = std::move(*seg);
+    doorbell_ = fds[1];
+    busy_.assign(size_t(segment_->geometry().ring), false);
+    if (config_.local_world_size > int32_t(std::thread::hardware_concurrency())) {
+      max_spin_ns_ = 5000;  // waiters without cores of their own: spinning delays the last rank
+      spin_ns_ = 2000;
+    }
+    note_ = "shm";
+    decided_.store(true, std::memory_order_release);
+    return absl::OkStatus();
+  }
+  close_fds();
+  if (answer.rfind("grpc: ", 0) == 0) {
+    note_ = wire::Printable(answer, 512);
+    decided_.store(true, std::memory_order_release);
+    return absl::OkStatus();
+  }
+  return absl::UnavailableError(absl::StrCat("the sidecar refused the shared-memory hand-off: ",
+                                             wire::Printable(answer, 512)));
+}
+
+bool ShmChannel::Alive() const {
+  if (segment_ && __atomic_load_n(&segment_->header()->dead, __ATOMIC_ACQUIRE) != 0) return false;
+  pollfd p{sock_, POLLIN | POLLRDHUP, 0};
+  if (poll(&p, 1, 0) == 0) return true;
+  if (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) return false;
+  // Before the answer, data is the answer; after it the sidecar sends nothing more.
+  return !decided();
+}
+
+shm::ReduceOptions ShmChannel::Reduce() const {
+  shm::ReduceOptions o;
+  o.node_rank = config_.node_rank;
+  o.num_nodes = config_.num_nodes;
+  o.strict_finite = config_.strict_finite;
+  o.doorbell = doorbell_;
+  o.job_id = config_.job_id;
+  o.max_channels_limit = config_.max_channels;
+  return o;
+}
+
+void ShmChannel::HarvestLocked() {
+  const int32_t rank = config_.local_rank;
+  const Clock::time_point now = Clock::now();
+  for (int32_t i = 0; i < segment_->geometry().ring; ++i) {
+    if (!busy_[size_t(i)]) continue;
+    const uint32_t w = segment_->State(rank, i);
+    if (auto a = abandoned_.find(i); a != abandoned_.end()) {
+      // Nobody waits for it: free it once answered, or at the aggregator's deadline.
+      absl::Status ignored_status;
+      int64_t ignored_count;
+      std::vector<double> ignored_data;
+      const uint32_t posted = a->second.posted;
+      if (segment_->Take(rank, i, posted, 0, &ignored_status, &ignored_count, &ignored_data) ||
+          (now >= a->second.deadline && segment_->Withdraw(rank, i, posted)) ||
+          (w != posted && (w & 0xffu) != shm::kWriting &&
+           w != ((posted & ~0xffu) | shm::kDone))) {
+        busy_[size_t(i)] = false;
+        abandoned_.erase(a);
+      }
+      continue;
+    }
+    if ((w & 0xffu) != shm::kDone) continue;
+    const uint32_t posted = (w & ~0xffu) | shm::kPosted;
+    Stashed s;
+    s.posted = posted;
+    // The stash keeps the raw payload; Wait checks it against the round's channels.
+    int64_t channels = int64_t(__atomic_load_n(&segment_->slot(rank, i)->channels, __ATOMIC_RELAXED));
+    channels = std::clamp<int64_t>(channels, 0, segment_->geometry().max_channels);
+    if (!segment_->Take(rank, i, posted, channels, &s.status, &s.count, &s.data)) continue;
+    busy_[size_t(i)] = false;
+    stash_[RoundId(i, posted)] = std::move(s);
+  }
+}
+
+absl::StatusOr<ShmRound> ShmChannel::Start(const shm::Key& key, int32_t scope, int64_t channels,
+                                           int64_t count, const double* a, const double* b,
+                                           Clock::time_point deadline) {
+  const std::string round = wire::RoundName(key.op, key.seq, v1::Phase(key.phase));
+  const shm::ReduceOptions opts = Reduce();
+  if (absl::Status s = segment_->Blocked(&key, opts); !s.ok()) return s;
+  if (scope != v1::SCOPE_NODE && config_.num_nodes > 1 && segment_->header()->has_parent == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", config_.node_rank * config_.local_world_size + config_.local_rank, " asked for ",
+        wire::ScopeName(v1::Scope(scope)), " scope in round ", round, ", but job '",
+        config_.job_id, "' spans ", config_.num_nodes,
+        " nodes and this sidecar has no root: start it with --upstream=<root address>"));
+  }
+  const int32_t rank = config_.local_rank;
+  const int32_t ring = segment_->geometry().ring;
+  std::unique_lock<std::mutex> lk(mu_);
+  for (int32_t i = 0; i < ring; ++i) {
+    if (!busy_[size_t(i)]) continue;
+    const uint32_t w = segment_->State(rank, i);
+    if ((w & 0xffu) == shm::kPosted && segment_->slot(rank, i)->op == key.op &&
+        segment_->slot(rank, i)->seq == key.seq && segment_->slot(rank, i)->phase == key.phase) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "round ", round, " is already in flight on this client; each (op, seq, phase) is one "
+          "round"));
+    }
+  }
+  int32_t slot = -1;
+  for (int attempt = 0; slot < 0; ++attempt) {
+    for (int32_t i = 0; i < ring && slot < 0; ++i) {
+      if (!busy_[size_t(i)] && (segment_->State(rank, i) & 0xffu) == shm::kFree) slot = i;
+    }
+    if (slot >= 0) break;
+    HarvestLocked();
+    for (int32_t i = 0; i < ring && slot < 0; ++i) {
+      if (!busy_[size_t(i)] && (segment_->State(rank, i) & 0xffu) == shm::kFree) slot = i;
+    }
+    if (slot >= 0) break;
+    // Every slot holds a round in flight: wait for one to finish (rounds are never dropped).
+    if (Clock::now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "round ", round, ": all ", ring, " shared-memory slots of this rank hold rounds that "
+          "did not finish in time (--shm-ring); wait for rounds before starting more"));
+    }
+    if (!Alive()) {
+      return absl::UnavailableError("the node's sidecar is gone (it restarted or shut down); "
+                                    "the next call rejoins");
+    }
+    lk.unlock();
+    std::this_thread::sleep_for(std::chrono::microseconds(attempt < 100 ? 50 : 1000));
+    lk.lock();
+  }
+  busy_[size_t(slot)] = true;
+  ShmRound r;
+  r.key = key;
+  r.scope = scope;
+  r.channels = channels;
+  r.slot = slot;
+  r.started = Clock::now();
+  r.posted = segment_->Post(rank, slot, key, scope, channels, count, a, b);
+  lk.unlock();
+  segment_->TryReduce(key, slot, opts);
+  return r;
+}
+
+absl::Status ShmChannel::Deliver(const absl::Status& s, int64_t count,
+                                 const std::vector<double>& data, int64_t channels,
+                                 int64_t* out_count, double* out_a, double* out_b) {
+  if (!s.ok()) return s;
+  if (int64_t(data.size()) != 2 * channels) {
+    return absl::InternalError("the node's shared-memory segment held a result of the wrong size");
+  }
+  if (out_count) *out_count = count;
+  if (out_a) std::memcpy(out_a, data.data(), size_t(channels) * sizeof(double));
+  if (out_b) std::memcpy(out_b, data.data() + channels, size_t(channels) * sizeof(double));
+  return absl::OkStatus();
+}
+
+absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadline,
+                              std::chrono::milliseconds client_timeout, int64_t* out_count,
+                              double* out_a, double* out_b) {
+  const int32_t rank = config_.local_rank;
+  const shm::ReduceOptions opts = Reduce();
+  const bool up = r.scope != v1::SCOPE_NODE && config_.num_nodes > 1;
+  // As at the sidecar: a round fails at the aggregator's round timeout naming who is missing;
+  // a forwarded round waits a little longer, so that the root's error (naming the missing
+  // nodes) comes first.
+  auto aggregator_wait = config_.round_timeout;
+  if (up && r.scope == v1::SCOPE_GLOBAL) {
+    aggregator_wait += std::max<std::chrono::milliseconds>(std::chrono::seconds(1),
+                                                          config_.round_timeout / 10);
+  }
+  const Clock::time_point aggregator_deadline = r.started + aggregator_wait;
+  const Clock::time_point deadline = std::min(aggregator_deadline, client_deadline);
+  const uint64_t id = RoundId(r.slot, r.posted);
+  const std::string round = wire::RoundName(r.key.op, r.key.seq, v1::Phase(r.key.phase));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Waited for again after its caller's own timeout: it is no longer abandoned.
+    if (auto a = abandoned_.find(r.slot); a != abandoned_.end() && a->second.posted == r.posted) {
+      abandoned_.erase(a);
+    }
+  }
+
+  auto release = [&](const absl::Status& s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    busy_[size_t(r.slot)] = false;
+    return s;
+  };
+  // Spin first, briefly: while the waiters have cores of their own a result often comes
+  // within microseconds, and a futex sleep and wake cost more than that.
+  const int64_t spin = spin_ns_.load(std::memory_order_relaxed);
+  const Clock::time_point spin_end = Clock::now() + std::chrono::nanoseconds(spin);
+  bool slept = false;
+  while (segment_->State(rank, r.slot) == r.posted && Clock::now() < spin_end) {
+    for (int k = 0; k < 32; ++k) CpuRelax();
+  }
+  for (;;) {
+    const uint32_t w = segment_->State(rank, r.slot);
+    if (w == r.posted) {
+      absl::Status fail = segment_->Blocked(&r.key, opts);
+      if (fail.ok() && !Alive()) {
+        fail = absl::UnavailableError(absl::StrCat(
+            "round ", round, ": the node's sidecar is gone (it restarted or shut down), so the "
+            "job's shared-memory segment is no longer served; the next call rejoins"));
+      }
+      const Clock::time_point now = Clock::now();
+      if (fail.ok() && now >= deadline) {
+        if (now >= aggregator_deadline) {
+          std::vector<int32_t> missing = segment_->Missing(r.key);
+          std::vector<std::string> names;
+          for (int32_t m : missing) {
+            names.push_back(absl::StrCat("rank ", int64_t(config_.node_rank) *
+                                                      config_.local_world_size + m,
+                                         " (node ", config_.node_rank, ", local rank ", m, ")"));
+          }
+          if (names.empty()) {
+            fail = absl::DeadlineExceededError(absl::StrCat(
+                "round ", round, " of job '", config_.job_id, "': the root aggregator did not "
+                "answer within ", aggregator_wait.count(), " ms; check the root and the nodes' "
+                "sidecars"));
+          } else {
+            fail = absl::DeadlineExceededError(absl::StrCat(
+                "round ", round, " of job '", config_.job_id, "' timed out after ",
+                config_.round_timeout.count(), " ms waiting for ", absl::StrJoin(names, ", "),
+                ". Those processes crashed, hung, or did not run this BN layer; every worker "
+                "must run the same layers in the same order"));
+          }
+        } else {
+          // The caller's own (shorter) timeout: as on the stream, the contribution stays, so
+          // the round can still complete for the other ranks; the slot is reclaimed once it
+          // does, or at the aggregator's deadline.
+          std::lock_guard<std::mutex> lock(mu_);
+          abandoned_[r.slot] = Abandoned{r.posted, aggregator_deadline};
+          return absl::DeadlineExceededError(absl::StrCat(
+              "round ", round, ": no answer through the node's shared memory within ",
+              client_timeout.count(), " ms"));
+        }
+      }
+      if (!fail.ok()) {
+        // As at the sidecar, the round fails for every rank that is in it, at once.
+        segment_->DeliverAll(r.key, int32_t(fail.code()), std::string(fail.message()), 0, 0,
+                             nullptr);
+        if (segment_->Withdraw(rank, r.slot, r.posted)) return release(fail);
+        continue;  // an answer is there or being written: take it
+      }
+      slept = true;
+      segment_->Sleep(rank, r.slot, r.posted,
+                      std::min<Clock::duration>(deadline - now, kSlice));
+      continue;
+    }
+    if ((w & 0xffu) == shm::kWriting) {
+      sched_yield();
+      continue;
+    }
+    std::unique_lock<std::mutex> lk(mu_);
+    absl::Status status;
+    int64_t count = 0;
+    std::vector<double> data;
+    if (auto it = stash_.find(id); it != stash_.end()) {
+      status = it->second.status;
+      count = it->second.count;
+      data = std::move(it->second.data);
+      stash_.erase(it);
+    } else if (segment_->Take(rank, r.slot, r.posted, r.channels, &status, &count, &data)) {
+      busy_[size_t(r.slot)] = false;
+    } else if ((segment_->State(rank, r.slot) & 0xffu) == shm::kDone ||
+               segment_->State(rank, r.slot) == r.posted) {
+      continue;  // changed under us (a harvest in progress); look again
+    } else {
+      busy_[size_t(r.slot)] = false;
+      return absl::UnavailableError(absl::StrCat(
+          "round ", round, ": this rank's shared-memory slot was reset (the sidecar re-admitted "
+          "this rank, or a process of the job wrote into it); the round is lost"));
+    }
+    lk.unlock();
+    // Adapt the spin: longer while results come within it, shorter when they do not.
+    if (!slept) {
+      spin_ns_.store(std::min<int64_t>(std::max<int64_t>(spin * 2, 1000), max_spin_ns_),
+                     std::memory_order_relaxed);
+    } else {
+      spin_ns_.store(spin / 2, std::memory_order_relaxed);
+    }
+    return Deliver(status, count, data, r.channels, out_count, out_a, out_b);
+  }
+}
+
+}  // namespace hsbn::client_internal

@@ -1,0 +1,639 @@
+#include "shm_segment.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "hsbn/v1/hsbn.pb.h"
+#include "round_merge.h"
+#include "wire.h"
+
+namespace hsbn::shm {
+
+namespace {
+
+uint32_t Load(const uint32_t* w) { return __atomic_load_n(w, __ATOMIC_SEQ_CST); }
+void Store(uint32_t* w, uint32_t v) { __atomic_store_n(w, v, __ATOMIC_SEQ_CST); }
+bool Cas(uint32_t* w, uint32_t expected, uint32_t desired) {
+  return __atomic_compare_exchange_n(w, &expected, desired, false, __ATOMIC_SEQ_CST,
+                                     __ATOMIC_SEQ_CST);
+}
+// Plain fields another process may write at any time: read each once, as a copy.
+template <typename T>
+T Read(const T* p) {
+  T v;
+  std::memcpy(&v, static_cast<const void*>(p), sizeof(T));
+  __atomic_signal_fence(__ATOMIC_SEQ_CST);
+  return v;
+}
+constexpr uint32_t StateOf(uint32_t w) { return w & 0xffu; }
+constexpr uint32_t GenOf(uint32_t w) { return w >> 8; }
+constexpr uint32_t Word(uint32_t gen, uint32_t state) { return (gen << 8) | state; }
+
+std::string RankName(int32_t local, const ReduceOptions& o, int32_t ranks) {
+  return absl::StrCat("rank ", int64_t(o.node_rank) * ranks + local, " (node ", o.node_rank,
+                      ", local rank ", local, ")");
+}
+
+bool ReachesParent(int32_t scope, const ReduceOptions& o) {
+  return scope != v1::SCOPE_NODE && o.num_nodes > 1;
+}
+
+}  // namespace
+
+void FutexWake(uint32_t* word) {
+  syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+void FutexWait(uint32_t* word, uint32_t expected, std::chrono::nanoseconds timeout) {
+  if (timeout.count() <= 0) return;
+  timespec ts;
+  ts.tv_sec = time_t(timeout.count() / 1000000000);
+  ts.tv_nsec = long(timeout.count() % 1000000000);
+  syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+absl::StatusOr<Geometry> Geometry::Make(int64_t ranks, int64_t ring, int64_t max_channels) {
+  if (ranks < 1 || ranks > kMaxRanks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a shared-memory segment serves 1 to ", kMaxRanks, " local ranks, not ", ranks));
+  }
+  if (ring < 1 || ring > kMaxRing) {
+    return absl::InvalidArgumentError(absl::StrCat("ring depth ", ring, " is outside [1, ", kMaxRing, "]"));
+  }
+  if (max_channels < 1 || max_channels > kMaxChannelCap) {
+    return absl::InvalidArgumentError(absl::StrCat("channel cap ", max_channels,
+                                                   " is outside [1, ", kMaxChannelCap, "]"));
+  }
+  Geometry g;
+  g.ranks = int32_t(ranks);
+  g.ring = int32_t(ring);
+  g.max_channels = int32_t(max_channels);
+  g.queue = int32_t(2 * ring);
+  g.slot_bytes = (kSlotHeadBytes + uint64_t(max_channels) * 2 * sizeof(double) + 63) & ~uint64_t(63);
+  g.total_bytes = kHeaderBytes + (uint64_t(ranks) * uint64_t(ring) + uint64_t(g.queue)) * g.slot_bytes;
+  return g;
+}
+
+absl::StatusOr<std::unique_ptr<Segment>> Segment::Create(const Geometry& g, bool has_parent) {
+  const int fd = int(syscall(SYS_memfd_create, "hsbn-node-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat("memfd_create failed: ", std::strerror(errno)));
+  }
+  auto fail = [&](const char* what) {
+    const int e = errno;
+    close(fd);
+    return absl::UnavailableError(absl::StrCat(what, " failed: ", std::strerror(e)));
+  };
+  if (ftruncate(fd, off_t(g.total_bytes)) != 0) return fail("ftruncate of the segment");
+  // Nobody may shrink it under a mapping (a SIGBUS in another process) or grow it.
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return fail("sealing the segment");
+  }
+  void* p = mmap(nullptr, g.total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) return fail("mmap of the segment");
+  auto seg = std::unique_ptr<Segment>(new Segment(static_cast<char*>(p), g, fd));
+  Header* h = seg->header();
+  h->version = kLayoutVersion;
+  h->ranks = g.ranks;
+  h->ring = g.ring;
+  h->max_channels = g.max_channels;
+  h->queue = g.queue;
+  h->has_parent = has_parent ? 1 : 0;
+  h->total_bytes = g.total_bytes;
+  __atomic_store_n(&h->magic, kMagic, __ATOMIC_SEQ_CST);
+  return seg;
+}
+
+absl::StatusOr<std::unique_ptr<Segment>> Segment::Map(int fd, int32_t ranks) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    return absl::UnavailableError(absl::StrCat("fstat of the segment: ", std::strerror(errno)));
+  }
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+    return absl::FailedPreconditionError("the segment is not sealed against shrinking");
+  }
+  if (st.st_size < off_t(kHeaderBytes)) {
+    return absl::FailedPreconditionError("the segment is smaller than its header");
+  }
+  Header h;
+  if (pread(fd, &h, sizeof(h), 0) != ssize_t(sizeof(h))) {
+    return absl::UnavailableError("cannot read the segment's header");
+  }
+  if (h.magic != kMagic || h.version != kLayoutVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the segment has layout version ", h.version, "; this client speaks ", kLayoutVersion,
+        " (run the same hsbn version in the trainer and the sidecar)"));
+  }
+  if (h.ranks != ranks) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the segment serves ", h.ranks, " local ranks but LOCAL_WORLD_SIZE=", ranks));
+  }
+  auto g = Geometry::Make(ranks, h.ring, h.max_channels);
+  if (!g.ok()) return g.status();
+  if (g->total_bytes != uint64_t(st.st_size) || h.total_bytes != g->total_bytes) {
+    return absl::FailedPreconditionError("the segment's size does not match its header");
+  }
+  void* p = mmap(nullptr, g->total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    return absl::UnavailableError(absl::StrCat("mmap of the segment: ", std::strerror(errno)));
+  }
+  return std::unique_ptr<Segment>(new Segment(static_cast<char*>(p), *g, -1));
+}
+
+Segment::~Segment() {
+  munmap(base_, g_.total_bytes);
+  if (fd_ >= 0) close(fd_);
+}
+
+uint32_t Segment::State(int32_t rank, int32_t i) const { return Load(&slot(rank, i)->state); }
+
+int32_t Segment::FindFree(int32_t rank) const {
+  for (int32_t i = 0; i < g_.ring; ++i) {
+    if (StateOf(Load(&slot(rank, i)->state)) == kFree) return i;
+  }
+  return -1;
+}
+
+uint32_t Segment::Post(int32_t rank, int32_t i, const Key& key, int32_t scope, int64_t channels,
+                       int64_t count, const double* a, const double* b) {
+  SlotHead* s = slot(rank, i);
+  const uint32_t gen = (GenOf(Load(&s->state)) + 1) & 0xffffffu;
+  s->op = key.op;
+  s->seq = key.seq;
+  s->phase = key.phase;
+  s->scope = scope;
+  s->channels = uint32_t(channels);
+  s->count = count;
+  s->code = 0;
+  s->message_len = 0;
+  if (channels <= g_.max_channels) {
+    double* d = data(s);
+    std::memcpy(d, a, size_t(channels) * sizeof(double));
+    std::memcpy(d + channels, b, size_t(channels) * sizeof(double));
+  }
+  Store(&s->claim, gen << 1);
+  Store(&s->sleeping, 0);
+  const uint32_t posted = Word(gen, kPosted);
+  __atomic_fetch_add(&header()->posts[rank], 1, __ATOMIC_RELAXED);
+  // Sequentially consistent: of the ranks posting one round, the last to post sees every
+  // other's post in its scan (TryReduce), so some rank always reduces it.
+  Store(&s->state, posted);
+  return posted;
+}
+
+bool Segment::FindPosted(int32_t rank, const Key& key, int32_t hint, int32_t* index,
+                         uint32_t* state) const {
+  const int32_t start = hint >= 0 && hint < g_.ring ? hint : 0;
+  for (int32_t j = 0; j < g_.ring; ++j) {
+    const int32_t i = (start + j) % g_.ring;
+    SlotHead* s = slot(rank, i);
+    const uint32_t w = Load(&s->state);
+    if (StateOf(w) != kPosted) continue;
+    if (Read(&s->op) != key.op || Read(&s->seq) != key.seq || Read(&s->phase) != key.phase) {
+      continue;
+    }
+    if (Load(&s->state) != w) continue;
+    *index = i;
+    *state = w;
+    return true;
+  }
+  return false;
+}
+
+std::vector<int32_t> Segment::Missing(const Key& key) const {
+  std::vector<int32_t> out;
+  int32_t i;
+  uint32_t w;
+  for (int32_t r = 0; r < g_.ranks; ++r) {
+    if (!FindPosted(r, key, 0, &i, &w)) out.push_back(r);
+  }
+  return out;
+}
+
+absl::Status Segment::Blocked(const Key* key, const ReduceOptions& o) const {
+  Header* h = header();
+  if (Load(&h->dead) != 0) {
+    char text[kTextBytes + 1];
+    std::memcpy(text, h->dead_text, kTextBytes);
+    text[kTextBytes] = '\0';
+    return absl::UnavailableError(absl::StrCat(
+        "the node's sidecar invalidated the shared-memory segment of job '", o.job_id, "' (",
+        wire::Printable(text, kTextBytes), "); rounds in flight failed. The next call rejoins"));
+  }
+  for (int32_t r = 0; r < g_.ranks; ++r) {
+    const uint32_t why = Load(&h->gone[r]);
+    if (why == 0) continue;
+    int32_t i;
+    uint32_t w;
+    if (key != nullptr && FindPosted(r, *key, 0, &i, &w)) continue;
+    const std::string round = key ? wire::RoundName(key->op, key->seq, v1::Phase(key->phase))
+                                  : std::string("new rounds");
+    return absl::UnavailableError(absl::StrCat(
+        "round ", round, " of job '", o.job_id, "' cannot complete: ", RankName(r, o, g_.ranks),
+        why == 2 ? " left the job"
+                 : " disconnected from its node's sidecar (its stream broke: the process "
+                   "probably exited or was killed)",
+        "; the job cannot make progress until that process rejoins"));
+  }
+  return absl::OkStatus();
+}
+
+void Segment::Sleep(int32_t rank, int32_t i, uint32_t posted, std::chrono::nanoseconds timeout) {
+  SlotHead* s = slot(rank, i);
+  Store(&s->sleeping, 1);
+  if (Load(&s->state) == posted) FutexWait(&s->state, posted, timeout);
+  Store(&s->sleeping, 0);
+}
+
+bool Segment::BeginDeliver(int32_t rank, int32_t i, uint32_t posted) const {
+  return Cas(&slot(rank, i)->state, posted, Word(GenOf(posted), kWriting));
+}
+
+void Segment::Deliver(int32_t rank, int32_t i, uint32_t posted, int32_t code,
+                      const std::string& message, int64_t count, int64_t channels,
+                      const double* a, const double* b) const {
+  SlotHead* s = slot(rank, i);
+  const uint32_t gen = GenOf(posted);
+  s->code = code;
+  const size_t n = std::min(message.size(), kTextBytes);
+  std::memcpy(s->message, message.data(), n);
+  s->message_len = uint32_t(n);
+  s->count = count;
+  s->channels = uint32_t(channels);
+  if (code == 0) {
+    double* d = data(s);
+    std::memcpy(d, a, size_t(channels) * sizeof(double));
+    std::memcpy(d + channels, b, size_t(channels) * sizeof(double));
+  }
+  Store(&s->state, Word(gen, kDone));
+  if (Load(&s->sleeping) != 0) FutexWake(&s->state);
+}
+
+bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
+  const int32_t n = g_.ranks;
+  thread_local std::vector<int32_t> idx;
+  thread_local std::vector<uint32_t> posted;
+  thread_local std::vector<double> buf;
+  thread_local std::vector<int64_t> counts;
+  idx.resize(size_t(n));
+  posted.resize(size_t(n));
+  counts.resize(size_t(n));
+  for (int32_t r = 0; r < n; ++r) {
+    if (!FindPosted(r, key, hint, &idx[r], &posted[r])) return false;
+  }
+  // One reducer per round: the rank-0 slot's claim word, tied to that post's generation.
+  const uint32_t gen0 = GenOf(posted[0]);
+  if (!Cas(&slot(0, idx[0])->claim, gen0 << 1, (gen0 << 1) | 1u)) return false;
+
+  const std::string round = wire::RoundName(key.op, key.seq, v1::Phase(key.phase));
+  const bool forward = key.phase == v1::PHASE_FORWARD;
+  int32_t scope = 0;
+  int64_t channels = 0;
+  absl::Status error;
+  auto bad = [&](int32_t r, const std::string& field, const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(RankName(r, o, n),
+                                                   " sent an invalid contribution to round ",
+                                                   round, ": field '", field, "' ", what));
+  };
+  for (int32_t r = 0; r < n && error.ok(); ++r) {
+    SlotHead* s = slot(r, idx[r]);
+    const int32_t sc = Read(&s->scope);
+    const int64_t ch = Read(&s->channels);
+    const int64_t count = Read(&s->count);
+    if (sc != v1::SCOPE_NODE && sc != v1::SCOPE_GLOBAL && sc != v1::SCOPE_SHADOW) {
+      error = bad(r, "scope", absl::StrCat("is ", sc, "; expected node, global or shadow"));
+      break;
+    }
+    if (ch > g_.max_channels && ch > o.max_channels_limit) {
+      error = absl::ResourceExhaustedError(absl::StrCat(
+          RankName(r, o, n), " sent ", ch, " channels (field 'channels') to round ", round,
+          ", more than this aggregator's limit --max-channels=", o.max_channels_limit,
+          "; raise the limit or split the layer"));
+      break;
+    }
+    if (ch < 1 || ch > g_.max_channels) {
+      error = bad(r, "channels", absl::StrCat("is ", ch, "; the node's segment carries 1 to ",
+                                              g_.max_channels));
+      break;
+    }
+    if (r == 0) {
+      scope = sc;
+      channels = ch;
+      buf.resize(size_t(n) * 2 * size_t(channels));
+    } else if (ch != channels) {
+      error = bad(r, "channels", absl::StrCat("is ", ch, " but ", RankName(0, o, n), " sent ",
+                                              channels, "; every worker must run the same model"));
+      break;
+    } else if (sc != scope) {
+      error = bad(r, "scope", absl::StrCat("is ", wire::ScopeName(v1::Scope(sc)), " but ",
+                                           RankName(0, o, n), " sent ",
+                                           wire::ScopeName(v1::Scope(scope))));
+      break;
+    }
+    if (count < 0) {
+      error = bad(r, "count", absl::StrCat("is ", count, "; counts are >= 0"));
+      break;
+    }
+    counts[size_t(r)] = count;
+    double* mine = buf.data() + size_t(r) * 2 * size_t(channels);
+    std::memcpy(mine, data(s), size_t(channels) * 2 * sizeof(double));
+    if (Load(&s->state) != posted[r]) {
+      error = absl::AbortedError(absl::StrCat("round ", round, " of job '", o.job_id, "': ",
+                                              RankName(r, o, n),
+                                              " withdrew its contribution while it was reduced "
+                                              "(its wait ended); the round failed"));
+      break;
+    }
+    const char* name_a = forward ? "mean" : "sum_dy";
+    const char* name_b = forward ? "m2" : "sum_dy_xmu";
+    for (int64_t i = 0; i < 2 * channels && error.ok(); ++i) {
+      const double v = mine[i];
+      const bool second = i >= channels;
+      const int64_t c = second ? i - channels : i;
+      if (o.strict_finite && !std::isfinite(v)) {
+        error = bad(r, absl::StrCat(second ? name_b : name_a, "[", c, "]"),
+                    absl::StrCat("is ", v, "; the local batch has NaN or Inf values (check the "
+                                           "input and the learning rate). This job is strict "
+                                           "(HSBN_STRICT_FINITE)"));
+      } else if (forward && second && v < 0) {
+        error = bad(r, absl::StrCat(name_b, "[", c, "]"),
+                    absl::StrCat("is ", v, "; a sum of squared deviations is never negative"));
+      }
+    }
+  }
+  int64_t total = 0;
+  for (int32_t r = 0; r < n && error.ok(); ++r) {
+    if (__builtin_add_overflow(total, counts[size_t(r)], &total)) {
+      std::vector<std::string> who;
+      for (int32_t q = 0; q < n; ++q) {
+        who.push_back(absl::StrCat(RankName(q, o, n), " count=", counts[size_t(q)]));
+      }
+      error = absl::InvalidArgumentError(absl::StrCat(
+          "round ", round, " of job '", o.job_id, "': the members' counts overflow int64 when "
+          "summed (", absl::StrJoin(who, ", "), "); a count is the number of values per channel "
+          "behind a contribution"));
+    }
+  }
+  std::vector<double> result;
+  int64_t count = 0;
+  if (error.ok()) {
+    result.resize(2 * size_t(channels));
+    count = wire::ReduceInOrder(
+        forward, channels, n,
+        [&](int i, const double** ai, const double** bi) {
+          *ai = buf.data() + size_t(i) * 2 * size_t(channels);
+          *bi = *ai + channels;
+          return counts[size_t(i)];
+        },
+        result.data(), result.data() + channels);
+    if (o.strict_finite) {
+      for (double v : result) {
+        if (!std::isfinite(v)) {
+          error = absl::InvalidArgumentError(absl::StrCat(
+              "round ", round, " of job '", o.job_id, "': the merged statistics overflow to Inf "
+              "or NaN although every contribution was finite; the values are too large (this "
+              "job is strict: HSBN_STRICT_FINITE)"));
+          break;
+        }
+      }
+    }
+  }
+  const bool up = error.ok() ? ReachesParent(scope, o) : ReachesParent(Read(&slot(0, idx[0])->scope), o);
+  if (error.ok() && up) {
+    Item partial;
+    partial.key = key;
+    partial.kind = kPartial;
+    partial.scope = scope;
+    partial.channels = channels;
+    partial.count = count;
+    partial.data = result;
+    if (!Enqueue(partial, o)) {
+      error = absl::UnavailableError(absl::StrCat(
+          "round ", round, " of job '", o.job_id, "': the node's sidecar did not take the "
+          "node partial (its queue stayed full, or it invalidated the segment)"));
+    } else if (scope == v1::SCOPE_GLOBAL) {
+      return true;  // the sidecar answers with the root's result
+    }
+  }
+  if (!error.ok()) {
+    if (up) {
+      Item abort;
+      abort.key = key;
+      abort.kind = kAbort;
+      abort.code = int32_t(error.code());
+      abort.message = std::string(error.message());
+      Enqueue(abort, o);
+    }
+    const std::string message(error.message());
+    std::vector<bool> mine = BeginAll(idx, posted);
+    __atomic_fetch_add(&header()->failed, 1, __ATOMIC_RELAXED);
+    for (int32_t r = 0; r < n; ++r) {
+      if (mine[size_t(r)]) {
+        Deliver(r, idx[r], posted[r], int32_t(error.code()), message, 0, 0, nullptr, nullptr);
+      }
+    }
+    return true;
+  }
+  std::vector<bool> mine = BeginAll(idx, posted);
+  __atomic_fetch_add(&header()->completed, 1, __ATOMIC_RELAXED);
+  for (int32_t r = 0; r < n; ++r) {
+    if (mine[size_t(r)]) {
+      Deliver(r, idx[r], posted[r], 0, "", count, channels, result.data(),
+              result.data() + channels);
+    }
+  }
+  return true;
+}
+
+bool Segment::Enqueue(const Item& item, const ReduceOptions& o) {
+  // The sidecar drains the queue whenever its doorbell rings; a full queue waits for it.
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  for (int spins = 0;; ++spins) {
+    if (Load(&header()->dead) != 0) return false;
+    for (int32_t j = 0; j < g_.queue; ++j) {
+      SlotHead* e = entry(j);
+      const uint32_t w = Load(&e->state);
+      if (StateOf(w) != kFree || !Cas(&e->state, w, Word(GenOf(w), kFilling))) continue;
+      e->kind = item.kind;
+      e->op = item.key.op;
+      e->seq = item.key.seq;
+      e->phase = item.key.phase;
+      e->scope = item.scope;
+      e->channels = uint32_t(item.channels);
+      e->count = item.count;
+      e->code = item.code;
+      const size_t len = std::min(item.message.size(), kTextBytes);
+      std::memcpy(e->message, item.message.data(), len);
+      e->message_len = uint32_t(len);
+      if (!item.data.empty()) {
+        std::memcpy(data(e), item.data.data(), item.data.size() * sizeof(double));
+      }
+      Store(&e->state, Word(GenOf(w), kReady));
+      if (o.doorbell >= 0) {
+        const uint64_t one = 1;
+        ssize_t ignored = write(o.doorbell, &one, sizeof(one));
+        (void)ignored;
+      }
+      return true;
+    }
+    if (std::chrono::steady_clock::now() >= give_up) return false;
+    if (spins < 64) {
+      sched_yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+}
+
+bool Segment::Take(int32_t rank, int32_t i, uint32_t posted, int64_t channels,
+                   absl::Status* status, int64_t* count, std::vector<double>* out) {
+  SlotHead* s = slot(rank, i);
+  const uint32_t gen = GenOf(posted);
+  if (Load(&s->state) != Word(gen, kDone)) return false;
+  const int32_t code = Read(&s->code);
+  if (code != 0) {
+    const uint32_t len = std::min<uint32_t>(Read(&s->message_len), kTextBytes);
+    std::string text(s->message, len);
+    *status = wire::StatusFromCode(code, wire::Printable(text, kTextBytes));
+  } else if (int64_t(Read(&s->channels)) != channels || Read(&s->count) < 0) {
+    *status = absl::InternalError(
+        "the node's shared-memory segment held a malformed result (wrong channel count or a "
+        "negative count); a process of this job wrote into another's slot");
+  } else {
+    *status = absl::OkStatus();
+    *count = Read(&s->count);
+    out->resize(2 * size_t(channels));
+    std::memcpy(out->data(), data(s), out->size() * sizeof(double));
+  }
+  Store(&s->state, Word(gen, kFree));
+  return true;
+}
+
+bool Segment::Withdraw(int32_t rank, int32_t i, uint32_t posted) {
+  return Cas(&slot(rank, i)->state, posted, Word(GenOf(posted), kFree));
+}
+
+void Segment::WakeAll() const {
+  for (int32_t r = 0; r < g_.ranks; ++r) {
+    for (int32_t i = 0; i < g_.ring; ++i) FutexWake(&slot(r, i)->state);
+  }
+}
+
+void Segment::MarkGone(int32_t rank, uint32_t why) {
+  if (rank < 0 || rank >= g_.ranks) return;
+  Store(&header()->gone[rank], why);
+  __atomic_fetch_add(&header()->epoch, 1, __ATOMIC_SEQ_CST);
+  WakeAll();
+}
+
+void Segment::Revive(int32_t rank) {
+  if (rank < 0 || rank >= g_.ranks) return;
+  for (int32_t i = 0; i < g_.ring; ++i) {
+    SlotHead* s = slot(rank, i);
+    Store(&s->state, Word((GenOf(Load(&s->state)) + 1) & 0xffffffu, kFree));
+  }
+  Store(&header()->gone[rank], 0);
+  __atomic_fetch_add(&header()->epoch, 1, __ATOMIC_SEQ_CST);
+}
+
+void Segment::Kill(const std::string& why) {
+  Header* h = header();
+  const size_t n = std::min(why.size(), kTextBytes - 1);
+  std::memcpy(h->dead_text, why.data(), n);
+  h->dead_text[n] = '\0';
+  Store(&h->dead, 1);
+  __atomic_fetch_add(&h->epoch, 1, __ATOMIC_SEQ_CST);
+  WakeAll();
+}
+
+std::vector<Item> Segment::TakeQueue(int* malformed) {
+  std::vector<Item> out;
+  for (int32_t j = 0; j < g_.queue; ++j) {
+    SlotHead* e = entry(j);
+    const uint32_t w = Load(&e->state);
+    if (StateOf(w) != kReady) continue;
+    Item it;
+    it.kind = Read(&e->kind);
+    it.key.op = Read(&e->op);
+    it.key.seq = Read(&e->seq);
+    it.key.phase = Read(&e->phase);
+    it.scope = Read(&e->scope);
+    it.channels = Read(&e->channels);
+    it.count = Read(&e->count);
+    it.code = Read(&e->code);
+    const uint32_t len = std::min<uint32_t>(Read(&e->message_len), kTextBytes);
+    it.message = wire::Printable(std::string(e->message, len), kTextBytes);
+    bool ok = (it.kind == kPartial || it.kind == kAbort) &&
+              (it.key.phase == v1::PHASE_FORWARD || it.key.phase == v1::PHASE_BACKWARD);
+    if (ok && it.kind == kPartial) {
+      ok = (it.scope == v1::SCOPE_GLOBAL || it.scope == v1::SCOPE_SHADOW) && it.channels >= 1 &&
+           it.channels <= g_.max_channels && it.count >= 0;
+      if (ok) {
+        it.data.resize(2 * size_t(it.channels));
+        std::memcpy(it.data.data(), data(e), it.data.size() * sizeof(double));
+      }
+    }
+    if (ok && it.kind == kAbort && (it.code <= 0 || it.code > 16)) it.code = int32_t(absl::StatusCode::kAborted);
+    Store(&e->state, Word(GenOf(w) + 1, kFree));
+    if (ok) {
+      out.push_back(std::move(it));
+    } else if (malformed) {
+      ++*malformed;
+    }
+  }
+  return out;
+}
+
+int Segment::DeliverAll(const Key& key, int32_t code, const std::string& message, int64_t count,
+                        int64_t channels, const double* d) {
+  std::vector<int32_t> idx(size_t(g_.ranks), -1);
+  std::vector<uint32_t> posted(size_t(g_.ranks), 0);
+  for (int32_t r = 0; r < g_.ranks; ++r) {
+    if (!FindPosted(r, key, 0, &idx[size_t(r)], &posted[size_t(r)])) idx[size_t(r)] = -1;
+  }
+  std::vector<bool> mine = BeginAll(idx, posted);
+  int delivered = 0;
+  for (bool m : mine) {
+    if (m) {
+      __atomic_fetch_add(code == 0 ? &header()->completed : &header()->failed, 1,
+                         __ATOMIC_RELAXED);
+      break;
+    }
+  }
+  for (int32_t r = 0; r < g_.ranks; ++r) {
+    if (!mine[size_t(r)]) continue;
+    Deliver(r, idx[size_t(r)], posted[size_t(r)], code, message, count, channels, d,
+            d ? d + channels : nullptr);
+    ++delivered;
+  }
+  return delivered;
+}
+
+std::vector<bool> Segment::BeginAll(const std::vector<int32_t>& idx,
+                                    const std::vector<uint32_t>& posted) const {
+  // Every slot leaves "posted" before any gets its answer: a rank that has its answer may
+  // leave the job at once, and the others must not then take the round for one that waits
+  // for it.
+  std::vector<bool> mine(idx.size(), false);
+  for (size_t r = 0; r < idx.size(); ++r) {
+    mine[r] = idx[r] >= 0 && BeginDeliver(int32_t(r), idx[r], posted[r]);
+  }
+  return mine;
+}
+
+}  // namespace hsbn::shm

@@ -1,0 +1,229 @@
+// shm_segment.h — the shared-memory node path: one job's segment on one node, its layout and
+// the operations workers and their sidecar perform on it.
+//
+// A sidecar creates one segment per job and node (a sealed memfd, never a file in /dev/shm) and
+// hands its descriptor to each worker of the job that joined and asked for it (server/
+// shm_transport.h). Node rounds then run without the sidecar: each worker posts its
+// contribution into a slot of its own ring; the worker that finds every local rank's
+// contribution for the round's key (op, seq, phase) claims the round, validates and reduces the
+// contributions in local-rank order with the aggregator's own reduction (round_merge.h) and
+// writes the result into every rank's slot, waking sleepers with a futex. A global or shadow
+// round's node partial goes into the sidecar's queue (a doorbell eventfd wakes it); the sidecar
+// forwards it to the root and writes the root's answer into the slots.
+//
+// Layout (docs/PROTOCOL.md, "Shared-memory node path"): a Header, then `ranks` rings of `ring`
+// slots, then the sidecar's queue of 2*ring entries; every slot and entry is `slot_bytes` long
+// (a SlotHead, then 2 * max_channels doubles). A slot's state word is (generation << 8) | state;
+// the generation counts the owner's posts, so a stale reader's compare-and-swap fails.
+//
+// Trust: every process of the job maps the segment read-write, so any of them may write
+// anything anywhere in it. Nothing read from the segment is trusted: offsets come from the
+// Geometry each process computed and checked for itself once, at map time; every value read
+// from a slot is copied out and validated before use. A hostile worker can make its own job's
+// rounds fail or be wrong (as on the gRPC path), never make another process read or write
+// outside the segment, and never reach another job (each job has its own memfd).
+//
+// Thread safety: the operations are lock-free on the shared words; a Segment object is
+// immutable after Create/Map and may be used from several threads.
+#ifndef HSBN_SHM_SEGMENT_H_
+#define HSBN_SHM_SEGMENT_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace hsbn::shm {
+
+constexpr uint64_t kMagic = 0x31766d68736e6268ull;  // "hbnshmv1"
+constexpr uint32_t kLayoutVersion = 1;
+constexpr int32_t kMaxRanks = 256;        // local ranks a segment serves
+constexpr int32_t kMaxRing = 256;         // slots per rank
+constexpr int32_t kMaxChannelCap = 1 << 20;
+constexpr size_t kTextBytes = 256;        // error text in a slot and in the header
+constexpr uint64_t kHeaderBytes = 4096;
+constexpr uint64_t kSlotHeadBytes = 384;
+
+// A slot's (or queue entry's) state, the low 8 bits of its state word.
+enum State : uint32_t {
+  kFree = 0,
+  kPosted = 1,   // a contribution waits for its round
+  kWriting = 2,  // someone is writing the result
+  kDone = 3,     // the result (or error) is there for the owner
+  kFilling = 4,  // queue: a reducer is writing the entry
+  kReady = 5,    // queue: for the sidecar
+};
+
+// Queue entry kinds.
+enum Kind : uint32_t { kPartial = 1, kAbort = 2 };
+
+struct Key {
+  uint32_t op = 0;
+  uint64_t seq = 0;
+  int32_t phase = 0;  // v1::Phase
+  bool operator==(const Key& o) const { return op == o.op && seq == o.seq && phase == o.phase; }
+};
+
+// Where things are. Computed by each process from values it checked itself.
+struct Geometry {
+  int32_t ranks = 0, ring = 0, max_channels = 0, queue = 0;
+  uint64_t slot_bytes = 0, total_bytes = 0;
+  // INVALID_ARGUMENT for values out of range.
+  static absl::StatusOr<Geometry> Make(int64_t ranks, int64_t ring, int64_t max_channels);
+  uint64_t slot_offset(int32_t rank, int32_t i) const {
+    return kHeaderBytes + (uint64_t(rank) * uint64_t(ring) + uint64_t(i)) * slot_bytes;
+  }
+  uint64_t queue_offset(int32_t j) const {
+    return kHeaderBytes + (uint64_t(ranks) * uint64_t(ring) + uint64_t(j)) * slot_bytes;
+  }
+};
+
+struct Header {
+  uint64_t magic;
+  uint32_t version;
+  int32_t ranks, ring, max_channels, queue;
+  int32_t has_parent;  // the sidecar has a root (--upstream)
+  uint64_t total_bytes;
+  uint32_t dead;       // nonzero: the sidecar invalidated the segment; dead_text says why
+  uint32_t epoch;      // bumped on every change of dead or gone
+  char dead_text[kTextBytes];
+  uint32_t gone[kMaxRanks];  // per local rank: 0 here, 1 its stream broke, 2 it left
+  uint64_t completed;        // rounds answered through the segment (for Status)
+  uint64_t failed;
+  uint64_t posts[kMaxRanks];  // contributions posted per local rank (for Status)
+};
+static_assert(sizeof(Header) <= kHeaderBytes, "header too large");
+
+struct SlotHead {
+  uint32_t state;     // (generation << 8) | State
+  uint32_t claim;     // (generation << 1) | claimed: who reduces the round (rank 0's slot)
+  uint32_t sleeping;  // the owner sleeps on state (a waker must FUTEX_WAKE)
+  uint32_t kind;      // queue entries: Kind
+  uint32_t op;
+  int32_t phase;
+  uint64_t seq;
+  int32_t scope;
+  uint32_t channels;
+  int64_t count;
+  int32_t code;       // results: 0 or a google.rpc.Code
+  uint32_t message_len;
+  char message[kTextBytes];
+};
+static_assert(sizeof(SlotHead) <= kSlotHeadBytes, "slot head too large");
+
+// A copy of what a slot or queue entry held, after validation.
+struct Item {
+  Key key;
+  int32_t scope = 0;
+  uint32_t kind = 0;
+  int64_t channels = 0;
+  int64_t count = 0;
+  int32_t code = 0;
+  std::string message;
+  std::vector<double> data;  // 2 * channels: [a | b]
+};
+
+// A round this worker reduced or had reduced: what the reducer saw and did.
+struct ReduceOptions {
+  int32_t node_rank = 0;  // for names in errors ("rank 5 (node 1, local rank 1)")
+  int32_t num_nodes = 1;
+  bool strict_finite = false;
+  int doorbell = -1;      // eventfd of the sidecar (global and shadow rounds)
+  int64_t max_channels_limit = 0;  // the aggregator's --max-channels (JoinResponse)
+  std::string job_id;
+};
+
+class Segment {
+ public:
+  // Sidecar: a new sealed memfd of `g` (named for /proc only), mapped and initialised.
+  static absl::StatusOr<std::unique_ptr<Segment>> Create(const Geometry& g, bool has_parent);
+  // Worker: maps the segment behind `fd` (a descriptor it received; not closed here) and checks
+  // its header against what this process knows: `ranks` local ranks, the descriptor's size.
+  static absl::StatusOr<std::unique_ptr<Segment>> Map(int fd, int32_t ranks);
+  ~Segment();
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+
+  int fd() const { return fd_; }  // Create only; -1 after Map
+  const Geometry& geometry() const { return g_; }
+  Header* header() const { return reinterpret_cast<Header*>(base_); }
+  SlotHead* slot(int32_t rank, int32_t i) const {
+    return reinterpret_cast<SlotHead*>(base_ + g_.slot_offset(rank, i));
+  }
+  SlotHead* entry(int32_t j) const {
+    return reinterpret_cast<SlotHead*>(base_ + g_.queue_offset(j));
+  }
+  double* data(SlotHead* s) const {
+    return reinterpret_cast<double*>(reinterpret_cast<char*>(s) + kSlotHeadBytes);
+  }
+
+  // ---- Worker side ----
+  // A free slot of `rank`'s ring, or -1.
+  int32_t FindFree(int32_t rank) const;
+  // Writes a contribution into `rank`'s slot `i` (free) and publishes it; returns its state
+  // word (generation | kPosted), which the owner waits on. A round wider than the segment's
+  // channel cap posts its key and channel count only, so that the round fails for every rank
+  // (RESOURCE_EXHAUSTED), as at the sidecar.
+  uint32_t Post(int32_t rank, int32_t i, const Key& key, int32_t scope, int64_t channels,
+                int64_t count, const double* a, const double* b);
+  // The round of `key` is complete here if every rank posted it: claims it (once) and reduces
+  // it, delivering the result or error to every rank (node rounds, shadow answers) or queueing
+  // the node partial for the sidecar (global, shadow). True if this call reduced it.
+  bool TryReduce(const Key& key, int32_t hint, const ReduceOptions& options);
+  // The owner takes its DONE slot's answer (validated against `channels`) and frees the slot.
+  // False when the slot is not DONE with generation `posted`.
+  bool Take(int32_t rank, int32_t i, uint32_t posted, int64_t channels, absl::Status* status,
+            int64_t* count, std::vector<double>* data);
+  // The owner gives up on its posted slot (deadline, failure): true if withdrawn; false if a
+  // result is being written or is there (then Take it).
+  bool Withdraw(int32_t rank, int32_t i, uint32_t posted);
+  // Local ranks that have not posted `key` (for deadline errors).
+  std::vector<int32_t> Missing(const Key& key) const;
+  // Why no round can complete now: the segment is dead, or a rank that has not posted `key` is
+  // gone (empty key: any gone rank). OK otherwise.
+  absl::Status Blocked(const Key* key, const ReduceOptions& options) const;
+  // Sleeps while `rank`'s slot `i` still has state word `posted`, at most `timeout`.
+  void Sleep(int32_t rank, int32_t i, uint32_t posted, std::chrono::nanoseconds timeout);
+  uint32_t State(int32_t rank, int32_t i) const;
+
+  // ---- Sidecar side ----
+  void MarkGone(int32_t rank, uint32_t why);  // 1 stream broke, 2 left; wakes every sleeper
+  void Revive(int32_t rank);                   // a rejoined rank: empty ring, not gone
+  void Kill(const std::string& why);           // invalidates the segment; wakes every sleeper
+  // Takes the queue's ready entries (validated; malformed ones are dropped and counted).
+  std::vector<Item> TakeQueue(int* malformed);
+  // Writes an answer into every rank's slot that posted `key` (claimed ones: the sidecar's
+  // rounds). `data` holds 2 * channels doubles when code == 0.
+  int DeliverAll(const Key& key, int32_t code, const std::string& message, int64_t count,
+                 int64_t channels, const double* data);
+
+ private:
+  Segment(char* base, const Geometry& g, int fd) : base_(base), g_(g), fd_(fd) {}
+  bool FindPosted(int32_t rank, const Key& key, int32_t hint, int32_t* index,
+                  uint32_t* state) const;
+  // Delivering is two steps: BeginDeliver moves a posted slot to "writing" (false if its owner
+  // withdrew it), Deliver writes the answer and publishes it.
+  bool BeginDeliver(int32_t rank, int32_t i, uint32_t posted) const;
+  std::vector<bool> BeginAll(const std::vector<int32_t>& idx,
+                             const std::vector<uint32_t>& posted) const;
+  void Deliver(int32_t rank, int32_t i, uint32_t posted, int32_t code, const std::string& message,
+               int64_t count, int64_t channels, const double* a, const double* b) const;
+  bool Enqueue(const Item& item, const ReduceOptions& options);
+  void WakeAll() const;
+
+  char* const base_;
+  const Geometry g_;
+  const int fd_;
+};
+
+// Futex helpers on a shared (not process-private) word.
+void FutexWake(uint32_t* word);
+void FutexWait(uint32_t* word, uint32_t expected, std::chrono::nanoseconds timeout);
+
+}  // namespace hsbn::shm
+
+#endif  // HSBN_SHM_SEGMENT_H_
