@@ -402,6 +402,16 @@ class Client::Impl {
     wire::PackPayload(a, b, channels, c->mutable_data());
     const Key key{op, seq, int(phase)};
     const auto deadline = Clock::now() + RoundTimeout();
+    // The round's record, whichever transport carries it.
+    auto make_pending = [&] {
+      auto pending = std::make_shared<PendingRound>();
+      pending->op = op;
+      pending->seq = seq;
+      pending->phase = phase;
+      pending->scope = scope;
+      pending->channels = channels;
+      return pending;
+    };
 
     // Twice at most: when the stream turns out broken before the contribution left (the
     // previous write failed, or ours did), it is sent again once on a new stream.
@@ -426,12 +436,7 @@ class Client::Impl {
           // thread, as tests do), the round is sent at its Wait instead.
           absl::Status s = shm->Await(std::min(deadline, Clock::now() + kDecisionWait));
           if (s.code() == absl::StatusCode::kDeadlineExceeded) {
-            auto pending = std::make_shared<PendingRound>();
-            pending->op = op;
-            pending->seq = seq;
-            pending->phase = phase;
-            pending->scope = scope;
-            pending->channels = channels;
+            auto pending = make_pending();
             pending->shm = std::move(shm);
             pending->deferred_count = count;
             pending->deferred.assign(a, a + channels);
@@ -452,24 +457,14 @@ class Client::Impl {
           if (!r.ok()) return r.status();
           bytes_sent_.fetch_add(wire::PayloadBytes(std::min<int64_t>(channels, shm->max_channels())),
                                 std::memory_order_relaxed);
-          auto pending = std::make_shared<PendingRound>();
-          pending->op = op;
-          pending->seq = seq;
-          pending->phase = phase;
-          pending->scope = scope;
-          pending->channels = channels;
+          auto pending = make_pending();
           pending->shm = std::move(shm);
           pending->shm_round = *r;
           return pending;
         }
       }
-      auto pending = std::make_shared<PendingRound>();
-      pending->op = op;
-      pending->seq = seq;
-      pending->phase = phase;
-      pending->scope = scope;
+      auto pending = make_pending();
       pending->decide = decide;
-      pending->channels = channels;
       pending->conn = conn;
       std::unique_lock<std::mutex> lk(rounds_mu_);
       // Nobody polls: handle what is ready without blocking (results read meanwhile, and a
