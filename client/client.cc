@@ -1054,7 +1054,10 @@ class Client::Impl {
     // it (decided by the sidecar; awaited at the first round).
     shm_.reset();
     if (!OfferShm()) {
-      SetTransport("grpc: HSBN_TRANSPORT=grpc");
+      SetTransport(shm_unreachable_.empty()
+                       ? std::string("grpc: HSBN_TRANSPORT=grpc")
+                       : absl::StrCat("grpc: this worker cannot reach the sidecar's "
+                                      "shared-memory socket: ", shm_unreachable_));
     } else if (resp.shm_socket().empty()) {
       SetTransport(resp.shm_note().empty()
                        ? std::string("grpc: the sidecar does not offer shared memory")
@@ -1077,15 +1080,18 @@ class Client::Impl {
       if (opened.ok()) {
         shm_ = std::move(*opened);
         SetTransport("pending");
-      } else {
-        // The sidecar falls back to gRPC for the whole node when this rank never shows up.
-        SetTransport(absl::StrCat("grpc: ", opened.status().message()));
+      } else if (shm_unreachable_.empty()) {
+        // Another host or container: tell the sidecar now, by joining again without the
+        // offer, so that the node takes the stream at once instead of after --shm-wait-ms.
+        shm_unreachable_ = std::string(opened.status().message());
+        return ConnectLocked();
       }
     }
     return absl::OkStatus();
   }
 
   bool OfferShm() const {
+    if (!shm_unreachable_.empty()) return false;
     std::string t = options_.transport;
     if (t.empty()) {
       const char* env = std::getenv("HSBN_TRANSPORT");
@@ -1104,6 +1110,8 @@ class Client::Impl {
   std::mutex mu_;  // connection state; taken before rounds_mu_, never while holding it
   std::shared_ptr<Conn> conn_;
   std::shared_ptr<client_internal::ShmChannel> shm_;  // null: rounds use the stream
+  // Why the sidecar's shared-memory socket could not be used; then this worker offers it no more.
+  std::string shm_unreachable_;
   std::string session_;  // the 16-byte secret from Join; empty before the first
   uint64_t generation_ = 0;
   std::mutex rounds_mu_;  // pending_, the PendingRounds, the Conns' poll state

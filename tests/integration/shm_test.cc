@@ -2,6 +2,8 @@
 // gRPC stream's, the node-wide fallback to the stream, --shm=off, a full ring, rounds wider
 // than the segment. (Every other integration test also runs over both transports: ctest runs
 // them as they are, where shared memory is the default, and again with HSBN_TRANSPORT=grpc.)
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -184,6 +186,37 @@ TEST(SharedMemory, OneRankWithoutSharedMemoryPutsItsWholeNodeOnTheStream) {
   auto again = ConnectWith(*c, 1, "fallback", "auto");
   ASSERT_TRUE(again);
   EXPECT_TRUE(absl::StartsWith(again->Stats().transport, why)) << again->Stats().transport;
+}
+
+// A worker that cannot reach the hand-off socket (another host or container) joins again
+// without the offer: the node takes the stream at once, not after --shm-wait-ms (here far
+// longer than the rounds' own timeout, so a node left waiting would fail them).
+TEST(SharedMemory, AWorkerThatCannotReachTheSocketPutsTheNodeOnTheStreamAtOnce) {
+  auto c = StartCluster(1, 2, {"--shm-wait-ms=600000"});
+  ASSERT_TRUE(c);
+  const std::string sock = c->sidecar_address(0).substr(5) + ".shm";  // unix:<path>
+  ASSERT_EQ(::unlink(sock.c_str()), 0) << sock;
+  std::vector<std::unique_ptr<Client>> job;
+  for (int r = 0; r < 2; ++r) {
+    ClientOptions o = RankOptions(*c, r, "unreachable", std::chrono::milliseconds(20000));
+    o.transport = "auto";
+    auto client = Client::Connect(o);
+    ASSERT_TRUE(client.ok()) << client.status();
+    job.push_back(std::move(*client));
+  }
+  auto out = RunRounds(job, {Scope::kNode}, 2, 3);
+  for (auto& rank : out) {
+    for (const Output& o : rank) ASSERT_TRUE(o.status.ok()) << o.status;
+  }
+  EXPECT_TRUE(SameBits(out[0].back(), out[1].back()));
+  // Rank 0 joined first and declined; rank 1 joined a node already on the stream.
+  EXPECT_TRUE(absl::StartsWith(job[0]->Stats().transport,
+                               "grpc: this worker cannot reach the sidecar's shared-memory"))
+      << job[0]->Stats().transport;
+  EXPECT_TRUE(absl::StartsWith(job[1]->Stats().transport, "grpc: local rank 0 does not offer"))
+      << job[1]->Stats().transport;
+  EXPECT_TRUE(absl::StartsWith(NodeTransport(*job[0]), "grpc: local rank 0 does not offer"))
+      << NodeTransport(*job[0]);
 }
 
 TEST(SharedMemory, SidecarWithShmOffServesTheNodeOverTheStream) {
