@@ -270,7 +270,7 @@ void Segment::Deliver(int32_t rank, int32_t i, uint32_t posted, int32_t code,
   SlotHead* s = slot(rank, i);
   const uint32_t gen = GenOf(posted);
   s->code = code;
-  const size_t n = std::min(message.size(), kTextBytes);
+  const size_t n = std::min(message.size(), kSlotTextBytes);
   std::memcpy(s->message, message.data(), n);
   s->message_len = uint32_t(n);
   s->count = count;
@@ -477,7 +477,7 @@ bool Segment::Enqueue(const Item& item, const ReduceOptions& o) {
       e->channels = uint32_t(item.channels);
       e->count = item.count;
       e->code = item.code;
-      const size_t len = std::min(item.message.size(), kTextBytes);
+      const size_t len = std::min(item.message.size(), kSlotTextBytes);
       std::memcpy(e->message, item.message.data(), len);
       e->message_len = uint32_t(len);
       if (!item.data.empty()) {
@@ -507,9 +507,9 @@ bool Segment::Take(int32_t rank, int32_t i, uint32_t posted, int64_t channels,
   if (Load(&s->state) != Word(gen, kDone)) return false;
   const int32_t code = Read(&s->code);
   if (code != 0) {
-    const uint32_t len = std::min<uint32_t>(Read(&s->message_len), kTextBytes);
+    const uint32_t len = std::min<uint32_t>(Read(&s->message_len), kSlotTextBytes);
     std::string text(s->message, len);
-    *status = wire::StatusFromCode(code, wire::Printable(text, kTextBytes));
+    *status = wire::StatusFromCode(code, wire::Printable(text, kSlotTextBytes));
   } else if (int64_t(Read(&s->channels)) != channels || Read(&s->count) < 0) {
     *status = absl::InternalError(
         "the node's shared-memory segment held a malformed result (wrong channel count or a "
@@ -576,8 +576,8 @@ std::vector<Item> Segment::TakeQueue(int* malformed) {
     it.channels = Read(&e->channels);
     it.count = Read(&e->count);
     it.code = Read(&e->code);
-    const uint32_t len = std::min<uint32_t>(Read(&e->message_len), kTextBytes);
-    it.message = wire::Printable(std::string(e->message, len), kTextBytes);
+    const uint32_t len = std::min<uint32_t>(Read(&e->message_len), kSlotTextBytes);
+    it.message = wire::Printable(std::string(e->message, len), kSlotTextBytes);
     bool ok = (it.kind == kPartial || it.kind == kAbort) &&
               (it.key.phase == v1::PHASE_FORWARD || it.key.phase == v1::PHASE_BACKWARD);
     if (ok && it.kind == kPartial) {

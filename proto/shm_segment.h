@@ -40,13 +40,16 @@
 namespace hsbn::shm {
 
 constexpr uint64_t kMagic = 0x31766d68736e6268ull;  // "hbnshmv1"
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;
 constexpr int32_t kMaxRanks = 256;        // local ranks a segment serves
 constexpr int32_t kMaxRing = 256;         // slots per rank
 constexpr int32_t kMaxChannelCap = 1 << 20;
-constexpr size_t kTextBytes = 256;        // error text in a slot and in the header
+constexpr size_t kTextBytes = 256;        // the header's text (why the segment is dead)
+// A result's error text: room for the stream's messages, which name ranks, addresses and the
+// flag to fix (a parent-link failure runs to 300-500 bytes).
+constexpr size_t kSlotTextBytes = 1024;
 constexpr uint64_t kHeaderBytes = 4096;
-constexpr uint64_t kSlotHeadBytes = 384;
+constexpr uint64_t kSlotHeadBytes = 1152;
 
 // A slot's (or queue entry's) state, the low 8 bits of its state word.
 enum State : uint32_t {
@@ -111,7 +114,7 @@ struct SlotHead {
   int64_t count;
   int32_t code;       // results: 0 or a google.rpc.Code
   uint32_t message_len;
-  char message[kTextBytes];
+  char message[kSlotTextBytes];
 };
 static_assert(sizeof(SlotHead) <= kSlotHeadBytes, "slot head too large");
 
