@@ -361,6 +361,9 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
     }
     const char* name_a = forward ? "mean" : "sum_dy";
     const char* name_b = forward ? "m2" : "sum_dy_xmu";
+    int64_t nonfinite = 0;
+    for (int64_t i = 0; i < 2 * channels; ++i) nonfinite += !std::isfinite(mine[i]);
+    CountNonFinite(key.phase, nonfinite);
     for (int64_t i = 0; i < 2 * channels && error.ok(); ++i) {
       const double v = mine[i];
       const bool second = i >= channels;
@@ -441,7 +444,8 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
     }
     const std::string message(error.message());
     std::vector<bool> mine = BeginAll(idx, posted);
-    __atomic_fetch_add(&header()->failed, 1, __ATOMIC_RELAXED);
+    CountRound(scope != 0 ? scope : Read(&slot(0, idx[0])->scope), key.phase,
+               int32_t(error.code()));
     for (int32_t r = 0; r < n; ++r) {
       if (mine[size_t(r)]) {
         Deliver(r, idx[r], posted[r], int32_t(error.code()), message, 0, 0, nullptr, nullptr);
@@ -450,7 +454,7 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
     return true;
   }
   std::vector<bool> mine = BeginAll(idx, posted);
-  __atomic_fetch_add(&header()->completed, 1, __ATOMIC_RELAXED);
+  CountRound(scope, key.phase, 0);
   for (int32_t r = 0; r < n; ++r) {
     if (mine[size_t(r)]) {
       Deliver(r, idx[r], posted[r], 0, "", count, channels, result.data(),
@@ -608,12 +612,16 @@ int Segment::DeliverAll(const Key& key, int32_t code, const std::string& message
   }
   std::vector<bool> mine = BeginAll(idx, posted);
   int delivered = 0;
-  for (bool m : mine) {
-    if (m) {
-      __atomic_fetch_add(code == 0 ? &header()->completed : &header()->failed, 1,
-                         __ATOMIC_RELAXED);
+  for (int32_t r = 0; r < g_.ranks; ++r) {
+    if (mine[size_t(r)]) {
+      CountRound(Read(&slot(r, idx[size_t(r)])->scope), key.phase, code);
       break;
     }
+  }
+  if (code == 0 && d != nullptr) {
+    int64_t nonfinite = 0;
+    for (int64_t i = 0; i < 2 * channels; ++i) nonfinite += !std::isfinite(d[i]);
+    CountNonFinite(key.phase, nonfinite);
   }
   for (int32_t r = 0; r < g_.ranks; ++r) {
     if (!mine[size_t(r)]) continue;
@@ -622,6 +630,23 @@ int Segment::DeliverAll(const Key& key, int32_t code, const std::string& message
     ++delivered;
   }
   return delivered;
+}
+
+void Segment::CountRound(int32_t scope, int32_t phase, int32_t code) const {
+  Header* h = header();
+  __atomic_fetch_add(code == 0 ? &h->completed : &h->failed, 1, __ATOMIC_RELAXED);
+  // An out-of-range scope or phase (a slot's are written by a worker) counts under 0.
+  // A code outside 0..16 counts as UNKNOWN (2), never as OK, as on the stream.
+  auto clamp = [](int32_t v, int n) { return v >= 0 && v < n ? v : 0; };
+  const int32_t c = code >= 0 && code < kCountCodes ? code : 2;
+  __atomic_fetch_add(&h->rounds[clamp(scope, kCountScopes)][clamp(phase, kCountPhases)][c],
+                     1, __ATOMIC_RELAXED);
+}
+
+void Segment::CountNonFinite(int32_t phase, int64_t values) const {
+  if (values <= 0) return;
+  const int p = phase >= 0 && phase < kCountPhases ? phase : 0;
+  __atomic_fetch_add(&header()->nonfinite[p], uint64_t(values), __ATOMIC_RELAXED);
 }
 
 std::vector<bool> Segment::BeginAll(const std::vector<int32_t>& idx,

@@ -40,7 +40,7 @@
 namespace hsbn::shm {
 
 constexpr uint64_t kMagic = 0x31766d68736e6268ull;  // "hbnshmv1"
-constexpr uint32_t kLayoutVersion = 2;
+constexpr uint32_t kLayoutVersion = 3;
 constexpr int32_t kMaxRanks = 256;        // local ranks a segment serves
 constexpr int32_t kMaxRing = 256;         // slots per rank
 constexpr int32_t kMaxChannelCap = 1 << 20;
@@ -48,8 +48,14 @@ constexpr size_t kTextBytes = 256;        // the header's text (why the segment 
 // A result's error text: room for the stream's messages, which name ranks, addresses and the
 // flag to fix (a parent-link failure runs to 300-500 bytes).
 constexpr size_t kSlotTextBytes = 1024;
-constexpr uint64_t kHeaderBytes = 4096;
+constexpr uint64_t kHeaderBytes = 8192;
 constexpr uint64_t kSlotHeadBytes = 1152;
+
+// The header's metric counters: index ranges of scope (v1::Scope up to SCOPE_SHADOW), phase
+// (v1::Phase) and code (google.rpc.Code 0..16).
+constexpr int kCountScopes = 4;
+constexpr int kCountPhases = 3;
+constexpr int kCountCodes = 17;
 
 // A slot's (or queue entry's) state, the low 8 bits of its state word.
 enum State : uint32_t {
@@ -98,6 +104,11 @@ struct Header {
   uint64_t completed;        // rounds answered through the segment (for Status)
   uint64_t failed;
   uint64_t posts[kMaxRanks];  // contributions posted per local rank (for Status)
+  // For the sidecar's Prometheus counters: rounds answered through the segment by the round's
+  // scope (node, global, shadow), phase and google.rpc.Code, and non-finite values seen per
+  // phase (in contributions and in the root's results), as the stream path counts them.
+  uint64_t rounds[kCountScopes][kCountPhases][kCountCodes];
+  uint64_t nonfinite[kCountPhases];
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header too large");
 
@@ -216,6 +227,9 @@ class Segment {
   void Deliver(int32_t rank, int32_t i, uint32_t posted, int32_t code, const std::string& message,
                int64_t count, int64_t channels, const double* a, const double* b) const;
   bool Enqueue(const Item& item, const ReduceOptions& options);
+  // Counts one answered round in the header (Status's totals and the metric counters).
+  void CountRound(int32_t scope, int32_t phase, int32_t code) const;
+  void CountNonFinite(int32_t phase, int64_t values) const;
   void WakeAll() const;
 
   char* const base_;

@@ -532,6 +532,7 @@ void Aggregator::Start(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>>
     shm.wait = options_.shm_wait;
     shm.has_parent = parent_ != nullptr;
     shm.round_timeout = options_.limits.round_timeout;
+    shm.metrics = options_.metrics.get();
     shm_ = std::make_unique<ShmTransport>(std::move(shm), &registry_, this);
     if (absl::Status s = shm_->Start(); !s.ok()) {
       Log(LogLevel::kWarn, absl::StrCat("shared-memory node path off: ", s.message(),
@@ -898,6 +899,9 @@ grpc::Status Aggregator::AnswerStatus(const v1::StatusRequest& req, v1::StatusRe
 }
 
 void Aggregator::FillStatus(const std::string& job_id, v1::StatusResponse* resp) {
+  // A scrape (main.cc's state source) counts every round a worker was answered through shared
+  // memory.
+  if (shm_) shm_->HarvestMetrics();
   resp->set_aggregator_id(options_.id);
   resp->set_role(options_.role == AggregatorOptions::Role::kRoot ? "root" : "node");
   resp->set_uptime_s(std::chrono::duration<double>(Clock::now() - started_).count());

@@ -322,6 +322,13 @@ void Metrics::RoundFinished(v1::Scope scope, v1::Phase phase, absl::StatusCode c
   }
 }
 
+void Metrics::RoundsFinished(v1::Scope scope, v1::Phase phase, absl::StatusCode code,
+                             int64_t n) {
+  if (n <= 0) return;
+  RoundCounter(Clamp(int(scope), kScopes), Clamp(int(phase), kPhases), CodeIndex(code))
+      .Increment(double(n));
+}
+
 void Metrics::RoundTimedOut(const std::string& job_id, const std::string& member) {
   prometheus::Counter* c = nullptr;
   {

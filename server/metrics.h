@@ -96,6 +96,9 @@ class Metrics {
   // A round finished here with `code` (OK: its result was sent). `seconds` is the time from
   // its first contribution until then; negative when the round never opened here.
   void RoundFinished(v1::Scope scope, v1::Phase phase, absl::StatusCode code, double seconds);
+  // `n` rounds finished with `code` elsewhere (the shared-memory node path: the workers reduce
+  // them and the sidecar harvests their counts), without latencies.
+  void RoundsFinished(v1::Scope scope, v1::Phase phase, absl::StatusCode code, int64_t n);
   // A round of `job_id` timed out waiting for `member` ("rank 3", "node 1", "upstream"; the
   // label is MemberLabel(member)).
   void RoundTimedOut(const std::string& job_id, const std::string& member);

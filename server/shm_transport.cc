@@ -8,6 +8,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -140,6 +141,12 @@ ShmTransport::NodeJob& ShmTransport::JobLocked(const std::string& job_id, int32_
 }
 
 absl::Status ShmTransport::CheckJoin(const v1::JoinRequest& req) {
+  // A new run of the job (a higher incarnation) replaces it, segment included (DropJob): its
+  // workers choose their transport afresh.
+  if (std::shared_ptr<Job> current = registry_->FindJob(req.job_id());
+      current && req.incarnation() > current->layout().incarnation) {
+    return absl::OkStatus();
+  }
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(req.job_id());
   if (it == jobs_.end() || it->second.decision != Decision::kShm || req.shm_offer()) {
@@ -275,6 +282,7 @@ void ShmTransport::CloseConnLocked(int fd) {
 }
 
 void ShmTransport::ReleaseLocked(NodeJob& job, const std::string& why) {
+  HarvestLocked(job);
   for (int& fd : job.waiting) {
     if (fd >= 0) CloseConnLocked(fd);
   }
@@ -433,10 +441,48 @@ void ShmTransport::Doorbell(const std::string& job_id, int fd) {
   for (const shm::Item& item : items) listener_->ShmToParent(job_id, item);
 }
 
+void ShmTransport::HarvestMetrics() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, job] : jobs_) HarvestLocked(job);
+}
+
+void ShmTransport::HarvestLocked(NodeJob& job) {
+  if (options_.metrics == nullptr || !job.segment) return;
+  const shm::Header* h = job.segment->header();
+  constexpr int kRounds = shm::kCountScopes * shm::kCountPhases * shm::kCountCodes;
+  job.harvested.resize(size_t(kRounds + shm::kCountPhases), 0);
+  // The counters are written by the job's workers: a value that went down (a hostile or buggy
+  // write) is taken as the new base and adds nothing, and one step adds at most 2^32, so the
+  // exported counters stay monotonic and finite whatever the segment holds.
+  auto delta = [&](const uint64_t* word, size_t k) -> int64_t {
+    const uint64_t now = __atomic_load_n(word, __ATOMIC_RELAXED);
+    const uint64_t before = job.harvested[k];
+    job.harvested[k] = now;
+    if (now <= before) return 0;
+    return int64_t(std::min<uint64_t>(now - before, uint64_t(1) << 32));
+  };
+  size_t k = 0;
+  for (int s = 0; s < shm::kCountScopes; ++s) {
+    for (int p = 0; p < shm::kCountPhases; ++p) {
+      for (int c = 0; c < shm::kCountCodes; ++c, ++k) {
+        if (const int64_t n = delta(&h->rounds[s][p][c], k); n > 0) {
+          options_.metrics->RoundsFinished(v1::Scope(s), v1::Phase(p), absl::StatusCode(c), n);
+        }
+      }
+    }
+  }
+  for (int p = 0; p < shm::kCountPhases; ++p, ++k) {
+    if (const int64_t n = delta(&h->nonfinite[p], k); n > 0) {
+      options_.metrics->NonFinite(v1::Phase(p), n);
+    }
+  }
+}
+
 void ShmTransport::Tick() {
   const Clock::time_point now = Clock::now();
   absl::MutexLock lock(&mu_);
   for (auto& [id, job] : jobs_) {
+    HarvestLocked(job);
     MaybeDecideLocked(job, now);
     // The workers gave up on these long ago (their own deadline); forget them.
     for (auto f = job.forwarded.begin(); f != job.forwarded.end();) {

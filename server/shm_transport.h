@@ -36,6 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "hsbn/v1/hsbn.pb.h"
 #include "job.h"
+#include "metrics.h"
 #include "registry.h"
 #include "shm_segment.h"
 
@@ -57,6 +58,7 @@ struct ShmOptions {
   std::chrono::milliseconds wait{30000};  // --shm-wait-ms
   bool has_parent = false;
   std::chrono::milliseconds round_timeout{30000};
+  Metrics* metrics = nullptr;         // optional: where the segments' round counters go
 };
 
 class ShmTransport {
@@ -71,7 +73,8 @@ class ShmTransport {
 
   const std::string& socket() const { return options_.socket; }
   // Before a worker's Join is admitted: FAILED_PRECONDITION when the job's node already uses
-  // shared memory and this worker does not offer it (its rounds could not meet the others').
+  // shared memory and this worker does not offer it (its rounds could not meet the others'),
+  // unless it starts a new run of the job (a higher incarnation than the Registry's).
   absl::Status CheckJoin(const v1::JoinRequest& req);
   // After a worker's Join was admitted as local rank `index`: fills the response's shm fields.
   void Joined(const v1::JoinRequest& req, int32_t index, v1::JoinResponse* resp);
@@ -88,6 +91,11 @@ class ShmTransport {
   std::string Describe(const std::string& job_id) const;
   // Adds the rounds answered through the job's segment to its Status counters.
   void AddCounts(const std::string& job_id, v1::JobStatus* status) const;
+  // Moves what the segments counted since the last call (rounds by scope, phase and code;
+  // non-finite values) into the Metrics' counters. Runs on every tick, when a segment is
+  // released, and should run before a scrape, so that a scrape sees every round a worker has
+  // been answered.
+  void HarvestMetrics() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   enum class Decision { kPending, kShm, kGrpc };
@@ -107,6 +115,8 @@ class ShmTransport {
     int doorbell = -1;                // eventfd
     int64_t charged = 0;
     std::map<std::tuple<uint32_t, uint64_t, int32_t>, Forwarded> forwarded;
+    // The segment's metric counters as last harvested (rounds, then non-finite values).
+    std::vector<uint64_t> harvested;
   };
   struct Conn {
     int fd = -1;
@@ -125,6 +135,7 @@ class ShmTransport {
   void DecideGrpcLocked(NodeJob& job, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendShmLocked(NodeJob& job, int fd, int32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CloseConnLocked(int fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HarvestLocked(NodeJob& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseLocked(NodeJob& job, const std::string& why = "the job ended at the sidecar")
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   NodeJob& JobLocked(const std::string& job_id, int32_t ranks) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

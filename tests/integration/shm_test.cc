@@ -219,6 +219,45 @@ TEST(SharedMemory, AWorkerThatCannotReachTheSocketPutsTheNodeOnTheStreamAtOnce) 
       << NodeTransport(*job[0]);
 }
 
+// A restarted run (a higher incarnation) replaces the job and its segment, so it may come back
+// on the other transport; the old run's workers, still connected, are refused, not met.
+TEST(SharedMemory, ARestartedRunChoosesItsTransportAfresh) {
+  auto c = StartCluster(1, 2);
+  ASSERT_TRUE(c);
+  auto old_run = ConnectJob(*c, "restarted", "auto");
+  for (auto& p : old_run) ASSERT_TRUE(p);
+  for (auto& rank : RunRounds(old_run, {Scope::kNode}, 1, 3)) {
+    for (const Output& o : rank) ASSERT_TRUE(o.status.ok()) << o.status;
+  }
+  ASSERT_EQ(old_run[0]->Stats().transport, "shm");
+  std::vector<std::unique_ptr<Client>> new_run;
+  for (int r = 0; r < 2; ++r) {
+    ClientOptions o = RankOptions(*c, r, "restarted");
+    o.transport = "grpc";
+    o.incarnation = 1;
+    auto client = Client::Connect(o);
+    ASSERT_TRUE(client.ok()) << "rank " << r << ": " << client.status();
+    new_run.push_back(std::move(*client));
+  }
+  auto out = RunRounds(new_run, {Scope::kNode}, 2, 3);
+  for (auto& rank : out) {
+    for (const Output& o : rank) ASSERT_TRUE(o.status.ok()) << o.status;
+  }
+  EXPECT_TRUE(SameBits(out[0].back(), out[1].back()));
+  EXPECT_EQ(new_run[0]->Stats().transport, "grpc: HSBN_TRANSPORT=grpc");
+  EXPECT_TRUE(absl::StartsWith(NodeTransport(*new_run[0]), "grpc: local rank 0 does not offer"))
+      << NodeTransport(*new_run[0]);
+  // The old run's segment was invalidated when run 1 joined: its next round finds it dead,
+  // and its rejoin as run 0 is refused, naming both runs.
+  double a[3] = {1, 2, 3}, b[3] = {1, 1, 1}, oa[3], ob[3];
+  int64_t n = 0;
+  absl::Status st = old_run[0]->Forward(9, 0, Scope::kNode, 3, 4, a, b, &n, oa, ob);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "belongs to run (incarnation) 0") &&
+              absl::StrContains(st.message(), "already serves run 1"))
+      << st;
+}
+
 TEST(SharedMemory, SidecarWithShmOffServesTheNodeOverTheStream) {
   auto c = StartCluster(1, 2, {"--shm=off"});
   ASSERT_TRUE(c);

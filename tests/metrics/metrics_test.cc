@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "aggregator_process.h"
 #include "gtest/gtest.h"
+#include "hsbn/v1/hsbn.pb.h"
 
 namespace hsbn {
 namespace {
@@ -245,6 +246,79 @@ TEST(Metrics, RootAndSidecarsCountGlobalRoundsAndTheRootExportsShadowDivergence)
   EXPECT_EQ(Sample(text, "hsbn_rounds_total",
                    L({{"role", "root"}, {"scope", "global"}, {"phase", "forward"},
                       {"outcome", "deadline_exceeded"}})), 1);
+}
+
+// Node rounds through shared memory never pass through the sidecar: the workers count them in
+// the segment, and the sidecar moves those counts into its metrics before every scrape, so a
+// scrape after a round's answer counts it, as over the stream. (The suite's environment forces
+// the stream; these workers ask for shared memory themselves.)
+TEST(Metrics, SidecarCountsTheRoundsItsWorkersRanThroughSharedMemory) {
+  TempDir dir;
+  auto root = StartAggregator(dir.path(), "root", {"--role=root", "--listen=127.0.0.1:0"});
+  ASSERT_TRUE(root.ok()) << root.status();
+  auto agg = StartAggregator(dir.path(), "node0",
+                             {"--role=node", "--listen=unix:" + (dir / "node0.sock"),
+                              "--upstream=" + root->address, "--metrics-listen=127.0.0.1:0"});
+  ASSERT_TRUE(agg.ok()) << agg.status();
+  std::vector<std::unique_ptr<Client>> owned;
+  std::vector<Client*> clients;
+  for (int rank = 0; rank < 2; ++rank) {
+    ClientOptions o = WorkerOptions(agg->address, "shm-job", rank, 2, 2);
+    o.transport = "auto";
+    auto c = Client::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    clients.push_back(c->get());
+    owned.push_back(std::move(*c));
+  }
+  constexpr int kForward = 4, kGlobal = 2;
+  for (int seq = 0; seq < kForward; ++seq) {
+    for (const auto& r : ForwardRound(clients, 1, seq, Scope::kNode)) {
+      ASSERT_TRUE(r.status.ok()) << r.status;
+    }
+  }
+  for (int seq = 0; seq < kGlobal; ++seq) {
+    for (const auto& r : ForwardRound(clients, 2, seq, Scope::kGlobal)) {
+      ASSERT_TRUE(r.status.ok()) << r.status;
+    }
+  }
+  for (Client* c : clients) ASSERT_EQ(c->Stats().transport, "shm");
+  // A node round with a NaN in one rank's mean (not strict: it propagates), and a backward
+  // round whose ranks disagree on the channels (INVALID_ARGUMENT for both).
+  const std::vector<double> means = {std::nan(""), 1.0};
+  for (const auto& r : ForwardRound(clients, 3, 0, Scope::kNode, 1, &means)) {
+    ASSERT_TRUE(r.status.ok()) << r.status;
+    EXPECT_TRUE(std::isnan(r.a[0]));
+  }
+  {
+    std::vector<absl::Status> got(2);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 2; ++i) {
+      threads.emplace_back([&, i] {
+        double dy[3] = {1, 2, 3}, dyx[3] = {3, 4, 5}, oa[3], ob[3];
+        int64_t n;
+        got[size_t(i)] = clients[size_t(i)]->Backward(4, 0, Scope::kNode, 2 + i, 10, dy, dyx, &n,
+                                                      oa, ob);
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (const absl::Status& st : got) EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  }
+  const std::string text = Scrape(*agg);
+  EXPECT_EQ(Sample(text, "hsbn_rounds_total",
+                   L({{"scope", "node"}, {"phase", "forward"}, {"outcome", "ok"}})), kForward + 1);
+  EXPECT_EQ(Sample(text, "hsbn_rounds_total",
+                   L({{"scope", "global"}, {"phase", "forward"}, {"outcome", "ok"}})), kGlobal);
+  EXPECT_EQ(Sample(text, "hsbn_rounds_total",
+                   L({{"scope", "node"}, {"phase", "backward"}, {"outcome", "invalid_argument"}})),
+            1);
+  EXPECT_EQ(Sample(text, "hsbn_nonfinite_values_total", L({{"phase", "forward"}})), 1);
+  // Status counts them too (rounds through the segment add to the job's totals).
+  auto st = clients[0]->Status(false);
+  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_EQ(st->jobs_size(), 1);
+  EXPECT_EQ(st->jobs(0).node_transport(), "shm");
+  EXPECT_EQ(st->jobs(0).rounds_completed(), kForward + kGlobal + 1);
+  EXPECT_EQ(st->jobs(0).rounds_failed(), 1);
 }
 
 // Many global rounds in flight: a sidecar sends what queued while its previous write to the

@@ -6,11 +6,14 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <fstream>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "aggregator_process.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "hsbn/client.h"
@@ -161,6 +164,56 @@ TEST(ShmHostile, GarbageSlotsFailOnlyTheirJobsRoundsNamingTheRank) {
   }
   (void)(*good)->Forward(5, 100, Scope::kNode, 4, 2, a, b, &n, out_a, out_b);
   ExpectSidecarServes(**c, "bystander-2");
+}
+
+// The header's metric counters are written by the job's workers, so a hostile one can raise
+// its node's counts (like running more rounds), but never make the sidecar's exported counters
+// go down or jump by more than 2^32 at once.
+TEST(ShmHostile, CountersAWorkerWritesCannotMakeTheSidecarsMetricsGoDownOrJump) {
+  cluster::ClusterOptions opts;
+  opts.nodes = 1;
+  opts.workers_per_node = 2;
+  opts.extra_flags = {"--metrics-listen=127.0.0.1:0"};
+  auto c = cluster::LocalCluster::Start(opts);
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::string metrics;
+  {
+    std::ifstream ready((*c)->dir() + "/node0.ready");
+    for (std::string line; std::getline(ready, line);) {
+      if (absl::StartsWith(line, "metrics=http://")) metrics = line.substr(15);
+    }
+  }
+  ASSERT_FALSE(metrics.empty());
+  auto sample = [&](const char* name, std::map<std::string, std::string> labels) {
+    auto body = testing::HttpGet(metrics);
+    EXPECT_TRUE(body.ok()) << body.status();
+    return body.ok() ? testing::Sample(*body, name, labels) : -1.0;
+  };
+  const std::map<std::string, std::string> node_ok = {
+      {"scope", "node"}, {"phase", "forward"}, {"outcome", "ok"}};
+  const std::map<std::string, std::string> fwd = {{"phase", "forward"}};
+  auto good = Client::Connect(Rank0(**c, "counted", 2));
+  ASSERT_TRUE(good.ok()) << good.status();
+  Hostile bad = JoinHostile((*c)->sidecar_address(0), "counted", 1, 2);
+  ASSERT_TRUE(bad.channel);
+  ASSERT_TRUE(bad.channel->Await(std::chrono::steady_clock::now() + std::chrono::seconds(30)).ok());
+  shm::Header* h = bad.channel->segment()->header();
+  uint64_t* rounds = &h->rounds[v1::SCOPE_NODE][v1::PHASE_FORWARD][0];
+  uint64_t* nonfinite = &h->nonfinite[v1::PHASE_FORWARD];
+  EXPECT_EQ(sample("hsbn_rounds_total", node_ok), 0);
+  __atomic_store_n(rounds, 1000, __ATOMIC_RELAXED);
+  __atomic_store_n(nonfinite, 7, __ATOMIC_RELAXED);
+  EXPECT_EQ(sample("hsbn_rounds_total", node_ok), 1000);
+  EXPECT_EQ(sample("hsbn_nonfinite_values_total", fwd), 7);
+  // Down: taken as the new base, nothing added.
+  __atomic_store_n(rounds, 5, __ATOMIC_RELAXED);
+  __atomic_store_n(nonfinite, 0, __ATOMIC_RELAXED);
+  EXPECT_EQ(sample("hsbn_rounds_total", node_ok), 1000);
+  EXPECT_EQ(sample("hsbn_nonfinite_values_total", fwd), 7);
+  // A jump to the top: at most 2^32 per step.
+  __atomic_store_n(rounds, std::numeric_limits<uint64_t>::max(), __ATOMIC_RELAXED);
+  EXPECT_EQ(sample("hsbn_rounds_total", node_ok), 1000 + 4294967296.0);
+  ExpectSidecarServes(**c, "bystander");
 }
 
 TEST(ShmHostile, ASessionThatDidNotJoinTheJobGetsNoSegment) {
