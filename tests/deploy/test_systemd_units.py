@@ -2,7 +2,8 @@
 `systemd-analyze verify` without a single warning, scores an exposure of at most 2.0 in
 `systemd-analyze security --offline`, and has the structure hsbn relies on (runtime directory
 that holds the socket, restart policy, hardening, flags from deploy/aggregator-flags.txt).
-Deliberately broken copies must fail the same checks."""
+Its SystemCallFilter= must allow every system call the aggregator makes, the shared-memory node
+path's included. Deliberately broken copies must fail the same checks."""
 import pathlib
 import re
 import shutil
@@ -23,6 +24,52 @@ REQUIRED = {
     "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6", "MemoryDenyWriteExecute": "yes",
     "SystemCallArchitectures": "native", "UMask": "0007", "KillSignal": "SIGTERM",
 }
+
+
+# Every system call an hsbn-aggregator made while serving jobs over the gRPC stream and shared
+# memory (node, global and shadow rounds, the fallback): `strace -f` of the sidecars and the
+# root, started through HSBN_AGGREGATOR=<a wrapper that runs strace>, during
+# integration_test --gtest_filter='SharedMemory.NodeGlobalAndShadow*:SharedMemory.OneRank*'.
+AGGREGATOR_SYSCALLS = set("""
+accept4 access arch_prctl bind brk clone3 close connect epoll_create1 epoll_ctl epoll_wait
+eventfd2 execve fcntl ftruncate futex getpeername getpid getrandom getsockname getsockopt listen
+lseek memfd_create mmap mprotect munmap newfstatat openat prctl pread64 prlimit64 read recvfrom
+recvmsg rename rseq rt_sigaction rt_sigprocmask rt_sigtimedwait sendmsg set_robust_list
+set_tid_address setsockopt shutdown socket umask uname unlink write
+""".split())
+
+
+def syscall_set(entry, cache={}):
+    """A system call, or a @group expanded through `systemd-analyze syscall-filter`."""
+    if not entry.startswith("@"):
+        return {entry}
+    if entry not in cache:
+        out = subprocess.run([ANALYZE, "syscall-filter", entry], capture_output=True, text=True,
+                             check=True).stdout
+        names = set()
+        for line in out.splitlines()[1:]:
+            line = line.strip()
+            if line and not line.startswith("#"):
+                names |= syscall_set(line)
+        cache[entry] = names
+    return cache[entry]
+
+
+def filter_allows(text):
+    """The system calls a unit's SystemCallFilter= lines allow, as systemd reads them: the first
+    line decides allow-list or deny-list; later lines add (or, with ~, remove)."""
+    allowed, mode = None, None
+    for value in parse(text).get("SystemCallFilter", []):
+        deny = value.startswith("~")
+        names = set()
+        for entry in value.lstrip("~").split():
+            names |= syscall_set(entry)
+        if mode is None:
+            mode = "deny" if deny else "allow"
+            allowed = set(syscall_set("@known")) - names if deny else names
+        else:
+            allowed = allowed - names if deny else allowed | names
+    return syscall_set("@known") if allowed is None else allowed
 
 
 def contract_flags():
@@ -133,6 +180,19 @@ class SystemdUnitsTest(unittest.TestCase):
         for name, text in variants():
             with self.subTest(unit=name):
                 self.assertEqual(analyze_errors(name, text), [])
+
+    @unittest.skipUnless(ANALYZE, "systemd-analyze is not installed (Debian package systemd)")
+    def test_system_call_filters_allow_every_call_the_aggregator_makes(self):
+        for name, text in variants():
+            with self.subTest(unit=name):
+                self.assertEqual(sorted(AGGREGATOR_SYSCALLS - filter_allows(text)), [])
+        # The check can fail: a filter without @ipc loses memfd_create, the shared-memory
+        # segment's system call.
+        sidecar = (UNITS / "hsbn-sidecar.service").read_text()
+        broken = sidecar.replace("SystemCallFilter=~@privileged @resources",
+                                 "SystemCallFilter=~@privileged @resources @ipc")
+        self.assertNotEqual(broken, sidecar)
+        self.assertIn("memfd_create", AGGREGATOR_SYSCALLS - filter_allows(broken))
 
     def test_broken_copies_fail_the_structure_check(self):
         sidecar = (UNITS / "hsbn-sidecar.service").read_text()
