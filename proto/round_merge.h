@@ -6,8 +6,12 @@
 #ifndef HSBN_ROUND_MERGE_H_
 #define HSBN_ROUND_MERGE_H_
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <string>
 
+#include "absl/strings/str_cat.h"
 #include "hsbn/moments.h"
 
 namespace hsbn::wire {
@@ -33,6 +37,43 @@ int64_t ReduceInOrder(bool forward, int64_t channels, int n, Get get, double* a,
     }
   }
   return count;
+}
+
+// The values check every contribution passes before it is merged, on either transport: the
+// first value a member may not send, among `channels` a's then `channels` b's at `raw` (read
+// with memcpy: `raw` may be unaligned). With `strict`, any NaN or Inf (the job's strict mode;
+// otherwise they are data and propagate); in a forward round, a negative m2 (-Inf included),
+// which is never a sum of squares. Returns false with `field` (e.g. "m2[3]") and `what` (why)
+// set; true when every value may be merged.
+inline bool CheckContributionValues(const char* raw, int64_t channels, bool forward, bool strict,
+                                    std::string* field, std::string* what) {
+  const char* name_a = forward ? "mean" : "sum_dy";
+  const char* name_b = forward ? "m2" : "sum_dy_xmu";
+  auto at = [&](int64_t i) {
+    double v;
+    std::memcpy(&v, raw + i * int64_t(sizeof(double)), sizeof(double));
+    return v;
+  };
+  auto name = [&](int64_t i) {
+    return absl::StrCat(i < channels ? name_a : name_b, "[", i < channels ? i : i - channels, "]");
+  };
+  for (int64_t i = 0; strict && i < 2 * channels; ++i) {
+    const double v = at(i);
+    if (std::isfinite(v)) continue;
+    *field = name(i);
+    *what = absl::StrCat("is ", v, "; the local batch has NaN or Inf values (check the input "
+                                   "and the learning rate). This job is strict "
+                                   "(HSBN_STRICT_FINITE)");
+    return false;
+  }
+  for (int64_t i = channels; forward && i < 2 * channels; ++i) {
+    const double v = at(i);
+    if (!(v < 0)) continue;
+    *field = name(i);
+    *what = absl::StrCat("is ", v, "; a sum of squared deviations is never negative");
+    return false;
+  }
+  return true;
 }
 
 }  // namespace hsbn::wire

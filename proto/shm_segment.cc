@@ -359,24 +359,13 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
                                               "(its wait ended); the round failed"));
       break;
     }
-    const char* name_a = forward ? "mean" : "sum_dy";
-    const char* name_b = forward ? "m2" : "sum_dy_xmu";
     int64_t nonfinite = 0;
     for (int64_t i = 0; i < 2 * channels; ++i) nonfinite += !std::isfinite(mine[i]);
     CountNonFinite(key.phase, nonfinite);
-    for (int64_t i = 0; i < 2 * channels && error.ok(); ++i) {
-      const double v = mine[i];
-      const bool second = i >= channels;
-      const int64_t c = second ? i - channels : i;
-      if (o.strict_finite && !std::isfinite(v)) {
-        error = bad(r, absl::StrCat(second ? name_b : name_a, "[", c, "]"),
-                    absl::StrCat("is ", v, "; the local batch has NaN or Inf values (check the "
-                                           "input and the learning rate). This job is strict "
-                                           "(HSBN_STRICT_FINITE)"));
-      } else if (forward && second && v < 0) {
-        error = bad(r, absl::StrCat(name_b, "[", c, "]"),
-                    absl::StrCat("is ", v, "; a sum of squared deviations is never negative"));
-      }
+    std::string field, what;
+    if (!wire::CheckContributionValues(reinterpret_cast<const char*>(mine), channels, forward,
+                                       o.strict_finite, &field, &what)) {
+      error = bad(r, field, what);
     }
   }
   int64_t total = 0;

@@ -300,34 +300,16 @@ absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const
                                     " channels need ", wire::PayloadBytes(c.channels())));
   }
   if (c.count() < 0) return bad("count", absl::StrCat("is ", c.count(), "; counts are >= 0"));
-  const int64_t channels = c.channels();
-  const char* name_a = c.phase() == v1::PHASE_FORWARD ? "mean" : "sum_dy";
-  const char* name_b = c.phase() == v1::PHASE_FORWARD ? "m2" : "sum_dy_xmu";
-  const char* raw = c.data().data();
   // NaN and Inf are data (they propagate to every member, as in torch's SyncBatchNorm) unless
-  // the job is strict; a negative m2 (-Inf included) is never a sum of squares.
+  // the job is strict; the values check is the shared-memory path's too (round_merge.h).
   if (CountNonFinite(c.data(), c.phase(), out) > 0 && layout_.strict_finite) {
     out->refused.push_back("strict_nonfinite");
-    for (int64_t i = 0; i < 2 * channels; ++i) {
-      double v;
-      std::memcpy(&v, raw + i * sizeof(double), sizeof(double));
-      if (std::isfinite(v)) continue;
-      return bad(absl::StrCat(i < channels ? name_a : name_b, "[", i < channels ? i : i - channels,
-                              "]"),
-                 absl::StrCat("is ", v, "; the local batch has NaN or Inf values (check the "
-                                        "input and the learning rate). This job is strict "
-                                        "(HSBN_STRICT_FINITE)"));
-    }
   }
-  for (int64_t i = channels; c.phase() == v1::PHASE_FORWARD && i < 2 * channels; ++i) {
-    double v;
-    std::memcpy(&v, raw + i * sizeof(double), sizeof(double));
-    const char* name = name_b;
-    const int64_t ch = i - channels;
-    if (v < 0) {
-      return bad(absl::StrCat(name, "[", ch, "]"),
-                 absl::StrCat("is ", v, "; a sum of squared deviations is never negative"));
-    }
+  std::string field, what;
+  if (!wire::CheckContributionValues(c.data().data(), int64_t(c.channels()),
+                                     c.phase() == v1::PHASE_FORWARD, layout_.strict_finite, &field,
+                                     &what)) {
+    return bad(field, what);
   }
   if (open != nullptr) {
     if (c.channels() != open->channels) {
