@@ -390,12 +390,18 @@ def environment():
     except OSError:
         load = (float("nan"),) * 3
     cpus = os.cpu_count()
+    # How node rounds travel (the workers inherit it): shared memory unless HSBN_TRANSPORT=grpc.
+    transport = os.environ.get("HSBN_TRANSPORT", "") or "auto"
     return {"torch": torch.__version__, "numpy": np.__version__,
             "python": platform.python_version(), "cpus": cpus,
             "platform": platform.platform(), "loadavg_start": list(load),
-            "machine": "%d CPU core(s), 1-minute load average %.1f at the start%s"
+            "transport": transport,
+            "machine": "%d CPU core(s), 1-minute load average %.1f at the start%s; node rounds "
+                       "over %s"
                        % (cpus, load[0], " (shared: timings are noisy)"
-                          if load[0] > 0.5 * cpus else "")}
+                          if load[0] > 0.5 * cpus else "",
+                          "the gRPC stream (HSBN_TRANSPORT=grpc)" if transport == "grpc"
+                          else "shared memory (HSBN_TRANSPORT=auto)")}
 
 
 def make_cfg(args, tasks, seeds, batch, skew):
