@@ -390,16 +390,23 @@ class Client::Impl {
         return s;
       }
     }
+    // The stream's message, built only for a round that takes the stream (packing the payload
+    // was most of a shared-memory round's cost).
     v1::ClientFrame frame;
-    v1::Contribution* c = frame.mutable_contribution();
-    c->set_op(op);
-    c->set_seq(seq);
-    c->set_phase(v1::Phase(int(phase)));
-    c->set_scope(v1::Scope(int(scope)));
-    if (decide) *c->mutable_decide() = request;
-    c->set_channels(uint32_t(channels));
-    c->set_count(count);
-    wire::PackPayload(a, b, channels, c->mutable_data());
+    auto build_frame = [&](const std::string& session) {
+      v1::Contribution* c = frame.mutable_contribution();
+      if (c->data().empty()) {
+        c->set_op(op);
+        c->set_seq(seq);
+        c->set_phase(v1::Phase(int(phase)));
+        c->set_scope(v1::Scope(int(scope)));
+        if (decide) *c->mutable_decide() = request;
+        c->set_channels(uint32_t(channels));
+        c->set_count(count);
+        wire::PackPayload(a, b, channels, c->mutable_data());
+      }
+      c->set_session(session);
+    };
     const Key key{op, seq, int(phase)};
     const auto deadline = Clock::now() + RoundTimeout();
     // The round's record, whichever transport carries it.
@@ -418,16 +425,17 @@ class Client::Impl {
     for (int attempt = 0;; ++attempt) {
       std::shared_ptr<Conn> conn;
       std::shared_ptr<client_internal::ShmChannel> shm;
+      std::string session;
       {
         std::lock_guard<std::mutex> lock(mu_);
         // A sidecar that closed the shared-memory socket is gone (restarted): rejoin, as for a
         // broken stream, which nobody reads while rounds travel through shared memory.
-        if (!conn_ || conn_->broken || (shm_ && !shm_->Alive())) {
+        if (!conn_ || conn_->broken || (shm_ && !shm_->AliveRecently())) {
           if (absl::Status s = ConnectLocked(); !s.ok()) return s;
         }
         conn = conn_;
         shm = shm_;
-        c->set_session(session_);
+        session = session_;
       }
       if (shm != nullptr && !stream_only) {
         if (!shm->decided()) {
@@ -463,6 +471,7 @@ class Client::Impl {
           return pending;
         }
       }
+      build_frame(session);
       auto pending = make_pending();
       pending->decide = decide;
       pending->conn = conn;

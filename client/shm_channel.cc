@@ -154,11 +154,26 @@ absl::Status ShmChannel::Await(Clock::time_point deadline) {
 
 bool ShmChannel::Alive() const {
   if (segment_ && __atomic_load_n(&segment_->header()->dead, __ATOMIC_ACQUIRE) != 0) return false;
+  if (gone_.load(std::memory_order_acquire)) return false;
   pollfd p{sock_, POLLIN | POLLRDHUP, 0};
-  if (poll(&p, 1, 0) == 0) return true;
-  if (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) return false;
-  // Before the answer, data is the answer; after it the sidecar sends nothing more.
-  return !decided();
+  bool alive = true;
+  if (poll(&p, 1, 0) != 0) {
+    // Before the answer, data is the answer; after it the sidecar sends nothing more.
+    alive = !(p.revents & (POLLRDHUP | POLLHUP | POLLERR)) && !decided();
+  }
+  if (!alive) gone_.store(true, std::memory_order_release);
+  return alive;
+}
+
+bool ShmChannel::AliveRecently() const {
+  if (segment_ && __atomic_load_n(&segment_->header()->dead, __ATOMIC_ACQUIRE) != 0) return false;
+  if (gone_.load(std::memory_order_acquire)) return false;
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          Clock::now().time_since_epoch()).count();
+  const int64_t last = polled_at_ns_.load(std::memory_order_relaxed);
+  if (now - last < std::chrono::nanoseconds(kAlivePoll).count()) return true;
+  polled_at_ns_.store(now, std::memory_order_relaxed);
+  return Alive();
 }
 
 shm::ReduceOptions ShmChannel::Reduce() const {
@@ -209,13 +224,14 @@ void ShmChannel::HarvestLocked() {
 absl::StatusOr<ShmRound> ShmChannel::Start(const shm::Key& key, int32_t scope, int64_t channels,
                                            int64_t count, const double* a, const double* b,
                                            Clock::time_point deadline) {
-  const std::string round = wire::RoundName(key.op, key.seq, v1::Phase(key.phase));
+  // Built only for an error message: a round's fast path allocates nothing it does not need.
+  auto round = [&] { return wire::RoundName(key.op, key.seq, v1::Phase(key.phase)); };
   const shm::ReduceOptions opts = Reduce();
   if (absl::Status s = segment_->Blocked(&key, opts); !s.ok()) return s;
   if (scope != v1::SCOPE_NODE && config_.num_nodes > 1 && segment_->header()->has_parent == 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", config_.node_rank * config_.local_world_size + config_.local_rank, " asked for ",
-        wire::ScopeName(v1::Scope(scope)), " scope in round ", round, ", but job '",
+        wire::ScopeName(v1::Scope(scope)), " scope in round ", round(), ", but job '",
         config_.job_id, "' spans ", config_.num_nodes,
         " nodes and this sidecar has no root: start it with --upstream=<root address>"));
   }
@@ -228,7 +244,7 @@ absl::StatusOr<ShmRound> ShmChannel::Start(const shm::Key& key, int32_t scope, i
     if ((w & 0xffu) == shm::kPosted && segment_->slot(rank, i)->op == key.op &&
         segment_->slot(rank, i)->seq == key.seq && segment_->slot(rank, i)->phase == key.phase) {
       return absl::AlreadyExistsError(absl::StrCat(
-          "round ", round, " is already in flight on this client; each (op, seq, phase) is one "
+          "round ", round(), " is already in flight on this client; each (op, seq, phase) is one "
           "round"));
     }
   }
@@ -246,7 +262,7 @@ absl::StatusOr<ShmRound> ShmChannel::Start(const shm::Key& key, int32_t scope, i
     // Every slot holds a round in flight: wait for one to finish (rounds are never dropped).
     if (Clock::now() >= deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
-          "round ", round, ": all ", ring, " shared-memory slots of this rank hold rounds that "
+          "round ", round(), ": all ", ring, " shared-memory slots of this rank hold rounds that "
           "did not finish in time (--shm-ring); wait for rounds before starting more"));
     }
     if (!Alive()) {
@@ -300,7 +316,7 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
   const Clock::time_point aggregator_deadline = r.started + aggregator_wait;
   const Clock::time_point deadline = std::min(aggregator_deadline, client_deadline);
   const uint64_t id = RoundId(r.slot, r.posted);
-  const std::string round = wire::RoundName(r.key.op, r.key.seq, v1::Phase(r.key.phase));
+  auto round = [&] { return wire::RoundName(r.key.op, r.key.seq, v1::Phase(r.key.phase)); };
   {
     std::lock_guard<std::mutex> lock(mu_);
     // Waited for again after its caller's own timeout: it is no longer abandoned.
@@ -328,7 +344,7 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
       absl::Status fail = segment_->Blocked(&r.key, opts);
       if (fail.ok() && !Alive()) {
         fail = absl::UnavailableError(absl::StrCat(
-            "round ", round, ": the node's sidecar is gone (it restarted or shut down), so the "
+            "round ", round(), ": the node's sidecar is gone (it restarted or shut down), so the "
             "job's shared-memory segment is no longer served; the next call rejoins"));
       }
       const Clock::time_point now = Clock::now();
@@ -343,12 +359,12 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
           }
           if (names.empty()) {
             fail = absl::DeadlineExceededError(absl::StrCat(
-                "round ", round, " of job '", config_.job_id, "': the root aggregator did not "
+                "round ", round(), " of job '", config_.job_id, "': the root aggregator did not "
                 "answer within ", aggregator_wait.count(), " ms; check the root and the nodes' "
                 "sidecars"));
           } else {
             fail = absl::DeadlineExceededError(absl::StrCat(
-                "round ", round, " of job '", config_.job_id, "' timed out after ",
+                "round ", round(), " of job '", config_.job_id, "' timed out after ",
                 config_.round_timeout.count(), " ms waiting for ", absl::StrJoin(names, ", "),
                 ". Those processes crashed, hung, or did not run this BN layer; every worker "
                 "must run the same layers in the same order"));
@@ -360,7 +376,7 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
           std::lock_guard<std::mutex> lock(mu_);
           abandoned_[r.slot] = Abandoned{r.posted, aggregator_deadline};
           return absl::DeadlineExceededError(absl::StrCat(
-              "round ", round, ": no answer through the node's shared memory within ",
+              "round ", round(), ": no answer through the node's shared memory within ",
               client_timeout.count(), " ms"));
         }
       }
@@ -383,7 +399,7 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
     std::unique_lock<std::mutex> lk(mu_);
     absl::Status status;
     int64_t count = 0;
-    std::vector<double> data;
+    thread_local std::vector<double> data;  // reused: a round allocates nothing here
     if (auto it = stash_.find(id); it != stash_.end()) {
       status = it->second.status;
       count = it->second.count;
@@ -397,7 +413,7 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
     } else {
       busy_[size_t(r.slot)] = false;
       return absl::UnavailableError(absl::StrCat(
-          "round ", round, ": this rank's shared-memory slot was reset (the sidecar re-admitted "
+          "round ", round(), ": this rank's shared-memory slot was reset (the sidecar re-admitted "
           "this rank, or a process of the job wrote into it); the round is lost"));
     }
     lk.unlock();

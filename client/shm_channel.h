@@ -71,6 +71,12 @@ class ShmChannel {
   int32_t max_channels() const { return segment_ ? segment_->geometry().max_channels : 0; }
   // False once the sidecar closed the hand-off connection or invalidated the segment.
   bool Alive() const;
+  // Alive() for the per-round check: the segment's dead word (set by a sidecar that shuts down)
+  // every time, the connection (a sidecar killed outright) at most every kAlivePoll, since a
+  // poll() is most of a round's cost. A round posted meanwhile into a dead sidecar's segment
+  // fails at its Wait, which checks Alive() before it sleeps.
+  bool AliveRecently() const;
+  static constexpr std::chrono::milliseconds kAlivePoll{20};
   // True while the round's contribution is still posted (its caller's own timeout passed: it
   // may be waited for again).
   bool Posted(const ShmRound& round) const {
@@ -122,6 +128,8 @@ class ShmChannel {
     Clock::time_point deadline;  // the aggregator's: withdrawn then if still unanswered
   };
   std::map<int32_t, Abandoned> abandoned_;  // slots whose caller gave up (its own timeout)
+  mutable std::atomic<int64_t> polled_at_ns_{0};  // AliveRecently: the last poll (steady ns)
+  mutable std::atomic<bool> gone_{false};         // a poll found the connection closed
   std::atomic<int64_t> spin_ns_{20000};    // adaptive spin before sleeping
   int64_t max_spin_ns_ = 50000;
 };

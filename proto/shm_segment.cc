@@ -300,7 +300,8 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
   const uint32_t gen0 = GenOf(posted[0]);
   if (!Cas(&slot(0, idx[0])->claim, gen0 << 1, (gen0 << 1) | 1u)) return false;
 
-  const std::string round = wire::RoundName(key.op, key.seq, v1::Phase(key.phase));
+  // Built only for an error message.
+  auto round = [&] { return wire::RoundName(key.op, key.seq, v1::Phase(key.phase)); };
   const bool forward = key.phase == v1::PHASE_FORWARD;
   int32_t scope = 0;
   int64_t channels = 0;
@@ -308,7 +309,7 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
   auto bad = [&](int32_t r, const std::string& field, const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat(RankName(r, o, n),
                                                    " sent an invalid contribution to round ",
-                                                   round, ": field '", field, "' ", what));
+                                                   round(), ": field '", field, "' ", what));
   };
   for (int32_t r = 0; r < n && error.ok(); ++r) {
     SlotHead* s = slot(r, idx[r]);
@@ -321,7 +322,7 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
     }
     if (ch > g_.max_channels && ch > o.max_channels_limit) {
       error = absl::ResourceExhaustedError(absl::StrCat(
-          RankName(r, o, n), " sent ", ch, " channels (field 'channels') to round ", round,
+          RankName(r, o, n), " sent ", ch, " channels (field 'channels') to round ", round(),
           ", more than this aggregator's limit --max-channels=", o.max_channels_limit,
           "; raise the limit or split the layer"));
       break;
@@ -353,7 +354,7 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
     double* mine = buf.data() + size_t(r) * 2 * size_t(channels);
     std::memcpy(mine, data(s), size_t(channels) * 2 * sizeof(double));
     if (Load(&s->state) != posted[r]) {
-      error = absl::AbortedError(absl::StrCat("round ", round, " of job '", o.job_id, "': ",
+      error = absl::AbortedError(absl::StrCat("round ", round(), " of job '", o.job_id, "': ",
                                               RankName(r, o, n),
                                               " withdrew its contribution while it was reduced "
                                               "(its wait ended); the round failed"));
@@ -376,12 +377,12 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
         who.push_back(absl::StrCat(RankName(q, o, n), " count=", counts[size_t(q)]));
       }
       error = absl::InvalidArgumentError(absl::StrCat(
-          "round ", round, " of job '", o.job_id, "': the members' counts overflow int64 when "
+          "round ", round(), " of job '", o.job_id, "': the members' counts overflow int64 when "
           "summed (", absl::StrJoin(who, ", "), "); a count is the number of values per channel "
           "behind a contribution"));
     }
   }
-  std::vector<double> result;
+  thread_local std::vector<double> result;  // reused: a round allocates nothing here
   int64_t count = 0;
   if (error.ok()) {
     result.resize(2 * size_t(channels));
@@ -397,7 +398,7 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
       for (double v : result) {
         if (!std::isfinite(v)) {
           error = absl::InvalidArgumentError(absl::StrCat(
-              "round ", round, " of job '", o.job_id, "': the merged statistics overflow to Inf "
+              "round ", round(), " of job '", o.job_id, "': the merged statistics overflow to Inf "
               "or NaN although every contribution was finite; the values are too large (this "
               "job is strict: HSBN_STRICT_FINITE)"));
           break;
@@ -416,7 +417,7 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
     partial.data = result;
     if (!Enqueue(partial, o)) {
       error = absl::UnavailableError(absl::StrCat(
-          "round ", round, " of job '", o.job_id, "': the node's sidecar did not take the "
+          "round ", round(), " of job '", o.job_id, "': the node's sidecar did not take the "
           "node partial (its queue stayed full, or it invalidated the segment)"));
     } else if (scope == v1::SCOPE_GLOBAL) {
       return true;  // the sidecar answers with the root's result
