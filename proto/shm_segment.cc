@@ -360,9 +360,8 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
                                               "(its wait ended); the round failed"));
       break;
     }
-    int64_t nonfinite = 0;
-    for (int64_t i = 0; i < 2 * channels; ++i) nonfinite += !std::isfinite(mine[i]);
-    CountNonFinite(key.phase, nonfinite);
+    CountNonFinite(key.phase,
+                   wire::CountNonFinite(reinterpret_cast<const char*>(mine), 2 * channels));
     std::string field, what;
     if (!wire::CheckContributionValues(reinterpret_cast<const char*>(mine), channels, forward,
                                        o.strict_finite, &field, &what)) {
@@ -609,9 +608,7 @@ int Segment::DeliverAll(const Key& key, int32_t code, const std::string& message
     }
   }
   if (code == 0 && d != nullptr) {
-    int64_t nonfinite = 0;
-    for (int64_t i = 0; i < 2 * channels; ++i) nonfinite += !std::isfinite(d[i]);
-    CountNonFinite(key.phase, nonfinite);
+    CountNonFinite(key.phase, wire::CountNonFinite(reinterpret_cast<const char*>(d), 2 * channels));
   }
   for (int32_t r = 0; r < g_.ranks; ++r) {
     if (!mine[size_t(r)]) continue;

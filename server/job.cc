@@ -62,13 +62,7 @@ int64_t Job::held_bytes() const {
 }
 
 int64_t Job::CountNonFinite(const std::string& data, v1::Phase phase, Actions* out) {
-  int64_t n = 0;
-  const char* raw = data.data();
-  for (size_t i = 0; i + sizeof(double) <= data.size(); i += sizeof(double)) {
-    double v;
-    std::memcpy(&v, raw + i, sizeof(double));
-    n += !std::isfinite(v);
-  }
+  const int64_t n = wire::CountNonFinite(data.data(), int64_t(data.size() / sizeof(double)));
   if (out != nullptr && n > 0) out->nonfinite[phase == v1::PHASE_BACKWARD ? 1 : 0] += n;
   return n;
 }
