@@ -53,11 +53,18 @@ def _warm_up(join=True):
 def _rejoin(job_id, transport_env):
     """Leaves this worker's job and joins `job_id` with HSBN_TRANSPORT=transport_env; one node
     round decides the node's transport. Returns it as Client.stats() says."""
+    import itertools
     import numpy as np
     import hsbn
     import hsbn.client
+    import hsbn.torch.modules
     if hsbn.client._default is not None:
         hsbn.client._default.close()
+    # Directly constructed layers take their op from a count of constructions in the process:
+    # in the new job it starts at 0 in every worker, as in a fresh trainer, so that a worker
+    # started afresh (use_transport) counts in step with the others.
+    with hsbn.torch.modules._op_lock:
+        hsbn.torch.modules._op_counter = itertools.count()
     os.environ["HSBN_JOB_ID"] = job_id
     os.environ["HSBN_TRANSPORT"] = transport_env
     client = hsbn.default_client()
