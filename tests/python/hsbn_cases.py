@@ -213,6 +213,12 @@ def ddp_train(initial_state, batches_by_rank):
         dist.destroy_process_group()
 
 
+def and_transport(fn, *args):
+    """fn(*args), and the transport of this process's default client's node (Client.stats())."""
+    value = fn(*args)
+    return value, hsbn.default_client().stats().transport
+
+
 def kill_self():
     os.kill(os.getpid(), signal.SIGKILL)
 
