@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+import transports
+
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PKG = os.path.join(_REPO, "client", "python")
 try:
@@ -42,3 +44,19 @@ def native_parts():
     if _NATIVE_ERROR:
         pytest.fail("hsbn's native parts are missing: " + _NATIVE_ERROR, pytrace=False)
     return os.environ["HSBN_LIBRARY"], os.environ["HSBN_AGGREGATOR"]
+
+
+# The node path's integration and failure tests take `transport` (through their worker pool's
+# fixture, or transport_env for clients made in the test process) and run once over each of
+# transports.NAMES: their ids end in [shm] or [grpc].
+@pytest.fixture(scope="module", params=transports.NAMES)
+def transport(request):
+    return request.param
+
+
+@pytest.fixture
+def transport_env(transport, monkeypatch):
+    """Clients made by the test process during this test use `transport`; returns what their
+    Client.stats().transport must say."""
+    monkeypatch.setenv("HSBN_TRANSPORT", transports.ENV[transport])
+    return transports.EXPECTED[transport]

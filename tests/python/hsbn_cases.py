@@ -73,6 +73,32 @@ def bn_steps(spec, steps, client=None, op=None):
     return out
 
 
+def bn_steps_over_both_transports(cases, job_prefix):
+    """Runs bn_steps for each (spec, steps) of `cases` once in job `job_prefix`-shm, whose node
+    rounds travel through shared memory, then in `job_prefix`-grpc, on the gRPC stream: a client
+    for each, joined with HSBN_TRANSPORT set for it. Returns, per transport, what its client's
+    stats() said and the results."""
+    import transports
+    out = {}
+    for name in transports.NAMES:
+        saved = os.environ.get("HSBN_TRANSPORT")
+        os.environ["HSBN_TRANSPORT"] = transports.ENV[name]
+        try:
+            client = hsbn.Client.from_env(job_id="%s-%s" % (job_prefix, name))
+        finally:
+            if saved is None:
+                del os.environ["HSBN_TRANSPORT"]
+            else:
+                os.environ["HSBN_TRANSPORT"] = saved
+        try:
+            results = [bn_steps(spec, steps, client=client, op=100 + i)
+                       for i, (spec, steps) in enumerate(cases)]
+            out[name] = {"transport": client.stats().transport, "results": results}
+        finally:
+            client.close()
+    return out
+
+
 def _job_status(status, job_id):
     for job in status.get("jobs", []):
         if job.get("jobId") == job_id:
@@ -185,6 +211,12 @@ def ddp_train(initial_state, batches_by_rank):
         return state_numpy(model)
     finally:
         dist.destroy_process_group()
+
+
+def and_transport(fn, *args):
+    """fn(*args), and the transport of this process's default client's node (Client.stats())."""
+    value = fn(*args)
+    return value, hsbn.default_client().stats().transport
 
 
 def kill_self():

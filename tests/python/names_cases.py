@@ -162,7 +162,9 @@ def ddp_broadcast_buffer_warnings():
 
 
 def synchronized_forward():
-    """One synchronized forward through the implicit default client, then a normal return."""
+    """One synchronized forward through the implicit default client, then a normal return of
+    the job's id and the node's transport (Client.stats())."""
     bn = hsbn.torch.SyncBatchNorm(3, name="exit-test")
     bn(torch.randn(4, 3))
-    return hsbn.default_client().job_id
+    client = hsbn.default_client()
+    return client.job_id, client.stats().transport

@@ -1,5 +1,6 @@
 """hsbn.Client: construction from the environment, rounds, status, and the errors a user meets
-first. The test process itself is the worker here (no PyTorch needed by Client)."""
+first. The test process itself is the worker here (no PyTorch needed by Client). The tests that
+make rounds run over both transports of the node's rounds ([shm], [grpc]: transports.py)."""
 
 import operator
 import socket
@@ -74,7 +75,7 @@ def test_no_sidecar_at_a_tcp_address_fails_within_the_connect_timeout():
     assert info.value.code in (hsbn.errors.UNAVAILABLE, hsbn.errors.DEADLINE_EXCEEDED)
 
 
-def test_a_lone_worker_gets_its_own_statistics_back_and_sees_itself_in_status():
+def test_a_lone_worker_gets_its_own_statistics_back_and_sees_itself_in_status(transport_env):
     with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=1, root=False) as c:
         with hsbn.Client.from_env(c.worker_env(0)) as client:
             assert (client.rank, client.world_size, client.num_nodes) == (0, 1, 1)
@@ -85,6 +86,7 @@ def test_a_lone_worker_gets_its_own_statistics_back_and_sees_itself_in_status():
             np.testing.assert_array_equal(out_m2, m2)
             count, s1, s2 = client.backward(7, 0, "node", 6, mean, m2)
             np.testing.assert_array_equal(s1, mean)
+            assert client.stats().transport == transport_env
             status = client.status(include_upstream=False)
             jobs = {j["jobId"]: j for j in status["jobs"]}
             assert c.job_id in jobs
@@ -92,10 +94,11 @@ def test_a_lone_worker_gets_its_own_statistics_back_and_sees_itself_in_status():
         assert client.closed
 
 
-def test_two_nodes_reduce_in_node_order_through_the_root(cluster):
+def test_two_nodes_reduce_in_node_order_through_the_root(cluster, transport, transport_env):
     # Two clients in this process, one per node, each on its own thread (rounds block).
     import threading
-    clients = [hsbn.Client.from_env(cluster.worker_env(r)) for r in range(2)]
+    clients = [hsbn.Client.from_env(cluster.worker_env(r, job_id="two-nodes-" + transport))
+               for r in range(2)]
     try:
         data = [(2, np.array([0.0, 1.0]), np.array([2.0, 0.0])),
                 (4, np.array([3.0, 1.0]), np.array([4.0, 8.0]))]
@@ -114,6 +117,7 @@ def test_two_nodes_reduce_in_node_order_through_the_root(cluster):
         np.testing.assert_allclose(out[0][2], [6.0 + 9.0 * 8 / 6, 8.0], rtol=1e-15)
         np.testing.assert_array_equal(out[0][1], out[1][1])  # bitwise identical everywhere
         np.testing.assert_array_equal(out[0][2], out[1][2])
+        assert [c.stats().transport for c in clients] == [transport_env] * 2
     finally:
         for c in clients:
             c.close()

@@ -1,6 +1,6 @@
 """A small CNN converted with convert_sync_batchnorm, trained with DDP (gloo) on 4 workers
 (2 nodes x 2) in global scope, ends with the weights of single-process training on the
-concatenated batch."""
+concatenated batch. Over both transports of the node's rounds ([shm], [grpc]: transports.py)."""
 
 import numpy as np
 import torch
@@ -12,7 +12,7 @@ from bnref import rel_err
 WORKERS, PER_WORKER, STEPS = 4, 4, 3
 
 
-def test_ddp_training_in_global_scope_equals_single_process_training():
+def test_ddp_training_in_global_scope_equals_single_process_training(transport_env):
     torch.manual_seed(0)
     model = hsbn_cases.SmallCNN()
     initial = hsbn_cases.state_numpy(model)
@@ -24,7 +24,10 @@ def test_ddp_training_in_global_scope_equals_single_process_training():
                  rng.integers(0, 5, PER_WORKER).astype(np.int64)) for _ in range(STEPS)]
                for r in range(WORKERS)]
     with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2, round_timeout_ms=30000) as c:
-        states = c.run(hsbn_cases.ddp_train, initial, batches, timeout=240)
+        out = c.run(hsbn_cases.and_transport, hsbn_cases.ddp_train, initial, batches,
+                    timeout=240)
+    assert [used for _, used in out] == [transport_env] * WORKERS
+    states = [state for state, _ in out]
     # Reference: one process, plain BatchNorm, the four workers' batches concatenated.
     hsbn_cases.train(model, [(np.concatenate([batches[r][s][0] for r in range(WORKERS)]),
                               np.concatenate([batches[r][s][1] for r in range(WORKERS)]))

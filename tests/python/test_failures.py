@@ -1,6 +1,7 @@
 """Failure semantics seen from PyTorch: a peer process killed in the middle of a step makes the
 others raise a Python exception that names the missing rank, within seconds (long before the
-round's deadline)."""
+round's deadline). Over both transports of the node's rounds ([shm], [grpc]: transports.py); the
+workers killed over one are started afresh for the other."""
 
 import os
 import signal
@@ -18,14 +19,20 @@ ROUND_TIMEOUT_MS = 15000  # well above the 10 s the tests allow for noticing a d
 
 
 @pytest.fixture(scope="module")
-def pool():
+def workers():
     with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2,
                                    round_timeout_ms=ROUND_TIMEOUT_MS) as cluster:
-        workers = WorkerPool(cluster)
+        pool = WorkerPool(cluster)
         try:
-            yield workers
+            yield pool
         finally:
-            workers.close()
+            pool.close()
+
+
+@pytest.fixture(scope="module")
+def pool(workers, transport):
+    yield workers.use_transport(transport)
+    workers.check_transport()
 
 
 def contributions(address, job_id):

@@ -7,6 +7,11 @@ bitwise the same on the group's members and across reruns; groups of all nodes g
 bits, groups of one node give node's. Auto scope runs on 2 nodes x 2 workers (one layer whose
 input is offset by node, one whose input is not): decisions per layer, the same on every rank,
 kept through a state_dict without a new warm-up; and on the 4 x 1 cluster with groups.
+
+Group and auto scope rounds always take the stream (docs/PROTOCOL.md); node and global ones take
+the node's transport. So the 4 x 1 cluster's tests, which compare group with global and node
+scope bit for bit, run over both transports ([shm], [grpc]: transports.py); the auto scope tests
+on 2 x 2 run once.
 """
 
 import io
@@ -37,13 +42,19 @@ def _pool(nodes, workers_per_node):
 
 
 @pytest.fixture(scope="module")
-def four_nodes():
+def four_nodes_workers():
     cluster, pool = _pool(4, 1)
     try:
         yield pool
     finally:
         pool.close()
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def four_nodes(four_nodes_workers, transport):
+    yield four_nodes_workers.use_transport(transport)
+    four_nodes_workers.check_transport()
 
 
 @pytest.fixture(scope="module")

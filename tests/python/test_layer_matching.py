@@ -1,6 +1,10 @@
 """Layers matched by their names across ranks, through real aggregators and worker processes:
 the layer check at a model's first synchronized forward, errors that name the module, a
-one-rank-only extra module, DDP's broadcast_buffers warning, and a normal exit that leaves."""
+one-rank-only extra module, DDP's broadcast_buffers warning, and a normal exit that leaves.
+The tests on worker pools and the normal exit run over both transports of the node's rounds
+([shm], [grpc]: transports.py). The DDP ones train in fresh processes once, over the default
+(shared memory): they are about layer keys and a warning, and test_ddp.py runs DDP training
+over both."""
 
 import os
 import subprocess
@@ -21,14 +25,20 @@ ROUND_TIMEOUT_MS = 30000
 
 
 @pytest.fixture(scope="module")
-def pool():
+def workers():
     with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2,
                                    round_timeout_ms=ROUND_TIMEOUT_MS) as cluster:
-        workers = WorkerPool(cluster)
+        pool = WorkerPool(cluster)
         try:
-            yield workers
+            yield pool
         finally:
-            workers.close()
+            pool.close()
+
+
+@pytest.fixture(scope="module")
+def pool(workers, transport):
+    yield workers.use_transport(transport)
+    workers.check_transport()
 
 
 # variant -> (first differing position, {rank: what it has there})
@@ -95,14 +105,20 @@ def test_a_one_rank_only_extra_module_trains_normally():
 
 
 @pytest.fixture(scope="module")
-def short_deadline_pool():
+def short_deadline_workers():
     with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=2, root=False,
                                    round_timeout_ms=3000) as cluster:
-        workers = WorkerPool(cluster)
+        pool = WorkerPool(cluster)
         try:
-            yield workers
+            yield pool
         finally:
-            workers.close()
+            pool.close()
+
+
+@pytest.fixture(scope="module")
+def short_deadline_pool(short_deadline_workers, transport):
+    yield short_deadline_workers.use_transport(transport)
+    short_deadline_workers.check_transport()
 
 
 def test_a_forward_round_that_fails_names_the_layer_and_its_model(short_deadline_pool):
@@ -156,20 +172,22 @@ def _wait_for_exit_line(cluster, job_id):
     return None, cluster.logs()["node0"]
 
 
-def test_a_normal_exit_of_a_trainer_is_logged_as_a_leave():
+def test_a_normal_exit_of_a_trainer_is_logged_as_a_leave(transport_env):
     with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=1, root=False) as c:
         # A trainer run as a script (as torchrun runs it) ...
         env = c.worker_env(0, job_id="exit-script")
-        code = "import names_cases; print(names_cases.synchronized_forward())"
+        code = "import names_cases; print(*names_cases.synchronized_forward(), sep='\\n')"
         here = os.path.dirname(os.path.abspath(__file__))
         env["PYTHONPATH"] = os.pathsep.join([here, env.get("PYTHONPATH", "")])
         proc = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, timeout=240)
         assert proc.returncode == 0, proc.stdout.decode()
+        assert proc.stdout.decode().splitlines()[-1] == transport_env, proc.stdout.decode()
         line, log = _wait_for_exit_line(c, "exit-script")
         assert line is not None and line.endswith(" left"), log
         # ... and a multiprocessing child (mp.spawn, LocalCluster.run), which skips atexit.
-        job = c.run(names_cases.synchronized_forward, job_id="exit-spawned", timeout=240)[0]
+        job, used = c.run(names_cases.synchronized_forward, job_id="exit-spawned", timeout=240)[0]
+        assert used == transport_env
         line, log = _wait_for_exit_line(c, job)
         assert line is not None and line.endswith(" left"), log
         assert "disconnected" not in log, log

@@ -4,7 +4,7 @@ step together (as with torch.nn.SyncBatchNorm). Non-finite values are data, not 
 errors (docs/PROTOCOL.md, DESIGN.md "Failure semantics").
 
 Real aggregators: 2 nodes x 2 workers; rank 1 (node 0) injects +Inf into channel 1 of its
-incoming gradient."""
+incoming gradient. Over both transports of the node's rounds ([shm], [grpc]: transports.py)."""
 
 import pytest
 
@@ -16,13 +16,19 @@ C = 3
 
 
 @pytest.fixture(scope="module")
-def pool():
+def workers():
     with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2, round_timeout_ms=30000) as cl:
-        workers = WorkerPool(cl)
+        pool = WorkerPool(cl)
         try:
-            yield workers
+            yield pool
         finally:
-            workers.close()
+            pool.close()
+
+
+@pytest.fixture(scope="module")
+def pool(workers, transport):
+    yield workers.use_transport(transport)
+    workers.check_transport()
 
 
 def _run(pool, scope):

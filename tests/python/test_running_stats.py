@@ -2,7 +2,9 @@
 aggregators and worker processes), checked against one-process computations: the law of total
 variance over the ranks' records, and plain torch BatchNorm over every rank's batches in one
 process. Also: mismatched calls fail on every rank with a clear error, and a rank that never
-calls makes the others fail at the round deadline with a message naming the call."""
+calls makes the others fail at the round deadline with a message naming the call. The global and
+node scope tests run over both transports of the node's rounds ([shm], [grpc]: transports.py);
+group scope rounds always take the stream (docs/PROTOCOL.md)."""
 
 import numpy as np
 import pytest
@@ -18,14 +20,37 @@ LAYERS = ["1", "4", "8"]
 
 
 @pytest.fixture(scope="module")
-def pool():
+def workers():
     with hsbn.cluster.LocalCluster(nodes=NODES, workers_per_node=PER_NODE,
                                    round_timeout_ms=60000) as cluster:
-        workers = WorkerPool(cluster)
+        pool = WorkerPool(cluster)
         try:
-            yield workers
+            yield pool
         finally:
-            workers.close()
+            pool.close()
+
+
+@pytest.fixture(scope="module")
+def pool(workers, transport):
+    yield workers.use_transport(transport)
+    workers.check_transport()
+
+
+@pytest.fixture(scope="module")
+def short_deadline_workers():
+    with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=2, root=False,
+                                   round_timeout_ms=3000) as cluster:
+        pool = WorkerPool(cluster)
+        try:
+            yield pool
+        finally:
+            pool.close()
+
+
+@pytest.fixture(scope="module")
+def short_deadline_pool(short_deadline_workers, transport):
+    yield short_deadline_workers.use_transport(transport)
+    short_deadline_workers.check_transport()
 
 
 def scope_members(scope):
@@ -134,15 +159,10 @@ def test_ranks_that_call_differently_fail_on_every_rank(pool, variant):
             assert "did not call it alike" in err["message"], err
 
 
-def test_a_rank_that_never_calls_fails_the_others_at_the_deadline_with_a_message():
-    with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=2, root=False,
-                                   round_timeout_ms=3000) as cluster:
-        workers = WorkerPool(cluster)
-        try:
-            out = workers.call(cases.one_rank_does_not_call, [("Missing", r) for r in range(2)],
-                               timeout=120)
-        finally:
-            workers.close()
+def test_a_rank_that_never_calls_fails_the_others_at_the_deadline_with_a_message(
+        short_deadline_pool):
+    out = short_deadline_pool.call(cases.one_rank_does_not_call,
+                                   [("Missing", r) for r in range(2)], timeout=120)
     assert out[1] is None
     assert out[0]["type"] == "DeadlineExceededError", out[0]
     assert "the check round of hsbn.torch.sync_running_stats" in out[0]["message"], out[0]

@@ -1,6 +1,7 @@
 """Client.stats(): rounds completed and failed and seconds blocked in them, per scope and phase,
 after real rounds through real aggregators; reset_stats(); and the same numbers reached from a
-model converted with hsbn.torch.convert_sync_batchnorm."""
+model converted with hsbn.torch.convert_sync_batchnorm. Over both transports of the node's
+rounds ([shm], [grpc]: transports.py)."""
 
 import threading
 import time
@@ -35,8 +36,10 @@ def _in_threads(fns):
     assert not errors, errors
 
 
-def test_counts_rounds_per_scope_and_phase_time_blocked_failures_and_reset(cluster):
-    clients = [hsbn.Client.from_env(cluster.worker_env(r, job_id="stats")) for r in range(2)]
+def test_counts_rounds_per_scope_and_phase_time_blocked_failures_and_reset(cluster, transport,
+                                                                          transport_env):
+    clients = [hsbn.Client.from_env(cluster.worker_env(r, job_id="stats-" + transport))
+               for r in range(2)]
     try:
         fresh = clients[0].stats()
         assert isinstance(fresh, hsbn.ClientStats)
@@ -73,6 +76,7 @@ def test_counts_rounds_per_scope_and_phase_time_blocked_failures_and_reset(clust
             assert s.get(phase="backward").completed == n_global
             assert s.total.completed == n_node + 2 * n_global + n_shadow
             assert s.total.failed == 0
+            assert s.transport == transport_env
             for key in (("node", "forward"), ("global", "forward"), ("global", "backward"),
                         ("shadow", "forward")):
                 x = s.rounds[key]
@@ -116,9 +120,10 @@ def test_counts_rounds_per_scope_and_phase_time_blocked_failures_and_reset(clust
         clients[0].stats()
 
 
-def test_a_round_past_its_deadline_is_counted_failed_with_its_wait(cluster):
+def test_a_round_past_its_deadline_is_counted_failed_with_its_wait(cluster, transport,
+                                                                   transport_env):
     # Rank 1 never comes: rank 0's global round fails at the client's deadline.
-    with hsbn.Client.from_env(cluster.worker_env(0, job_id="stats-deadline"),
+    with hsbn.Client.from_env(cluster.worker_env(0, job_id="stats-deadline-" + transport),
                               round_timeout_ms=500) as c:
         t0 = time.perf_counter()
         with pytest.raises(hsbn.DeadlineExceededError):
@@ -127,9 +132,10 @@ def test_a_round_past_its_deadline_is_counted_failed_with_its_wait(cluster):
         s = c.stats().get("global", "backward")
         assert (s.completed, s.failed) == (0, 1)
         assert 0.5 <= s.blocked_seconds <= waited
+        assert c.stats().transport == transport_env
 
 
-def test_stats_from_a_converted_model(cluster):
+def test_stats_from_a_converted_model(transport_env):
     import torch
     import hsbn.torch
 
@@ -157,6 +163,7 @@ def test_stats_from_a_converted_model(cluster):
             assert s.get("node", "backward").completed == steps
             assert s.get("shadow").rounds == 0
             assert s.total.failed == 0 and s.total.blocked_seconds > 0
+            assert s.transport == transport_env
 
             # A model whose layers use the default client reaches that one.
             hsbn.set_default_client(client)
@@ -179,11 +186,9 @@ def test_stats_from_a_converted_model(cluster):
             assert hsbn.torch.stats(local) == hsbn.ClientStats.empty()
 
 
-@pytest.mark.parametrize("transport", ["auto", "grpc"])
-def test_stats_say_how_the_nodes_rounds_travel(transport, monkeypatch):
+def test_stats_say_how_the_nodes_rounds_travel(transport, transport_env):
     # Shared memory where the node can use it (every local rank offers it), else the stream,
     # with the same results either way. The library reads HSBN_TRANSPORT from the process.
-    monkeypatch.setenv("HSBN_TRANSPORT", transport)
     with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=2) as c:
         envs = [c.worker_env(r, job_id="transport-" + transport) for r in range(2)]
         clients = [hsbn.Client.from_env(e) for e in envs]
@@ -196,9 +201,8 @@ def test_stats_say_how_the_nodes_rounds_travel(transport, monkeypatch):
             _in_threads([lambda: work(0), lambda: work(1)])
             for r in range(2):
                 s = clients[r].stats()
-                want = "shm" if transport == "auto" else "grpc: HSBN_TRANSPORT=grpc"
-                assert s.transport == want, s.transport
-                assert s.as_dict()["transport"] == want
+                assert s.transport == transport_env, s.transport
+                assert s.as_dict()["transport"] == transport_env
                 assert s.get("node", "forward").completed == 1
             assert out[0][0] == 8
             assert np.array_equal(out[0][1], out[1][1])

@@ -1,7 +1,9 @@
 """hsbn.torch.SyncBatchNorm against torch.nn.BatchNorm*d on the scope's concatenated batch.
 
 One LocalCluster (2 nodes x 2 workers: a root, two sidecars) and four worker processes serve the
-whole module. Batch sizes are uneven (3, 5, 0, 2): rank 2 has an empty batch.
+whole module. Batch sizes are uneven (3, 5, 0, 2): rank 2 has an empty batch. Every test runs
+over both transports of the node's rounds ([shm], [grpc]: transports.py), and one compares
+their results bit for bit.
 """
 
 import numpy as np
@@ -10,6 +12,7 @@ import torch
 
 import hsbn
 import hsbn_cases
+import transports
 from bnref import (NODES, SIZES, WORKERS_PER_NODE, assert_group_matches, make_spec, node_of,
                    reference, rel_err)
 from workerpool import WorkerPool
@@ -20,14 +23,20 @@ TOL = {"float64": 1e-10, "float32": 1e-5}
 
 
 @pytest.fixture(scope="module")
-def pool():
+def workers():
     with hsbn.cluster.LocalCluster(nodes=NODES, workers_per_node=WORKERS_PER_NODE,
                                    round_timeout_ms=30000) as cluster:
-        workers = WorkerPool(cluster)
+        pool = WorkerPool(cluster)
         try:
-            yield workers
+            yield pool
         finally:
-            workers.close()
+            pool.close()
+
+
+@pytest.fixture(scope="module")
+def pool(workers, transport):
+    yield workers.use_transport(transport)
+    workers.check_transport()
 
 
 def run_case(pool, spec, data):
@@ -71,10 +80,11 @@ def test_node_scope_equals_batchnorm_over_each_nodes_batch(pool):
     assert rel_err(results[0]["running_mean"], results[3]["running_mean"]) > 0.1
 
 
-def test_local_scope_equals_plain_batchnorm_on_each_worker(pool):
+def test_local_scope_equals_plain_batchnorm_on_each_worker(workers):
+    # No rounds, so no transport to run it over.
     sizes = [3, 5, 4, 2]  # plain BatchNorm needs a non-empty batch
     spec, data = make_spec("local", "float64", seed=4, sizes=sizes)
-    results = run_case(pool, spec, data)
+    results = run_case(workers, spec, data)
     assert_group_matches(results, spec, data, [[r] for r in range(4)], TOL["float64"])
 
 
@@ -158,3 +168,34 @@ def test_every_worker_sees_its_place_in_the_job(pool):
     for r, info in enumerate(infos):
         assert (info["rank"], info["local_rank"], info["node_rank"]) == (r, r % 2, r // 2)
         assert (info["world_size"], info["local_world_size"], info["num_nodes"]) == (4, 2, 2)
+
+
+def test_shared_memory_and_the_stream_give_the_same_bits_in_every_scope(workers):
+    # Each worker runs the same steps in a job on shared memory and in a job on the stream,
+    # forward and backward, node, shadow and global scope, float64 and float32; every output,
+    # gradient and running statistic must be bitwise the same.
+    cases = [make_spec(scope, dtype, seed=30 + i)
+             for i, (scope, dtype) in enumerate((s, d) for s in ("node", "shadow", "global")
+                                                for d in ("float64", "float32"))]
+    out = workers.call(hsbn_cases.bn_steps_over_both_transports,
+                       [([(spec, data[r]) for spec, data in cases], "same-bits")
+                        for r in range(workers.world_size)])
+    for r, by_transport in enumerate(out):
+        for name in transports.NAMES:
+            assert by_transport[name]["transport"] == transports.EXPECTED[name], (r, name)
+        shm, grpc = by_transport["shm"]["results"], by_transport["grpc"]["results"]
+        for (spec, _), a, b in zip(cases, shm, grpc):
+            where = "rank %d, %s %s" % (r, spec["scope"], spec["dtype"])
+            for key in ("y", "dx", "dw", "db"):
+                assert len(a[key]) == len(b[key]) == 2, (where, key)
+                for step, (x, y) in enumerate(zip(a[key], b[key])):
+                    assert x.dtype == y.dtype and x.shape == y.shape, (where, key, step)
+                    assert x.tobytes() == y.tobytes(), "%s: %s of step %d differs" % (
+                        where, key, step)
+            for key in ("running_mean", "running_var"):
+                assert a[key].tobytes() == b[key].tobytes(), (where, key)
+    # And the common answer is BatchNorm's over the scope's batch, not a shared wrong one.
+    for (spec, data), i in zip(cases, range(len(cases))):
+        groups = GLOBAL if spec["scope"] == "global" else BY_NODE
+        assert_group_matches([o["shm"]["results"][i] for o in out], spec, data, groups,
+                             TOL[spec["dtype"]])

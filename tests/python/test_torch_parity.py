@@ -1,6 +1,6 @@
 """hsbn.torch against torch's own API: the constructor, convert and revert, FX, copies, and how
 layers are keyed. In the test process; the tests that make rounds use a one-worker job on a
-real sidecar."""
+real sidecar, over both transports of the node's rounds ([shm], [grpc]: transports.py)."""
 
 import copy
 import inspect
@@ -12,6 +12,7 @@ import torch
 import hsbn
 import hsbn.cluster
 import hsbn.torch
+import transports
 
 
 def make_model(torch_sync=True):
@@ -175,10 +176,14 @@ def test_pickle_and_deepcopy_keep_the_keys():
 
 
 @pytest.fixture(scope="module")
-def client():
-    with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=1, root=False) as one:
-        with hsbn.Client.from_env(one.worker_env(0)) as c:
-            yield c
+def client(transport):
+    with pytest.MonkeyPatch.context() as mp:
+        # The library reads HSBN_TRANSPORT when the client joins (and re-joins).
+        mp.setenv("HSBN_TRANSPORT", transports.ENV[transport])
+        with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=1, root=False) as one:
+            with hsbn.Client.from_env(one.worker_env(0)) as c:
+                yield c
+                assert c.stats().transport == transports.EXPECTED[transport]
 
 
 def test_a_model_converted_again_under_the_same_name_goes_on_with_new_round_keys(client):

@@ -12,6 +12,8 @@ import os
 import time
 import traceback
 
+import transports
+
 
 class WorkerError(AssertionError):
     pass
@@ -39,36 +41,109 @@ def _serve(env, conn):
             conn.send((False, traceback.format_exc()))
 
 
-def _warm_up():
+def _warm_up(join=True):
     # Import PyTorch and join the job before any case runs: under load, process start-up takes
     # seconds and a round must not wait for a worker that is still importing.
     import torch  # noqa: F401
     import hsbn
     import hsbn.torch  # noqa: F401
-    return hsbn.default_client().rank
+    return hsbn.default_client().rank if join else int(os.environ["RANK"])
+
+
+def _rejoin(job_id, transport_env):
+    """Leaves this worker's job and joins `job_id` with HSBN_TRANSPORT=transport_env; one node
+    round decides the node's transport. Returns it as Client.stats() says."""
+    import itertools
+    import numpy as np
+    import hsbn
+    import hsbn.client
+    import hsbn.torch.modules
+    if hsbn.client._default is not None:
+        hsbn.client._default.close()
+    # Directly constructed layers take their op from a count of constructions in the process:
+    # in the new job it starts at 0 in every worker, as in a fresh trainer, so that a worker
+    # started afresh (use_transport) counts in step with the others.
+    with hsbn.torch.modules._op_lock:
+        hsbn.torch.modules._op_counter = itertools.count()
+    os.environ["HSBN_JOB_ID"] = job_id
+    os.environ["HSBN_TRANSPORT"] = transport_env
+    client = hsbn.default_client()
+    client.forward(transports.PROBE_OP, 0, "node", 1, np.zeros(1), np.zeros(1))
+    return client.stats().transport
+
+
+def _transport_now():
+    import hsbn
+    return hsbn.default_client().stats().transport
 
 
 class WorkerPool:
     def __init__(self, cluster, job_id=None, startup_timeout=300.0):
-        ctx = multiprocessing.get_context("spawn")
         self.cluster = cluster
         self.world_size = cluster.world_size
-        self.conns, self.procs = [], []
+        self.job_id = job_id
+        self.conns, self.procs = [None] * self.world_size, [None] * self.world_size
         for rank in range(cluster.world_size):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(cluster.worker_env(rank, {}, job_id), child),
-                            daemon=True)
-            p.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(p)
+            self._spawn(rank)
         self.broken = None
+        self.transport = None  # as asked by use_transport()
+        self._joins = 0
         try:
             ranks = self.call(_warm_up, [()] * self.world_size, timeout=startup_timeout)
         except BaseException:
             self.close()
             raise
         assert ranks == list(range(self.world_size)), ranks
+
+    def _spawn(self, rank):
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_serve, args=(self.cluster.worker_env(rank, {}, self.job_id),
+                                             child), daemon=True)
+        p.start()
+        child.close()
+        self.conns[rank], self.procs[rank] = parent, p
+
+    def use_transport(self, name, startup_timeout=300.0):
+        """Moves every worker to a new job of the cluster whose node rounds travel over `name`
+        (transports.NAMES), first starting afresh the workers that have exited (a failure test
+        kills some); raises WorkerError unless every worker's Client.stats() then says so.
+        The processes, with PyTorch imported, serve both transports in turn."""
+        dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+        for r in dead:
+            self.conns[r].close()
+            self._spawn(r)
+        if dead:
+            for r in dead:
+                self.conns[r].send((_warm_up, (False,)))
+            answers = self.gather(ranks=dead, timeout=startup_timeout)
+            failed = {r: v for r, (ok, v) in answers.items() if not ok or v != r}
+            if failed:
+                raise WorkerError("restarted workers failed to start: %s" % failed)
+        self._joins += 1
+        job = "%s-%s%d" % (self.job_id or self.cluster.job_id, name, self._joins)
+        got = self.call(_rejoin, [(job, transports.ENV[name])] * self.world_size)
+        self.transport = name
+        self.check_transport(got)
+        return self
+
+    def check_transport(self, got=None):
+        """Raises WorkerError unless every live worker's rounds travel over the transport
+        use_transport() asked for (`got`: what they said, else they are asked now)."""
+        if self.transport is None or self.broken:
+            return
+        if got is None:
+            live = [r for r, p in enumerate(self.procs) if p.is_alive()]
+            for r in live:
+                self.conns[r].send((_transport_now, ()))
+            got = {r: v for r, (ok, v) in self.gather(ranks=live).items()}
+        else:
+            got = dict(enumerate(got))
+        want = transports.EXPECTED[self.transport]
+        wrong = {r: v for r, v in got.items() if v != want}
+        if wrong:
+            raise WorkerError("asked for node rounds over %s (%r), but ranks say %s"
+                              % (self.transport, want, wrong) + self.aggregator_report())
 
     def send(self, calls):
         """Starts calls[rank] = (fn, args) on every worker; collect with gather()."""
