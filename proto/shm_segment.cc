@@ -405,7 +405,12 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
       }
     }
   }
-  const bool up = error.ok() ? ReachesParent(scope, o) : ReachesParent(Read(&slot(0, idx[0])->scope), o);
+  // A failed round goes up if any rank asked for a scope that reaches the root: the other
+  // nodes' ranks may wait there for this node's partial (ranks that disagree on the scope).
+  bool up = error.ok() && ReachesParent(scope, o);
+  for (int32_t r = 0; r < n && !error.ok() && !up; ++r) {
+    up = ReachesParent(Read(&slot(r, idx[r])->scope), o);
+  }
   if (error.ok() && up) {
     Item partial;
     partial.key = key;

@@ -422,7 +422,11 @@ void Job::FailRoundLocked(RoundKey key, const absl::Status& status, bool tell_pa
       }
     }
     if (!d.to.empty()) out->deliveries.push_back(std::move(d));
-    if (tell_parent && limits_.has_parent && ScopeReachesParent(it->second.scope)) {
+    // The round's scope, or the failing contribution's: a node whose ranks disagree on node and
+    // global scope must tell the root, where the other nodes' global partials wait for it.
+    if (tell_parent && limits_.has_parent &&
+        (ScopeReachesParent(it->second.scope) ||
+         (scope != v1::SCOPE_UNSPECIFIED && ScopeReachesParent(scope)))) {
       out->aborts.push_back(Actions::Abort{key, status});
     }
     EraseOpenLocked(it);

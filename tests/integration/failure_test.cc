@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -214,6 +215,37 @@ TEST(Failures, BadInputFailsItsRoundNamingRankAndFieldAndNothingElse) {
 // Non-finite values are data: a NaN or Inf from one rank reaches every rank of the round
 // identically (as torch's SyncBatchNorm's all-reduce would), so GradScaler skips the step on
 // every rank. A strict job (HSBN_STRICT_FINITE) fails the round instead, naming the rank.
+// Ranks of a node that disagree on a round's scope (node or global) fail it with
+// INVALID_ARGUMENT on every rank of the job, whichever contribution opened it at the sidecar:
+// the sidecar tells the root, so the other node's ranks are not left to their deadline (30 s).
+TEST(Failures, ScopesThatDisagreeWithinANodeFailTheRoundOnEveryNode) {
+  auto c = StartCluster(2, 2);
+  ASSERT_TRUE(c);
+  auto clients = ConnectAll(*c, "scope-clash");
+  for (auto& p : clients) ASSERT_TRUE(p);
+  const Contribution in = Good(1.0);
+  for (int node_rank = 0; node_rank < 2; ++node_rank) {
+    SCOPED_TRACE(absl::StrCat("rank ", node_rank, " asks for node scope, the others global"));
+    // The node-scope rank starts first, so that (on node 0) its contribution opens the round.
+    std::vector<int> order = {node_rank, 1 - node_rank, 2, 3};
+    std::vector<std::shared_ptr<PendingRound>> started(4);
+    for (int r : order) {
+      auto p = clients[size_t(r)]->Start(Phase::kForward, 7, uint64_t(node_rank),
+                                         r == node_rank ? Scope::kNode : Scope::kGlobal, 4,
+                                         in.count, in.a.data(), in.b.data());
+      ASSERT_TRUE(p.ok()) << "rank " << r << ": " << p.status();
+      started[size_t(r)] = *p;
+    }
+    for (int r = 0; r < 4; ++r) {
+      double a[4], b[4];
+      int64_t n = 0;
+      absl::Status s = clients[size_t(r)]->Wait(*started[size_t(r)], &n, a, b);
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "rank " << r << ": " << s;
+      EXPECT_TRUE(absl::StrContains(s.message(), "scope")) << "rank " << r << ": " << s;
+    }
+  }
+}
+
 TEST(Failures, NonFiniteValuesReachEveryRankUnlessTheJobIsStrict) {
   auto c = StartCluster(1, 2);
   ASSERT_TRUE(c);
