@@ -3,9 +3,7 @@ processes of a WorkerPool. Each case joins a job of its own (its own client), so
 case can choose its nodes per group."""
 
 import io
-import time
 
-import numpy as np
 import torch
 
 import hsbn

@@ -3,7 +3,6 @@ real worker processes (run through workerpool.WorkerPool)."""
 
 import warnings
 
-import numpy as np
 import torch
 
 import hsbn

@@ -9,30 +9,22 @@ import time
 
 import pytest
 
-import hsbn
-import hsbn.cluster
 import hsbn_cases
 from hsbn.cli import query_status
-from workerpool import WorkerPool
+from workerpool import on_transport, started
 
 ROUND_TIMEOUT_MS = 15000  # well above the 10 s the tests allow for noticing a death
 
 
 @pytest.fixture(scope="module")
 def workers():
-    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2,
-                                   round_timeout_ms=ROUND_TIMEOUT_MS) as cluster:
-        pool = WorkerPool(cluster)
-        try:
-            yield pool
-        finally:
-            pool.close()
+    with started(nodes=2, workers_per_node=2, round_timeout_ms=ROUND_TIMEOUT_MS) as pool:
+        yield pool
 
 
 @pytest.fixture(scope="module")
 def pool(workers, transport):
-    yield workers.use_transport(transport)
-    workers.check_transport()
+    yield from on_transport(workers, transport)
 
 
 def contributions(address, job_id):

@@ -16,7 +16,6 @@ on 2 x 2 run once.
 
 import io
 
-import numpy as np
 import pytest
 import torch
 

@@ -19,26 +19,20 @@ import hsbn.cluster
 import hsbn_cases
 import names_cases
 from bnref import rel_err
-from workerpool import WorkerPool
+from workerpool import on_transport, started
 
 ROUND_TIMEOUT_MS = 30000
 
 
 @pytest.fixture(scope="module")
 def workers():
-    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2,
-                                   round_timeout_ms=ROUND_TIMEOUT_MS) as cluster:
-        pool = WorkerPool(cluster)
-        try:
-            yield pool
-        finally:
-            pool.close()
+    with started(nodes=2, workers_per_node=2, round_timeout_ms=ROUND_TIMEOUT_MS) as pool:
+        yield pool
 
 
 @pytest.fixture(scope="module")
 def pool(workers, transport):
-    yield workers.use_transport(transport)
-    workers.check_transport()
+    yield from on_transport(workers, transport)
 
 
 # variant -> (first differing position, {rank: what it has there})
@@ -106,19 +100,13 @@ def test_a_one_rank_only_extra_module_trains_normally():
 
 @pytest.fixture(scope="module")
 def short_deadline_workers():
-    with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=2, root=False,
-                                   round_timeout_ms=3000) as cluster:
-        pool = WorkerPool(cluster)
-        try:
-            yield pool
-        finally:
-            pool.close()
+    with started(nodes=1, workers_per_node=2, root=False, round_timeout_ms=3000) as pool:
+        yield pool
 
 
 @pytest.fixture(scope="module")
 def short_deadline_pool(short_deadline_workers, transport):
-    yield short_deadline_workers.use_transport(transport)
-    short_deadline_workers.check_transport()
+    yield from on_transport(short_deadline_workers, transport)
 
 
 def test_a_forward_round_that_fails_names_the_layer_and_its_model(short_deadline_pool):

@@ -9,10 +9,8 @@ group scope rounds always take the stream (docs/PROTOCOL.md)."""
 import numpy as np
 import pytest
 
-import hsbn
-import hsbn.cluster
 import population_cases as cases
-from workerpool import WorkerPool
+from workerpool import on_transport, started
 
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
@@ -21,36 +19,24 @@ LAYERS = ["1", "4", "8"]
 
 @pytest.fixture(scope="module")
 def workers():
-    with hsbn.cluster.LocalCluster(nodes=NODES, workers_per_node=PER_NODE,
-                                   round_timeout_ms=60000) as cluster:
-        pool = WorkerPool(cluster)
-        try:
-            yield pool
-        finally:
-            pool.close()
+    with started(nodes=NODES, workers_per_node=PER_NODE, round_timeout_ms=60000) as pool:
+        yield pool
 
 
 @pytest.fixture(scope="module")
 def pool(workers, transport):
-    yield workers.use_transport(transport)
-    workers.check_transport()
+    yield from on_transport(workers, transport)
 
 
 @pytest.fixture(scope="module")
 def short_deadline_workers():
-    with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=2, root=False,
-                                   round_timeout_ms=3000) as cluster:
-        pool = WorkerPool(cluster)
-        try:
-            yield pool
-        finally:
-            pool.close()
+    with started(nodes=1, workers_per_node=2, root=False, round_timeout_ms=3000) as pool:
+        yield pool
 
 
 @pytest.fixture(scope="module")
 def short_deadline_pool(short_deadline_workers, transport):
-    yield short_deadline_workers.use_transport(transport)
-    short_deadline_workers.check_transport()
+    yield from on_transport(short_deadline_workers, transport)
 
 
 def scope_members(scope):
@@ -179,13 +165,8 @@ def group_pool():
     mp = pytest.MonkeyPatch()
     mp.setenv("HSBN_GROUP_NODES", "2")
     try:
-        with hsbn.cluster.LocalCluster(nodes=4, workers_per_node=1,
-                                       round_timeout_ms=60000) as cluster:
-            workers = WorkerPool(cluster)
-            try:
-                yield workers
-            finally:
-                workers.close()
+        with started(nodes=4, workers_per_node=1, round_timeout_ms=60000) as workers:
+            yield workers
     finally:
         mp.undo()
 

@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-import hsbn
 import hsbn_cases
 import transports
 from bnref import (NODES, SIZES, WORKERS_PER_NODE, assert_group_matches, make_spec, node_of,
                    reference, rel_err)
-from workerpool import WorkerPool
+from workerpool import on_transport, started
 
 GLOBAL = [[0, 1, 2, 3]]
 BY_NODE = [[0, 1], [2, 3]]
@@ -24,19 +23,13 @@ TOL = {"float64": 1e-10, "float32": 1e-5}
 
 @pytest.fixture(scope="module")
 def workers():
-    with hsbn.cluster.LocalCluster(nodes=NODES, workers_per_node=WORKERS_PER_NODE,
-                                   round_timeout_ms=30000) as cluster:
-        pool = WorkerPool(cluster)
-        try:
-            yield pool
-        finally:
-            pool.close()
+    with started(nodes=NODES, workers_per_node=WORKERS_PER_NODE, round_timeout_ms=30000) as pool:
+        yield pool
 
 
 @pytest.fixture(scope="module")
 def pool(workers, transport):
-    yield workers.use_transport(transport)
-    workers.check_transport()
+    yield from on_transport(workers, transport)
 
 
 def run_case(pool, spec, data):

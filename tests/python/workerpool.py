@@ -6,6 +6,7 @@ arguments. A worker keeps its hsbn client (and its layers' op counter) between c
 trainer would between steps.
 """
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -208,3 +209,23 @@ class WorkerPool:
             if p.is_alive():
                 p.terminate()
                 p.join(5)
+
+
+@contextlib.contextmanager
+def started(**cluster_args):
+    """A LocalCluster(**cluster_args) and a WorkerPool of one process per rank on it, closed
+    (the pool, then the cluster) on the way out: the body of a module's `workers` fixture."""
+    import hsbn.cluster
+    with hsbn.cluster.LocalCluster(**cluster_args) as cluster:
+        pool = WorkerPool(cluster)
+        try:
+            yield pool
+        finally:
+            pool.close()
+
+
+def on_transport(workers, transport):
+    """The body of a module's `pool` fixture (yield from it): the pool's processes moved to
+    `transport` for the module's tests, and checked to have stayed on it when they are done."""
+    yield workers.use_transport(transport)
+    workers.check_transport()
