@@ -95,6 +95,16 @@ struct Harness {
 
   bool worker() const { return layout.member_kind == v1::MEMBER_KIND_WORKER; }
 
+  // The round a member's contribution belongs to, as the Job keys it: at the root, each group's
+  // group-scope round is its own (docs/PROTOCOL.md, "Group scope").
+  RoundKey KeyOf(int member, const v1::Contribution& c) const {
+    RoundKey key{c.op(), c.seq(), c.phase()};
+    if (c.scope() == v1::SCOPE_GROUP && !worker() && layout.group_nodes > 0) {
+      key.group = member / layout.group_nodes + 1;
+    }
+    return key;
+  }
+
   void Check(const Actions& a) {
     ledger->Check(a, model);
     for (const auto& f : a.forwards) forwards.push_back(f);
@@ -195,7 +205,7 @@ struct Harness {
           if (job->Contribute(member, session, c, now, &a)) {
             HSBN_FUZZ_CHECK(session == model[member].session,
                             "Contribute accepted a stale session");
-            ledger->Contributed(RoundKey{c.op(), c.seq(), c.phase()}, member);
+            ledger->Contributed(KeyOf(member, c), member);
           }
           break;
         }
@@ -267,7 +277,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Harness h;
   // The job's shape: a sidecar (with or without a root) or the root; 1-4 members.
   const bool root = in.ConsumeBool();
-  const int group = in.ConsumeIntegralInRange<int>(1, 4);
+  // 1-4 members, and whether the job has groups of nodes. One byte, read as the member count
+  // alone was (1 + byte % 4), so that inputs saved before groups existed replay as they did
+  // whenever byte % 8 < 4.
+  const int shape = in.ConsumeIntegralInRange<int>(0, 7);
+  const int group = 1 + shape % 4;
+  const bool grouped = shape >= 4;
   h.layout.member_kind = root ? v1::MEMBER_KIND_AGGREGATOR : v1::MEMBER_KIND_WORKER;
   h.layout.strict_finite = in.ConsumeBool();
   if (root) {
@@ -280,6 +295,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     h.layout.node_rank = in.ConsumeIntegralInRange<int>(0, h.layout.num_nodes - 1);
   }
   h.layout.world_size = h.layout.local_world_size * h.layout.num_nodes;
+  // Groups of nodes: a divisor of the number of nodes.
+  if (grouped) {
+    std::vector<int> divisors;
+    for (int g = 1; g <= h.layout.num_nodes; ++g) {
+      if (h.layout.num_nodes % g == 0) divisors.push_back(g);
+    }
+    h.layout.group_nodes = divisors[in.ConsumeIntegralInRange<size_t>(0, divisors.size() - 1)];
+  }
   h.limits.has_parent = !root && in.ConsumeBool();
   h.limits.round_timeout = std::chrono::milliseconds(in.ConsumeIntegralInRange<int>(1, 1000));
   h.limits.max_channels = in.ConsumeIntegralInRange<int>(1, 8);
@@ -292,7 +315,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   h.budget = std::make_shared<MemoryBudget>(in.ConsumeIntegralInRange<int64_t>(0, 8192));
   h.limits.budget = h.budget;
   h.job = std::make_unique<Job>("fuzz-job", h.layout, h.limits);
-  h.ledger = std::make_unique<RoundLedger>(group, keeps_all);
+  h.ledger = std::make_unique<RoundLedger>(group, keeps_all, root ? h.layout.group_nodes : 0);
   h.model.resize(group);
   h.sessions.resize(group);
   for (int i = 0; i < group; ++i) h.sinks.push_back(std::make_shared<NullSink>(i));

@@ -15,6 +15,7 @@
 #ifndef HSBN_TESTS_FUZZ_INVARIANTS_H_
 #define HSBN_TESTS_FUZZ_INVARIANTS_H_
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -39,7 +40,10 @@ class NullSink : public server::ResultSink {
 
 class RoundLedger {
  public:
-  RoundLedger(int members, bool keeps_all) : members_(members), keeps_all_(keeps_all) {}
+  // `group_nodes` > 0: a root whose job has groups of that many members (nodes), so a
+  // group-scope round is one group's round, keyed with its group (server::RoundKey::group).
+  RoundLedger(int members, bool keeps_all, int group_nodes = 0)
+      : members_(members), keeps_all_(keeps_all), group_nodes_(group_nodes) {}
 
   // Member `index` had a contribution to `key` accepted (Job::Contribute returned true).
   void Contributed(const server::RoundKey& key, int index) { contributed_[key].insert(index); }
@@ -56,7 +60,7 @@ class RoundLedger {
     for (const auto& d : a.deliveries) {
       HSBN_FUZZ_CHECK(d.result != nullptr, "a delivery without a result");
       const v1::Result& r = *d.result;
-      const server::RoundKey key{r.op(), r.seq(), r.phase()};
+      server::RoundKey key{r.op(), r.seq(), r.phase()};
       for (const auto& [session, sink] : d.to) {
         auto* s = dynamic_cast<NullSink*>(sink.get());
         HSBN_FUZZ_CHECK(s != nullptr && s->member >= 0 && s->member < int(model.size()),
@@ -72,9 +76,20 @@ class RoundLedger {
         HSBN_FUZZ_CHECK(r.data().empty(), "a failed round's result carries a payload");
         continue;
       }
+      if (r.scope() == v1::SCOPE_GROUP && group_nodes_ > 0) {
+        // At the root, a group's round goes to that group's members only. (At a sidecar a group
+        // round is the node's, with all its members.)
+        HSBN_FUZZ_CHECK(!d.to.empty(), "an OK group result delivered to nobody");
+        std::set<int> groups;
+        for (const auto& [session, sink] : d.to) {
+          groups.insert(dynamic_cast<NullSink*>(sink.get())->member / group_nodes_ + 1);
+        }
+        HSBN_FUZZ_CHECK(groups.size() == 1, "one group result delivered to several groups");
+        key.group = *groups.begin();
+      }
       CheckOk(key, r.channels(), r.count(), r.data(), "delivered");
       HSBN_FUZZ_CHECK(r.scope() == v1::SCOPE_NODE || r.scope() == v1::SCOPE_GLOBAL ||
-                          r.scope() == v1::SCOPE_SHADOW,
+                          r.scope() == v1::SCOPE_SHADOW || r.scope() == v1::SCOPE_GROUP,
                       "an OK result with scope " + std::to_string(int(r.scope())));
       v1::Result canonical = r;
       canonical.clear_session();
@@ -110,7 +125,10 @@ class RoundLedger {
     HSBN_FUZZ_CHECK(key.phase == v1::PHASE_FORWARD || key.phase == v1::PHASE_BACKWARD,
                     std::string(how) + " OK round " + round + " has no valid phase");
     const std::set<int>& who = contributed_[key];
-    for (int m = 0; m < members_; ++m) {
+    // Every member of the round: the whole job, or the key's group.
+    const int lo = key.group > 0 ? (key.group - 1) * group_nodes_ : 0;
+    const int hi = key.group > 0 ? std::min(members_, lo + group_nodes_) : members_;
+    for (int m = lo; m < hi; ++m) {
       HSBN_FUZZ_CHECK(who.count(m) != 0, std::string(how) + " OK round " + round +
                                              " although member " + std::to_string(m) +
                                              " never contributed to it");
@@ -119,6 +137,7 @@ class RoundLedger {
 
   const int members_;
   const bool keeps_all_;
+  const int group_nodes_;
   std::map<server::RoundKey, std::set<int>> contributed_;
   std::map<server::RoundKey, std::string> ok_;
 };
