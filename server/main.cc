@@ -288,7 +288,8 @@ void AddFlags(FlagTable& f, Settings* s, AggregatorOptions* o) {
 
   f.Text("divergence-dir", "DIR", &o->divergence_dir,
          "Root role: when a job ends, write its shadow-mode divergence record (per layer op and "
-         "node) to DIR/JOB.divergence.json, so it outlives the job. Default: off.");
+         "node, and per group for a job with groups) to DIR/JOB.divergence.json, so it outlives "
+         "the job. Default: off.");
 
   f.group("Shared-memory node path (node role; docs/PROTOCOL.md)");
   f.Choice("shm", "", {"on", "off"}, &s->shm,

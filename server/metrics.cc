@@ -121,7 +121,7 @@ class Metrics::StateCollector final : public prometheus::Collectable {
         family("hsbn_members_expected", "Members a job has at this aggregator.");
     prometheus::MetricFamily shift = family(
         "hsbn_shadow_mean_shift", "Shadow scope: |mean_node - mean_global| / global std, averaged "
-        "over channels and shadow rounds, per job, layer (op) and node.");
+        "over channels and shadow rounds, per job, layer (op) and node (or group, label group).");
     prometheus::MetricFamily shift_max = family(
         "hsbn_shadow_mean_shift_max", "Shadow scope: the largest per-channel mean shift seen.");
     prometheus::MetricFamily ratio = family(
@@ -153,16 +153,21 @@ class Metrics::StateCollector final : public prometheus::Collectable {
       add(open, double(j.open_rounds()), {{"job_id", label}});
       add(members, double(connected), {{"job_id", label}});
       add(expected, double(j.group_size()), {{"job_id", label}});
-      for (const v1::Divergence& d : j.divergence()) {
-        if (divergence_series++ >= kMaxDivergenceSeries) break;
-        std::vector<prometheus::ClientMetric::Label> l = {
-            {"job_id", label}, {"op", std::to_string(d.op())},
-            {"node", std::to_string(d.node())}};
-        add(shift, d.mean_shift_avg(), l);
-        add(shift_max, d.mean_shift_max(), l);
-        add(ratio, d.var_ratio_avg(), l);
-        add(log_ratio, d.log_var_ratio_abs_avg(), l);
-        add(shadow_rounds, double(d.rounds()), l);
+      // Per node, and with groups per group (label `group` instead of `node`: the group's
+      // merged statistics against the global ones, which auto scope decides on).
+      for (const auto* records : {&j.divergence(), &j.group_divergence()}) {
+        const char* unit = records == &j.divergence() ? "node" : "group";
+        for (const v1::Divergence& d : *records) {
+          if (divergence_series++ >= kMaxDivergenceSeries) break;
+          std::vector<prometheus::ClientMetric::Label> l = {
+              {"job_id", label}, {"op", std::to_string(d.op())},
+              {unit, std::to_string(d.node())}};
+          add(shift, d.mean_shift_avg(), l);
+          add(shift_max, d.mean_shift_max(), l);
+          add(ratio, d.var_ratio_avg(), l);
+          add(log_ratio, d.log_var_ratio_abs_avg(), l);
+          add(shadow_rounds, double(d.rounds()), l);
+        }
       }
     }
     if (any_other) {

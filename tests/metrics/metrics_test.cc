@@ -161,7 +161,9 @@ TEST(Metrics, RootAndSidecarsCountGlobalRoundsAndTheRootExportsShadowDivergence)
                               "--round-timeout-ms=3000"});
     ASSERT_TRUE(s.ok()) << s.status();
     EXPECT_EQ(Sample(Scrape(*s), "hsbn_upstream_connected"), 0);  // connects on first use
-    auto c = Client::Connect(WorkerOptions(s->address, "g-job", node, 2, 1));
+    ClientOptions o = WorkerOptions(s->address, "g-job", node, 2, 1);
+    o.group_nodes = 2;  // one group of both nodes: its statistics are the global ones
+    auto c = Client::Connect(o);
     ASSERT_TRUE(c.ok()) << c.status();
     clients.push_back(c->get());
     owned.push_back(std::move(*c));
@@ -207,6 +209,14 @@ TEST(Metrics, RootAndSidecarsCountGlobalRoundsAndTheRootExportsShadowDivergence)
     EXPECT_NEAR(Sample(text, "hsbn_shadow_var_ratio", l), ratio, 1e-12) << node;
     EXPECT_NEAR(Sample(text, "hsbn_shadow_log_var_ratio_abs", l), -std::log(ratio), 1e-12);
   }
+  // The group's record: both nodes merged in node order, as the root merges the global
+  // statistics, so no shift and the same spread, to the bit.
+  const auto g = L({{"role", "root"}, {"job_id", "g-job"}, {"op", "3"}, {"group", "0"}});
+  EXPECT_EQ(Sample(text, "hsbn_shadow_rounds", g), kShadow);
+  EXPECT_EQ(Sample(text, "hsbn_shadow_mean_shift", g), 0.0);
+  EXPECT_EQ(Sample(text, "hsbn_shadow_mean_shift_max", g), 0.0);
+  EXPECT_EQ(Sample(text, "hsbn_shadow_var_ratio", g), 1.0);
+  EXPECT_EQ(Sample(text, "hsbn_shadow_log_var_ratio_abs", g), 0.0);
   EXPECT_EQ(Sample(text, "hsbn_rounds_total",
                    L({{"role", "root"}, {"scope", "global"}, {"phase", "forward"},
                       {"outcome", "ok"}})), kGlobal);
