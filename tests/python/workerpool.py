@@ -58,14 +58,14 @@ def _rejoin(job_id, transport_env):
     import numpy as np
     import hsbn
     import hsbn.client
-    import hsbn.torch.modules
+    import hsbn.torch._keys
     if hsbn.client._default is not None:
         hsbn.client._default.close()
     # Directly constructed layers take their op from a count of constructions in the process:
     # in the new job it starts at 0 in every worker, as in a fresh trainer, so that a worker
     # started afresh (use_transport) counts in step with the others.
-    with hsbn.torch.modules._op_lock:
-        hsbn.torch.modules._op_counter = itertools.count()
+    with hsbn.torch._keys._op_lock:
+        hsbn.torch._keys._op_counter = itertools.count()
     os.environ["HSBN_JOB_ID"] = job_id
     os.environ["HSBN_TRANSPORT"] = transport_env
     client = hsbn.default_client()

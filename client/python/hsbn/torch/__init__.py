@@ -13,9 +13,11 @@ Works with any PyTorch that has torch.batch_norm_stats (1.13 and 2.x), on CPU an
 it binds hsbn's C ABI only, never PyTorch's C++ ABI.
 """
 
-from .modules import (SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm,
-                      LayerMismatchError, next_op, op_for_name, model_client, stats, divergence,
-                      scopes, auto_decisions, SCOPES)
+from ._keys import SCOPES, next_op, op_for_name
+from ._layer_check import LayerMismatchError
+from .modules import SyncBatchNorm
+from ._convert import convert_sync_batchnorm, revert_sync_batchnorm
+from ._inspect import model_client, stats, divergence, scopes, auto_decisions
 from ._function import SyncBatchNormFunction, SyncStats, sync_stats, reset_sync_stats
 from ._population import sync_running_stats, precise_bn
 from . import _ops

@@ -23,7 +23,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .. import client as _client
 from ..client import default_client
 from ..errors import ConfigurationError, HsbnError, InvalidArgumentError, INVALID_ARGUMENT
-from .modules import SyncBatchNorm, model_client, _book, _CHECK_BASE, _hash64
+from .modules import SyncBatchNorm
+from ._inspect import model_client
+from ._layer_check import _book
+from ._keys import _CHECK_BASE, _hash64
 
 SEQ_BASE = 1 << 62
 CALL_OP = _CHECK_BASE | (_hash64("hsbn.torch running statistics") & (_CHECK_BASE - 1))
