@@ -14,13 +14,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "hsbn/v1/hsbn.pb.h"
+#include "round.h"
 #include "wire.h"
 
 namespace hsbn::client_internal {
 
 namespace {
 
-constexpr char kHelloMagic[8] = {'H', 'S', 'B', 'N', 'S', 'H', 'M', '1'};
 constexpr auto kSlice = std::chrono::milliseconds(200);
 
 uint64_t RoundId(int32_t slot, uint32_t posted) { return (uint64_t(uint32_t(slot)) << 32) | posted; }
@@ -36,26 +36,19 @@ inline void CpuRelax() {
 absl::StatusOr<std::shared_ptr<ShmChannel>> ShmChannel::Open(ShmConfig config) {
   auto ch = std::shared_ptr<ShmChannel>(new ShmChannel(std::move(config)));
   const std::string& name = ch->config_.socket;
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (name.empty() || name.size() >= sizeof(addr.sun_path)) {
+  sockaddr_un addr;
+  const socklen_t len = shm::SocketAddress(name, &addr);
+  if (len == 0) {
     return absl::UnavailableError(absl::StrCat("bad shared-memory socket name '", name, "'"));
-  }
-  socklen_t len = sizeof(addr);
-  if (name[0] == '@') {
-    std::memcpy(addr.sun_path + 1, name.data() + 1, name.size() - 1);
-    len = socklen_t(offsetof(sockaddr_un, sun_path) + name.size());
-  } else {
-    std::memcpy(addr.sun_path, name.data(), name.size());
   }
   ch->sock_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   if (ch->sock_ < 0 || connect(ch->sock_, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
     return absl::UnavailableError(absl::StrCat("cannot connect to the sidecar's shared-memory "
                                                "socket ", name, ": ", std::strerror(errno)));
   }
-  std::string hello(kHelloMagic, sizeof kHelloMagic);
+  std::string hello(shm::kHelloMagic, sizeof shm::kHelloMagic);
   hello += ch->config_.session;
-  hello += ch->config_.token.substr(0, 4096);
+  hello += ch->config_.token.substr(0, shm::kMaxTokenBytes);
   if (send(ch->sock_, hello.data(), hello.size(), MSG_NOSIGNAL) != ssize_t(hello.size())) {
     return absl::UnavailableError(absl::StrCat("cannot send to the sidecar's shared-memory "
                                                "socket ", name, ": ", std::strerror(errno)));
@@ -308,11 +301,9 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
   // As at the sidecar: a round fails at the aggregator's round timeout naming who is missing;
   // a forwarded round waits a little longer, so that the root's error (naming the missing
   // nodes) comes first.
-  auto aggregator_wait = config_.round_timeout;
-  if (up && r.scope == v1::SCOPE_GLOBAL) {
-    aggregator_wait += std::max<std::chrono::milliseconds>(std::chrono::seconds(1),
-                                                          config_.round_timeout / 10);
-  }
+  const std::chrono::milliseconds aggregator_wait =
+      up && r.scope == v1::SCOPE_GLOBAL ? wire::ForwardedBackstop(config_.round_timeout)
+                                        : config_.round_timeout;
   const Clock::time_point aggregator_deadline = r.started + aggregator_wait;
   const Clock::time_point deadline = std::min(aggregator_deadline, client_deadline);
   const uint64_t id = RoundId(r.slot, r.posted);
@@ -350,25 +341,14 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
       const Clock::time_point now = Clock::now();
       if (fail.ok() && now >= deadline) {
         if (now >= aggregator_deadline) {
-          std::vector<int32_t> missing = segment_->Missing(r.key);
+          wire::MemberNames member;
+          member.node_rank = config_.node_rank;
+          member.local_world_size = config_.local_world_size;
           std::vector<std::string> names;
-          for (int32_t m : missing) {
-            names.push_back(absl::StrCat("rank ", int64_t(config_.node_rank) *
-                                                      config_.local_world_size + m,
-                                         " (node ", config_.node_rank, ", local rank ", m, ")"));
-          }
-          if (names.empty()) {
-            fail = absl::DeadlineExceededError(absl::StrCat(
-                "round ", round(), " of job '", config_.job_id, "': the root aggregator did not "
-                "answer within ", aggregator_wait.count(), " ms; check the root and the nodes' "
-                "sidecars"));
-          } else {
-            fail = absl::DeadlineExceededError(absl::StrCat(
-                "round ", round(), " of job '", config_.job_id, "' timed out after ",
-                config_.round_timeout.count(), " ms waiting for ", absl::StrJoin(names, ", "),
-                ". Those processes crashed, hung, or did not run this BN layer; every worker "
-                "must run the same layers in the same order"));
-          }
+          for (int32_t m : segment_->Missing(r.key)) names.push_back(member(m));
+          const wire::RoundRef ref{round(), config_.job_id};
+          fail = names.empty() ? wire::RootSilent(ref, aggregator_wait)
+                               : wire::TimedOut(ref, config_.round_timeout, names);
         } else {
           // The caller's own (shorter) timeout: as on the stream, the contribution stays, so
           // the round can still complete for the other ranks; the slot is reclaimed once it

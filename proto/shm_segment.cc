@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstddef>
 #include <cmath>
 #include <cstring>
 #include <thread>
@@ -18,7 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "hsbn/v1/hsbn.pb.h"
-#include "round_merge.h"
+#include "round.h"
 #include "wire.h"
 
 namespace hsbn::shm {
@@ -43,9 +44,11 @@ constexpr uint32_t StateOf(uint32_t w) { return w & 0xffu; }
 constexpr uint32_t GenOf(uint32_t w) { return w >> 8; }
 constexpr uint32_t Word(uint32_t gen, uint32_t state) { return (gen << 8) | state; }
 
-std::string RankName(int32_t local, const ReduceOptions& o, int32_t ranks) {
-  return absl::StrCat("rank ", int64_t(o.node_rank) * ranks + local, " (node ", o.node_rank,
-                      ", local rank ", local, ")");
+wire::MemberNames Names(const ReduceOptions& o, int32_t ranks) {
+  wire::MemberNames names;
+  names.node_rank = o.node_rank;
+  names.local_world_size = ranks;
+  return names;
 }
 
 bool ReachesParent(int32_t scope, const ReduceOptions& o) {
@@ -53,6 +56,18 @@ bool ReachesParent(int32_t scope, const ReduceOptions& o) {
 }
 
 }  // namespace
+
+socklen_t SocketAddress(const std::string& name, sockaddr_un* addr) {
+  *addr = sockaddr_un{};
+  addr->sun_family = AF_UNIX;
+  if (name.empty() || name.size() >= sizeof(addr->sun_path)) return 0;
+  if (name[0] == '@') {
+    std::memcpy(addr->sun_path + 1, name.data() + 1, name.size() - 1);
+    return socklen_t(offsetof(sockaddr_un, sun_path) + name.size());
+  }
+  std::memcpy(addr->sun_path, name.data(), name.size());
+  return socklen_t(sizeof(sockaddr_un));
+}
 
 void FutexWake(uint32_t* word) {
   syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
@@ -243,12 +258,8 @@ absl::Status Segment::Blocked(const Key* key, const ReduceOptions& o) const {
     if (key != nullptr && FindPosted(r, *key, 0, &i, &w)) continue;
     const std::string round = key ? wire::RoundName(key->op, key->seq, v1::Phase(key->phase))
                                   : std::string("new rounds");
-    return absl::UnavailableError(absl::StrCat(
-        "round ", round, " of job '", o.job_id, "' cannot complete: ", RankName(r, o, g_.ranks),
-        why == 2 ? " left the job"
-                 : " disconnected from its node's sidecar (its stream broke: the process "
-                   "probably exited or was killed)",
-        "; the job cannot make progress until that process rejoins"));
+    return wire::MemberGone(wire::RoundRef{round, o.job_id}, Names(o, g_.ranks)(r),
+                            why == 2 ? wire::Gone::kLeft : wire::Gone::kDisconnected);
   }
   return absl::OkStatus();
 }
@@ -300,110 +311,64 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
   const uint32_t gen0 = GenOf(posted[0]);
   if (!Cas(&slot(0, idx[0])->claim, gen0 << 1, (gen0 << 1) | 1u)) return false;
 
-  // Built only for an error message.
+  // Names are built only for an error message.
   auto round = [&] { return wire::RoundName(key.op, key.seq, v1::Phase(key.phase)); };
-  const bool forward = key.phase == v1::PHASE_FORWARD;
+  auto ref = [&] { return wire::RoundRef{round(), o.job_id}; };
+  const wire::MemberNames names = Names(o, n);
+  wire::RoundRules rules;
+  rules.forward = key.phase == v1::PHASE_FORWARD;
+  rules.group_allowed = false;
+  rules.strict_finite = o.strict_finite;
+  rules.max_channels = o.max_channels_limit;
+  rules.transport_cap = g_.max_channels;
   int32_t scope = 0;
   int64_t channels = 0;
   absl::Status error;
-  auto bad = [&](int32_t r, const std::string& field, const std::string& what) {
-    return absl::InvalidArgumentError(absl::StrCat(RankName(r, o, n),
-                                                   " sent an invalid contribution to round ",
-                                                   round(), ": field '", field, "' ", what));
-  };
   for (int32_t r = 0; r < n && error.ok(); ++r) {
     SlotHead* s = slot(r, idx[r]);
-    const int32_t sc = Read(&s->scope);
-    const int64_t ch = Read(&s->channels);
-    const int64_t count = Read(&s->count);
-    if (sc != v1::SCOPE_NODE && sc != v1::SCOPE_GLOBAL && sc != v1::SCOPE_SHADOW) {
-      error = bad(r, "scope", absl::StrCat("is ", sc, "; expected node, global or shadow"));
-      break;
-    }
-    if (ch > g_.max_channels && ch > o.max_channels_limit) {
-      error = absl::ResourceExhaustedError(absl::StrCat(
-          RankName(r, o, n), " sent ", ch, " channels (field 'channels') to round ", round(),
-          ", more than this aggregator's limit --max-channels=", o.max_channels_limit,
-          "; raise the limit or split the layer"));
-      break;
-    }
-    if (ch < 1 || ch > g_.max_channels) {
-      error = bad(r, "channels", absl::StrCat("is ", ch, "; the node's segment carries 1 to ",
-                                              g_.max_channels));
-      break;
-    }
+    wire::ContributionView c;
+    c.scope = Read(&s->scope);
+    c.channels = Read(&s->channels);
+    c.count = Read(&s->count);
+    auto who = [&] { return names(r); };
+    error = wire::CheckFields(c, rules, who, round);
+    if (!error.ok()) break;
     if (r == 0) {
-      scope = sc;
-      channels = ch;
+      scope = c.scope;
+      channels = c.channels;
       buf.resize(size_t(n) * 2 * size_t(channels));
-    } else if (ch != channels) {
-      error = bad(r, "channels", absl::StrCat("is ", ch, " but ", RankName(0, o, n), " sent ",
-                                              channels, "; every worker must run the same model"));
-      break;
-    } else if (sc != scope) {
-      error = bad(r, "scope", absl::StrCat("is ", wire::ScopeName(v1::Scope(sc)), " but ",
-                                           RankName(0, o, n), " sent ",
-                                           wire::ScopeName(v1::Scope(scope))));
-      break;
+    } else {
+      error = wire::CheckSameRound(c, channels, scope, who, [&] { return names(0); }, round);
+      if (!error.ok()) break;
     }
-    if (count < 0) {
-      error = bad(r, "count", absl::StrCat("is ", count, "; counts are >= 0"));
-      break;
-    }
-    counts[size_t(r)] = count;
+    counts[size_t(r)] = c.count;
     double* mine = buf.data() + size_t(r) * 2 * size_t(channels);
     std::memcpy(mine, data(s), size_t(channels) * 2 * sizeof(double));
     if (Load(&s->state) != posted[r]) {
       error = absl::AbortedError(absl::StrCat("round ", round(), " of job '", o.job_id, "': ",
-                                              RankName(r, o, n),
+                                              names(r),
                                               " withdrew its contribution while it was reduced "
                                               "(its wait ended); the round failed"));
       break;
     }
-    CountNonFinite(key.phase,
-                   wire::CountNonFinite(reinterpret_cast<const char*>(mine), 2 * channels));
-    std::string field, what;
-    if (!wire::CheckContributionValues(reinterpret_cast<const char*>(mine), channels, forward,
-                                       o.strict_finite, &field, &what)) {
-      error = bad(r, field, what);
-    }
-  }
-  int64_t total = 0;
-  for (int32_t r = 0; r < n && error.ok(); ++r) {
-    if (__builtin_add_overflow(total, counts[size_t(r)], &total)) {
-      std::vector<std::string> who;
-      for (int32_t q = 0; q < n; ++q) {
-        who.push_back(absl::StrCat(RankName(q, o, n), " count=", counts[size_t(q)]));
-      }
-      error = absl::InvalidArgumentError(absl::StrCat(
-          "round ", round(), " of job '", o.job_id, "': the members' counts overflow int64 when "
-          "summed (", absl::StrJoin(who, ", "), "); a count is the number of values per channel "
-          "behind a contribution"));
-    }
+    // Checked on this process's copy: another process may still write the slot.
+    c.data = reinterpret_cast<const char*>(mine);
+    CountNonFinite(key.phase, wire::CountNonFinite(c.data, 2 * channels));
+    error = wire::CheckValues(c, rules, who, round);
   }
   thread_local std::vector<double> result;  // reused: a round allocates nothing here
   int64_t count = 0;
+  wire::ReduceFault fault;
   if (error.ok()) {
     result.resize(2 * size_t(channels));
-    count = wire::ReduceInOrder(
-        forward, channels, n,
+    error = wire::ReduceRound(
+        rules.forward, channels, n, [&](int i) { return counts[size_t(i)]; },
         [&](int i, const double** ai, const double** bi) {
           *ai = buf.data() + size_t(i) * 2 * size_t(channels);
           *bi = *ai + channels;
           return counts[size_t(i)];
         },
-        result.data(), result.data() + channels);
-    if (o.strict_finite) {
-      for (double v : result) {
-        if (!std::isfinite(v)) {
-          error = absl::InvalidArgumentError(absl::StrCat(
-              "round ", round(), " of job '", o.job_id, "': the merged statistics overflow to Inf "
-              "or NaN although every contribution was finite; the values are too large (this "
-              "job is strict: HSBN_STRICT_FINITE)"));
-          break;
-        }
-      }
-    }
+        names, o.strict_finite, ref, result.data(), result.data() + channels, &count, &fault);
   }
   // A failed round goes up if any rank asked for a scope that reaches the root: the other
   // nodes' ranks may wait there for this node's partial (ranks that disagree on the scope).

@@ -28,6 +28,9 @@
 #ifndef HSBN_SHM_SEGMENT_H_
 #define HSBN_SHM_SEGMENT_H_
 
+#include <sys/socket.h>
+#include <sys/un.h>
+
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -56,6 +59,18 @@ constexpr uint64_t kSlotHeadBytes = 1152;
 constexpr int kCountScopes = 4;
 constexpr int kCountPhases = 3;
 constexpr int kCountCodes = 17;
+
+// The hand-off of a segment over the sidecar's Unix socket (SOCK_SEQPACKET): the worker sends
+// one hello, kHelloMagic + its 16-byte session id + its job token (at most kMaxTokenBytes); the
+// sidecar answers with the segment's descriptors, or "error: <why>".
+constexpr char kHelloMagic[8] = {'H', 'S', 'B', 'N', 'S', 'H', 'M', '1'};
+constexpr size_t kSessionBytes = 16;
+constexpr size_t kMaxTokenBytes = 4096;
+constexpr size_t kMaxHelloBytes = sizeof(kHelloMagic) + kSessionBytes + kMaxTokenBytes;
+
+// The sidecar's socket address for `name`: a path, or "@name" for an abstract socket (a
+// leading NUL, no file). Returns the address length, or 0 when `name` is empty or too long.
+socklen_t SocketAddress(const std::string& name, sockaddr_un* addr);
 
 // A slot's (or queue entry's) state, the low 8 bits of its state word.
 enum State : uint32_t {

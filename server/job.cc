@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "hsbn/moments.h"
-#include "round_merge.h"
+#include "round.h"
 #include "wire.h"
 
 namespace hsbn::server {
@@ -38,7 +38,7 @@ Job::Job(std::string id, JobLayout layout, JobLimits limits)
     : id_(std::move(id)),
       layout_(layout),
       limits_(std::move(limits)),
-      members_(layout.group_size()),
+      members_(layout.expected_members()),
       last_change_(Clock::now()) {}
 
 Job::~Job() {
@@ -67,15 +67,15 @@ int64_t Job::CountNonFinite(const std::string& data, v1::Phase phase, Actions* o
   return n;
 }
 
-std::string Job::MemberName(int32_t index) const {
-  if (layout_.member_kind == v1::MEMBER_KIND_WORKER) {
-    const int32_t rank = layout_.node_rank * layout_.local_world_size + index;
-    return absl::StrCat("rank ", rank, " (node ", layout_.node_rank, ", local rank ", index, ")");
-  }
-  const int32_t first = index * layout_.local_world_size;
-  return absl::StrCat("node ", index, " (ranks ", first, "-", first + layout_.local_world_size - 1,
-                      ")");
+wire::MemberNames Job::Names() const {
+  wire::MemberNames names;
+  names.nodes = layout_.member_kind != v1::MEMBER_KIND_WORKER;
+  names.node_rank = layout_.node_rank;
+  names.local_world_size = layout_.local_world_size;
+  return names;
 }
+
+std::string Job::MemberName(int32_t index) const { return Names()(index); }
 
 absl::Status Job::CheckLayout(const JobLayout& d, const std::string& who) const {
   auto mismatch = [&](const char* field, int64_t got, int64_t want) {
@@ -246,19 +246,27 @@ RoundKey Job::KeyOf(int32_t index, const v1::Contribution& c) const {
 
 absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const Round* open,
                                  Actions* out) const {
-  const std::string who = MemberName(index);
-  const std::string round = Describe(RoundKey{c.op(), c.seq(), c.phase()});
-  auto bad = [&](const std::string& field, const std::string& what) {
-    return absl::InvalidArgumentError(absl::StrCat(who, " sent an invalid contribution to round ",
-                                                   round, ": field '", field, "' ", what));
+  auto who = [&] { return MemberName(index); };
+  auto round = [&] { return Describe(RoundKey{c.op(), c.seq(), c.phase()}); };
+  auto bad = [&](absl::string_view field, absl::string_view what) {
+    return wire::InvalidContribution(who(), round(), field, what);
   };
   if (c.phase() != v1::PHASE_FORWARD && c.phase() != v1::PHASE_BACKWARD) {
     return bad("phase", absl::StrCat("is ", int(c.phase()), "; expected forward or backward"));
   }
-  if (c.scope() != v1::SCOPE_NODE && c.scope() != v1::SCOPE_GLOBAL &&
-      c.scope() != v1::SCOPE_SHADOW && c.scope() != v1::SCOPE_GROUP) {
-    return bad("scope", absl::StrCat("is ", int(c.scope()),
-                                     "; expected node, global, shadow or group"));
+  wire::ContributionView view;
+  view.scope = c.scope();
+  view.channels = c.channels();
+  view.count = c.count();
+  view.data = c.data().data();
+  wire::RoundRules rules;
+  rules.forward = c.phase() == v1::PHASE_FORWARD;
+  rules.strict_finite = layout_.strict_finite;
+  rules.max_channels = limits_.max_channels;
+  if (absl::Status s = wire::CheckFields(view, rules, who, round); !s.ok()) return s;
+  if (int64_t(c.data().size()) != wire::PayloadBytes(c.channels())) {
+    return bad("data", absl::StrCat("holds ", c.data().size(), " bytes; ", c.channels(),
+                                    " channels need ", wire::PayloadBytes(c.channels())));
   }
   if (c.scope() == v1::SCOPE_GROUP && layout_.group_nodes <= 0) {
     return bad("scope", absl::StrCat("is group, but job '", id_, "' was joined without a group "
@@ -282,40 +290,17 @@ absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const
   if (layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR && c.scope() == v1::SCOPE_NODE) {
     return bad("scope", "is node, which a root aggregator never reduces");
   }
-  if (c.channels() == 0) return bad("channels", "is 0; a BatchNorm layer has at least 1 channel");
-  if (c.channels() > uint32_t(limits_.max_channels)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        who, " sent ", c.channels(), " channels (field 'channels') to round ", round,
-        ", more than this aggregator's limit --max-channels=", limits_.max_channels,
-        "; raise the limit or split the layer"));
-  }
-  if (int64_t(c.data().size()) != wire::PayloadBytes(c.channels())) {
-    return bad("data", absl::StrCat("holds ", c.data().size(), " bytes; ", c.channels(),
-                                    " channels need ", wire::PayloadBytes(c.channels())));
-  }
-  if (c.count() < 0) return bad("count", absl::StrCat("is ", c.count(), "; counts are >= 0"));
   // NaN and Inf are data (they propagate to every member, as in torch's SyncBatchNorm) unless
-  // the job is strict; the values check is the shared-memory path's too (round_merge.h).
+  // the job is strict; the values check is the shared-memory path's too (round.h).
   if (CountNonFinite(c.data(), c.phase(), out) > 0 && layout_.strict_finite) {
     out->refused.push_back("strict_nonfinite");
   }
-  std::string field, what;
-  if (!wire::CheckContributionValues(c.data().data(), int64_t(c.channels()),
-                                     c.phase() == v1::PHASE_FORWARD, layout_.strict_finite, &field,
-                                     &what)) {
-    return bad(field, what);
-  }
+  if (absl::Status s = wire::CheckValues(view, rules, who, round); !s.ok()) return s;
   if (open != nullptr) {
-    if (c.channels() != open->channels) {
-      return bad("channels", absl::StrCat("is ", c.channels(), " but ",
-                                          MemberName(open->first_contributor), " sent ",
-                                          open->channels,
-                                          "; every worker must run the same model"));
-    }
-    if (c.scope() != open->scope) {
-      return bad("scope", absl::StrCat("is ", wire::ScopeName(c.scope()), " but ",
-                                       MemberName(open->first_contributor), " sent ",
-                                       wire::ScopeName(open->scope)));
+    auto first = [&] { return MemberName(open->first_contributor); };
+    if (absl::Status s = wire::CheckSameRound(view, open->channels, open->scope, who, first, round);
+        !s.ok()) {
+      return s;
     }
     if (c.has_decide() != (open->decide != nullptr) ||
         (c.has_decide() && (c.decide().max_mean_shift() != open->decide->max_mean_shift() ||
@@ -329,8 +314,7 @@ absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const
                                            d->warmup_rounds(), ")");
       };
       return bad("decide", absl::StrCat("is ", text(c.has_decide() ? &c.decide() : nullptr),
-                                        " but ", MemberName(open->first_contributor), " sent ",
-                                        text(open->decide.get()),
+                                        " but ", first(), " sent ", text(open->decide.get()),
                                         "; every worker must give an auto-scope layer the same "
                                         "warm-up and thresholds"));
     }
@@ -342,8 +326,8 @@ absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const
   }
   if (ScopeReachesParent(c.scope()) && !limits_.has_parent) {
     return absl::FailedPreconditionError(absl::StrCat(
-        who, " asked for ", wire::ScopeName(c.scope()), " scope in round ", round, ", but job '",
-        id_, "' spans ", layout_.num_nodes,
+        who(), " asked for ", wire::ScopeName(c.scope()), " scope in round ", round(),
+        ", but job '", id_, "' spans ", layout_.num_nodes,
         " nodes and this sidecar has no root: start it with --upstream=<root address>"));
   }
   return absl::OkStatus();
@@ -496,11 +480,10 @@ bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribu
     auto sibling = open_.lower_bound(RoundKey{key.op, key.seq, key.phase, 0});
     if (sibling != open_.end() && sibling->first.op == key.op && sibling->first.seq == key.seq &&
         sibling->first.phase == key.phase && sibling->second.scope != c.scope()) {
-      valid = absl::InvalidArgumentError(absl::StrCat(
-          MemberName(index), " sent an invalid contribution to round ", Describe(key),
-          ": field 'scope' is ", wire::ScopeName(c.scope()), " but ",
-          MemberName(sibling->second.first_contributor), " sent ",
-          wire::ScopeName(sibling->second.scope)));
+      valid = wire::DiffersFromFirst(MemberName(index), Describe(key), "scope",
+                                     wire::ScopeName(c.scope()),
+                                     MemberName(sibling->second.first_contributor),
+                                     wire::ScopeName(sibling->second.scope));
       FailRoundLocked(sibling->first, valid, /*tell_parent=*/true, out);
     }
   }
@@ -586,29 +569,12 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   double* sa = b + channels;
   double* sb = sa + channels;
   int64_t count = 0;
-  const auto first = round.slots.begin() + round.lo, last = round.slots.begin() + round.hi;
-  // Counts are each >= 0; their sum must fit in int64, or the result would be wrong.
-  for (auto slot = first; slot != last; ++slot) {
-    if (__builtin_add_overflow(count, slot->count, &count)) {
-      out->refused.push_back("count_overflow");
-      std::vector<std::string> who;
-      for (size_t i = size_t(round.lo); i < size_t(round.hi); ++i) {
-        who.push_back(absl::StrCat(MemberName(int32_t(i)), " count=", round.slots[i].count));
-      }
-      FailRoundLocked(round.key,
-                      absl::InvalidArgumentError(absl::StrCat(
-                          "round ", Describe(round.key), " of job '", id_,
-                          "': the members' counts overflow int64 when summed (",
-                          absl::StrJoin(who, ", "), "); a count is the number of values per "
-                          "channel behind a contribution")),
-                      /*tell_parent=*/true, out);
-      return;
-    }
-  }
+  wire::ReduceFault fault;
   // Fixed order: member index lo, lo + 1, ... — the same bits for every member and every rerun,
-  // and the same reduction as the shared-memory node path (round_merge.h).
-  count = wire::ReduceInOrder(
+  // and the same reduction as the shared-memory node path (round.h).
+  absl::Status reduced = wire::ReduceRound(
       round.key.phase == v1::PHASE_FORWARD, channels, int(round.hi - round.lo),
+      [&](int i) { return round.slots[size_t(round.lo + i)].count; },
       [&](int i, const double** ai, const double** bi) {
         const Slot& slot = round.slots[size_t(round.lo + i)];
         wire::UnpackPayload(slot.data, channels, sa, sb);
@@ -616,7 +582,14 @@ void Job::CompleteLocked(Round& round, Actions* out) {
         *bi = sb;
         return slot.count;
       },
-      a, b);
+      [&](int i) { return MemberName(round.lo + i); }, layout_.strict_finite,
+      [&] { return wire::RoundRef{Describe(round.key), id_}; }, a, b, &count, &fault);
+  if (!reduced.ok()) {
+    out->refused.push_back(fault == wire::ReduceFault::kCountOverflow ? "count_overflow"
+                                                                      : "strict_nonfinite");
+    FailRoundLocked(round.key, reduced, /*tell_parent=*/true, out);
+    return;
+  }
   auto result = std::make_shared<v1::Result>();
   result->set_op(round.key.op);
   result->set_seq(round.key.seq);
@@ -624,18 +597,6 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   result->set_channels(round.channels);
   result->set_count(count);
   wire::PackPayload(a, b, channels, result->mutable_data());
-  // Finite inputs can still merge to Inf (overflow): data like any other, unless strict.
-  if (layout_.strict_finite && CountNonFinite(result->data(), round.key.phase, nullptr) > 0) {
-    out->refused.push_back("strict_nonfinite");
-    FailRoundLocked(round.key,
-                    absl::InvalidArgumentError(absl::StrCat(
-                        "round ", Describe(round.key), " of job '", id_,
-                        "': the merged statistics overflow to Inf or NaN although every "
-                        "contribution was finite; the values are too large (this job is strict: "
-                        "HSBN_STRICT_FINITE)")),
-                    /*tell_parent=*/true, out);
-    return;
-  }
 
   const RoundKey key = round.key;
   if (ScopeReachesParent(round.scope) && limits_.has_parent) {
@@ -647,8 +608,7 @@ void Job::CompleteLocked(Round& round, Actions* out) {
       // The root's own deadline for this round fires first (its round opened no later than
       // ours was forwarded), and its error names the missing nodes and ranks; ours is only the
       // backstop for a root that does not answer at all.
-      round.deadline = Clock::now() + limits_.round_timeout +
-                       std::max<Clock::duration>(std::chrono::seconds(1), limits_.round_timeout / 10);
+      round.deadline = Clock::now() + wire::ForwardedBackstop(limits_.round_timeout);
       return;
     }
     result->set_scope(v1::SCOPE_NODE);  // shadow: answer with the node's statistics now
@@ -810,16 +770,12 @@ absl::Status Job::BlockedLocked(const RoundKey& key, int32_t lo, int32_t hi) con
   for (size_t i = size_t(lo); i < size_t(hi); ++i) {
     if (members_[i].gone) {
       // A member that took part before and whose stream is gone cannot contribute.
-      return absl::UnavailableError(absl::StrCat(
-          "round ", Describe(key), " of job '", id_, "' cannot complete: ", MemberName(int32_t(i)),
-          members_[i].joined ? " is disconnected (its stream broke)" : " left the job",
-          "; the job cannot make progress until that process rejoins"));
+      return wire::MemberGone(wire::RoundRef{Describe(key), id_}, MemberName(int32_t(i)),
+                              members_[i].joined ? wire::Gone::kDisconnected : wire::Gone::kLeft);
     }
     if (!members_[i].down.empty()) {
-      return absl::UnavailableError(absl::StrCat(
-          "round ", Describe(key), " of job '", id_, "' cannot complete: ",
-          MemberName(int32_t(i)), " is down: ", members_[i].down,
-          "; the job cannot make progress until that process rejoins"));
+      return wire::MemberDown(wire::RoundRef{Describe(key), id_}, MemberName(int32_t(i)),
+                              members_[i].down);
     }
   }
   return absl::OkStatus();
@@ -842,9 +798,7 @@ void Job::ChildState(int32_t index, const v1::NodeState& state, Actions* out) {
         return index >= round.lo && index < round.hi && !round.slots[index].filled;
       },
       [&](const RoundKey& key) {
-        return absl::UnavailableError(absl::StrCat(
-            "round ", Describe(key), " of job '", id_, "' cannot complete: ", MemberName(index),
-            " is down: ", m.down, "; the job cannot make progress until that process rejoins"));
+        return wire::MemberDown(wire::RoundRef{Describe(key), id_}, MemberName(index), m.down);
       },
       /*tell_parent=*/true, out);
   out->log.push_back(absl::StrCat("job '", id_, "': ", MemberName(index), " is down (", m.down,
@@ -931,15 +885,12 @@ void Job::Retire(const absl::Status& status, Actions* out) {
 void Job::Expire(Clock::time_point now, Actions* out) {
   absl::MutexLock lock(&mu_);
   std::vector<std::pair<RoundKey, absl::Status>> doomed;
-  const int64_t ms = limits_.round_timeout.count();
   for (auto& [key, round] : open_) {
     if (round.deadline > now) continue;
+    const wire::RoundRef ref{Describe(key), id_};
     if (round.forwarded) {
       out->timed_out.push_back("upstream");
-      doomed.emplace_back(key, absl::DeadlineExceededError(absl::StrCat(
-                                   "round ", Describe(key), " of job '", id_,
-                                   "': the root aggregator did not answer within ", ms,
-                                   " ms; check the root and the nodes' sidecars")));
+      doomed.emplace_back(key, wire::RootSilent(ref, limits_.round_timeout));
       continue;
     }
     std::vector<std::string> missing;
@@ -952,12 +903,7 @@ void Job::Expire(Clock::time_point now, Actions* out) {
                 : absl::StrCat("node ", i));
       }
     }
-    doomed.emplace_back(
-        key, absl::DeadlineExceededError(absl::StrCat(
-                 "round ", Describe(key), " of job '", id_, "' timed out after ", ms,
-                 " ms waiting for ", absl::StrJoin(missing, ", "),
-                 ". Those processes crashed, hung, or did not run this BN layer; every worker "
-                 "must run the same layers in the same order")));
+    doomed.emplace_back(key, wire::TimedOut(ref, limits_.round_timeout, missing));
   }
   for (auto& [key, status] : doomed) FailRoundLocked(key, status, /*tell_parent=*/true, out);
 }
@@ -984,7 +930,7 @@ void Job::FillStatus(v1::JobStatus* s) const {
   s->set_job_id(id_);
   s->set_world_size(layout_.world_size);
   s->set_num_nodes(layout_.num_nodes);
-  s->set_group_size(layout_.group_size());
+  s->set_group_size(layout_.expected_members());
   for (size_t i = 0; i < members_.size(); ++i) {
     v1::MemberStatus* m = s->add_members();
     m->set_index(int32_t(i));

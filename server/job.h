@@ -37,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "hsbn/v1/hsbn.pb.h"
+#include "round.h"
 #include "session.h"
 
 namespace hsbn::server {
@@ -85,7 +86,7 @@ struct JobLayout {
   uint64_t incarnation = 0;    // JoinRequest.incarnation: which run of the job
   int32_t group_nodes = 0;     // JoinRequest.group_nodes: nodes per group, 0: no groups
   // Members expected here: local ranks at a sidecar, nodes at the root.
-  int32_t group_size() const {
+  int32_t expected_members() const {
     return member_kind == v1::MEMBER_KIND_WORKER ? local_world_size : num_nodes;
   }
 };
@@ -214,6 +215,7 @@ class Job {
 
   void FillStatus(v1::JobStatus* status) const;
   // Human name of a member: "rank 5 (node 1, local rank 1)" or "node 1 (ranks 4-7)".
+  wire::MemberNames Names() const;  // how this job names its members (round.h)
   std::string MemberName(int32_t index) const;
 
  private:

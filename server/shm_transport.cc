@@ -22,8 +22,6 @@ namespace hsbn::server {
 
 namespace {
 
-constexpr char kHelloMagic[8] = {'H', 'S', 'B', 'N', 'S', 'H', 'M', '1'};
-constexpr size_t kMaxHello = 8 + 16 + 4096;
 constexpr size_t kMaxConns = 1024;
 constexpr auto kHelloTimeout = std::chrono::seconds(5);
 
@@ -47,17 +45,6 @@ bool SendText(int fd, const std::string& text, const std::vector<int>& fds) {
   return sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) == ssize_t(text.size());
 }
 
-socklen_t Address(const std::string& name, sockaddr_un* addr) {
-  *addr = sockaddr_un{};
-  addr->sun_family = AF_UNIX;
-  if (!name.empty() && name[0] == '@') {  // abstract: a leading NUL, no file
-    std::memcpy(addr->sun_path + 1, name.data() + 1, name.size() - 1);
-    return socklen_t(offsetof(sockaddr_un, sun_path) + name.size());
-  }
-  std::memcpy(addr->sun_path, name.data(), name.size());
-  return socklen_t(sizeof(sockaddr_un));
-}
-
 }  // namespace
 
 ShmTransport::ShmTransport(ShmOptions options, Registry* registry, ShmListener* listener)
@@ -73,7 +60,7 @@ absl::Status ShmTransport::Start() {
   listen_fd_ = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (listen_fd_ < 0) return absl::UnavailableError(std::strerror(errno));
   sockaddr_un addr;
-  const socklen_t len = Address(options_.socket, &addr);
+  const socklen_t len = shm::SocketAddress(options_.socket, &addr);
   if (options_.socket[0] != '@') unlink(options_.socket.c_str());
   // The socket has --socket-mode from the moment it exists, like the gRPC one.
   const mode_t saved = umask(0777 & ~options_.socket_mode);
@@ -87,12 +74,18 @@ absl::Status ShmTransport::Start() {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.socket, ": ", why));
   }
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  if (epoll_fd_ < 0) {
+    return absl::UnavailableError(absl::StrCat("epoll_create1: ", std::strerror(errno)));
+  }
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake_fd_ < 0) return absl::UnavailableError(absl::StrCat("eventfd: ", std::strerror(errno)));
   for (int fd : {listen_fd_, wake_fd_}) {
     epoll_event ev{};
     ev.events = EPOLLIN;
     ev.data.fd = fd;
-    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
+    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
+      return absl::UnavailableError(absl::StrCat("epoll_ctl: ", std::strerror(errno)));
+    }
   }
   thread_ = std::thread([this] { Loop(); });
   return absl::OkStatus();
@@ -243,21 +236,27 @@ void ShmTransport::MaybeDecideLocked(NodeJob& job, Clock::time_point now) {
   }
   auto seg = shm::Segment::Create(*g, options_.has_parent);
   const int bell = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (!seg.ok() || bell < 0) {
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = bell;
+  std::string failed;
+  if (!seg.ok()) {
+    failed = std::string(seg.status().message());
+  } else if (bell < 0) {
+    failed = absl::StrCat("eventfd: ", std::strerror(errno));
+  } else if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, bell, &ev) != 0) {
+    failed = absl::StrCat("epoll_ctl of the doorbell: ", std::strerror(errno));
+  }
+  if (!failed.empty()) {
     if (budget) budget->Release(int64_t(g->total_bytes));
     if (bell >= 0) close(bell);
-    DecideGrpcLocked(job, seg.ok() ? std::string("eventfd failed")
-                                   : std::string(seg.status().message()));
+    DecideGrpcLocked(job, failed);
     return;
   }
   job.charged = int64_t(g->total_bytes);
   job.segment = std::move(*seg);
   job.doorbell = bell;
   doorbells_[bell] = job.id;
-  epoll_event ev{};
-  ev.events = EPOLLIN;
-  ev.data.fd = bell;
-  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, bell, &ev);
   job.decision = Decision::kShm;
   Log(LogLevel::kInfo, absl::StrCat("job '", LogSafe(job.id, 256), "': node rounds use shared "
                                     "memory (", job.ranks, " local ranks, segment of ",
@@ -271,7 +270,7 @@ void ShmTransport::MaybeDecideLocked(NodeJob& job, Clock::time_point now) {
 }
 
 void ShmTransport::CloseConnLocked(int fd) {
-  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
+  (void)epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);  // close() drops it from the set anyway
   close(fd);
   conns_.erase(fd);
   for (auto& [id, job] : jobs_) {
@@ -287,7 +286,7 @@ void ShmTransport::ReleaseLocked(NodeJob& job, const std::string& why) {
     if (fd >= 0) CloseConnLocked(fd);
   }
   if (job.doorbell >= 0) {
-    epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, job.doorbell, nullptr);
+    (void)epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, job.doorbell, nullptr);  // closed next
     doorbells_.erase(job.doorbell);
     close(job.doorbell);
     job.doorbell = -1;
@@ -339,11 +338,14 @@ void ShmTransport::Accept() {
       close(fd);
       continue;
     }
-    conns_[fd] = Conn{fd, Clock::now(), false};
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP;
     ev.data.fd = fd;
-    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
+    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {  // never watched: never served
+      close(fd);
+      continue;
+    }
+    conns_[fd] = Conn{fd, Clock::now(), false};
   }
 }
 
@@ -355,7 +357,7 @@ void ShmTransport::Hello(int fd) {
     if (c == conns_.end()) return;
     answered = c->second.answered;
   }
-  char buf[kMaxHello];
+  char buf[shm::kMaxHelloBytes];
   const ssize_t got = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
   if (answered || got <= 0) {
     // After the answer the connection only tells the worker that this sidecar lives; any
@@ -371,12 +373,14 @@ void ShmTransport::Hello(int fd) {
     CloseConnLocked(fd);
   };
   SessionId session;
-  if (size_t(got) < 24 || std::memcmp(buf, kHelloMagic, 8) != 0 ||
-      !SessionId::FromBytes(absl::string_view(buf + 8, 16), &session)) {
+  constexpr size_t kHead = sizeof(shm::kHelloMagic) + shm::kSessionBytes;
+  if (size_t(got) < kHead || std::memcmp(buf, shm::kHelloMagic, sizeof(shm::kHelloMagic)) != 0 ||
+      !SessionId::FromBytes(absl::string_view(buf + sizeof(shm::kHelloMagic), shm::kSessionBytes),
+                            &session)) {
     refuse("malformed hello (expected the hsbn shared-memory hello with a 16-byte session)");
     return;
   }
-  const std::string token(buf + 24, size_t(got) - 24);
+  const std::string token(buf + kHead, size_t(got) - kHead);
   auto ref = registry_->Authorize(session, token);
   if (!ref.ok()) {
     refuse(std::string(ref.status().message()));

@@ -174,7 +174,7 @@ struct Harness {
 
   void Run(FuzzedDataProvider& in) {
     while (in.remaining_bytes() > 0) {
-      const int member = in.ConsumeIntegralInRange<int>(0, layout.group_size() - 1);
+      const int member = in.ConsumeIntegralInRange<int>(0, layout.expected_members() - 1);
       Actions a;
       switch (in.ConsumeIntegralInRange<int>(0, 11)) {
         case 0: {  // a Join (a reconnect names its previous session)
@@ -260,7 +260,7 @@ struct Harness {
         default: {
           v1::JobStatus status;
           job->FillStatus(&status);
-          HSBN_FUZZ_CHECK(status.members_size() == layout.group_size(),
+          HSBN_FUZZ_CHECK(status.members_size() == layout.expected_members(),
                           "Status lists a different number of members");
           break;
         }

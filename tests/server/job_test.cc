@@ -38,7 +38,7 @@ struct Fixture {
     layout.node_rank = kind == v1::MEMBER_KIND_WORKER ? node : -1;
     limits.has_parent = parent;
     job = std::make_unique<Job>("job", layout, limits);
-    for (int i = 0; i < layout.group_size(); ++i) {
+    for (int i = 0; i < layout.expected_members(); ++i) {
       sinks.push_back(std::make_shared<RecordingSink>());
       Actions a;
       EXPECT_TRUE(job->AddMember(i, S(100 + i), S(0), Clock::now(), &a).ok());
