@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include "env.h"
 #include "hsbn/client.h"
 #include "hsbn/hsbn.h"
 #include "hsbn/status.h"
@@ -99,6 +100,9 @@ void hsbn_options_init(hsbn_options* options) {
   options->struct_size = sizeof *options;
   options->rank = options->world_size = options->local_rank = -1;
   options->local_world_size = options->node_rank = -1;
+  options->strict_finite = options->group_nodes = -1;
+  options->incarnation = options->auto_warmup = options->auto_recheck_every = -1;
+  options->auto_max_mean_shift = options->auto_max_log_var_ratio = -1;
 }
 
 hsbn_result hsbn_client_create(const hsbn_options* options, hsbn_client** out) {
@@ -120,28 +124,51 @@ hsbn_result hsbn_client_create(const hsbn_options* options, hsbn_client** out) {
     o.connect_timeout = std::chrono::milliseconds(options->connect_timeout_ms);
   }
   if (options->token != nullptr) o.token = options->token;
-  // A caller built against an older hsbn.h has no strict_finite field: the environment decides.
-  if (options->struct_size >= offsetof(hsbn_options, strict_finite) + sizeof(int32_t)) {
+  // Fields a caller built against an older hsbn.h lacks, and fields left unset, come from the
+  // environment, through the one table (client/env.h).
+  auto has = [&](size_t offset, size_t size) { return options->struct_size >= offset + size; };
+  const hsbn::env::Source source =
+      has(offsetof(hsbn_options, env), sizeof(options->env)) && options->env != nullptr
+          ? hsbn::env::Source::Entries(options->env)
+          : hsbn::env::Source::Process();
+  hsbn::ClientOptions defaults;
+  if (absl::Status s = hsbn::AutoPolicyFromEnv(source, &defaults.auto_policy); !s.ok()) {
+    return Fail(s);
+  }
+  if (absl::Status s = hsbn::IncarnationFromEnv(source, &defaults.incarnation); !s.ok()) {
+    return Fail(s);
+  }
+  absl::StatusOr<bool> strict = hsbn::env::Flag(source, "HSBN_STRICT_FINITE");
+  if (!strict.ok()) return Fail(strict.status());
+  absl::StatusOr<int64_t> group_nodes = hsbn::env::Int(source, "HSBN_GROUP_NODES");
+  if (!group_nodes.ok()) return Fail(group_nodes.status());
+  absl::StatusOr<std::string> transport = hsbn::env::Resolve(source, "HSBN_TRANSPORT");
+  if (!transport.ok()) return Fail(transport.status());
+  o.strict_finite = *strict;
+  if (has(offsetof(hsbn_options, strict_finite), sizeof(int32_t)) && options->strict_finite >= 0) {
     o.strict_finite = options->strict_finite != 0;
   }
-  if (const char* env = std::getenv("HSBN_STRICT_FINITE"); env != nullptr && *env == '1') {
-    o.strict_finite = true;
-  }
-  // A caller built against an older hsbn.h has no group_nodes field: the environment decides.
-  if (options->struct_size >= offsetof(hsbn_options, group_nodes) + sizeof(int32_t)) {
+  o.group_nodes = int32_t(*group_nodes);
+  if (has(offsetof(hsbn_options, group_nodes), sizeof(int32_t)) && options->group_nodes >= 0) {
     o.group_nodes = options->group_nodes;
-  } else {
-    if (const char* env = std::getenv("HSBN_GROUP_NODES"); env != nullptr && *env != '\0') {
-      char* end = nullptr;
-      const long v = std::strtol(env, &end, 10);
-      if (*end != '\0' || v < 0 || v > (1L << 30)) {
-        return Invalid("HSBN_GROUP_NODES is not a number of nodes (0 or a positive integer)");
-      }
-      o.group_nodes = int32_t(v);
+  }
+  o.transport = *transport;
+  o.incarnation = defaults.incarnation;
+  o.auto_policy = defaults.auto_policy;
+  if (has(offsetof(hsbn_options, auto_recheck_every), sizeof(int64_t))) {
+    if (options->transport != nullptr) o.transport = options->transport;
+    if (options->incarnation >= 0) o.incarnation = uint64_t(options->incarnation);
+    if (options->auto_warmup >= 0) o.auto_policy.warmup_rounds = options->auto_warmup;
+    if (options->auto_max_mean_shift >= 0) {
+      o.auto_policy.max_mean_shift = options->auto_max_mean_shift;
+    }
+    if (options->auto_max_log_var_ratio >= 0) {
+      o.auto_policy.max_log_var_ratio = options->auto_max_log_var_ratio;
+    }
+    if (options->auto_recheck_every >= 0) {
+      o.auto_policy.recheck_every = options->auto_recheck_every;
     }
   }
-  if (absl::Status s = hsbn::AutoPolicyFromEnv(&o.auto_policy); !s.ok()) return Fail(s);
-  if (absl::Status s = hsbn::IncarnationFromEnv(&o.incarnation); !s.ok()) return Fail(s);
   auto client = hsbn::Client::Connect(o);
   if (!client.ok()) return Fail(client.status());
   *out = new hsbn_client{std::move(*client)};
@@ -160,6 +187,28 @@ hsbn_result hsbn_client_create_from_env(hsbn_client** out) {
 }
 
 void hsbn_client_destroy(hsbn_client* client) { delete client; }
+
+hsbn_result hsbn_env_get(const char* const* env, const char* name, char* buf, size_t buf_len,
+                         size_t* needed) {
+  g_last_error.clear();
+  if (name == nullptr) return Invalid("null variable name");
+  const hsbn::env::Source source =
+      env != nullptr ? hsbn::env::Source::Entries(env) : hsbn::env::Source::Process();
+  absl::StatusOr<std::string> value = hsbn::env::Resolve(source, name);
+  if (!value.ok()) return Fail(value.status());
+  return CopyOut(*value, buf, buf_len, needed);
+}
+
+hsbn_result hsbn_env_markdown(char* buf, size_t buf_len, size_t* needed) {
+  g_last_error.clear();
+  return CopyOut(hsbn::env::Markdown(), buf, buf_len, needed);
+}
+
+const char* hsbn_env_name(int i) {
+  const auto table = hsbn::env::Table();
+  if (i < 0 || size_t(i) >= table.size()) return nullptr;
+  return table[size_t(i)].name;
+}
 
 hsbn_result hsbn_client_get_info(const hsbn_client* client, hsbn_client_info* out) {
   if (client == nullptr || out == nullptr) return Invalid("null client or output pointer");

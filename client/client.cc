@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "grpcpp/grpcpp.h"
+#include "env.h"
 #include "hsbn/status.h"
 #include "hsbn/v1/hsbn.grpc.pb.h"
 #include "result.h"
@@ -65,126 +66,78 @@ absl::Status AutoPolicy::Validate() const {
   return absl::OkStatus();
 }
 
-namespace {
+absl::StatusOr<ClientOptions> ClientOptions::FromEnv() { return FromEnv(env::Source::Process()); }
 
-absl::Status EnvDouble(const char* name, double* out) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return absl::OkStatus();
-  if (!absl::SimpleAtod(v, out)) {
-    return absl::InvalidArgumentError(absl::StrCat(name, "='", v, "' is not a number"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status EnvInt(const char* name, bool required, int64_t* out) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') {
-    if (!required) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, " is not set. Launch the trainer with torchrun, or set RANK, WORLD_SIZE, "
-              "LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK yourself"));
-  }
-  if (!absl::SimpleAtoi(v, out)) {
-    return absl::InvalidArgumentError(absl::StrCat(name, "='", v, "' is not an integer"));
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-absl::StatusOr<ClientOptions> ClientOptions::FromEnv() {
+absl::StatusOr<ClientOptions> ClientOptions::FromEnv(const env::Source& source) {
   ClientOptions o;
-  int64_t v = 0;
   const std::pair<const char*, int32_t*> fields[] = {{"RANK", &o.rank},
                                                       {"WORLD_SIZE", &o.world_size},
                                                       {"LOCAL_RANK", &o.local_rank},
                                                       {"LOCAL_WORLD_SIZE", &o.local_world_size},
                                                       {"GROUP_RANK", &o.node_rank}};
   for (auto& [name, field] : fields) {
-    if (absl::Status s = EnvInt(name, true, &v); !s.ok()) return s;
-    if (v != int64_t(int32_t(v))) {  // would be taken as another rank or size
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, "=", v, " is out of range (at most 2147483647)"));
-    }
-    *field = int32_t(v);
+    absl::StatusOr<int64_t> v = env::Int(source, name);  // within int32 (the table's range)
+    if (!v.ok()) return v.status();
+    *field = int32_t(*v);
   }
-  const char* job = std::getenv("HSBN_JOB_ID");
-  if (job == nullptr || *job == '\0') {
-    job = std::getenv("TORCHELASTIC_RUN_ID");
-    // torchrun sets "none" when no --rdzv-id is given: not an id that tells jobs apart.
-    if (job != nullptr && std::string(job) == "none") job = nullptr;
-  }
-  if (job == nullptr || *job == '\0') {
-    return absl::InvalidArgumentError(
-        "HSBN_JOB_ID is not set (nor torchrun's TORCHELASTIC_RUN_ID): give every process of the "
-        "job the same HSBN_JOB_ID, unique among the jobs sharing a sidecar");
-  }
-  o.job_id = job;
-  if (const char* a = std::getenv("HSBN_ADDRESS"); a != nullptr && *a != '\0') o.address = a;
-  v = 0;
-  if (absl::Status s = EnvInt("HSBN_ROUND_TIMEOUT_MS", false, &v); !s.ok()) return s;
-  o.round_timeout = std::chrono::milliseconds(v);
-  v = 10000;
-  if (absl::Status s = EnvInt("HSBN_CONNECT_TIMEOUT_MS", false, &v); !s.ok()) return s;
-  o.connect_timeout = std::chrono::milliseconds(v);
-  if (const char* t = std::getenv("HSBN_TOKEN"); t != nullptr && *t != '\0') {
-    o.token = t;
-  } else if (const char* f = std::getenv("HSBN_TOKEN_FILE"); f != nullptr && *f != '\0') {
-    std::ifstream in(f);
-    if (!in) {
-      return absl::InvalidArgumentError(absl::StrCat("HSBN_TOKEN_FILE=", f, " cannot be read"));
-    }
-    std::stringstream ss;
-    ss << in.rdbuf();
-    o.token = std::string(absl::StripAsciiWhitespace(ss.str()));
-  }
-  v = 0;
-  if (absl::Status s = EnvInt("HSBN_STRICT_FINITE", false, &v); !s.ok()) return s;
-  o.strict_finite = v != 0;
-  v = 0;
-  if (absl::Status s = EnvInt("HSBN_GROUP_NODES", false, &v); !s.ok()) return s;
-  if (v != int64_t(int32_t(v))) {
-    return absl::InvalidArgumentError(absl::StrCat("HSBN_GROUP_NODES=", v, " is out of range"));
-  }
-  o.group_nodes = int32_t(v);
-  if (absl::Status s = AutoPolicyFromEnv(&o.auto_policy); !s.ok()) return s;
-  if (absl::Status s = IncarnationFromEnv(&o.incarnation); !s.ok()) return s;
-  if (const char* t = std::getenv("HSBN_TRANSPORT"); t != nullptr) o.transport = t;
+  absl::StatusOr<std::string> text = env::Resolve(source, "HSBN_JOB_ID");
+  if (!text.ok()) return text.status();
+  o.job_id = *text;
+  if (text = env::Resolve(source, "HSBN_ADDRESS"); !text.ok()) return text.status();
+  o.address = *text;
+  absl::StatusOr<int64_t> v = env::Int(source, "HSBN_ROUND_TIMEOUT_MS");
+  if (!v.ok()) return v.status();
+  o.round_timeout = std::chrono::milliseconds(*v);
+  if (v = env::Int(source, "HSBN_CONNECT_TIMEOUT_MS"); !v.ok()) return v.status();
+  if (*v > 0) o.connect_timeout = std::chrono::milliseconds(*v);  // 0: the default
+  if (text = env::Resolve(source, "HSBN_TOKEN"); !text.ok()) return text.status();
+  o.token = *text;
+  absl::StatusOr<bool> strict = env::Flag(source, "HSBN_STRICT_FINITE");
+  if (!strict.ok()) return strict.status();
+  o.strict_finite = *strict;
+  if (v = env::Int(source, "HSBN_GROUP_NODES"); !v.ok()) return v.status();
+  o.group_nodes = int32_t(*v);
+  if (absl::Status s = AutoPolicyFromEnv(source, &o.auto_policy); !s.ok()) return s;
+  if (absl::Status s = IncarnationFromEnv(source, &o.incarnation); !s.ok()) return s;
+  if (text = env::Resolve(source, "HSBN_TRANSPORT"); !text.ok()) return text.status();
+  o.transport = *text;
   if (absl::Status s = o.Validate(); !s.ok()) return s;
   return o;
 }
 
 absl::Status IncarnationFromEnv(uint64_t* incarnation) {
-  for (const char* name : {"HSBN_INCARNATION", "TORCHELASTIC_RESTART_COUNT"}) {
-    const char* v = std::getenv(name);
-    if (v == nullptr || *v == '\0') continue;
-    if (!absl::SimpleAtoi(v, incarnation)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, "=", wire::Printable(v, 64), " is not a run number (a non-negative integer)"));
-    }
-    return absl::OkStatus();
-  }
-  *incarnation = 0;
+  return IncarnationFromEnv(env::Source::Process(), incarnation);
+}
+
+absl::Status IncarnationFromEnv(const env::Source& source, uint64_t* incarnation) {
+  absl::StatusOr<int64_t> v = env::Int(source, "HSBN_INCARNATION");
+  if (!v.ok()) return v.status();
+  *incarnation = uint64_t(*v);
   return absl::OkStatus();
 }
 
 absl::Status AutoPolicyFromEnv(AutoPolicy* policy) {
-  if (absl::Status s = EnvInt("HSBN_AUTO_WARMUP", false, &policy->warmup_rounds); !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = EnvDouble("HSBN_AUTO_MAX_MEAN_SHIFT", &policy->max_mean_shift); !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = EnvDouble("HSBN_AUTO_MAX_LOG_VAR_RATIO", &policy->max_log_var_ratio);
-      !s.ok()) {
-    return s;
-  }
-  return EnvInt("HSBN_AUTO_RECHECK_EVERY", false, &policy->recheck_every);
+  return AutoPolicyFromEnv(env::Source::Process(), policy);
+}
+
+absl::Status AutoPolicyFromEnv(const env::Source& source, AutoPolicy* policy) {
+  absl::StatusOr<int64_t> i = env::Int(source, "HSBN_AUTO_WARMUP");
+  if (!i.ok()) return i.status();
+  policy->warmup_rounds = *i;
+  absl::StatusOr<double> d = env::Number(source, "HSBN_AUTO_MAX_MEAN_SHIFT");
+  if (!d.ok()) return d.status();
+  policy->max_mean_shift = *d;
+  if (d = env::Number(source, "HSBN_AUTO_MAX_LOG_VAR_RATIO"); !d.ok()) return d.status();
+  policy->max_log_var_ratio = *d;
+  if (i = env::Int(source, "HSBN_AUTO_RECHECK_EVERY"); !i.ok()) return i.status();
+  policy->recheck_every = *i;
+  return absl::OkStatus();
 }
 
 absl::Status ClientOptions::Validate() const {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id (HSBN_JOB_ID) is empty");
   if (address.empty()) return absl::InvalidArgumentError("address (HSBN_ADDRESS) is empty");
+  if (absl::Status s = env::CheckAddress(address, "address (HSBN_ADDRESS)"); !s.ok()) return s;
   if (connect_timeout.count() < 0 || connect_timeout.count() > client_internal::kMaxWaitMs) {
     return absl::InvalidArgumentError(absl::StrCat(
         "connect_timeout (HSBN_CONNECT_TIMEOUT_MS) is ", connect_timeout.count(),
@@ -1101,12 +1054,7 @@ class Client::Impl {
 
   bool OfferShm() const {
     if (!shm_unreachable_.empty()) return false;
-    std::string t = options_.transport;
-    if (t.empty()) {
-      const char* env = std::getenv("HSBN_TRANSPORT");
-      t = env ? env : "auto";
-    }
-    return t != "grpc";
+    return options_.transport != "grpc";
   }
 
   void SetTransport(const std::string& t) {
@@ -1145,7 +1093,13 @@ class Client::Impl {
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
 
-absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& given) {
+  ClientOptions options = given;
+  if (options.transport.empty()) {
+    absl::StatusOr<std::string> t = env::Resolve(env::Source::Process(), "HSBN_TRANSPORT");
+    if (!t.ok()) return t.status();
+    options.transport = *t;
+  }
   if (absl::Status s = options.Validate(); !s.ok()) return s;
   auto impl = std::make_unique<Impl>(options);
   if (absl::Status s = impl->Connect(); !s.ok()) return s;

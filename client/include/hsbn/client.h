@@ -29,6 +29,9 @@ namespace hsbn {
 namespace v1 {
 class StatusResponse;
 }
+namespace env {
+class Source;  // an environment to read (client/env.h)
+}
 
 // kGroup: the workers of this node's group (ClientOptions::group_nodes consecutive nodes).
 // kAuto: not a wire scope but a policy the client runs per op (AutoPolicy): shadow for a
@@ -61,10 +64,12 @@ struct AutoPolicy {
 // HSBN_AUTO_RECHECK_EVERY into *policy where set (INVALID_ARGUMENT for a value that does not
 // parse; Validate checks the ranges).
 absl::Status AutoPolicyFromEnv(AutoPolicy* policy);
+absl::Status AutoPolicyFromEnv(const env::Source& source, AutoPolicy* policy);
 // Which run of the job this process belongs to: HSBN_INCARNATION, else torchrun's
 // TORCHELASTIC_RESTART_COUNT, else 0 (JoinRequest.incarnation). INVALID_ARGUMENT when set to
 // something other than a non-negative integer.
 absl::Status IncarnationFromEnv(uint64_t* incarnation);
+absl::Status IncarnationFromEnv(const env::Source& source, uint64_t* incarnation);
 
 // An auto-scope op's decision as the client knows it (Client::AutoDecisionOf).
 struct AutoDecision {
@@ -94,7 +99,8 @@ struct ClientOptions {
   bool strict_finite = false;
   // How this worker's node rounds travel: "auto" (shared memory when the sidecar and every
   // local rank can use it, else the gRPC stream), "grpc" (never shared memory), or empty: from
-  // HSBN_TRANSPORT, else "auto". Every local rank of a node ends up on the same transport.
+  // HSBN_TRANSPORT (read once, when the client is created), else "auto". Every local rank of a
+  // node ends up on the same transport.
   std::string transport;
   // Nodes per group for Scope::kGroup (HSBN_GROUP_NODES); 0: the job has no groups. Must divide
   // the number of nodes; every process of a job must agree.
@@ -111,8 +117,10 @@ struct ClientOptions {
   // (or TORCHELASTIC_RUN_ID), HSBN_ADDRESS, HSBN_ROUND_TIMEOUT_MS, HSBN_CONNECT_TIMEOUT_MS,
   // HSBN_TOKEN or HSBN_TOKEN_FILE, HSBN_STRICT_FINITE (1/0), HSBN_GROUP_NODES, the
   // HSBN_AUTO_* variables above, HSBN_INCARNATION (or TORCHELASTIC_RESTART_COUNT) and
-  // HSBN_TRANSPORT (auto/grpc).
+  // HSBN_TRANSPORT (auto/grpc): docs/ENVIRONMENT.md, parsed by the one table (client/env.h).
+  // INVALID_ARGUMENT naming the variable for a value outside its type or range.
   static absl::StatusOr<ClientOptions> FromEnv();
+  static absl::StatusOr<ClientOptions> FromEnv(const env::Source& source);
   // Checks the layout for consistency (the errors name the variable to fix).
   absl::Status Validate() const;
 };

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define HSBN_ABI_VERSION 1
+#define HSBN_ABI_VERSION 2
 
 typedef enum hsbn_result {
   HSBN_OK = 0,
@@ -76,10 +76,21 @@ typedef struct hsbn_options {
   int64_t round_timeout_ms;    /* how long a round call waits; 0: the aggregator's timeout + 5 s */
   int64_t connect_timeout_ms;  /* how long to wait for the sidecar; 0: 10 s */
   const char* token;           /* job token, or NULL for none */
-  int32_t strict_finite;       /* 1: the job's strict mode (NaN/Inf fail rounds); 0: data */
-  int32_t group_nodes;         /* nodes per group for HSBN_SCOPE_GROUP; 0: none. Must divide
-                                  the number of nodes; the same everywhere (hsbn_client_create_
-                                  from_env reads HSBN_GROUP_NODES) */
+  int32_t strict_finite;       /* 1: the job's strict mode (NaN/Inf fail rounds); 0: data;
+                                  -1 (hsbn_options_init): HSBN_STRICT_FINITE */
+  int32_t group_nodes;         /* nodes per group for HSBN_SCOPE_GROUP; 0: none; -1 (init):
+                                  HSBN_GROUP_NODES. Must divide the number of nodes; the same
+                                  everywhere */
+  /* The fields below set what the environment sets otherwise; each "unset" value (what
+   * hsbn_options_init writes) takes the variable's value from `env`, or from the process's
+   * environment when `env` is NULL (docs/ENVIRONMENT.md: one table parses them everywhere). */
+  const char* const* env;      /* NULL, or "NAME=VALUE" entries, NULL-terminated */
+  const char* transport;       /* "auto" or "grpc"; NULL: HSBN_TRANSPORT */
+  int64_t incarnation;         /* the job's run number, >= 0; -1: HSBN_INCARNATION */
+  int64_t auto_warmup;         /* >= 1; -1: HSBN_AUTO_WARMUP */
+  double auto_max_mean_shift;  /* >= 0; -1: HSBN_AUTO_MAX_MEAN_SHIFT */
+  double auto_max_log_var_ratio; /* >= 0; -1: HSBN_AUTO_MAX_LOG_VAR_RATIO */
+  int64_t auto_recheck_every;  /* >= 0; -1: HSBN_AUTO_RECHECK_EVERY */
 } hsbn_options;
 
 typedef struct hsbn_client_info {
@@ -131,6 +142,21 @@ typedef struct hsbn_stats {
 const char* hsbn_result_string(hsbn_result code);
 /* Message of the last failed hsbn call on this thread ("" if none); never NULL. */
 const char* hsbn_last_error(void);
+/* The value of environment variable `name` (one of docs/ENVIRONMENT.md's) as hsbn reads it:
+ * checked against its type and range, written canonically (integers in decimal, flags 0/1),
+ * with its fallback (HSBN_JOB_ID: TORCHELASTIC_RUN_ID; HSBN_TOKEN: the contents of
+ * HSBN_TOKEN_FILE; HSBN_INCARNATION: TORCHELASTIC_RESTART_COUNT) or its default when unset,
+ * "" when it has none. `env`: NULL for the process's environment, or "NAME=VALUE" entries,
+ * NULL-terminated. Writes it NUL-terminated into buf (cut to buf_len) and its full size + 1
+ * into *needed. HSBN_INVALID_ARGUMENT naming the variable for a bad value or an unset required
+ * one; HSBN_NOT_FOUND for a name that is not in the table. */
+hsbn_result hsbn_env_get(const char* const* env, const char* name, char* buf, size_t buf_len,
+                         size_t* needed);
+/* The table of variables: the name of entry i (0, 1, ...), or NULL past the end. */
+const char* hsbn_env_name(int i);
+/* The table as Markdown (docs/ENVIRONMENT.md), written as hsbn_env_get writes. */
+hsbn_result hsbn_env_markdown(char* buf, size_t buf_len, size_t* needed);
+
 /* HSBN_ABI_VERSION of the loaded library. */
 int hsbn_abi_version(void);
 

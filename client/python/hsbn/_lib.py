@@ -20,7 +20,7 @@ import os
 import shutil
 import threading
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _NATIVE_DIR = os.path.join(_PACKAGE_DIR, "_native")
@@ -159,6 +159,13 @@ class Options(ctypes.Structure):
         ("token", ctypes.c_char_p),
         ("strict_finite", ctypes.c_int32),
         ("group_nodes", ctypes.c_int32),
+        ("env", ctypes.POINTER(ctypes.c_char_p)),
+        ("transport", ctypes.c_char_p),
+        ("incarnation", ctypes.c_int64),
+        ("auto_warmup", ctypes.c_int64),
+        ("auto_max_mean_shift", ctypes.c_double),
+        ("auto_max_log_var_ratio", ctypes.c_double),
+        ("auto_recheck_every", ctypes.c_int64),
     ]
 
 
@@ -278,6 +285,11 @@ _SIGNATURES = {
     "hsbn_status_json": (_c_int, [_p_void, _c_int, ctypes.c_char_p, ctypes.c_size_t,
                                   ctypes.POINTER(ctypes.c_size_t)]),
     "hsbn_status_query_init": (None, [ctypes.POINTER(StatusQuery)]),
+    "hsbn_env_get": (_c_int, [ctypes.POINTER(ctypes.c_char_p), ctypes.c_char_p, ctypes.c_char_p,
+                              ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
+    "hsbn_env_name": (ctypes.c_char_p, [_c_int]),
+    "hsbn_env_markdown": (_c_int, [ctypes.c_char_p, ctypes.c_size_t,
+                                   ctypes.POINTER(ctypes.c_size_t)]),
     "hsbn_query_status_json": (_c_int, [ctypes.POINTER(StatusQuery), ctypes.c_char_p,
                                         ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
 }

@@ -3,6 +3,7 @@
   hsbn                      what `python -m hsbn` prints: the native parts in use, torch
   hsbn status [options]     an aggregator's status (jobs, members, rounds, shadow divergence),
                             read with its Status RPC without joining any job
+  hsbn env [--markdown]     the environment variables hsbn reads and their values here
   hsbn-aggregator ARGS...   the hsbn-aggregator binary this package carries (or HSBN_AGGREGATOR)
 """
 
@@ -25,14 +26,18 @@ Exit status: 0 answered, 1 the aggregator refused or did not answer (the message
 def _read_token(args):
     if args.token is not None:
         return args.token
-    path = args.token_file or os.environ.get("HSBN_TOKEN_FILE")
-    if path:
+    if args.token_file:
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(args.token_file, encoding="utf-8") as f:
                 return f.read().strip()
         except OSError as e:
-            raise SystemExit("hsbn status: cannot read the token file %s: %s" % (path, e.strerror))
-    return os.environ.get("HSBN_TOKEN") or None
+            raise SystemExit("hsbn status: cannot read the token file %s: %s"
+                             % (args.token_file, e.strerror))
+    from . import env
+    try:
+        return env.get("HSBN_TOKEN") or None  # or HSBN_TOKEN_FILE's contents, as workers read it
+    except HsbnError as e:
+        raise SystemExit("hsbn status: %s" % e)
 
 
 def query_status(address, job_id=None, token=None, include_upstream=False, timeout_ms=5000,
@@ -103,7 +108,7 @@ def status_main(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Show an hsbn aggregator's jobs, members, rounds and shadow divergence, "
                     "without joining a job.")
-    p.add_argument("--address", default=os.environ.get("HSBN_ADDRESS", "unix:/tmp/hsbn.sock"),
+    p.add_argument("--address", default=None,
                    help="sidecar or root: unix:/path.sock or host:port (default: $HSBN_ADDRESS "
                         "or unix:/tmp/hsbn.sock)")
     p.add_argument("--job", help="one job's status (default: every job it shows you)")
@@ -119,6 +124,13 @@ def status_main(argv):
     p.add_argument("--tls-key", help="PEM key of --tls-cert")
     p.add_argument("--tls-name", help="the name in the root's certificate, if not the host")
     args = p.parse_args(argv)
+    if args.address is None:
+        from . import env
+        try:
+            args.address = env.get("HSBN_ADDRESS")
+        except HsbnError as e:
+            print("hsbn status: %s" % e, file=sys.stderr)
+            return 2
     try:
         st = query_status(args.address, job_id=args.job, token=_read_token(args),
                           include_upstream=args.upstream, timeout_ms=args.timeout_ms,
@@ -137,11 +149,41 @@ def status_main(argv):
     return 0
 
 
+def env_main(argv):
+    p = argparse.ArgumentParser(
+        prog="hsbn env",
+        description="The environment variables hsbn reads (docs/ENVIRONMENT.md), each with its "
+                    "value in this environment as hsbn parses it, or why it is refused.")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the table as docs/ENVIRONMENT.md has it")
+    args = p.parse_args(argv)
+    from . import env
+    if args.markdown:
+        sys.stdout.write(env.markdown())
+        return 0
+    status = 0
+    for name in env.names():
+        try:
+            value = env.get(name)
+            shown = value
+            if not os.environ.get(name):
+                shown = "(unset: %s)" % value if value else "(unset)"
+            if name == "HSBN_TOKEN" and value:
+                shown = "(set, %d bytes)" % len(value)
+            print("%-28s %s" % (name, shown))
+        except HsbnError as e:
+            print("%-28s refused: %s" % (name, e))
+            status = 1
+    return status
+
+
 def main(argv=None):
-    """`hsbn [info | status ...]`."""
+    """`hsbn [info | status ... | env ...]`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "status":
         return status_main(argv[1:])
+    if argv and argv[0] == "env":
+        return env_main(argv[1:])
     if not argv or argv == ["info"]:
         from . import __main__ as info
         return info.main()
@@ -151,6 +193,7 @@ def main(argv=None):
         return 0
     print("usage: hsbn [info]               the native parts in use (as python -m hsbn)\n"
           "       hsbn status [--help] ...  an aggregator's status, without joining a job\n"
+          "       hsbn env [--markdown]     the environment variables hsbn reads\n"
           "       hsbn --version",
           file=sys.stderr if argv not in (["-h"], ["--help"]) else sys.stdout)
     return 0 if argv in (["-h"], ["--help"]) else 2

@@ -10,6 +10,7 @@ import atexit
 import ctypes
 import dataclasses
 import json
+import math
 import multiprocessing.util
 import os
 import threading
@@ -18,6 +19,7 @@ import time
 import numpy as np
 
 from . import _lib
+from . import env as _env
 from .errors import ConfigurationError, UnavailableError, error_for, UNAVAILABLE
 
 SCOPES = {"node": _lib.SCOPE_NODE, "global": _lib.SCOPE_GLOBAL, "shadow": _lib.SCOPE_SHADOW,
@@ -67,10 +69,54 @@ def _check_layout(rank, world_size, local_rank, local_world_size, node_rank, sou
                node_rank))
 
 
+# The hsbn_options fields the library takes from the environment when they are left unset.
+_ENV_OPTIONS = (("HSBN_STRICT_FINITE", "strict_finite"), ("HSBN_TRANSPORT", "transport"),
+                ("HSBN_INCARNATION", "incarnation"), ("HSBN_AUTO_WARMUP", "auto_warmup"),
+                ("HSBN_AUTO_MAX_MEAN_SHIFT", "auto_max_mean_shift"),
+                ("HSBN_AUTO_MAX_LOG_VAR_RATIO", "auto_max_log_var_ratio"),
+                ("HSBN_AUTO_RECHECK_EVERY", "auto_recheck_every"))
+
+
+def _explicit_options(strict_finite, transport, incarnation, auto_warmup, auto_max_mean_shift,
+                      auto_max_log_var_ratio, auto_recheck_every):
+    """{hsbn_options field: value} of the arguments given (not None); ConfigurationError for a
+    value the C ABI would take as "unset" or that is of the wrong type."""
+    out = {}
+
+    def integer(name, v, low):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ConfigurationError("%s must be an int >= %d, not %r" % (name, low, v))
+        return v
+
+    if strict_finite is not None:
+        out["strict_finite"] = 1 if strict_finite else 0
+    if transport is not None:
+        if transport not in ("auto", "grpc"):
+            raise ConfigurationError("transport must be 'auto' or 'grpc', not %r" % (transport,))
+        out["transport"] = transport
+    if incarnation is not None:
+        out["incarnation"] = integer("incarnation", incarnation, 0)
+    if auto_warmup is not None:
+        out["auto_warmup"] = integer("auto_warmup", auto_warmup, 1)
+    if auto_recheck_every is not None:
+        out["auto_recheck_every"] = integer("auto_recheck_every", auto_recheck_every, 0)
+    for name, v in (("auto_max_mean_shift", auto_max_mean_shift),
+                    ("auto_max_log_var_ratio", auto_max_log_var_ratio)):
+        if v is None:
+            continue
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                or v < 0):
+            raise ConfigurationError("%s must be a finite number >= 0, not %r" % (name, v))
+        out[name] = float(v)
+    return out
+
+
 def _check_address(address, connect_timeout_ms):
     if not address or not isinstance(address, str):
         raise ConfigurationError("the sidecar address is empty; set HSBN_ADDRESS to "
                                  "unix:/path/to.sock or host:port")
+    # The library's check (client/env.cc): a bare path is answered with its unix: spelling.
+    _env.get("HSBN_ADDRESS", {"HSBN_ADDRESS": address})
     if address.startswith("unix:"):
         path = address[len("unix:"):]
         if path.startswith("//"):
@@ -184,10 +230,18 @@ class Client:
       token: the job token when the aggregator requires one.
       group_nodes: nodes per group for scope "group" (HSBN_GROUP_NODES): 0 (no groups) or a
         divisor of the number of nodes; every process of the job must give the same.
+      strict_finite, transport, incarnation, auto_warmup, auto_max_mean_shift,
+        auto_max_log_var_ratio, auto_recheck_every: what HSBN_STRICT_FINITE, HSBN_TRANSPORT,
+        HSBN_INCARNATION and HSBN_AUTO_* set (docs/ENVIRONMENT.md); None: the variable's value in
+        `env`.
+      env: a mapping the variables of arguments left None are read from; None: os.environ.
     """
 
     def __init__(self, address, job_id, rank, world_size, local_rank, local_world_size,
-                 node_rank, round_timeout_ms=0, connect_timeout_ms=0, token=None, group_nodes=0):
+                 node_rank, round_timeout_ms=0, connect_timeout_ms=0, token=None, group_nodes=0,
+                 *, strict_finite=None, transport=None, incarnation=None, auto_warmup=None,
+                 auto_max_mean_shift=None, auto_max_log_var_ratio=None, auto_recheck_every=None,
+                 env=None):
         self._handle = None
         if not job_id:
             raise ConfigurationError("job_id is empty: give every worker of the job the same "
@@ -198,6 +252,14 @@ class Client:
         except (TypeError, ValueError):
             raise ConfigurationError("group_nodes must be an integer, not %r" % (group_nodes,))
         _check_layout(*layout, source="worker layout", group_nodes=group_nodes)
+        explicit = _explicit_options(strict_finite, transport, incarnation, auto_warmup,
+                                     auto_max_mean_shift, auto_max_log_var_ratio,
+                                     auto_recheck_every)
+        entries = _env.Entries(env)
+        # What the library will read from the environment is checked now, before any wait.
+        for var, name in _ENV_OPTIONS:
+            if name not in explicit:
+                _env.get(var, entries)
         _check_address(address, int(connect_timeout_ms))
         lib = _lib.lib()
         opts = _lib.Options()
@@ -214,6 +276,9 @@ class Client:
         opts.connect_timeout_ms = int(connect_timeout_ms)
         opts.token = self._token_b
         opts.group_nodes = group_nodes
+        opts.env = entries.pointer
+        for name, value in explicit.items():
+            setattr(opts, name, value.encode() if isinstance(value, str) else value)
         handle = ctypes.c_void_p()
         rc = lib.hsbn_client_create(ctypes.byref(opts), ctypes.byref(handle))
         if rc != 0:
@@ -241,18 +306,20 @@ class Client:
 
     @classmethod
     def from_env(cls, env=None, **overrides):
-        """A Client from torchrun's environment plus HSBN_JOB_ID and HSBN_ADDRESS.
+        """A Client from torchrun's environment plus the HSBN_* variables.
 
-        Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, HSBN_JOB_ID (falling
-        back to torchrun's TORCHELASTIC_RUN_ID when that is set and not "none"), HSBN_ADDRESS
-        (default unix:/tmp/hsbn.sock), HSBN_ROUND_TIMEOUT_MS, HSBN_CONNECT_TIMEOUT_MS,
-        HSBN_TOKEN or HSBN_TOKEN_FILE, HSBN_GROUP_NODES. `env` replaces os.environ; keyword
-        arguments override what the environment says.
+        Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK and every variable of
+        docs/ENVIRONMENT.md (HSBN_JOB_ID, falling back to torchrun's TORCHELASTIC_RUN_ID when
+        that is not "none"; HSBN_ADDRESS, default unix:/tmp/hsbn.sock; the timeouts, the token,
+        HSBN_STRICT_FINITE, HSBN_GROUP_NODES, HSBN_TRANSPORT, HSBN_INCARNATION, HSBN_AUTO_*),
+        parsed by the library's one table, so a value means what it means to the C++ client.
+        `env` replaces os.environ for all of them; keyword arguments override what it says.
         """
-        env = os.environ if env is None else env
+        entries = _env.Entries(env)
+        present = os.environ if env is None else env
         names = {"RANK": "rank", "WORLD_SIZE": "world_size", "LOCAL_RANK": "local_rank",
                  "LOCAL_WORLD_SIZE": "local_world_size", "GROUP_RANK": "node_rank"}
-        missing = [k for k in _ENV_LAYOUT if k not in env and names[k] not in overrides]
+        missing = [k for k in _ENV_LAYOUT if not present.get(k) and names[k] not in overrides]
         if missing:
             raise ConfigurationError(
                 "the environment lacks %s: run the trainer under torchrun (which sets RANK, "
@@ -260,38 +327,24 @@ class Client:
                 "construct hsbn.Client(...) explicitly" % ", ".join(missing))
         kw = {}
         for var, name in names.items():
-            if var in env:
-                try:
-                    kw[name] = int(env[var])
-                except ValueError:
-                    raise ConfigurationError("%s=%r is not an integer" % (var, env[var]))
-        job = env.get("HSBN_JOB_ID") or ""
-        if not job:
-            run_id = env.get("TORCHELASTIC_RUN_ID", "")
-            if run_id and run_id != "none":
-                job = run_id
-        kw["job_id"] = job
-        if not job and "job_id" not in overrides:
-            raise ConfigurationError(
-                "HSBN_JOB_ID is not set: give every worker of the job the same HSBN_JOB_ID "
-                "(for example the launcher's job id), or run torchrun with --rdzv-id")
-        kw["address"] = env.get("HSBN_ADDRESS") or DEFAULT_ADDRESS
-        for var, name in (("HSBN_ROUND_TIMEOUT_MS", "round_timeout_ms"),
-                          ("HSBN_CONNECT_TIMEOUT_MS", "connect_timeout_ms"),
-                          ("HSBN_GROUP_NODES", "group_nodes")):
-            if env.get(var):
-                try:
-                    kw[name] = int(env[var])
-                except ValueError:
-                    raise ConfigurationError("%s=%r is not an integer" % (var, env[var]))
-        token = env.get("HSBN_TOKEN")
-        if not token and env.get("HSBN_TOKEN_FILE"):
-            try:
-                with open(env["HSBN_TOKEN_FILE"]) as f:
-                    token = f.read().strip()
-            except OSError as e:
-                raise ConfigurationError("cannot read HSBN_TOKEN_FILE: %s" % e)
-        kw["token"] = token or None
+            if name not in overrides:
+                kw[name] = int(_env.get(var, entries))
+        if "job_id" not in overrides:
+            kw["job_id"] = _env.get("HSBN_JOB_ID", entries)
+        typed = (("HSBN_ADDRESS", "address", str), ("HSBN_ROUND_TIMEOUT_MS", "round_timeout_ms", int),
+                 ("HSBN_CONNECT_TIMEOUT_MS", "connect_timeout_ms", int),
+                 ("HSBN_TOKEN", "token", str), ("HSBN_GROUP_NODES", "group_nodes", int),
+                 ("HSBN_STRICT_FINITE", "strict_finite", lambda v: v == "1"),
+                 ("HSBN_TRANSPORT", "transport", str), ("HSBN_INCARNATION", "incarnation", int),
+                 ("HSBN_AUTO_WARMUP", "auto_warmup", int),
+                 ("HSBN_AUTO_MAX_MEAN_SHIFT", "auto_max_mean_shift", float),
+                 ("HSBN_AUTO_MAX_LOG_VAR_RATIO", "auto_max_log_var_ratio", float),
+                 ("HSBN_AUTO_RECHECK_EVERY", "auto_recheck_every", int))
+        for var, name, convert in typed:
+            if name not in overrides:
+                kw[name] = convert(_env.get(var, entries))
+        kw["token"] = kw.get("token") or None
+        kw["env"] = env
         kw.update(overrides)
         return cls(**kw)
 
@@ -514,8 +567,9 @@ def default_client(group_nodes=None):
                     "number per job: give every layer the same, or set HSBN_GROUP_NODES"
                     % (int(group_nodes), _default.job_id, have))
         if _default is None or _default.closed:
-            env = os.environ.get("HSBN_GROUP_NODES", "")
-            if group_nodes is not None and env.strip() and env.strip() != str(int(group_nodes)):
+            env = _env.get("HSBN_GROUP_NODES")
+            if group_nodes is not None and os.environ.get("HSBN_GROUP_NODES") and \
+                    env != str(int(group_nodes)):
                 raise ConfigurationError(
                     "a layer asks for group_nodes=%d but HSBN_GROUP_NODES=%s; nodes per group "
                     "are one number per job: make them agree" % (int(group_nodes), env))

@@ -29,11 +29,12 @@ backend reads a device value on the host.
 
 import contextlib
 import ctypes
-import os
 
 import torch
 
 from .. import _lib
+from .. import env as _env
+from ..errors import ConfigurationError
 
 F64 = torch.float64
 
@@ -393,13 +394,20 @@ def _check_choice(which, what):
     return which
 
 
+def _env_choice(name):
+    """The variable's value, parsed by the library's environment table (hsbn.env)."""
+    try:
+        return _env.get(name)
+    except ConfigurationError as e:
+        raise ConfigurationError("%s takes 'torch' or 'kernels' (%s)" % (name, e)) from None
+
+
 def cpu_ops_choice():
     """("torch" or "kernels", where it came from) for CPU tensors."""
     if _cpu_choice is not None:
         return _cpu_choice, "set_cpu_ops"
-    env = os.environ.get("HSBN_TORCH_CPU_OPS")
-    if env:
-        return _check_choice(env, "HSBN_TORCH_CPU_OPS"), "HSBN_TORCH_CPU_OPS"
+    if _env.is_set("HSBN_TORCH_CPU_OPS"):
+        return _env_choice("HSBN_TORCH_CPU_OPS"), "HSBN_TORCH_CPU_OPS"
     return "torch", "default"
 
 
@@ -408,9 +416,8 @@ def cuda_ops_choice():
     own choice."""
     if _cuda_choice is not None:
         return _cuda_choice, "set_cuda_ops"
-    env = os.environ.get("HSBN_TORCH_CUDA_OPS")
-    if env:
-        return _check_choice(env, "HSBN_TORCH_CUDA_OPS"), "HSBN_TORCH_CUDA_OPS"
+    if _env.is_set("HSBN_TORCH_CUDA_OPS"):
+        return _env_choice("HSBN_TORCH_CUDA_OPS"), "HSBN_TORCH_CUDA_OPS"
     return "torch", "default: " + CUDA_DEFAULT_REASON
 
 
