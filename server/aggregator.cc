@@ -14,6 +14,7 @@
 #include "absl/time/time.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/security/credentials.h"
+#include "member_stream.h"
 #include "parent_link.h"
 #include "wire.h"
 
@@ -42,7 +43,7 @@ struct ResultTraits {
 // Terminate() or of an overflow (RESOURCE_EXHAUSTED: a reader too slow for --max-queued-bytes,
 // or the memory budget). Jobs may hold the outbox after the stream is gone; Send then does
 // nothing.
-class Outbox final : public ResultSink, public WatchedStream, public StreamWriter<ResultTraits> {
+class Outbox final : public MemberSink, public WatchedStream, public StreamWriter<ResultTraits> {
  public:
   Outbox(grpc::ServerAsyncReaderWriter<v1::ServerFrame, v1::ClientFrame>* stream,
          grpc::ServerContext* ctx, EventTag* write_tag, EventTag* finish_tag,
@@ -56,6 +57,7 @@ class Outbox final : public ResultSink, public WatchedStream, public StreamWrite
         metrics_(aggregator->metrics()) {}
 
   void Send(v1::Result result) override { Push(std::move(result)); }
+  void EnableBatches() override { StreamWriter::EnableBatches(); }
 
   // The client half-closed or the stream broke (event thread).
   void ReadDone() ABSL_LOCKS_EXCLUDED(mu_) {
@@ -128,12 +130,31 @@ class Outbox final : public ResultSink, public WatchedStream, public StreamWrite
   absl::Status end_status_ ABSL_GUARDED_BY(mu_);
 };
 
+// What a member stream's policy (MemberStream) asks of the aggregator.
+class StreamHost final : public MemberStreamHost {
+ public:
+  explicit StreamHost(Aggregator* aggregator) : aggregator_(aggregator) {}
+  Registry& registry() override { return aggregator_->registry(); }
+  void Execute(const std::shared_ptr<Job>& job, Actions& actions) override {
+    aggregator_->Execute(actions, job->id());
+  }
+  void LogInvalid(const std::string& what) override { aggregator_->LogInvalid(what); }
+  void Refused(const char* reason) override { aggregator_->Refused(reason); }
+  void Leave(const SessionId& session) override {
+    v1::LeaveRequest req;
+    req.set_session(session.Bytes());
+    aggregator_->Leave(req);
+  }
+
+ private:
+  Aggregator* const aggregator_;
+};
+
 // One Exchange stream: requested, then one read outstanding at a time until the client
 // half-closes or the stream breaks, writes through the outbox, a Finish, and the done
 // notification. Its events run on the event thread; it deletes itself when the last of its
-// operations has come back (Outbox::ReleaseOp). A stream may use only the sessions an Attach
-// on it bound (with the job's token when tokens are on), and may send at most
-// --max-unbound-bytes before its first successful Attach.
+// operations has come back (Outbox::ReleaseOp). What each frame read may do is the
+// MemberStream's policy (member_stream.h).
 class ExchangeCall final {
  public:
   // Requests the next Exchange call on `cq` (one request is always outstanding on each queue
@@ -155,7 +176,9 @@ class ExchangeCall final {
         cq_(cq),
         metrics_(aggregator->metrics()),
         outbox_(std::make_shared<Outbox>(&stream_, &ctx_, &write_tag_, &finish_tag_, aggregator,
-                                         aggregator->writer_limits())) {}
+                                         aggregator->writer_limits())),
+        host_(aggregator),
+        policy_(&host_, outbox_, aggregator->options().max_unbound_bytes) {}
 
   void OnRequest(bool ok) {
     if (!ok) {  // the server is shutting down; the call never started (no done notification)
@@ -178,31 +201,16 @@ class ExchangeCall final {
 
   void OnRead(bool ok) {
     if (!ok) {
-      aggregator_->StreamClosed(sessions_);
+      aggregator_->StreamClosed(policy_.sessions());
       outbox_->ReadDone();
       Release();
       return;
     }
-    // Sized only when something needs it: a stream that has attached nothing yet, or metrics.
-    const bool unbound = bound_.empty();
-    const size_t size = (metrics_ || unbound) ? in_.ByteSizeLong() : 0;
-    if (metrics_) metrics_->Received(Metrics::Link::kMembers, size);
-    if (in_.has_batch()) {
-      for (const v1::ClientFrame& frame : in_.batch().frames()) Handle(frame);
-    } else {
-      Handle(in_);
-    }
-    if (unbound && bound_.empty()) {
-      unbound_bytes_ += int64_t(size);
-      if (unbound_bytes_ > aggregator_->options().max_unbound_bytes) {
-        aggregator_->Refused("unbound_bytes");
-        outbox_->Terminate(absl::ResourceExhaustedError(absl::StrCat(
-            "this stream sent ", unbound_bytes_, " bytes without attaching a session; at most "
-            "--max-unbound-bytes=", aggregator_->options().max_unbound_bytes, " are accepted "
-            "before an Attach (Join first, then Attach its session on the stream)")));
-        Release();
-        return;  // no more reads: the Finish ends the call
-      }
+    if (metrics_) metrics_->Received(Metrics::Link::kMembers, in_.ByteSizeLong());
+    if (absl::Status s = policy_.Read(in_); !s.ok()) {
+      outbox_->Terminate(s);
+      Release();
+      return;  // no more reads: the Finish ends the call
     }
     StartRead();
     Release();
@@ -219,142 +227,6 @@ class ExchangeCall final {
     if (outbox_->ReleaseOp()) delete this;
   }
 
-  void Handle(const v1::ClientFrame& frame) {
-    switch (frame.frame_case()) {
-      case v1::ClientFrame::kAttach:
-        if (frame.attach().accepts_batches()) outbox_->EnableBatches();
-        for (const std::string& s : frame.attach().sessions()) Bind(s, frame.attach().token());
-        break;
-      case v1::ClientFrame::kContribution:
-        HandleContribution(frame.contribution());
-        break;
-      case v1::ClientFrame::kAbort:
-        HandleAbort(frame.abort());
-        break;
-      case v1::ClientFrame::kNodeState:
-        HandleNodeState(frame.node_state());
-        break;
-      case v1::ClientFrame::kLeave:
-        HandleLeave(frame.leave());
-        break;
-      default:  // an empty frame, or a batch nested in a batch: nothing to do
-        break;
-    }
-  }
-
-  void Bind(const std::string& bytes, const std::string& token) {
-    SessionId session;
-    if (!SessionId::FromBytes(bytes, &session)) {
-      aggregator_->LogInvalid("Attach with a session that is not 16 bytes");
-      return;
-    }
-    absl::StatusOr<Registry::SessionRef> ref = aggregator_->registry().Authorize(session, token);
-    if (!ref.ok()) {
-      aggregator_->LogInvalid(absl::StrCat("Attach refused: ", ref.status().ToString()));
-      return;
-    }
-    if (!ref->job->Attach(ref->index, session, outbox_, Clock::now()).ok()) return;
-    for (auto& [s, r] : bound_) {
-      if (s == session) {
-        r = *ref;
-        return;
-      }
-    }
-    sessions_.push_back(session);
-    bound_.emplace_back(session, *std::move(ref));
-  }
-
-  // The session of a frame, if an Attach bound it to this stream.
-  const Registry::SessionRef* Bound(const std::string& bytes, SessionId* session) const {
-    if (!SessionId::FromBytes(bytes, session)) return nullptr;
-    for (const auto& [s, r] : bound_) {
-      if (s == *session) return &r;
-    }
-    return nullptr;
-  }
-
-  void SendError(const v1::Contribution& c, const absl::Status& status) {
-    v1::Result r = wire::ErrorResult(c.op(), c.seq(), c.phase(), status);
-    r.set_session(c.session());
-    outbox_->Send(std::move(r));
-  }
-
-  void HandleContribution(const v1::Contribution& c) {
-    // The sessions bound to this stream are cached here: no aggregator-wide lock per round.
-    SessionId session;
-    const Registry::SessionRef* ref = Bound(c.session(), &session);
-    if (ref == nullptr) {
-      if (c.session().size() != 16) {
-        aggregator_->LogInvalid("a contribution without a 16-byte session");
-        return;  // nobody to answer: the sender's session is not even well formed
-      }
-      SendError(c, absl::NotFoundError(
-                       "unknown session on this stream: the aggregator restarted, the job was "
-                       "dropped, or the session was never attached here; the client must Join "
-                       "again and Attach its session (hsbn clients do this by themselves)"));
-      return;
-    }
-    Actions actions;
-    if (!ref->job->Contribute(ref->index, session, c, Clock::now(), &actions)) {
-      SendError(c, absl::NotFoundError(kStaleSession));
-      return;
-    }
-    aggregator_->Execute(actions, ref->job->id());
-  }
-
-  static constexpr const char* kStaleSession =
-      "this session was replaced by a newer Join of the same rank, or it left the job; this "
-      "connection is stale";
-
-  // Aborts and node states come only from aggregators below (sidecars), on their own sessions.
-  const Registry::SessionRef* FromAggregator(const std::string& bytes, const char* what,
-                                             SessionId* session) {
-    const Registry::SessionRef* ref = Bound(bytes, session);
-    if (ref == nullptr) {
-      aggregator_->LogInvalid(absl::StrCat(what, " on a session not attached to this stream"));
-      return nullptr;
-    }
-    if (ref->job->layout().member_kind != v1::MEMBER_KIND_AGGREGATOR) {
-      aggregator_->LogInvalid(absl::StrCat(what, " from a worker of job '", ref->job->id(),
-                                           "' (only aggregators may send it); ignored"));
-      return nullptr;
-    }
-    return ref;
-  }
-
-  void HandleAbort(const v1::Abort& a) {
-    SessionId session;
-    const Registry::SessionRef* ref = FromAggregator(a.session(), "an Abort", &session);
-    if (ref == nullptr) return;
-    Actions actions;
-    ref->job->ChildAbort(ref->index, a, &actions);
-    aggregator_->Execute(actions, ref->job->id());
-  }
-
-  void HandleNodeState(const v1::NodeState& state) {
-    SessionId session;
-    const Registry::SessionRef* ref = FromAggregator(state.session(), "a NodeState", &session);
-    if (ref == nullptr) return;
-    Actions actions;
-    ref->job->ChildState(ref->index, state, &actions);
-    aggregator_->Execute(actions, ref->job->id());
-  }
-
-  void HandleLeave(const v1::LeaveRequest& leave) {
-    SessionId session;
-    if (FromAggregator(leave.session(), "a Leave frame", &session) == nullptr) return;
-    for (size_t i = 0; i < bound_.size(); ++i) {
-      if (bound_[i].first == session) {
-        bound_.erase(bound_.begin() + ptrdiff_t(i));
-        break;
-      }
-    }
-    sessions_.erase(std::remove(sessions_.begin(), sessions_.end(), session), sessions_.end());
-    v1::LeaveRequest req;
-    req.set_session(session.Bytes());
-    aggregator_->Leave(req);
-  }
-
   Aggregator* const aggregator_;
   grpc::ServerCompletionQueue* const cq_;
   Metrics* const metrics_;
@@ -367,10 +239,8 @@ class ExchangeCall final {
   MemberTag<ExchangeCall> done_tag_{this, &ExchangeCall::OnDone};
   std::shared_ptr<Outbox> outbox_;
   v1::ClientFrame in_;
-  // Event thread only.
-  std::vector<SessionId> sessions_;
-  std::vector<std::pair<SessionId, Registry::SessionRef>> bound_;
-  int64_t unbound_bytes_ = 0;
+  StreamHost host_;
+  MemberStream policy_;  // event thread only
 };
 
 // One unary call: requested; when it arrives the next one is requested and `Handle` runs on

@@ -3,12 +3,12 @@
 // A Registry (server/registry.h) in the node role (with or without a root above) or the root
 // role, with or without tokens, a small memory budget and few jobs, fed a sequence of:
 //   - Join requests, parsed from raw bytes or built from arbitrary fields;
-//   - ClientFrames on one of three simulated streams, parsed from raw bytes (batches included)
-//     or built, then handled as ExchangeCall::Handle in server/aggregator.cc handles them
-//     (that class is bound to a gRPC stream, so its dispatch is mirrored here, step for step):
-//     an Attach binds sessions through Registry::Authorize and Job::Attach; a Contribution
-//     reaches Job::Contribute only on a session its stream bound; Abort and NodeState only
-//     from an aggregator's session; at most kMaxUnboundBytes before the first Attach;
+//   - ClientFrames on one of three streams, parsed from raw bytes (batches included) or built,
+//     each handed to that stream's server::MemberStream (member_stream.h), the policy the
+//     aggregator's gRPC call drives: an Attach binds sessions through Registry::Authorize and
+//     Job::Attach; a Contribution reaches Job::Contribute only on a session its stream bound;
+//     Abort, NodeState and Leave frames only from an aggregator's session; at most
+//     kMaxUnboundBytes before the first Attach;
 //   - streams that break (every session they bound is reported gone), Leaves, Status requests;
 //   - upstream ServerFrames (a result or a batch, raw or built) handed to Job::ParentResult, a
 //     lost upstream link, and time passing (Registry::Sweep, Job::Expire);
@@ -32,14 +32,15 @@
 #include "google/protobuf/stubs/logging.h"
 #include "invariants.h"
 #include "log.h"
+#include "member_stream.h"
 #include "registry.h"
 #include "tokens.h"
 #include "wire.h"
 
 namespace {
 
-using hsbn::fuzz::NullSink;
 using hsbn::fuzz::RoundLedger;
+using hsbn::fuzz::StreamSink;
 using namespace hsbn::server;
 namespace v1 = hsbn::v1;
 
@@ -72,16 +73,15 @@ struct JobWatch {  // one Job object (a job id may get a new one after a sweep)
 };
 
 struct Stream {
-  std::vector<std::shared_ptr<NullSink>> sinks;  // one per (job, member) it bound, for identity
-  std::vector<std::pair<SessionId, Registry::SessionRef>> bound;
-  std::vector<SessionId> sessions;
-  int64_t unbound_bytes = 0;
+  std::shared_ptr<StreamSink> sink;
+  std::unique_ptr<MemberStream> policy;
   bool closed = false;
 };
 
-struct Harness {
-  std::unique_ptr<Registry> registry;
+struct Harness final : MemberStreamHost {
+  std::unique_ptr<Registry> registry_;
   std::shared_ptr<MemoryBudget> budget;
+  Stream* reading = nullptr;  // the stream whose frame is being handled
   bool root = false;
   bool has_parent = false;
   Stream streams[kStreams];
@@ -94,9 +94,9 @@ struct Harness {
     if (it != watched.end() && it->second.job.lock() == job) return it->second;
     JobWatch& w = watched[job.get()];
     w.job = job;
-    w.ledger = std::make_unique<RoundLedger>(job->layout().group_size(),
+    w.ledger = std::make_unique<RoundLedger>(job->layout().expected_members(),
                                              /*keeps_all=*/false);
-    w.model.assign(job->layout().group_size(), {});
+    w.model.assign(job->layout().expected_members(), {});
     return w;
   }
 
@@ -147,6 +147,9 @@ struct Harness {
         break;
       case v1::ClientFrame::kNodeState:
         f->mutable_node_state()->set_session(SessionField(f->node_state().session()));
+        break;
+      case v1::ClientFrame::kLeave:
+        f->mutable_leave()->set_session(SessionField(f->leave().session()));
         break;
       case v1::ClientFrame::kBatch:
         for (v1::ClientFrame& g : *f->mutable_batch()->mutable_frames()) Resolve(&g);
@@ -201,7 +204,7 @@ struct Harness {
 
   void Join(FuzzedDataProvider& in) {
     Actions a;
-    absl::StatusOr<Registry::Joined> joined = registry->Join(MakeJoin(in), &a);
+    absl::StatusOr<Registry::Joined> joined = registry_->Join(MakeJoin(in), &a);
     if (!joined.ok()) {
       HSBN_FUZZ_CHECK(a.empty(), "a refused Join changed a job");
       return;
@@ -217,26 +220,17 @@ struct Harness {
 
   void Leave(FuzzedDataProvider& in) {
     SessionId session;
-    if (!SessionId::FromBytes(SessionFrom(in), &session)) return;
-    Registry::SessionRef ref;
-    const bool known = registry->Find(session, &ref);
-    Actions a;
-    std::string job_id;
-    if (!registry->Leave(session, &a, &job_id).ok()) return;
-    HSBN_FUZZ_CHECK(known, "Leave accepted an unknown session");
-    JobWatch& w = Watch(ref.job);
-    if (w.model[ref.index].session == session) w.model[ref.index].attached = false;
-    Check(ref.job, a);
+    if (SessionId::FromBytes(SessionFrom(in), &session)) Leave(session);
   }
 
   void Status(FuzzedDataProvider& in) {
     v1::StatusRequest req;
     req.set_job_id(in.ConsumeBool() ? "a" : in.ConsumeRandomLengthString(8));
     req.set_token(in.ConsumeBool() ? "secret-a" : in.ConsumeRandomLengthString(12));
-    auto jobs = registry->StatusJobs(req);
+    auto jobs = registry_->StatusJobs(req);
     if (!jobs.ok()) return;
     for (const auto& job : *jobs) {
-      if (registry->tokens_on()) {
+      if (registry_->tokens_on()) {
         HSBN_FUZZ_CHECK(job->id() == req.job_id(), "Status with tokens showed another job");
       }
       v1::JobStatus s;
@@ -295,6 +289,10 @@ struct Harness {
         break;
       }
       case 4: {
+        if (in.ConsumeProbability<float>() < 0.25f) {  // a sidecar leaving a job
+          f.mutable_leave()->set_session(SessionFrom(in));
+          break;
+        }
         v1::NodeState* ns = f.mutable_node_state();
         ns->set_session(SessionFrom(in));
         ns->set_healthy(in.ConsumeBool());
@@ -320,101 +318,51 @@ struct Harness {
     } else {
       frame = MakeFrame(in);
     }
-    const size_t size = frame.ByteSizeLong();
-    if (frame.has_batch()) {
-      for (const v1::ClientFrame& f : frame.batch().frames()) Handle(s, f);
-    } else {
-      Handle(s, frame);
-    }
-    if (s.bound.empty()) {
-      s.unbound_bytes += int64_t(size);
-      if (s.unbound_bytes > kMaxUnboundBytes) Close(s);  // terminated: no more reads
-    }
+    reading = &s;
+    const absl::Status status = s.policy->Read(frame);
+    reading = nullptr;
+    if (!status.ok()) Close(s);  // terminated: no more reads
   }
 
-  void Handle(Stream& s, const v1::ClientFrame& frame) {
-    switch (frame.frame_case()) {
-      case v1::ClientFrame::kAttach:
-        for (const std::string& b : frame.attach().sessions()) Bind(s, b, frame.attach().token());
-        break;
-      case v1::ClientFrame::kContribution:
-        Contribute(s, frame.contribution());
-        break;
-      case v1::ClientFrame::kAbort:
-      case v1::ClientFrame::kNodeState:
-        FromAggregator(s, frame);
-        break;
-      default:
-        break;
-    }
-  }
+  // ---- MemberStreamHost: what the aggregator does for a stream ----
 
-  void Bind(Stream& s, const std::string& bytes, const std::string& token) {
-    SessionId session;
-    if (!SessionId::FromBytes(bytes, &session)) return;
-    absl::StatusOr<Registry::SessionRef> ref = registry->Authorize(session, token);
-    if (!ref.ok()) return;
-    JobWatch& w = Watch(ref->job);
-    auto sink = std::make_shared<NullSink>(ref->index);
-    if (!ref->job->Attach(ref->index, session, sink, now).ok()) return;
-    HSBN_FUZZ_CHECK(w.model[ref->index].session == session,
+  Registry& registry() override { return *registry_; }
+  Clock::time_point Now() override { return now; }
+  void Execute(const std::shared_ptr<Job>& job, Actions& a) override { Check(job, a); }
+  void LogInvalid(const std::string&) override {}
+  void Refused(const char*) override {}
+  void Leave(const SessionId& session) override {  // Aggregator::Leave of a Leave frame
+    Registry::SessionRef ref;
+    const bool known = registry_->Find(session, &ref);
+    Actions a;
+    std::string job_id;
+    if (!registry_->Leave(session, &a, &job_id).ok()) return;
+    HSBN_FUZZ_CHECK(known, "Leave accepted an unknown session");
+    JobWatch& w = Watch(ref.job);
+    if (w.model[ref.index].session == session) w.model[ref.index].attached = false;
+    Check(ref.job, a);
+  }
+  void Attached(const Registry::SessionRef& ref, const SessionId& session) override {
+    JobWatch& w = Watch(ref.job);
+    HSBN_FUZZ_CHECK(w.model[ref.index].session == session,
                     "Attach bound a session that is not its member's current one");
-    w.model[ref->index].attached = true;
-    s.sinks.push_back(sink);
-    for (auto& [b, r] : s.bound) {
-      if (b == session) {
-        r = *ref;
-        return;
-      }
-    }
-    s.sessions.push_back(session);
-    s.bound.emplace_back(session, *std::move(ref));
+    w.model[ref.index].attached = true;
+    reading->sink->bound.emplace_back(session, ref.index);
   }
-
-  const Registry::SessionRef* Bound(const Stream& s, const std::string& bytes,
-                                    SessionId* session) const {
-    if (!SessionId::FromBytes(bytes, session)) return nullptr;
-    for (const auto& [b, r] : s.bound) {
-      if (b == *session) return &r;
-    }
-    return nullptr;
-  }
-
-  void Contribute(Stream& s, const v1::Contribution& c) {
-    SessionId session;
-    const Registry::SessionRef* ref = Bound(s, c.session(), &session);
-    if (ref == nullptr) return;  // answered NOT_FOUND (or ignored) by the stream itself
-    Actions a;
-    if (ref->job->Contribute(ref->index, session, c, now, &a)) {
-      JobWatch& w = Watch(ref->job);
-      HSBN_FUZZ_CHECK(w.model[ref->index].session == session,
-                      "Contribute accepted a replaced session");
-      w.ledger->Contributed(RoundKey{c.op(), c.seq(), c.phase()}, ref->index);
-    }
-    Check(ref->job, a);
-  }
-
-  void FromAggregator(Stream& s, const v1::ClientFrame& frame) {
-    SessionId session;
-    const std::string& bytes = frame.has_abort() ? frame.abort().session()
-                                                 : frame.node_state().session();
-    const Registry::SessionRef* ref = Bound(s, bytes, &session);
-    if (ref == nullptr || ref->job->layout().member_kind != v1::MEMBER_KIND_AGGREGATOR) return;
-    Actions a;
-    if (frame.has_abort()) {
-      ref->job->ChildAbort(ref->index, frame.abort(), &a);
-    } else {
-      ref->job->ChildState(ref->index, frame.node_state(), &a);
-    }
-    Check(ref->job, a);
+  void Contributed(const Registry::SessionRef& ref, const SessionId& session,
+                   const v1::Contribution& c) override {
+    JobWatch& w = Watch(ref.job);
+    HSBN_FUZZ_CHECK(w.model[ref.index].session == session,
+                    "Contribute accepted a replaced session");
+    w.ledger->Contributed(RoundKey{c.op(), c.seq(), c.phase()}, ref.index);
   }
 
   // The stream broke or the client half-closed: Aggregator::StreamClosed.
   void Close(Stream& s) {
     s.closed = true;
-    for (const SessionId& session : s.sessions) {
+    for (const SessionId& session : s.policy->sessions()) {
       Registry::SessionRef ref;
-      if (!registry->Find(session, &ref)) continue;
+      if (!registry_->Find(session, &ref)) continue;
       Actions a;
       ref.job->MemberGone(ref.index, session, /*left=*/false, now, &a);
       JobWatch& w = Watch(ref.job);
@@ -423,12 +371,16 @@ struct Harness {
     }
   }
 
-  void Reopen(Stream& s) { s = Stream{}; }
+  void Reopen(Stream& s) {
+    s.sink = std::make_shared<StreamSink>();
+    s.policy = std::make_unique<MemberStream>(this, s.sink, kMaxUnboundBytes);
+    s.closed = false;
+  }
 
   // ---- the upstream link and the clock ----
 
   void Upstream(FuzzedDataProvider& in) {
-    std::vector<std::shared_ptr<Job>> jobs = registry->Jobs();
+    std::vector<std::shared_ptr<Job>> jobs = registry_->Jobs();
     if (jobs.empty() || !has_parent) return;
     v1::ServerFrame frame;
     if (in.ConsumeProbability<float>() < 0.3f) {
@@ -461,8 +413,8 @@ struct Harness {
 
   void Tick(FuzzedDataProvider& in) {
     now += std::chrono::milliseconds(in.ConsumeIntegralInRange<int>(0, 3000));
-    registry->Sweep(now);
-    for (const auto& job : registry->Jobs()) {
+    registry_->Sweep(now);
+    for (const auto& job : registry_->Jobs()) {
       Actions a;
       job->Expire(now, &a);
       Check(job, a);
@@ -487,7 +439,7 @@ struct Harness {
         case 11: Status(in); break;
         default: {
           if (in.ConsumeBool()) {
-            for (const auto& job : registry->Jobs()) {
+            for (const auto& job : registry_->Jobs()) {
               Actions a;
               job->ParentLost(absl::UnavailableError("link lost"), &a);
               Check(job, a);
@@ -530,13 +482,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   o.limits.max_open_rounds = in.ConsumeIntegralInRange<int>(1, 6);
   o.limits.finished_rounds_kept = in.ConsumeIntegralInRange<int>(0, 6);
   if (in.ConsumeBool()) o.tokens = Tokens();
-  h.registry = std::make_unique<Registry>(o);
-  h.budget = h.registry->budget();
+  h.registry_ = std::make_unique<Registry>(o);
+  h.budget = h.registry_->budget();
+  for (Stream& s : h.streams) h.Reopen(s);
 
   h.Run(in);
 
   for (Stream& s : h.streams) s = Stream{};
-  h.registry.reset();
+  h.registry_.reset();
   HSBN_FUZZ_CHECK(h.budget->used() == 0, "the budget counts " + std::to_string(h.budget->used()) +
                                              " bytes after every job was dropped");
   return 0;

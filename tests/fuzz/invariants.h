@@ -26,6 +26,7 @@
 
 #include "check.h"
 #include "job.h"
+#include "member_stream.h"
 #include "wire.h"
 
 namespace hsbn::fuzz {
@@ -36,6 +37,14 @@ class NullSink : public server::ResultSink {
   explicit NullSink(int member) : member(member) {}
   void Send(v1::Result) override {}
   const int member;
+};
+
+// A stream's sink (fuzz_frames: server::MemberStream binds sessions of any member to it).
+class StreamSink : public server::MemberSink {
+ public:
+  void Send(v1::Result) override {}
+  void EnableBatches() override {}
+  std::vector<std::pair<server::SessionId, int>> bound;  // (session, member) of each Attach
 };
 
 class RoundLedger {
@@ -62,14 +71,14 @@ class RoundLedger {
       const v1::Result& r = *d.result;
       server::RoundKey key{r.op(), r.seq(), r.phase()};
       for (const auto& [session, sink] : d.to) {
-        auto* s = dynamic_cast<NullSink*>(sink.get());
-        HSBN_FUZZ_CHECK(s != nullptr && s->member >= 0 && s->member < int(model.size()),
+        const int member = MemberOf(session, sink);
+        HSBN_FUZZ_CHECK(member >= 0 && member < int(model.size()),
                         "a result for a sink the job was never given");
-        HSBN_FUZZ_CHECK(model[s->member].attached,
-                        "a result for member " + std::to_string(s->member) +
+        HSBN_FUZZ_CHECK(model[member].attached,
+                        "a result for member " + std::to_string(member) +
                             ", which has no attached session");
-        HSBN_FUZZ_CHECK(session == model[s->member].session,
-                        "a result for member " + std::to_string(s->member) +
+        HSBN_FUZZ_CHECK(session == model[member].session,
+                        "a result for member " + std::to_string(member) +
                             " under a session that is not its current one");
       }
       if (r.code() != 0) {
@@ -82,7 +91,7 @@ class RoundLedger {
         HSBN_FUZZ_CHECK(!d.to.empty(), "an OK group result delivered to nobody");
         std::set<int> groups;
         for (const auto& [session, sink] : d.to) {
-          groups.insert(dynamic_cast<NullSink*>(sink.get())->member / group_nodes_ + 1);
+          groups.insert(MemberOf(session, sink) / group_nodes_ + 1);
         }
         HSBN_FUZZ_CHECK(groups.size() == 1, "one group result delivered to several groups");
         key.group = *groups.begin();
@@ -112,6 +121,19 @@ class RoundLedger {
   }
 
  private:
+  // The member a result sent to (session, sink) is for: a NullSink's own, or the member whose
+  // session an Attach bound to a StreamSink; -1 if neither.
+  static int MemberOf(const server::SessionId& session,
+                      const std::shared_ptr<server::ResultSink>& sink) {
+    if (auto* s = dynamic_cast<NullSink*>(sink.get())) return s->member;
+    if (auto* s = dynamic_cast<StreamSink*>(sink.get())) {
+      for (const auto& [bound, member] : s->bound) {
+        if (bound == session) return member;
+      }
+    }
+    return -1;
+  }
+
   void CheckOk(const server::RoundKey& key, uint32_t channels, int64_t count,
                const std::string& data, const char* how) {
     const std::string round = server::Describe(key);
