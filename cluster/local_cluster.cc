@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -71,7 +72,20 @@ Subprocess::~Subprocess() {
 bool Subprocess::Running() { return Wait(std::chrono::milliseconds(0)) < 0; }
 
 void Subprocess::Signal(int sig) {
-  if (!exited_) kill(pid_, sig);
+  if (exited_) return;
+  kill(pid_, sig);
+  if (sig == SIGSTOP) {
+    // Returns once the process has stopped: a kill only makes the signal pending, and the
+    // process may run on (and answer) until the kernel delivers it.
+    int status = 0;
+    pid_t r;
+    while ((r = waitpid(pid_, &status, WUNTRACED)) < 0 && errno == EINTR) {
+    }
+    if (r == pid_ && !WIFSTOPPED(status)) {  // it ended first: keep its exit for Wait
+      exited_ = true;
+      code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+  }
 }
 
 int Subprocess::Wait(std::chrono::milliseconds timeout) {

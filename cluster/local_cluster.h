@@ -35,6 +35,7 @@ class Subprocess {
 
   pid_t pid() const { return pid_; }
   bool Running();
+  // Sends `sig`; for SIGSTOP, returns once the process has stopped.
   void Signal(int sig);
   // Waits up to `timeout` for the exit; returns the exit code (128+signal if killed), or -1
   // if it still runs.
