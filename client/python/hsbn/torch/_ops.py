@@ -150,6 +150,29 @@ class CpuOps:
         return _keep_layout(x, dx.to(x.dtype))
 
 
+INT32_MAX = (1 << 31) - 1
+
+
+def count_entries(count):
+    """`count` as int32 entries that sum to it: torch's batch_norm_backward_elemt takes the
+    scope's count as a vector of int32 per-worker counts and sums them in int64, so a count of
+    2^31 or more goes in as several entries."""
+    if count < 0:
+        raise ValueError("count %d is negative" % count)
+    full, rest = divmod(int(count), INT32_MAX)
+    return [INT32_MAX] * full + ([rest] if rest or not full else [])
+
+
+def count_tensor(count, device):
+    """count_entries(count) as an int32 tensor on `device`, filled there (a tensor built from a
+    list would be a blocking host-to-device copy)."""
+    entries = count_entries(count)
+    t = torch.full((len(entries),), INT32_MAX, dtype=torch.int32, device=device)
+    if entries[-1] != INT32_MAX:
+        t[-1].fill_(entries[-1])
+    return t
+
+
 class CudaOps:
     """torch's CUDA SyncBatchNorm kernels, on the current stream."""
 
@@ -227,9 +250,7 @@ class CudaOps:
         fmt = self._memory_format(x)
         x = x.contiguous(memory_format=fmt)
         dy = dy.contiguous(memory_format=fmt)
-        # The kernel divides by the sum of this tensor: one entry holding the scope's count,
-        # filled on the device (torch.tensor([count], device=...) would be a blocking copy).
-        count_t = torch.full((1,), count, dtype=torch.int32, device=x.device)
+        count_t = count_tensor(count, x.device)
         dx = torch.batch_norm_backward_elemt(dy, x, mean_t, invstd_t, self._param(weight, x),
                                              sums[0].to(sd), sums[1].to(sd), count_t)
         return dx.contiguous(memory_format=fmt)
