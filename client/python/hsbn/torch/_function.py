@@ -65,10 +65,47 @@ def reset_sync_stats():
             _stats[k] = 0
 
 
+def opaque_to_dynamo(fn):
+    """fn, which torch.compile (dynamo) runs as it is, never traced: torch.compiler.disable
+    (torch 2.1+), torch._dynamo.disable (2.0), or fn itself on a torch without dynamo."""
+    compiler = getattr(torch, "compiler", None)
+    disable = getattr(compiler, "disable", None)
+    if disable is None:
+        try:
+            from torch._dynamo import disable
+        except ImportError:
+            return fn
+    return disable(fn)
+
+
+def capturing(x):
+    """True when x is a CUDA tensor and its device's current stream is capturing a CUDA graph."""
+    if x.device.type != "cuda":
+        return False
+    is_capturing = getattr(torch.cuda, "is_current_stream_capturing", None)
+    if is_capturing is None:
+        return False
+    with torch.cuda.device(x.device):
+        return bool(is_capturing())
+
+
+def refuse_capture(label, scope):
+    """The error of a training-mode layer whose round needs the host, met during CUDA graph
+    capture (the round's event wait would invalidate the capture)."""
+    return RuntimeError(
+        "hsbn: %s (scope %r) cannot be captured in a CUDA graph in training mode: each forward "
+        "and backward exchanges statistics through the host. Capture the parts of the model "
+        "around it instead (torch.cuda.make_graphed_callables on the other submodules), or "
+        "capture it in eval mode or with scope='local', which need no exchange"
+        % (label, scope))
+
+
 def exchange(call, op, seq, scope, count, packed):
     """Sends the (2, C) float64 payload `packed` (on any device) through `call` (client.forward
     or client.backward); returns (scope count, the scope's (2, C) float64 result on packed's
     device). One download, one event wait (CUDA only), one non_blocking upload."""
+    if capturing(packed):
+        raise refuse_capture(op_label(op), scope)
     if packed.device.type == "cuda":
         host = torch.empty(packed.shape, dtype=F64, pin_memory=True)
         host.copy_(packed, non_blocking=True)
