@@ -137,3 +137,26 @@ def test_the_layer_forward_is_opaque_to_dynamo_where_torch_has_dynamo():
     # torch's disable marks what it wraps; without dynamo forward is the plain function.
     assert getattr(SyncBatchNorm.forward, "_torchdynamo_disable", False) == has_dynamo
     assert has_dynamo or SyncBatchNorm.forward.__qualname__ == "SyncBatchNorm.forward"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_precise_bn_accumulates_batch_moments_exactly_as_one_batch(dtype, tol):
+    """precise_bn's accumulator (now fed by the op set's local_moments, not float64 copies of
+    the inputs) gives the mean and sum of squared deviations of all batches together."""
+    from hsbn.torch import SyncBatchNorm
+    from hsbn.torch._population import _Moments
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randn(n, 3, 4, 5, generator=g, dtype=torch.float64) * (1 + i) + 3 * i
+               for i, n in enumerate((2, 5, 1, 3))]
+    layer = SyncBatchNorm(3, scope="local")
+    acc = _Moments()
+    for i, b in enumerate(batches):
+        x = b.to(dtype)
+        acc.add(layer, x.contiguous(memory_format=torch.channels_last) if i % 2 else x)
+    v = torch.cat([b.to(dtype).double() for b in batches]).transpose(0, 1).reshape(3, -1)
+    assert acc.n == v.shape[1]
+    mean = v.mean(1)
+    m2 = (v - mean[:, None]).pow(2).sum(1)
+    assert acc.mean.dtype == acc.m2.dtype == torch.float64
+    assert torch.allclose(acc.mean, mean, rtol=tol, atol=tol)
+    assert torch.allclose(acc.m2, m2, rtol=tol, atol=0)
