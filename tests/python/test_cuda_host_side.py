@@ -4,6 +4,7 @@ run only on a GPU (test_cuda.py, bench/kernels/run_gpu_checks.sh)."""
 
 import importlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -160,3 +161,52 @@ def test_precise_bn_accumulates_batch_moments_exactly_as_one_batch(dtype, tol):
     assert acc.mean.dtype == acc.m2.dtype == torch.float64
     assert torch.allclose(acc.mean, mean, rtol=tol, atol=tol)
     assert torch.allclose(acc.m2, m2, rtol=tol, atol=0)
+
+
+def test_a_forward_rounds_result_becomes_what_the_device_needs_computed_on_the_host():
+    """forward_rows: mean and invstd in the op set's statistics dtype, and the running
+    statistics' blend values (factor * value, or the values for momentum=None), from the
+    round's float64 result, on the host."""
+    from hsbn.torch import _function
+    mean = np.array([1.5, -2.0, 0.25])
+    m2 = np.array([8.0, 0.0, 3.5])
+    total, eps = 9, 1e-3
+    rows = _function.forward_rows(torch.float32, eps, True, 0.1)(total, mean, m2)
+    assert [r.dtype for r in rows] == [np.float32, np.float32, np.float64, np.float64]
+    assert rows[0].tolist() == mean.astype(np.float32).tolist()
+    assert rows[1].tolist() == (1.0 / np.sqrt(m2 / total + eps)).astype(np.float32).tolist()
+    assert rows[2].tolist() == (mean * 0.1).tolist()
+    assert rows[3].tolist() == (m2 / (total - 1) * 0.1).tolist()
+    cumulative = _function.forward_rows(torch.float64, eps, True, torch.tensor(4))(total, mean, m2)
+    assert [r.tolist() for r in cumulative[2:]] == [mean.tolist(), (m2 / 8).tolist()]
+    assert len(_function.forward_rows(torch.float64, eps, False, 0.1)(total, mean, m2)) == 2
+    assert _function.forward_rows(torch.float64, eps, True, 0.1)(1, mean, m2) == []
+
+
+def test_the_running_update_blends_in_float64_as_torch_batchnorm_does():
+    from hsbn.torch import _function
+    running = torch.tensor([1.0, 2.0, -3.0], dtype=torch.float32)
+    value = np.array([0.5, 4.0, 1.0])
+    want = (running.double() * 0.9 + torch.from_numpy(value) * 0.1).float()
+    _function._update_running(running, torch.from_numpy(value * 0.1), 0.1)
+    assert torch.equal(running, want)
+    tracked = torch.tensor(4)  # momentum=None: factor 1/4, taken on the tensor's device
+    running = torch.tensor([1.0, 2.0, -3.0], dtype=torch.float64)
+    _function._update_running(running, torch.from_numpy(value), tracked)
+    assert running.tolist() == [0.875, 2.5, -2.0]
+
+
+def test_rows_of_both_dtypes_pack_into_one_buffer_and_come_back_bitwise():
+    """The one upload after a round: the rows at 8-byte offsets of one buffer (here a CPU
+    tensor stands in for the device copy), viewed back with their dtypes."""
+    from hsbn.torch import _function
+    rng = np.random.default_rng(3)
+    rows = [rng.standard_normal(3).astype(np.float32), rng.standard_normal(3),
+            rng.standard_normal(5).astype(np.float32), rng.standard_normal(3)]
+    size, offsets = _function._layout(rows)
+    assert offsets == [0, 16, 40, 64] and size == 88
+    h = np.zeros(size, dtype=np.uint8)
+    _function._fill(h, offsets, rows)
+    back = _function._views(torch.from_numpy(h), offsets, rows)
+    assert [t.dtype for t in back] == [torch.float32, torch.float64, torch.float32, torch.float64]
+    assert all(np.array_equal(t.numpy(), r) for t, r in zip(back, rows))
