@@ -14,7 +14,7 @@
 #   HSBN_JOBS        parallel build jobs (default: number of cores)
 #
 # Then on the GPU machine, from the repository root (DIR carried along):
-#   bench/kernels/run_gpu_checks.sh --prebuilt DIR --wheel DIR/hsbn-*.whl --out OUTDIR
+#   bench/kernels/run_gpu_checks.sh --prebuilt DIR --out OUTDIR     (the wheel: DIR/hsbn-*.whl)
 set -euo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 DIR="${1:-build-gpu-prebuilt}"

@@ -6,9 +6,10 @@
 #   bench/kernels/run_gpu_checks.sh [--wheel PATH] [--prebuilt DIR] [--out DIR] [--build DIR]
 #   bench/kernels/run_gpu_checks.sh --summarize DIR    the verdict of a finished (or killed) run
 #
-#   --wheel PATH    (or HSBN_WHEEL) the self-contained hsbn wheel (issue 16): pytest
-#                   tests/python/test_cuda.py and the end-to-end check run with it. Without it
-#                   those two steps are NOT RUN, and the check cannot PASS.
+#   --wheel PATH    (or HSBN_WHEEL; default: the one in --prebuilt's folder) the self-contained
+#                   hsbn wheel (issue 16): pytest tests/python/test_cuda.py and the end-to-end
+#                   check run with it. Without it those two steps are NOT RUN, and the check
+#                   cannot PASS.
 #   --prebuilt DIR  (or HSBN_PREBUILT) the kernels' test and benchmark binaries built elsewhere
 #                   (prepare_gpu_check.sh): the build step checks them instead of building.
 #   --out DIR       (or OUT; default ./gpu-check-out) the results, 8 files, listed at the end.
@@ -115,11 +116,15 @@ while [ $# -gt 0 ]; do
     --prebuilt) PREBUILT="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --build) BUILD="$2"; shift 2 ;;
-    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 abspath() { case "$1" in /*|"") echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
+# A prebuilt folder carries its wheel (prepare_gpu_check.sh puts it there).
+if [ -z "$WHEEL" ] && [ -n "$PREBUILT" ]; then
+  WHEEL="$(ls "$PREBUILT"/hsbn-*.whl 2>/dev/null | head -1)"
+fi
 OUT="$(abspath "$OUT")"; BUILD="$(abspath "$BUILD")"
 WHEEL="$(abspath "$WHEEL")"; PREBUILT="$(abspath "$PREBUILT")"
 mkdir -p "$OUT" || exit 2
@@ -305,10 +310,11 @@ if ! command -v compute-sanitizer > /dev/null; then
 else
   section sanitizer
   san_fail=""
+  san_out="$(mktemp)"
   for tool in memcheck racecheck; do
-    echo "--- compute-sanitizer --tool $tool" >> "$TESTS_LOG"
+    echo "--- compute-sanitizer --tool $tool" >> "$san_out"
     timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 99 "$CUDA_TEST" \
-      "$SANITIZER_FILTER" >> "$TESTS_LOG" 2>&1
+      "$SANITIZER_FILTER" >> "$san_out" 2>&1
     rc=$?
     case "$rc" in
       0) ;;
@@ -316,8 +322,14 @@ else
       *) san_fail="$san_fail$tool exit status $rc; " ;;
     esac
   done
+  cat "$san_out" >> "$TESTS_LOG"
+  # A sandbox that refuses the tool (gVisor: "Device not supported") is not a finding.
+  refused=0
+  grep -qiE "Device not supported|ERR_NVGPUCTRPERM|Unable to (attach|initialize)" "$san_out" \
+    && refused=1
+  rm -f "$san_out"
   if [ -z "$san_fail" ]; then record sanitizer passed
-  elif grep -qiE "not supported|permission|ERR_NVGPUCTRPERM|Unable to (attach|initialize)" "$TESTS_LOG"; then
+  elif [ "$refused" = 1 ]; then
     record sanitizer not-run "compute-sanitizer could not attach here (${san_fail%; }): see tests.log"
   else record sanitizer failed "${san_fail%; } (see tests.log)"; fi
 fi
