@@ -210,3 +210,13 @@ def test_rows_of_both_dtypes_pack_into_one_buffer_and_come_back_bitwise():
     back = _function._views(torch.from_numpy(h), offsets, rows)
     assert [t.dtype for t in back] == [torch.float32, torch.float64, torch.float32, torch.float64]
     assert all(np.array_equal(t.numpy(), r) for t, r in zip(back, rows))
+
+
+def test_zero_variance_without_eps_gives_an_infinite_invstd_without_a_warning():
+    import warnings
+    from hsbn.torch import _function
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows = _function.forward_rows(torch.float64, 0.0, False, 0.1)(
+            4, np.array([1.0, np.nan]), np.array([0.0, np.nan]))
+    assert rows[1][0] == np.inf and np.isnan(rows[1][1])

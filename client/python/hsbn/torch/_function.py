@@ -178,7 +178,8 @@ def forward_rows(sd, eps, track, factor):
     def finish(total, mean, m2):
         if total <= 1:
             return []  # the caller raises
-        invstd = 1.0 / np.sqrt(m2 / total + eps)
+        with np.errstate(divide="ignore", invalid="ignore"):  # inf and NaN are data (eps=0)
+            invstd = 1.0 / np.sqrt(m2 / total + eps)
         rows = [mean.astype(npd), invstd.astype(npd)]
         if track:
             unbiased = m2 / (total - 1)
