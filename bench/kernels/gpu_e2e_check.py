@@ -89,6 +89,8 @@ def check(results, scope, device="cuda", devices=1):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--require-kernels", action="store_true",
+                    help="fail when the library's CUDA kernels are not usable (the device check)")
     ap.add_argument("--devices", type=int, default=1,
                     help="GPUs to spread each node's local ranks over (LOCAL_RANK %% devices)")
     ap.add_argument("--cpu-plumbing", action="store_true",
@@ -109,6 +111,10 @@ def main():
         pass
     elif k is not None and k.hsbn_bn_cuda_available():
         op_sets.append("kernels")
+    elif args.require_kernels:
+        print("FAIL: %s has no usable CUDA kernels (built without CUDA, or a driver older than "
+              "its CUDA runtime): hsbn's op set cannot run end to end" % hsbn._lib.library_path())
+        return 1
     else:
         print("NOTE: this library has no usable CUDA kernels; only torch's op set runs end to "
               "end (the kernels are checked by gpu_module_check.py)")

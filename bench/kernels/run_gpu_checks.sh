@@ -389,7 +389,7 @@ fi
 
 section e2e
 (cd "$BUILD" && env -u HSBN_LIBRARY -u HSBN_AGGREGATOR PYTHONPATH="$SITE" timeout 300 "$PY" \
-  "$REPO/bench/kernels/gpu_e2e_check.py" --devices "$NGPU" --json "$E2E_JSON") >> "$TESTS_LOG" 2>&1
+  "$REPO/bench/kernels/gpu_e2e_check.py" --devices "$NGPU" --require-kernels --json "$E2E_JSON") >> "$TESTS_LOG" 2>&1
 rc=$?
 line="$(grep '^end to end' "$TESTS_LOG" | tail -1)"
 [ "$NGPU" -gt 1 ] || line="$line; NOTE: one GPU, so every local rank used it (the LOCAL_RANK to device mapping was not exercised)"
