@@ -52,7 +52,7 @@ strip --strip-debug "$DIR"/bn_kernels_* "$DIR/libhsbn_bn_bench.so"
 
 # Only system libraries: glibc's, the GCC runtime's. Anything else would be missing there.
 for f in "$DIR"/bn_kernels_* "$DIR/libhsbn_bn_bench.so"; do
-  other="$(ldd "$f" | awk '{print $1}' | grep -vE '^(linux-vdso|/lib64/ld-linux|libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s)\b' || true)"
+  other="$(ldd "$f" | awk '{print $1}' | grep -vE '^(linux-vdso|/lib64/ld-linux|(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s)\.so)' || true)"
   [ -z "$other" ] || { echo "prepare: $f needs non-system libraries: $other" >&2; exit 1; }
 done
 # The wheel's libhsbn.so and the CUDA test hold device code (a .nv_fatbin section); cuobjdump,
@@ -60,7 +60,9 @@ done
 unzip -o -q "$wheel" 'hsbn/_native/libhsbn.so' -d "$WORK/wheel" \
   || { echo "prepare: $wheel has no hsbn/_native/libhsbn.so" >&2; exit 1; }
 device_code() {
-  objdump -h "$1" | grep -q '\.nv_fatbin' || { echo "prepare: $1 holds no CUDA code" >&2; exit 1; }
+  # (grep reads all of objdump's output: with -q, objdump's SIGPIPE would fail the pipeline)
+  objdump -h "$1" | grep '\.nv_fatbin' > /dev/null \
+    || { echo "prepare: $1 holds no CUDA code" >&2; exit 1; }
   if command -v cuobjdump > /dev/null; then
     cuobjdump --list-elf "$1" | sed -n 's/.*\.\(sm_[0-9a-z]*\)\..*/\1/p' | sort -u | tr '\n' ' '
   else
