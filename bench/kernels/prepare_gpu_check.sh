@@ -26,22 +26,23 @@ export PATH="$PATH:/usr/local/cuda/bin"
 command -v nvcc > /dev/null || { echo "prepare: nvcc not found" >&2; exit 1; }
 
 echo "prepare: kernels-only build for CUDA architectures $ARCH in $WORK"
+mkdir -p "$WORK"
 # HSBN_CMAKE_ARGS is a list of CMake arguments (e.g. compiler launchers): split on purpose.
 # shellcheck disable=SC2086
 cmake -S . -B "$WORK" -DHSBN_KERNELS_ONLY=ON -DHSBN_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DCMAKE_DISABLE_FIND_PACKAGE_absl=ON \
-  -DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON ${HSBN_CMAKE_ARGS:-} > "$WORK.configure.log" 2>&1 \
-  || { cat "$WORK.configure.log"; exit 1; }
+  -DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON ${HSBN_CMAKE_ARGS:-} > "$WORK/prepare-configure.log" 2>&1 \
+  || { cat "$WORK/prepare-configure.log"; exit 1; }
 cmake --build "$WORK" -j "$JOBS" --target bn_kernels_cuda_test bn_kernels_cpu_test \
-  bn_kernels_bench hsbn_bn_bench > "$WORK.build.log" 2>&1 \
-  || { tail -40 "$WORK.build.log"; echo "prepare: build failed ($WORK.build.log)" >&2; exit 1; }
+  bn_kernels_bench hsbn_bn_bench > "$WORK/prepare-build.log" 2>&1 \
+  || { tail -40 "$WORK/prepare-build.log"; echo "prepare: build failed ($WORK/prepare-build.log)" >&2; exit 1; }
 
 echo "prepare: the wheel from $MAIN"
 [ -f "$MAIN/CMakeCache.txt" ] || { echo "prepare: no main build in $MAIN: run scripts/setup.sh" >&2; exit 1; }
 grep -q '^HSBN_CUDA:STRING=OFF' "$MAIN/CMakeCache.txt" \
   && { echo "prepare: $MAIN was configured with HSBN_CUDA=OFF: its wheel has no CUDA kernels" >&2; exit 1; }
-cmake --build "$MAIN" -j "$JOBS" --target hsbn_wheel > "$WORK.wheel.log" 2>&1 \
-  || { tail -40 "$WORK.wheel.log"; exit 1; }
+cmake --build "$MAIN" -j "$JOBS" --target hsbn_wheel > "$WORK/prepare-wheel.log" 2>&1 \
+  || { tail -40 "$WORK/prepare-wheel.log"; exit 1; }
 wheel="$(ls -t "$MAIN"/dist/hsbn-*.whl | head -1)"
 
 rm -rf "$DIR"
