@@ -220,3 +220,33 @@ def test_zero_variance_without_eps_gives_an_infinite_invstd_without_a_warning():
         rows = _function.forward_rows(torch.float64, 0.0, False, 0.1)(
             4, np.array([1.0, np.nan]), np.array([0.0, np.nan]))
     assert rows[1][0] == np.inf and np.isnan(rows[1][1])
+
+
+def test_torch_compile_runs_the_layer_eagerly_and_compiles_the_rest_once():
+    """Where torch has torch.compile (2.x): a compiled model with an hsbn layer computes what
+    the eager model computes, and its per-call Python state (samples_seen here) causes no
+    recompilation: the graphs around the layer are compiled at the first call only."""
+    import copy
+    import hsbn.torch
+    if not hasattr(torch, "compile"):
+        pytest.skip("torch %s has no torch.compile" % torch.__version__)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1),
+                                hsbn.torch.SyncBatchNorm(4, scope="local", name="compiled.bn"),
+                                torch.nn.ReLU()).train()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=backend)
+    after_first = None
+    for step in range(4):
+        x = torch.randn(2, 3, 5, 5)
+        assert torch.equal(compiled(x), eager(x)), step
+        if after_first is None:
+            after_first = len(graphs)
+    assert after_first >= 1 and len(graphs) == after_first
+    assert model[1].samples_seen == eager[1].samples_seen == 4 * 2 * 25
+    assert torch.equal(model[1].running_mean, eager[1].running_mean)
