@@ -14,10 +14,10 @@
 # Install what it needs with scripts/setup.sh (scripts/packages.txt: clang-14,
 # libclang-rt-14-dev, llvm-14). docs/RELIABILITY.md has the numbers of the last long runs.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 seconds="${1:-30}"
-build=build-fuzz
-targets=(${HSBN_FUZZ_TARGETS:-fuzz_job fuzz_frames fuzz_client_results fuzz_env})
+build="build-fuzz"
+read -r -a targets <<< "${HSBN_FUZZ_TARGETS:-fuzz_job fuzz_frames fuzz_client_results fuzz_env}"
 
 if ! command -v clang++-14 >/dev/null 2>&1 ||
    ! ls /usr/lib/llvm-14/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1; then

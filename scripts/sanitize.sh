@@ -12,7 +12,7 @@
 # code outside hsbn (Debian's uninstrumented gRPC, protobuf and Abseil) and live in
 # tests/sanitize/*.supp, each with its reason. docs/RELIABILITY.md says what was found.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 what="${1:-asan}"
 jobs="${HSBN_SANITIZE_JOBS:-2}"
 supp="$PWD/tests/sanitize"
@@ -82,7 +82,8 @@ run_tsan() {
              build-tsan/tests/integration/integration_test; do
     while read -r s; do suites+=("$s"); done < <("$exe" --gtest_list_tests | sed -n 's/^\([A-Za-z0-9_]*\)\.$/\1/p')
   done
-  local regex="^($(IFS='|'; echo "${suites[*]}"))\\."
+  local regex
+  regex="^($(IFS='|'; echo "${suites[*]}"))\\."
   echo "== ctest under TSan: $regex"
   TSAN_OPTIONS="suppressions=$supp/tsan.supp:log_path=$logs/tsan:second_deadlock_stack=1:${TSAN_OPTIONS:-}" \
   TSAN_SYMBOLIZER_PATH="$symbolizer" \

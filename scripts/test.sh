@@ -10,7 +10,7 @@
 #                                minutes on 2 cores: scripts/sanitize.sh asan; off by default so
 #                                CI stays near 25 minutes; docs/RELIABILITY.md)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 scripts/setup.sh || exit 1
 build="${HSBN_BUILD_DIR:-build}"
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """End to end on a GPU with an installed hsbn (the self-contained wheel): LocalCluster starts a
-root and two sidecars (2 nodes x 2 workers, all on this GPU), and every worker trains a small
+root and two sidecars (2 nodes x 2 workers; the local ranks on GPUs LOCAL_RANK % --devices), and every worker trains a small
 convolutional net with two hsbn SyncBatchNorm layers for a few SGD steps, in node scope and in
 global scope, with each CUDA op set the installed library offers.
 
@@ -9,7 +9,7 @@ Checks: every loss finite; one host wait per round (hsbn.torch.sync_stats); runn
 between the two nodes in node scope (their data differ). Exit status 1 on any failure, 2 when
 there is no GPU.
 
-  PYTHONPATH=<wheel installed here> gpu_e2e_check.py [--json F]
+  PYTHONPATH=<wheel installed here> gpu_e2e_check.py [--devices N] [--json F]
 """
 import argparse
 import json
@@ -22,13 +22,17 @@ import torch
 STEPS = 4
 
 
-def train_worker(scope, ops, device="cuda"):
-    """One worker: returns its losses, final running statistics and sync counts."""
+def train_worker(scope, ops, device="cuda", devices=1):
+    """One worker: returns its losses, final running statistics and sync counts. On CUDA it
+    uses GPU LOCAL_RANK % devices, as a torchrun trainer does."""
     import hsbn.torch
     rank = int(os.environ["RANK"])
     node = int(os.environ["GROUP_RANK"])
     torch.manual_seed(100)  # the same initial weights everywhere
     dev = torch.device(device)
+    if device == "cuda":
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % devices)
+        torch.cuda.set_device(dev)
     net = torch.nn.Sequential(
         torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
         torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
@@ -48,15 +52,20 @@ def train_worker(scope, ops, device="cuda"):
         opt.step()
         losses.append(loss.item())
     s = hsbn.torch.sync_stats()
-    return dict(rank=rank, node=node, losses=losses,
+    return dict(rank=rank, node=node, losses=losses, device=str(dev),
                 running_mean=net[1].running_mean.cpu().tolist(),
                 running_var=net[4].running_var.cpu().tolist(),
                 rounds=s.rounds, device_waits=s.device_waits, downloads=s.downloads,
                 uploads=s.uploads)
 
 
-def check(results, scope, device="cuda"):
+def check(results, scope, device="cuda", devices=1):
     problems = []
+    for n in (0, 1):
+        used = [r["device"] for r in results if r["node"] == n]
+        if device == "cuda" and devices > 1 and len(set(used)) != len(used):
+            problems.append("node %d: local ranks shared a GPU (%s) with %d GPUs visible"
+                            % (n, used, devices))
     for r in results:
         if not all(map(lambda v: v == v and abs(v) != float("inf"), r["losses"])):
             problems.append("rank %d: non-finite loss %s" % (r["rank"], r["losses"]))
@@ -80,6 +89,10 @@ def check(results, scope, device="cuda"):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--require-kernels", action="store_true",
+                    help="fail when the library's CUDA kernels are not usable (the device check)")
+    ap.add_argument("--devices", type=int, default=1,
+                    help="GPUs to spread each node's local ranks over (LOCAL_RANK %% devices)")
     ap.add_argument("--cpu-plumbing", action="store_true",
                     help="run on CPU tensors: proves the script and the package, not the GPU")
     args = ap.parse_args()
@@ -98,6 +111,10 @@ def main():
         pass
     elif k is not None and k.hsbn_bn_cuda_available():
         op_sets.append("kernels")
+    elif args.require_kernels:
+        print("FAIL: %s has no usable CUDA kernels (built without CUDA, or a driver older than "
+              "its CUDA runtime): hsbn's op set cannot run end to end" % hsbn._lib.library_path())
+        return 1
     else:
         print("NOTE: this library has no usable CUDA kernels; only torch's op set runs end to "
               "end (the kernels are checked by gpu_module_check.py)")
@@ -109,8 +126,9 @@ def main():
             for scope in ("node", "global"):
                 name = "%s scope, %s ops" % (scope, ops)
                 try:
-                    results = cl.run(me.train_worker, scope, ops, device, timeout=300)
-                    problems = check(results, scope, device)
+                    results = cl.run(me.train_worker, scope, ops, device, args.devices,
+                                     timeout=300)
+                    problems = check(results, scope, device, args.devices)
                 except Exception:
                     results, problems = None, [traceback.format_exc()]
                 failed += bool(problems)

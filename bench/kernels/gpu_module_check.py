@@ -137,7 +137,10 @@ def grad_scaler_skips_overflowing_steps(ops):
     model = hsbn.torch.convert_sync_batchnorm(model, scope="global", client=LoopbackClient())
     hsbn.torch.set_cuda_ops(ops, module=model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.cuda.amp.GradScaler(init_scale=2.0 ** 40)
+    if hasattr(torch.amp, "GradScaler"):  # 2.3+; torch.cuda.amp.GradScaler is deprecated
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 40)
+    else:
+        scaler = torch.cuda.amp.GradScaler(init_scale=2.0 ** 40)
     scales, skipped = [], []
     for _ in range(3):
         before = [p.detach().clone() for p in model.parameters()]

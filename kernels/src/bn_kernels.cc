@@ -150,6 +150,8 @@ absl::Status LocalMoments(const BnInput& in, const void* x, int64_t* count, doub
     return absl::OkStatus();
   }
 #if HSBN_HAVE_CUDA
+  const cuda::DeviceScope on(mean);
+  if (on.error() != nullptr) return CudaResult(on.error());
   return CudaResult(cuda::LocalMoments(in, x, mean, m2, workspace, stream));
 #else
   return absl::InternalError("unreachable: CUDA not built");
@@ -169,6 +171,8 @@ absl::Status Normalize(const BnInput& in, const void* x, void* y, const BnStats&
     return absl::OkStatus();
   }
 #if HSBN_HAVE_CUDA
+  const cuda::DeviceScope on(y);
+  if (on.error() != nullptr) return CudaResult(on.error());
   return CudaResult(cuda::Normalize(in, x, y, stats, affine, relu, stream));
 #else
   return absl::InternalError("unreachable: CUDA not built");
@@ -195,6 +199,8 @@ absl::Status BackwardReduce(const BnInput& in, const void* dy, const void* x, co
     return absl::OkStatus();
   }
 #if HSBN_HAVE_CUDA
+  const cuda::DeviceScope on(sum_dy);
+  if (on.error() != nullptr) return CudaResult(on.error());
   return CudaResult(cuda::BackwardReduce(in, dy, x, stats, sum_dy, sum_dy_xmu, grad_weight,
                                          grad_bias, grad_dtype, workspace, stream));
 #else
@@ -221,6 +227,8 @@ absl::Status BackwardElementwise(const BnInput& in, const void* dy, const void* 
     return absl::OkStatus();
   }
 #if HSBN_HAVE_CUDA
+  const cuda::DeviceScope on(dx);
+  if (on.error() != nullptr) return CudaResult(on.error());
   return CudaResult(cuda::BackwardElementwise(in, dy, x, stats, affine, sum_dy, sum_dy_xmu, count,
                                               dx, stream));
 #else
@@ -265,6 +273,8 @@ absl::Status UpdateRunningStats(Device device, int64_t channels, int64_t count, 
     return absl::OkStatus();
   }
 #if HSBN_HAVE_CUDA
+  const cuda::DeviceScope on(running_mean);
+  if (on.error() != nullptr) return CudaResult(on.error());
   return CudaResult(cuda::UpdateRunningStats(channels, count, mean, m2, running_mean, running_var,
                                              running_dtype, factor, stream));
 #else

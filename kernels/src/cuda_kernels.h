@@ -12,6 +12,23 @@ namespace hsbn::kernels::cuda {
 
 bool DeviceAvailable();
 
+// Makes the device that holds `ptr` this thread's current one for the scope's lifetime, then
+// restores the previous one. libhsbn links its own CUDA runtime, whose current device is not
+// the caller's (PyTorch's) current device: every entry point runs on the device of the memory
+// it is given. A host pointer changes nothing. error() is nullptr or the CUDA error.
+class DeviceScope {
+ public:
+  explicit DeviceScope(const void* ptr);
+  ~DeviceScope();
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  const char* error() const { return error_; }
+
+ private:
+  int previous_ = -1;
+  const char* error_ = nullptr;
+};
+
 const char* LocalMoments(const BnInput& in, const void* x, double* mean, double* m2,
                          void* workspace, void* stream);
 const char* Normalize(const BnInput& in, const void* x, void* y, const BnStats& stats,

@@ -13,9 +13,10 @@
 // same input gives the same bits on every run. The CPU and the GPU agree to rounding, not bits.
 //
 // Pointers: arrays of an element dtype (x, y, dy, dx) hold N*C*S elements in `layout`; statistics
-// and parameter arrays hold C elements. With Device::kCuda every array pointer is device memory,
-// except `count` outputs and scalar arguments, which are host values (count = N*S is known on the
-// host, so returning it costs no synchronisation). With Device::kCpu every pointer is host memory.
+// and parameter arrays hold C elements. With Device::kCuda every array pointer is device memory
+// of one device, on which the work runs whatever device is current, except `count` outputs and
+// scalar arguments, which are host values (count = N*S is known on the host, so returning it
+// costs no synchronisation). With Device::kCpu every pointer is host memory.
 //
 // Thread safety: functions are reentrant; concurrent calls must not share output or workspace
 // memory.

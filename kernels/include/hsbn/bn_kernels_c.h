@@ -10,9 +10,10 @@
  * the spatial sizes (1 for BatchNorm1d on (N, C)); layout NCHW means (N, C, S) contiguous,
  * CHANNELS_LAST means (N, S, C) contiguous.
  *
- * Where pointers live: with device HSBN_BN_CUDA every array argument is device memory on the
- * current CUDA device — inputs, outputs, statistics, parameters and the workspace — and work is
- * enqueued on `stream` (a cudaStream_t, NULL for the legacy default stream) without host
+ * Where pointers live: with device HSBN_BN_CUDA every array argument is device memory of one
+ * CUDA device — inputs, outputs, statistics, parameters and the workspace — and the work runs on
+ * that device whatever device is current (the library's CUDA runtime is its own), enqueued on
+ * `stream` (a cudaStream_t of that device, NULL for the legacy default stream) without host
  * synchronization or allocation. The `count` output of hsbn_bn_moments and all scalar arguments
  * are host values. With device HSBN_BN_CPU every pointer is host memory and `stream` is ignored.
  * Statistics arrays (mean, m2, var, invstd, sum_dy, sum_dy_xmu) hold C values; fp64 unless a

@@ -14,6 +14,30 @@ bool DeviceAvailable() {
   return n > 0;
 }
 
+DeviceScope::DeviceScope(const void* ptr) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+    error_ = cudaGetErrorString(cudaGetLastError());
+    return;
+  }
+  if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) return;
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess) {
+    error_ = cudaGetErrorString(cudaGetLastError());
+    return;
+  }
+  if (current == attr.device) return;
+  if (cudaSetDevice(attr.device) != cudaSuccess) {
+    error_ = cudaGetErrorString(cudaGetLastError());
+    return;
+  }
+  previous_ = current;
+}
+
+DeviceScope::~DeviceScope() {
+  if (previous_ >= 0) cudaSetDevice(previous_);
+}
+
 int MaxResidentBlocks() {
   // Cached per device: cudaDeviceGetAttribute is cheap, but this sits on the hot path.
   static thread_local int cached_device = -1;

@@ -85,7 +85,9 @@ __global__ void __launch_bounds__(kThreads)
                           int64_t numel, int64_t chunk) {
   using Acc = typename Op::Acc;
   using Coeffs = typename Op::Coeffs;
-  extern __shared__ unsigned char smem[];
+  // The table is Coeffs: the dynamic shared memory must start aligned for them.
+  static_assert(alignof(Coeffs) <= 16, "the shared table's alignment");
+  extern __shared__ __align__(16) unsigned char smem[];
   Coeffs* table = reinterpret_cast<Coeffs*>(smem);
   const int64_t begin = blockIdx.x * chunk;
   const int64_t end = begin + chunk < numel ? begin + chunk : numel;
@@ -137,7 +139,9 @@ __global__ void __launch_bounds__(kThreads)
                                   int64_t rows, int cols) {
   using Acc = typename Op::Acc;
   using Coeffs = typename Op::Coeffs;
-  extern __shared__ unsigned char smem[];
+  // The table is Coeffs: the dynamic shared memory must start aligned for them.
+  static_assert(alignof(Coeffs) <= 16, "the shared table's alignment");
+  extern __shared__ __align__(16) unsigned char smem[];
   Coeffs* table = reinterpret_cast<Coeffs*>(smem);
   const int64_t block_c0 = static_cast<int64_t>(blockIdx.x) * cols * V;
   for (int t = threadIdx.x; t < cols * V; t += kThreads)

@@ -9,14 +9,17 @@ are BatchNorm's gradients over the scope's batch.
 
 A round crosses the host once each way (exchange()): the (2, C) float64 payload is copied into
 one pinned host buffer, the host waits on an event recorded after that copy (not on the device
-or the stream), the client's result goes back into the same buffer and up with non_blocking.
-Everything else, running statistics included, stays on the device; nothing reads a device
-value on the host. sync_stats() counts the copies and waits.
+or the stream); from the client's result the host computes what the device needs next (after
+a forward round: mean and invstd in the op set's statistics dtype and the running statistics'
+blend values; after a backward round: the sums in that dtype), and it goes up in one pinned
+buffer with non_blocking. Parameters and running statistics stay on the device; nothing reads
+a device value on the host. sync_stats() counts the copies and waits.
 """
 
 import dataclasses
 import threading
 
+import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -65,10 +68,85 @@ def reset_sync_stats():
             _stats[k] = 0
 
 
-def exchange(call, op, seq, scope, count, packed):
+def opaque_to_dynamo(fn):
+    """fn, which torch.compile (dynamo) runs as it is, never traced: torch.compiler.disable
+    (torch 2.1+), torch._dynamo.disable (2.0), or fn itself on a torch without dynamo."""
+    compiler = getattr(torch, "compiler", None)
+    disable = getattr(compiler, "disable", None)
+    if disable is None:
+        try:
+            from torch._dynamo import disable
+        except ImportError:
+            return fn
+    return disable(fn)
+
+
+def capturing(x):
+    """True when x is a CUDA tensor and its device's current stream is capturing a CUDA graph."""
+    if x.device.type != "cuda":
+        return False
+    is_capturing = getattr(torch.cuda, "is_current_stream_capturing", None)
+    if is_capturing is None:
+        return False
+    with torch.cuda.device(x.device):
+        return bool(is_capturing())
+
+
+def refuse_capture(label, scope):
+    """The error of a training-mode layer whose round needs the host, met during CUDA graph
+    capture (the round's event wait would invalidate the capture)."""
+    return RuntimeError(
+        "hsbn: %s (scope %r) cannot be captured in a CUDA graph in training mode: each forward "
+        "and backward exchanges statistics through the host. Capture the parts of the model "
+        "around it instead (torch.cuda.make_graphed_callables on the other submodules), or "
+        "capture it in eval mode or with scope='local', which need no exchange"
+        % (label, scope))
+
+
+_TORCH_DTYPES = {np.dtype(np.float64): torch.float64, np.dtype(np.float32): torch.float32}
+_NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32}
+
+
+def _layout(rows):
+    """(bytes, offsets) of the 1-D arrays `rows` packed one after another at 8-byte offsets."""
+    offsets, size = [], 0
+    for r in rows:
+        offsets.append(size)
+        size += (r.nbytes + 7) // 8 * 8
+    return size, offsets
+
+
+def _fill(h, offsets, rows):
+    """Writes `rows` into the uint8 numpy array h at `offsets`."""
+    for o, r in zip(offsets, rows):
+        h[o:o + r.nbytes].view(r.dtype)[:] = r
+
+
+def _views(buf, offsets, rows):
+    """The tensors `rows` were packed into in the uint8 tensor buf, with their dtypes."""
+    return [buf[o:o + r.nbytes].view(_TORCH_DTYPES[r.dtype]) for o, r in zip(offsets, rows)]
+
+
+def _upload(rows, device):
+    """The 1-D host arrays `rows` (float64 or float32) as tensors on `device`, in one copy: on
+    CUDA packed into one pinned buffer, copied up with non_blocking and viewed back with their
+    dtypes (the caching host allocator keeps the buffer until the copy has run)."""
+    if device.type != "cuda":
+        return [torch.from_numpy(np.array(r)) for r in rows]  # copies: rows may be borrowed
+    size, offsets = _layout(rows)
+    host = torch.empty(max(size, 8), dtype=torch.uint8, pin_memory=True)
+    _fill(host.numpy(), offsets, rows)
+    return _views(host.to(device, non_blocking=True), offsets, rows)
+
+
+def exchange(call, op, seq, scope, count, packed, finish=None):
     """Sends the (2, C) float64 payload `packed` (on any device) through `call` (client.forward
-    or client.backward); returns (scope count, the scope's (2, C) float64 result on packed's
-    device). One download, one event wait (CUDA only), one non_blocking upload."""
+    or client.backward). finish(total, row0, row1) computes, on the host, the 1-D float64 or
+    float32 arrays the caller needs from the scope's result (default: the two rows); returns
+    (scope count, those arrays as tensors on packed's device). One download, one event wait
+    (CUDA only), one non_blocking upload."""
+    if capturing(packed):
+        raise refuse_capture(op_label(op), scope)
     if packed.device.type == "cuda":
         host = torch.empty(packed.shape, dtype=F64, pin_memory=True)
         host.copy_(packed, non_blocking=True)
@@ -81,30 +159,47 @@ def exchange(call, op, seq, scope, count, packed):
         waits = 0
     h = host.numpy()
     total, a, b = call(op, seq, scope, count, h[0], h[1])
-    if packed.device.type == "cuda":
-        # The client has returned: the buffer is free for the result. The caching host
-        # allocator keeps it until the copy below has run.
-        h[0] = a
-        h[1] = b
-        result = host.to(packed.device, non_blocking=True)
-    else:
-        result = torch.empty(packed.shape, dtype=F64)
-        r = result.numpy()
-        r[0] = a
-        r[1] = b
+    total = int(total)
+    rows = [np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)]
+    if finish is not None:
+        rows = finish(total, rows[0], rows[1])
+    result = _upload(rows, packed.device)
     _count(rounds=1, downloads=1, uploads=1, device_waits=waits)
-    return int(total), result
+    return total, result
+
+
+def forward_rows(sd, eps, track, factor):
+    """finish() of a forward round: [mean, invstd] in the stat dtype `sd` (what normalization
+    and backward use), then, with running statistics, the values their update blends in:
+    factor * mean and factor * unbiased variance, or for momentum=None (factor a tensor, read
+    only on the device) the mean and unbiased variance themselves, in float64."""
+    npd = _NUMPY_DTYPES[sd]
+
+    def finish(total, mean, m2):
+        if total <= 1:
+            return []  # the caller raises
+        with np.errstate(divide="ignore", invalid="ignore"):  # inf and NaN are data (eps=0)
+            invstd = 1.0 / np.sqrt(m2 / total + eps)
+        rows = [mean.astype(npd), invstd.astype(npd)]
+        if track:
+            unbiased = m2 / (total - 1)
+            if torch.is_tensor(factor):
+                rows += [mean, unbiased]
+            else:
+                rows += [mean * factor, unbiased * factor]
+        return rows
+    return finish
 
 
 def _update_running(running, value, factor):
-    """running = (1 - factor) * running + factor * value, computed in float64 on the device;
-    factor is a float, or num_batches_tracked (a tensor) for momentum=None (factor 1/n)."""
+    """running = (1 - factor) * running + factor * value, in float64 on the device. factor a
+    float: `value` is factor * value already (forward_rows). factor num_batches_tracked (a
+    tensor, momentum=None): factor 1/n, taken on the device."""
     if torch.is_tensor(factor):
         f = factor.to(device=running.device, dtype=F64).reciprocal()
-        new = running.to(F64) * (1.0 - f) + value * f
+        running.copy_(running.to(F64) * (1.0 - f) + value * f)
     else:
-        new = running.to(F64) * (1.0 - factor) + value * factor
-    running.copy_(new)
+        running.copy_(torch.add(value, running, alpha=1.0 - factor))
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -116,20 +211,22 @@ class SyncBatchNormFunction(torch.autograd.Function):
         is None. cuda_ops: "torch", "kernels" or None (the process's choice)."""
         ops = ops_for(x, cuda_ops)
         count, packed = ops.local_moments(x, eps)
-        total, scope_stats = exchange(client.forward, op, seq, scope, count, packed)
+        track = running_mean is not None
+        total, rows = exchange(client.forward, op, seq, scope, count, packed,
+                               forward_rows(ops.stat_dtype(x), eps, track, factor))
         if total <= 1:
             raise ValueError(
                 "Expected more than 1 value per channel when training, got %d in scope %r "
                 "(%s, op=%d, input of size %s on this worker)"
                 % (total, scope, op_label(op), op, list(x.shape)))
-        mean, m2 = scope_stats[0], scope_stats[1]
-        if running_mean is not None:
+        mean, invstd = rows[0], rows[1]
+        if track:
             # torch.nn.BatchNorm's update, with the unbiased variance of the scope's batch.
             with torch.no_grad():
-                _update_running(running_mean, mean, factor)
-                _update_running(running_var, m2 / (total - 1), factor)
-        y, saved = ops.normalize(x, mean, m2 / total, weight, bias, eps)
-        ctx.save_for_backward(x, weight, *saved)
+                _update_running(running_mean, rows[2], factor)
+                _update_running(running_var, rows[3], factor)
+        y = ops.normalize(x, mean, invstd, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, invstd)
         ctx.hsbn = (client, op, seq, scope, count, total, cuda_ops)
         return y
 
@@ -145,6 +242,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if need_x:
             # Every worker runs the same layers with the same requires_grad pattern, so either
             # all of them take part in this round or none does.
-            _, sums = exchange(client.backward, op, seq, scope, count, packed)
+            npd = _NUMPY_DTYPES[ops.stat_dtype(x)]
+            _, sums = exchange(client.backward, op, seq, scope, count, packed,
+                               lambda total, a, b: [a.astype(npd), b.astype(npd)])
             grad_x = ops.backward_elemt(dy, x, saved, weight, sums, total)
         return (grad_x, grad_w, grad_b) + (None,) * 9

@@ -2,14 +2,16 @@
 
 Every statistic stays on the input's device, as float64 tensors; only a round's packed payload
 crosses to the host (see _function.py). A backend computes, for input x of shape (N, C, *):
+  stat_dtype(x)          -> the dtype of the statistics normalize and backward take
   local_moments(x, eps)  -> (count, packed): count an int (N * prod(spatial), known on the
                             host), packed a (2, C) float64 tensor on x's device: mean, m2
-  normalize(x, mean, var, w, b, eps) -> (y, saved): y = (x - mean) / sqrt(var + eps) * w + b,
-                            mean and var (C,) float64 tensors on x's device
+  normalize(x, mean, invstd, w, b, eps) -> y = (x - mean) * invstd * w + b, mean and invstd
+                            (C,) tensors of stat_dtype(x) on x's device; saved = (mean, invstd)
   backward_reduce(dy, x, saved, w, need_w, need_b) -> (packed, grad_w, grad_b): packed a (2, C)
                             float64 tensor on x's device: sum_dy, sum_dy_xmu over this worker's
                             batch
-  backward_elemt(dy, x, saved, w, sums, count) -> dx, from the scope's (2, C) sums and count
+  backward_elemt(dy, x, saved, w, sums, count) -> dx, from the scope's sums (sum_dy, sum_dy_xmu:
+                            (C,) tensors of stat_dtype(x)) and count
 
 Backends:
   CpuOps     CPU tensors: plain torch ops in the input's dtype (float32 for float16/bfloat16),
@@ -72,15 +74,14 @@ def _zeros2(c, x):
     return torch.zeros(2, c, dtype=F64, device=x.device)
 
 
-def invstd_of(var, eps):
-    """1 / sqrt(var + eps) in float64, on var's device."""
-    return (var + eps).rsqrt_()
-
-
 class CpuOps:
     """torch ops in the input's dtype on CPU tensors; float64 statistics."""
 
     name = "cpu-torch"
+
+    @staticmethod
+    def stat_dtype(x):
+        return F64
 
     @staticmethod
     def _compute(t):
@@ -105,11 +106,9 @@ class CpuOps:
         out[1].clamp_(min=0.0)
         return count, out
 
-    def normalize(self, x, mean, var, weight, bias, eps):
-        invstd = invstd_of(var, eps)
-        saved = (mean, invstd)
+    def normalize(self, x, mean, invstd, weight, bias, eps):
         if x.numel() == 0:
-            return torch.empty_like(x), saved
+            return torch.empty_like(x)
         xc = self._compute(x.detach())
         cd = xc.dtype
         scale = invstd if weight is None else invstd * weight.detach().to(F64)
@@ -118,7 +117,7 @@ class CpuOps:
             y = xmu.mul_(_bcast(scale.to(cd), xc))
         else:
             y = torch.addcmul(_bcast(bias.detach().to(cd), xc), xmu, _bcast(scale.to(cd), xc))
-        return _keep_layout(x, y.to(x.dtype)), saved
+        return _keep_layout(x, y.to(x.dtype))
 
     def backward_reduce(self, dy, x, saved, weight, need_w, need_b):
         mean, invstd = saved
@@ -151,13 +150,36 @@ class CpuOps:
         return _keep_layout(x, dx.to(x.dtype))
 
 
+INT32_MAX = (1 << 31) - 1
+
+
+def count_entries(count):
+    """`count` as int32 entries that sum to it: torch's batch_norm_backward_elemt takes the
+    scope's count as a vector of int32 per-worker counts and sums them in int64, so a count of
+    2^31 or more goes in as several entries."""
+    if count < 0:
+        raise ValueError("count %d is negative" % count)
+    full, rest = divmod(int(count), INT32_MAX)
+    return [INT32_MAX] * full + ([rest] if rest or not full else [])
+
+
+def count_tensor(count, device):
+    """count_entries(count) as an int32 tensor on `device`, filled there (a tensor built from a
+    list would be a blocking host-to-device copy)."""
+    entries = count_entries(count)
+    t = torch.full((len(entries),), INT32_MAX, dtype=torch.int32, device=device)
+    if entries[-1] != INT32_MAX:
+        t[-1].fill_(entries[-1])
+    return t
+
+
 class CudaOps:
     """torch's CUDA SyncBatchNorm kernels, on the current stream."""
 
     name = "cuda-torch"
 
     @staticmethod
-    def _stat_dtype(x):
+    def stat_dtype(x):
         return F64 if x.dtype == F64 else torch.float32
 
     @staticmethod
@@ -169,7 +191,7 @@ class CudaOps:
         return torch.contiguous_format
 
     def _param(self, p, x):
-        return None if p is None else p.detach().to(self._stat_dtype(x))
+        return None if p is None else p.detach().to(self.stat_dtype(x))
 
     def local_moments(self, x, eps):
         c = x.shape[1]
@@ -186,23 +208,20 @@ class CudaOps:
         torch.mul(invstd.to(F64).pow_(-2).sub_(eps).clamp_(min=0.0), count, out=packed[1])
         return count, packed
 
-    def normalize(self, x, mean, var, weight, bias, eps):
-        sd = self._stat_dtype(x)
-        invstd = invstd_of(var, eps)
-        saved = (mean.to(sd), invstd.to(sd))
+    def normalize(self, x, mean, invstd, weight, bias, eps):
         if x.numel() == 0:
-            return torch.empty_like(x), saved
+            return torch.empty_like(x)
         fmt = self._memory_format(x)
         x = x.contiguous(memory_format=fmt)
-        y = torch.batch_norm_elemt(x, self._param(weight, x), self._param(bias, x), saved[0],
-                                   saved[1], eps)
-        return y.contiguous(memory_format=fmt), saved
+        y = torch.batch_norm_elemt(x, self._param(weight, x), self._param(bias, x), mean, invstd,
+                                   eps)
+        return y.contiguous(memory_format=fmt)
 
     def backward_reduce(self, dy, x, saved, weight, need_w, need_b):
         mean_t, invstd_t = saved
         c = x.shape[1]
         if x.numel() == 0:
-            gdt = weight.dtype if weight is not None else self._stat_dtype(x)
+            gdt = weight.dtype if weight is not None else self.stat_dtype(x)
             gw = torch.zeros(c, device=x.device, dtype=gdt) if need_w else None
             gb = torch.zeros(c, device=x.device, dtype=gdt) if need_b else None
             return _zeros2(c, x), gw, gb
@@ -224,13 +243,11 @@ class CudaOps:
         mean_t, invstd_t = saved
         if x.numel() == 0:
             return torch.empty_like(x)
-        sd = self._stat_dtype(x)
+        sd = self.stat_dtype(x)
         fmt = self._memory_format(x)
         x = x.contiguous(memory_format=fmt)
         dy = dy.contiguous(memory_format=fmt)
-        # The kernel divides by the sum of this tensor: one entry holding the scope's count,
-        # filled on the device (torch.tensor([count], device=...) would be a blocking copy).
-        count_t = torch.full((1,), count, dtype=torch.int32, device=x.device)
+        count_t = count_tensor(count, x.device)
         dx = torch.batch_norm_backward_elemt(dy, x, mean_t, invstd_t, self._param(weight, x),
                                              sums[0].to(sd), sums[1].to(sd), count_t)
         return dx.contiguous(memory_format=fmt)
@@ -250,6 +267,10 @@ class KernelOps:
     def __init__(self, device_code):
         self.device_code = device_code
         self.name = "hsbn-kernels-" + ("cuda" if device_code == _lib.BN_CUDA else "cpu")
+
+    @staticmethod
+    def stat_dtype(x):
+        return F64
 
     def _k(self):
         k = _lib.bn_kernels()
@@ -317,12 +338,11 @@ class KernelOps:
                                                   ws_bytes, self._stream(x)), "moments")
         return count.value, packed
 
-    def normalize(self, x, mean, var, weight, bias, eps):
+    def normalize(self, x, mean, invstd, weight, bias, eps):
         mean_t = mean.contiguous()
-        invstd_t = invstd_of(var, eps).contiguous()
-        saved = (mean_t, invstd_t)
+        invstd_t = invstd.contiguous()
         if x.numel() == 0:
-            return torch.empty_like(x), saved
+            return torch.empty_like(x)
         x, desc = self._layout(x.detach())
         y = torch.empty_like(x)
         w = None if weight is None else weight.detach().contiguous()
@@ -333,7 +353,7 @@ class KernelOps:
                 *self._args(x, desc), _ptr(x), _ptr(y), _ptr(mean_t), _ptr(invstd_t),
                 _lib.BN_F64, _lib.BN_INVSTD, 0.0, 0, _ptr(w), _ptr(b), pdt, 0, self._stream(x)),
                 "normalize")
-        return y, saved
+        return y
 
     def backward_reduce(self, dy, x, saved, weight, need_w, need_b):
         mean_t, invstd_t = saved
@@ -365,12 +385,12 @@ class KernelOps:
         dx = torch.empty_like(x)
         w = None if weight is None else weight.detach().contiguous()
         pdt = _BN_DTYPES[w.dtype] if w is not None else _lib.BN_F32
-        sums = sums.contiguous()
+        sum_dy, sum_dy_xmu = sums[0].contiguous(), sums[1].contiguous()
         with self._on(x):
             self._check(self._k().hsbn_bn_backward_elemt(
                 *self._args(x, desc), _ptr(dy), _ptr(x), _ptr(mean_t), _ptr(invstd_t),
-                _lib.BN_F64, _lib.BN_INVSTD, 0.0, 0, _ptr(w), pdt, _ptr(sums[0]),
-                _ptr(sums[1]), int(count), _ptr(dx), self._stream(x)), "backward_elemt")
+                _lib.BN_F64, _lib.BN_INVSTD, 0.0, 0, _ptr(w), pdt, _ptr(sum_dy),
+                _ptr(sum_dy_xmu), int(count), _ptr(dx), self._stream(x)), "backward_elemt")
         return dx
 
 

@@ -26,6 +26,7 @@ from ..errors import ConfigurationError, HsbnError, InvalidArgumentError, INVALI
 from .modules import SyncBatchNorm
 from ._inspect import model_client
 from ._layer_check import _book
+from ._ops import ops_for
 from ._keys import _CHECK_BASE, _hash64
 
 SEQ_BASE = 1 << 62
@@ -184,21 +185,21 @@ def sync_running_stats(model, scope="global", *, client=None):
 
 class _Moments:
     """Per-channel (count, mean, m2) of everything seen, in float64 on the input's device,
-    merged batch by batch with Chan's formula."""
+    merged batch by batch with Chan's formula. Each batch's moments come from the layer's op
+    set (the same local_moments as a training forward), so no float64 copy of a whole input is
+    made."""
 
     def __init__(self):
         self.n = 0
         self.mean = None
         self.m2 = None
 
-    def add(self, x):
-        c = x.shape[1]
-        v = x.detach().transpose(0, 1).reshape(c, -1).to(torch.float64)
-        nb = v.shape[1]
+    def add(self, layer, x):
+        nb, packed = ops_for(x, getattr(layer, "cuda_ops", None)).local_moments(x.detach(),
+                                                                                layer.eps)
         if nb == 0:
             return
-        mb = v.mean(1)
-        m2b = (v - mb[:, None]).pow(2).sum(1)
+        mb, m2b = packed[0], packed[1]
         if self.n == 0:
             self.n, self.mean, self.m2 = nb, mb, m2b
             return
@@ -219,9 +220,9 @@ def precise_bn(model, batches, scope="global", *, num_batches=None, forward=None
       forward=lambda m, b: m(b[0])). num_batches: use at most this many. Ranks may run
       different numbers of batches of different sizes, none included.
 
-    One pass in training mode under torch.no_grad(): every layer's input is accumulated in
-    float64 (per-channel count, mean and sum of squared deviations, merged batch by batch with
-    Chan's formula), all layers at once. During the pass the layers normalize with each
+    One pass in training mode under torch.no_grad(): every layer's input is accumulated (each
+    batch's per-channel count, mean and sum of squared deviations from the layer's op set, as
+    in a training forward, merged in float64 with Chan's formula), all layers at once. During the pass the layers normalize with each
     batch's own statistics and exchange nothing (plain BatchNorm in training mode, as
     PreciseBN on one device), so it is this rank's inputs as training mode sees them. Then one
     forward round per layer pools the accumulators over the scope, and each layer's running
@@ -250,7 +251,7 @@ def precise_bn(model, batches, scope="global", *, num_batches=None, forward=None
     try:
         for (_, m), acc in zip(layers, moments):
             hooks.append(m.register_forward_pre_hook(
-                lambda mod, inputs, acc=acc: acc.add(inputs[0])))
+                lambda mod, inputs, acc=acc: acc.add(mod, inputs[0])))
             m.scope = "local"
         model.train()
         with torch.no_grad():

@@ -22,7 +22,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .. import client as _client
 from ..client import default_client
 from ..errors import ConfigurationError
-from ._function import SyncBatchNormFunction
+from ._function import SyncBatchNormFunction, capturing, opaque_to_dynamo, refuse_capture
 from ._keys import (_AUTO_DECISIONS, _METADATA_KEY, _KEYED_AT_CONVERSION, next_op,
                     op_for_name, _check_scope, _check_group_nodes, _auto_policy,
                     _check_process_group)
@@ -202,6 +202,7 @@ class SyncBatchNorm(_BatchNorm):
                 raise
             book.checks[key] = None
 
+    @opaque_to_dynamo  # its rounds and Python-side state are not for tracing (docs/PYTORCH.md)
     def forward(self, input):
         if isinstance(input, torch.fx.Proxy):
             # A leaf for torch.fx: one call_module node, whatever the tracer.
@@ -213,6 +214,8 @@ class SyncBatchNorm(_BatchNorm):
                              % (self.num_features, list(input.shape)))
         self._input_dim = input.dim()
         sync = self.training and self.scope != "local"
+        if sync and capturing(input):
+            raise refuse_capture(self._label(), self.scope)
         # Resolve the client before touching any state: a missing sidecar changes nothing.
         client = None
         if sync:
