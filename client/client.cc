@@ -5,18 +5,19 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
 #include <cstdlib>
 #include <fstream>
 #include <map>
-#include <mutex>
 #include <sstream>
 #include <tuple>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "env.h"
 #include "hsbn/status.h"
@@ -215,7 +216,7 @@ struct ClientConn {
   bool finished = false;      // Finish completed; every round of this stream has failed
   int waiters = 0;            // threads sleeping in Wait or Start on this connection
   grpc::Status final_status;  // Finish's
-  std::condition_variable write_cv;  // Starts waiting for the write slot
+  absl::CondVar write_cv;  // Starts waiting for the write slot
 };
 
 class PendingRound {
@@ -237,7 +238,7 @@ class PendingRound {
   int64_t deferred_count = 0;
   bool counted = false;  // in the client's stats already; touched only by its waiter
   // Guarded by Client::Impl::rounds_mu_ until done; after that, read only by its waiter.
-  std::condition_variable cv;
+  absl::CondVar cv;
   bool waiting = false;
   bool done = false;
   client_internal::Answer answer;
@@ -248,6 +249,11 @@ using Key = std::tuple<uint32_t, uint64_t, int>;
 
 enum Tag : intptr_t { kStartCall = 1, kRead, kWrite, kFinish };
 void* TagOf(Tag t) { return reinterpret_cast<void*>(t); }
+
+// A steady-clock deadline as absl::Time, for absl::CondVar's waits.
+absl::Time AbslTime(std::chrono::steady_clock::time_point t) {
+  return absl::Now() + absl::FromChrono(t - std::chrono::steady_clock::now());
+}
 
 std::chrono::system_clock::time_point ToSystem(std::chrono::steady_clock::time_point t) {
   const auto now = std::chrono::steady_clock::now();
@@ -279,7 +285,7 @@ class Client::Impl {
   ~Impl() {
     std::shared_ptr<Conn> conn;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       conn = std::move(conn_);
     }
     if (!session_.empty()) {
@@ -296,7 +302,7 @@ class Client::Impl {
   }
 
   absl::Status Connect() {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     return ConnectLocked();
   }
 
@@ -380,7 +386,7 @@ class Client::Impl {
       std::shared_ptr<client_internal::ShmChannel> shm;
       std::string session;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        absl::MutexLock lock(&mu_);
         // A sidecar that closed the shared-memory socket is gone (restarted): rejoin, as for a
         // broken stream, which nobody reads while rounds travel through shared memory.
         if (!conn_ || conn_->broken || (shm_ && !shm_->AliveRecently())) {
@@ -405,7 +411,7 @@ class Client::Impl {
             return pending;
           }
           if (!s.ok()) return s;
-          std::lock_guard<std::mutex> lock(mu_);
+          absl::MutexLock lock(&mu_);
           SetTransport(shm->note());
           if (!shm->mapped() && shm_ == shm) shm_.reset();
         }
@@ -428,14 +434,14 @@ class Client::Impl {
       auto pending = make_pending();
       pending->decide = decide;
       pending->conn = conn;
-      std::unique_lock<std::mutex> lk(rounds_mu_);
+      absl::ReleasableMutexLock lk(&rounds_mu_);
       // Nobody polls: handle what is ready without blocking (results read meanwhile, and a
       // stream closed meanwhile, which is replaced before sending). gRPC's poller handles one
       // ready socket per pass, hence a second pass.
       if (!conn->polling) {
         conn->polling = true;
         for (int pass = 0; pass < 2 && !conn->broken; ++pass) {
-          Poll(conn, lk, Clock::now(), [] { return false; });
+          Poll(conn, Clock::now(), [] { return false; });
         }
         conn->polling = false;
         HandOff(*conn);
@@ -459,12 +465,12 @@ class Client::Impl {
         }
         if (!conn->polling) {
           conn->polling = true;
-          Poll(conn, lk, deadline, [&] { return !conn->write_in_flight || conn->broken; });
+          Poll(conn, deadline, [&] { return !conn->write_in_flight || conn->broken; });
           conn->polling = false;
           HandOff(*conn);
         } else {
           ++conn->waiters;
-          conn->write_cv.wait_until(lk, deadline);
+          conn->write_cv.WaitWithDeadline(&rounds_mu_, AbslTime(deadline));
           --conn->waiters;
         }
       }
@@ -483,7 +489,7 @@ class Client::Impl {
       // at once; that thread sees the completion, and a failure fails the round at its Wait.
       if (conn->polling) return pending;
       conn->polling = true;
-      Poll(conn, lk, deadline, [&] { return !conn->write_in_flight; });
+      Poll(conn, deadline, [&] { return !conn->write_in_flight; });
       conn->polling = false;
       HandOff(*conn);
       if (!conn->write_in_flight && conn->write_failed) {
@@ -523,7 +529,7 @@ class Client::Impl {
   void Record(Scope scope, Phase phase, bool ok, bool count_round, Clock::duration blocked) {
     const int si = int(scope) - 1, pi = int(phase) - 1;
     if (si < 0 || si >= ClientStats::kScopes || pi < 0 || pi >= ClientStats::kPhases) return;
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    absl::MutexLock lock(&stats_mu_);
     Counters& c = counters_[si][pi];
     if (count_round) ++(ok ? c.completed : c.failed);
     c.blocked += blocked;
@@ -533,7 +539,7 @@ class Client::Impl {
   ClientStats Stats() const {
     ClientStats out;
     const auto now = Clock::now();
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    absl::MutexLock lock(&stats_mu_);
     for (int si = 0; si < ClientStats::kScopes; ++si) {
       for (int pi = 0; pi < ClientStats::kPhases; ++pi) {
         const Counters& c = counters_[si][pi];
@@ -552,7 +558,7 @@ class Client::Impl {
   }
 
   void ResetStats() {
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    absl::MutexLock lock(&stats_mu_);
     for (auto& row : counters_) {
       for (Counters& c : row) c = Counters{};
     }
@@ -578,7 +584,7 @@ class Client::Impl {
         return s;
       }
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        absl::MutexLock lock(&mu_);
         SetTransport(shm->note());
         if (!shm->mapped() && shm_ == shm) shm_.reset();
       }
@@ -610,13 +616,13 @@ class Client::Impl {
     }
     if (!p.conn) return absl::FailedPreconditionError("this round was never sent");
     {
-      std::unique_lock<std::mutex> lk(rounds_mu_);
+      absl::ReleasableMutexLock lk(&rounds_mu_);
       Conn& conn = *p.conn;
       while (!p.done) {
         if (Clock::now() >= deadline) {
           Forget(p);
           if (!conn.polling) HandOff(conn);
-          lk.unlock();
+          lk.Release();
           return absl::DeadlineExceededError(absl::StrCat(
               "round ", wire::RoundName(p.op, p.seq, v1::Phase(int(p.phase))),
               ": no answer from the hsbn sidecar at ", options_.address, " within ",
@@ -624,13 +630,13 @@ class Client::Impl {
         }
         if (!conn.polling) {
           conn.polling = true;
-          Poll(p.conn, lk, deadline, [&] { return p.done; });
+          Poll(p.conn, deadline, [&] { return p.done; });
           conn.polling = false;
           HandOff(conn);
         } else {
           p.waiting = true;
           ++conn.waiters;
-          p.cv.wait_until(lk, deadline);
+          p.cv.WaitWithDeadline(&rounds_mu_, AbslTime(deadline));
           --conn.waiters;
           p.waiting = false;
         }
@@ -645,7 +651,7 @@ class Client::Impl {
 
   absl::Status SetAutoPolicy(uint32_t op, const AutoPolicy& policy) {
     if (absl::Status s = policy.Validate(); !s.ok()) return s;
-    std::lock_guard<std::mutex> lock(auto_mu_);
+    absl::MutexLock lock(&auto_mu_);
     AutoOp& a = auto_[op];
     const AutoPolicy& now = a.has_policy ? a.policy : options_.auto_policy;
     const bool same = now.warmup_rounds == policy.warmup_rounds &&
@@ -662,7 +668,7 @@ class Client::Impl {
   }
 
   AutoDecision AutoDecisionOf(uint32_t op) const {
-    std::lock_guard<std::mutex> lock(auto_mu_);
+    absl::MutexLock lock(&auto_mu_);
     auto it = auto_.find(op);
     return it == auto_.end() ? AutoDecision{} : it->second.last;
   }
@@ -678,7 +684,7 @@ class Client::Impl {
           "auto scope of op ", op, ": the saved decision is group, but this job has no groups "
           "(HSBN_GROUP_NODES is not set)"));
     }
-    std::lock_guard<std::mutex> lock(auto_mu_);
+    absl::MutexLock lock(&auto_mu_);
     AutoOp& a = auto_[op];
     if (a.open_decide >= 0) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -735,7 +741,7 @@ class Client::Impl {
   // round's forward.
   absl::Status ResolveAuto(uint32_t op, uint64_t seq_u, Phase phase, Scope* scope, bool* decide,
                            v1::AutoDecide* request) {
-    std::lock_guard<std::mutex> lock(auto_mu_);
+    absl::MutexLock lock(&auto_mu_);
     AutoOp& a = auto_[op];
     a.started = true;
     const AutoPolicy& policy = a.has_policy ? a.policy : options_.auto_policy;
@@ -793,7 +799,7 @@ class Client::Impl {
 
   // A decision round was waited for: keep its decision (the same in every rank's result).
   absl::Status TakeDecision(PendingRound& p, absl::Status s) {
-    std::lock_guard<std::mutex> lock(auto_mu_);
+    absl::MutexLock lock(&auto_mu_);
     AutoOp& a = auto_[p.op];
     if (a.open_decide == int64_t(p.seq)) a.open_decide = -1;
     if (!s.ok()) return s;
@@ -818,8 +824,8 @@ class Client::Impl {
     return s;
   }
 
-  mutable std::mutex auto_mu_;  // a leaf lock
-  std::map<uint32_t, AutoOp> auto_;
+  mutable absl::Mutex auto_mu_;  // a leaf lock
+  std::map<uint32_t, AutoOp> auto_ ABSL_GUARDED_BY(auto_mu_);
 
   std::chrono::milliseconds RoundTimeout() const {
     return client_internal::RoundWait(options_.round_timeout, aggregator_timeout_ms_.load());
@@ -832,18 +838,18 @@ class Client::Impl {
   }
 
   // Removes a round from pending_ (if it is still there). rounds_mu_ held.
-  void Forget(PendingRound& p) {
+  void Forget(PendingRound& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     auto it = pending_.find(Key{p.op, p.seq, int(p.phase)});
     if (it != pending_.end() && it->second.get() == &p) pending_.erase(it);
   }
 
   // After the poller role was given back: wake one thread that may take it. rounds_mu_ held.
-  void HandOff(Conn& conn) {
+  void HandOff(Conn& conn) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     if (conn.waiters == 0) return;
-    conn.write_cv.notify_all();  // Starts waiting for the write slot (rare)
+    conn.write_cv.SignalAll();  // Starts waiting for the write slot (rare)
     for (auto& [key, r] : pending_) {
       if (r->conn.get() == &conn && r->waiting && !r->done) {
-        r->cv.notify_one();
+        r->cv.Signal();
         return;
       }
     }
@@ -853,8 +859,8 @@ class Client::Impl {
   // events until `stop()` or `deadline` (a deadline in the past handles what is ready and
   // returns). The caller holds conn's poller role.
   template <typename Stop>
-  void Poll(const std::shared_ptr<Conn>& conn, std::unique_lock<std::mutex>& lk,
-            Clock::time_point deadline, Stop stop) {
+  void Poll(const std::shared_ptr<Conn>& conn, Clock::time_point deadline, Stop stop)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     const auto sys_deadline = ToSystem(deadline);
     const bool now_only = deadline <= Clock::now();
     while (!stop()) {
@@ -864,12 +870,12 @@ class Client::Impl {
       }
       void* tag = nullptr;
       bool ok = false;
-      lk.unlock();
+      rounds_mu_.Unlock();
       // A deadline already passed is given as "infinitely past": gRPC rounds deadlines up to
       // the next millisecond, so "now" would block up to 1 ms in epoll_wait.
       const auto got = now_only ? conn->cq.AsyncNext(&tag, &ok, gpr_inf_past(GPR_CLOCK_MONOTONIC))
                                 : conn->cq.AsyncNext(&tag, &ok, sys_deadline);
-      lk.lock();
+      rounds_mu_.Lock();
       if (got != grpc::CompletionQueue::GOT_EVENT) return;  // TIMEOUT (SHUTDOWN: never here)
       switch (static_cast<Tag>(reinterpret_cast<intptr_t>(tag))) {
         case kRead:
@@ -891,7 +897,7 @@ class Client::Impl {
           conn->write_in_flight = false;
           conn->write_failed = !ok;
           if (!ok) conn->broken = true;  // the Read fails too, and then Finish is posted
-          if (conn->waiters > 0) conn->write_cv.notify_all();
+          if (conn->waiters > 0) conn->write_cv.SignalAll();
           break;
         case kFinish:
           conn->finished = true;
@@ -904,7 +910,7 @@ class Client::Impl {
   }
 
   // A result read from conn: complete its round. rounds_mu_ held.
-  void Dispatch(Conn& conn) {
+  void Dispatch(Conn& conn) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     if (!conn.in.has_result()) return;
     v1::Result* r = conn.in.mutable_result();
     auto it = pending_.find(Key{r->op(), r->seq(), int(r->phase())});
@@ -913,12 +919,12 @@ class Client::Impl {
     PendingRound& p = *it->second;
     p.answer = client_internal::TakeAnswer(r);
     p.done = true;
-    if (p.waiting) p.cv.notify_one();
+    if (p.waiting) p.cv.Signal();
     pending_.erase(it);  // p stays alive: its waiter holds it
   }
 
   // conn's stream is finished: every round still in flight on it fails. rounds_mu_ held.
-  void FailRounds(Conn& conn) {
+  void FailRounds(Conn& conn) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     const std::string why = conn.final_status.error_message();
     const absl::Status lost = absl::UnavailableError(absl::StrCat(
         "the stream to the hsbn sidecar at ", options_.address, " broke (",
@@ -931,12 +937,12 @@ class Client::Impl {
       }
       p.answer.status = lost;
       p.done = true;
-      if (p.waiting) p.cv.notify_one();
+      if (p.waiting) p.cv.Signal();
       it = pending_.erase(it);
     }
   }
 
-  absl::Status ConnectLocked() {
+  absl::Status ConnectLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     // A broken stream is dropped here; rounds still in flight on it keep it alive until their
     // waits have seen them fail (or their results, read before the break).
     conn_.reset();
@@ -1052,27 +1058,31 @@ class Client::Impl {
     return absl::OkStatus();
   }
 
-  bool OfferShm() const {
+  bool OfferShm() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!shm_unreachable_.empty()) return false;
     return options_.transport != "grpc";
   }
 
   void SetTransport(const std::string& t) {
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    absl::MutexLock lock(&stats_mu_);
     transport_ = t;
   }
 
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Aggregator::Stub> stub_;
-  std::mutex mu_;  // connection state; taken before rounds_mu_, never while holding it
-  std::shared_ptr<Conn> conn_;
-  std::shared_ptr<client_internal::ShmChannel> shm_;  // null: rounds use the stream
+  absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(rounds_mu_);  // connection state; never taken while
+                                                     // rounds_mu_ is held
+  std::shared_ptr<Conn> conn_ ABSL_GUARDED_BY(mu_);
+  // null: rounds use the stream
+  std::shared_ptr<client_internal::ShmChannel> shm_ ABSL_GUARDED_BY(mu_);
   // Why the sidecar's shared-memory socket could not be used; then this worker offers it no more.
-  std::string shm_unreachable_;
-  std::string session_;  // the 16-byte secret from Join; empty before the first
-  uint64_t generation_ = 0;
-  std::mutex rounds_mu_;  // pending_, the PendingRounds, the Conns' poll state
-  std::map<Key, std::shared_ptr<PendingRound>> pending_;
+  std::string shm_unreachable_ ABSL_GUARDED_BY(mu_);
+  std::string session_ ABSL_GUARDED_BY(mu_);  // the 16-byte secret from Join; empty before
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  // pending_, and (documented on them, not expressible as annotations across classes) the
+  // PendingRounds' and the Conns' poll state.
+  absl::Mutex rounds_mu_;
+  std::map<Key, std::shared_ptr<PendingRound>> pending_ ABSL_GUARDED_BY(rounds_mu_);
 
   // Round statistics: a leaf lock, taken once per round, never while waiting.
   struct Counters {
@@ -1082,10 +1092,10 @@ class Client::Impl {
     Clock::duration max_blocked{0};
   };
   static double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-  mutable std::mutex stats_mu_;
-  Counters counters_[ClientStats::kScopes][ClientStats::kPhases];
-  Clock::time_point stats_since_ = Clock::now();
-  std::string transport_;  // guarded by stats_mu_
+  mutable absl::Mutex stats_mu_;
+  Counters counters_[ClientStats::kScopes][ClientStats::kPhases] ABSL_GUARDED_BY(stats_mu_);
+  Clock::time_point stats_since_ ABSL_GUARDED_BY(stats_mu_) = Clock::now();
+  std::string transport_ ABSL_GUARDED_BY(stats_mu_);
   std::atomic<int64_t> bytes_sent_{0};
   std::atomic<int64_t> bytes_received_{0};
 };

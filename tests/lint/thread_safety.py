@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Checks the server's lock rules with Clang's -Wthread-safety.
+"""Checks the server's and the client's lock rules with Clang's -Wthread-safety.
 
-The server's locking is written as ABSL_GUARDED_BY / ABSL_EXCLUSIVE_LOCKS_REQUIRED annotations;
-GCC ignores them, Clang checks them. This compiles every server/*.cc with clang++ in
+Their locking is written as ABSL_GUARDED_BY / ABSL_EXCLUSIVE_LOCKS_REQUIRED annotations; GCC
+ignores them, Clang checks them. This compiles every server/*.cc and client/*.cc with clang++ in
 -fsyntax-only mode (no objects, a few seconds a file), with the include paths and defines that
 CMake recorded in compile_commands.json, and fails on any thread-safety warning.
 
@@ -21,10 +21,12 @@ def main():
     with open(os.path.join(build, "compile_commands.json")) as f:
         commands = json.load(f)
     wanted = [c for c in commands
-              if os.sep + "server" + os.sep in c["file"] and c["file"].endswith(".cc")]
-    if not wanted:
-        print("thread_safety: no server sources in compile_commands.json")
-        return 1
+              if any(os.sep + d + os.sep in c["file"] for d in ("server", "client"))
+              and os.sep + "tests" + os.sep not in c["file"] and c["file"].endswith(".cc")]
+    for d in ("server", "client"):
+        if not any(os.sep + d + os.sep in c["file"] for c in wanted):
+            print("thread_safety: no %s sources in compile_commands.json" % d)
+            return 1
     failed = 0
     for c in sorted(wanted, key=lambda c: c["file"]):
         args = shlex.split(c["command"])
