@@ -720,6 +720,9 @@ void Aggregator::Refused(const char* reason) {
 
 void Aggregator::Execute(Actions& actions, const std::string& job_id) {
   for (const std::string& line : actions.log) Log(LogLevel::kInfo, line);
+  for (const std::string& line : actions.round_failures) {
+    LogLimited(LogLevel::kInfo, LogKind::kRoundFailed, LogSafe(line, 1024));
+  }
   for (const char* reason : actions.refused) Refused(reason);
   // Metrics first: whoever receives a result below must find its round already counted.
   if (Metrics* m = options_.metrics.get()) {

@@ -436,8 +436,8 @@ void Job::FailRoundLocked(RoundKey key, const absl::Status& status, bool tell_pa
     out->aborts.push_back(Actions::Abort{key, status});
   }
   ++rounds_failed_;
-  out->log.push_back(absl::StrCat("job '", id_, "': round ", Describe(key), " failed: ",
-                                  status.ToString()));
+  out->round_failures.push_back(
+      absl::StrCat("job '", id_, "': round ", Describe(key), " failed: ", status.ToString()));
   FinishLocked(key, Finished{status, nullptr, {}});
 }
 

@@ -139,6 +139,9 @@ struct Actions {
   // "node 1" at the root, "upstream" when the parent did not answer.
   std::vector<std::string> timed_out;
   std::vector<std::string> log;  // things worth a log line, in words
+  // One line per round that failed here, in words: logged through the rate limit, since a
+  // client can fail rounds as fast as it can send (LogKind::kRoundFailed).
+  std::vector<std::string> round_failures;
   // For metrics: NaN/Inf values seen in contributions and results, per phase (forward,
   // backward), and why requests were refused for lack of a resource (Metrics::Refused).
   int64_t nonfinite[2] = {0, 0};

@@ -283,8 +283,8 @@ void AddFlags(FlagTable& f, Settings* s, AggregatorOptions* o) {
   f.Int("max-unbound-bytes", &o->max_unbound_bytes, 1, kInt64Max,
         "Bytes a stream may send before it attaches to a session; more closes it.");
   f.Int("log-lines-per-second", &s->log_lines_per_second, 1, 1000000,
-        "Log lines per second about invalid input, per kind; the rest are counted and "
-        "reported as suppressed.");
+        "Log lines per second about invalid input and failed rounds, per kind; the rest are "
+        "counted and reported as suppressed.");
 
   f.Text("divergence-dir", "DIR", &o->divergence_dir,
          "Root role: when a job ends, write its shadow-mode divergence record (per layer op and "
