@@ -467,6 +467,10 @@ bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribu
   absl::MutexLock lock(&mu_);
   if (!members_[index].joined || members_[index].session != session) return false;
   const RoundKey key = KeyOf(index, c);
+  if (!closed_.ok()) {
+    TellSenderLocked(index, session, key, closed_, out);
+    return true;
+  }
   if (auto f = finished_.find(key); f != finished_.end()) {
     const auto& hashes = f->second.contribution_hashes;
     if (f->second.status.ok() && size_t(index) < hashes.size() &&
@@ -964,6 +968,7 @@ void Job::Expire(Clock::time_point now, Actions* out) {
 
 void Job::FailAll(const absl::Status& status, Actions* out) {
   absl::MutexLock lock(&mu_);
+  closed_ = status;
   FailOpenRoundsLocked([](const Round&) { return true; }, [&](const RoundKey&) { return status; },
                        /*tell_parent=*/false, out);
 }

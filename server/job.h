@@ -204,7 +204,7 @@ class Job {
   void Retire(const absl::Status& status, Actions* out);
   // Fails rounds whose deadline has passed.
   void Expire(Clock::time_point now, Actions* out);
-  // Fails every open round (shutdown).
+  // Fails every open round with `status`, and every later contribution (shutdown).
   void FailAll(const absl::Status& status, Actions* out);
 
   // The token this job's members presented at Join here (empty: none). An aggregator presents
@@ -339,6 +339,7 @@ class Job {
   std::string down_message_ ABSL_GUARDED_BY(mu_);    // what it said
   int64_t held_ ABSL_GUARDED_BY(mu_) = 0;            // bytes charged to limits_.budget
   Clock::time_point last_change_ ABSL_GUARDED_BY(mu_);  // a member joined, attached or went
+  absl::Status closed_ ABSL_GUARDED_BY(mu_);  // FailAll's status: no round opens any more
 };
 
 }  // namespace hsbn::server
