@@ -137,9 +137,27 @@ def status_main(argv):
     return 0
 
 
+_USAGE = ("usage: hsbn [info]               the native parts in use (as python -m hsbn)\n"
+          "       hsbn status [--help] ...  an aggregator's status, without joining a job\n"
+          "       hsbn --version")
+
+
 def main(argv=None):
-    """`hsbn [info | status ...]`."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """`hsbn [info | status ...]`. A reader that goes away (`hsbn | head -1`) ends it quietly,
+    with status 141 as a process that SIGPIPE ended, not with a BrokenPipeError traceback."""
+    try:
+        code = _main(sys.argv[1:] if argv is None else list(argv))
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # Python flushes stdout again at exit, which would raise again: point it at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
+
+
+def _main(argv):
     if argv and argv[0] == "status":
         return status_main(argv[1:])
     if not argv or argv == ["info"]:
@@ -149,11 +167,17 @@ def main(argv=None):
         from . import __version__
         print("hsbn %s" % __version__)
         return 0
-    print("usage: hsbn [info]               the native parts in use (as python -m hsbn)\n"
-          "       hsbn status [--help] ...  an aggregator's status, without joining a job\n"
-          "       hsbn --version",
-          file=sys.stderr if argv not in (["-h"], ["--help"]) else sys.stdout)
-    return 0 if argv in (["-h"], ["--help"]) else 2
+    if argv in (["-h"], ["--help"]):
+        print(_USAGE)
+        return 0
+    if argv[0] == "info":
+        what = "hsbn info takes no arguments, not %r" % " ".join(argv[1:])
+    elif argv[0].startswith("-"):
+        what = "unknown option %r" % argv[0]
+    else:
+        what = "unknown command %r" % argv[0]
+    print("hsbn: %s\n%s" % (what, _USAGE), file=sys.stderr)
+    return 2
 
 
 def aggregator_main():
