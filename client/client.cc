@@ -1016,9 +1016,17 @@ class Client::Impl {
     req.set_incarnation(options_.incarnation);
     req.set_shm_offer(OfferShm());
     v1::JoinResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(deadline + std::chrono::seconds(5));
-    grpc::Status s = stub_->Join(&ctx, req, &resp);
+    grpc::Status s;
+    for (;;) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(deadline + std::chrono::seconds(5));
+      s = stub_->Join(&ctx, req, &resp);
+      // A sidecar that is stopping cancels the calls it will not answer: join the next process
+      // on the address instead, as a new connection would (issue 26).
+      if (s.error_code() != grpc::StatusCode::CANCELLED || !channel_->WaitForConnected(deadline)) {
+        break;
+      }
+    }
     if (!s.ok()) {
       absl::Status st = wire::FromGrpc(s);
       return absl::Status(st.code(), absl::StrCat("joining job '", options_.job_id, "' at ",

@@ -50,9 +50,10 @@ Usage:
   hsbn-aggregator --role=root --listen=0.0.0.0:7070
 )";
 
-constexpr char kSignals[] = R"(Signals: SIGTERM or SIGINT fail every open round with UNAVAILABLE (clients reconnect to a
-restarted aggregator), stop the server and exit with status 0. SIGHUP reads --token-file again
-(on an error the old tokens stay in force).
+constexpr char kSignals[] = R"(Signals: SIGTERM or SIGINT stop admitting Joins and new rounds, then fail every open round
+with UNAVAILABLE (the step in flight is lost: restart the job; its workers join a restarted
+aggregator), stop the server and exit with status 0. SIGHUP reads --token-file again (on an
+error the old tokens stay in force).
 )";
 
 constexpr char kFlagsGroup[] = "Flags";
