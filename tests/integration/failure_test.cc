@@ -294,8 +294,13 @@ TEST(Failures, NonFiniteValuesReachEveryRankUnlessTheJobIsStrict) {
 TEST(Failures, ShadowDivergenceIsWrittenWhenTheJobEnds) {
   char tmpl[] = "/tmp/hsbn-div-XXXXXX";
   const std::string dir = mkdtemp(tmpl);
-  auto c = StartCluster(2, 1, {"--divergence-dir=" + dir});
-  ASSERT_TRUE(c);
+  cluster::ClusterOptions opts;
+  opts.nodes = 2;
+  opts.workers_per_node = 1;
+  opts.root_flags = {"--divergence-dir=" + dir};  // a sidecar refuses it
+  auto started = LocalCluster::Start(opts);
+  ASSERT_TRUE(started.ok()) << started.status();
+  auto c = std::move(*started);
   {
     std::vector<std::unique_ptr<Client>> clients;
     for (int rank = 0; rank < 2; ++rank) clients.push_back(testing::ConnectRank(*c, rank, "div/1"));

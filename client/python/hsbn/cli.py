@@ -97,13 +97,41 @@ def _fmt_status(st, indent=""):
     return lines
 
 
+def address_error(address, name="--address"):
+    """Why `address` is not an aggregator address (`name` is where it came from), or None.
+
+    unix:PATH, or HOST:PORT with a port from 1 to 65535 (gRPC would wrap a larger one), HOST a
+    name, an IPv4 address or a bracketed IPv6 address. A path without unix: is answered with
+    the spelling that works."""
+    given = "%s=%s" % (name, address)
+    if address.startswith("unix:"):
+        return None if address[5:] else "%s names no socket: write unix:/path/to.sock" % given
+    if "/" in address or address.endswith(".sock"):
+        return "%s is a path: a Unix socket is written %s=unix:%s" % (given, name, address)
+    host, colon, port = address.rpartition(":")
+    if not colon:
+        return "%s has no port: write HOST:PORT or unix:/path/to.sock" % given
+    if host.startswith("["):
+        ok = len(host) > 2 and host.endswith("]") and all(
+            ch in "0123456789abcdefABCDEF:." for ch in host[1:-1])
+    elif ":" in host:
+        return "%s: an IPv6 address goes in brackets, as in [::1]:7070" % given
+    else:
+        ok = bool(host) and all(ch.isascii() and (ch.isalnum() or ch in "-._") for ch in host)
+    if not ok:
+        return "%s has no valid host before the port: write HOST:PORT or unix:/path/to.sock" % given
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535):
+        return "%s: the port must be a number from 1 to 65535" % given
+    return None
+
+
 def status_main(argv):
     p = argparse.ArgumentParser(
         prog="hsbn status", epilog=_STATUS_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Show an hsbn aggregator's jobs, members, rounds and shadow divergence, "
                     "without joining a job.")
-    p.add_argument("--address", default=os.environ.get("HSBN_ADDRESS", "unix:/tmp/hsbn.sock"),
+    p.add_argument("--address",
                    help="sidecar or root: unix:/path.sock or host:port (default: $HSBN_ADDRESS "
                         "or unix:/tmp/hsbn.sock)")
     p.add_argument("--job", help="one job's status (default: every job it shows you)")
@@ -119,6 +147,16 @@ def status_main(argv):
     p.add_argument("--tls-key", help="PEM key of --tls-cert")
     p.add_argument("--tls-name", help="the name in the root's certificate, if not the host")
     args = p.parse_args(argv)
+    if args.address is not None:
+        bad = address_error(args.address)
+    elif os.environ.get("HSBN_ADDRESS"):
+        args.address = os.environ["HSBN_ADDRESS"]
+        bad = address_error(args.address, "HSBN_ADDRESS")
+    else:
+        args.address, bad = "unix:/tmp/hsbn.sock", None
+    if bad:
+        print("hsbn status: %s" % bad, file=sys.stderr)
+        return 2
     try:
         st = query_status(args.address, job_id=args.job, token=_read_token(args),
                           include_upstream=args.upstream, timeout_ms=args.timeout_ms,
