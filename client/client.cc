@@ -1020,12 +1020,18 @@ class Client::Impl {
     for (;;) {
       grpc::ClientContext ctx;
       ctx.set_deadline(deadline + std::chrono::seconds(5));
+      ctx.set_wait_for_ready(true);
       s = stub_->Join(&ctx, req, &resp);
-      // A sidecar that is stopping cancels the calls it will not answer: join the next process
-      // on the address instead, as a new connection would (issue 26).
-      if (s.error_code() != grpc::StatusCode::CANCELLED || !channel_->WaitForConnected(deadline)) {
+      // A sidecar that is stopping refuses Joins (UNAVAILABLE: no other refusal has that code)
+      // and cancels the calls it will not answer: once its connection is gone, join the next
+      // process on the address, as a new connection would (issue 26).
+      const auto code = s.error_code();
+      if (code != grpc::StatusCode::UNAVAILABLE && code != grpc::StatusCode::CANCELLED) break;
+      if (channel_->GetState(false) == GRPC_CHANNEL_READY &&
+          !channel_->WaitForStateChange(GRPC_CHANNEL_READY, deadline)) {
         break;
       }
+      if (!channel_->WaitForConnected(deadline)) break;
     }
     if (!s.ok()) {
       absl::Status st = wire::FromGrpc(s);

@@ -531,19 +531,16 @@ TEST(Failures, RestartedSidecarFailsRoundsInFlightAndClientsReconnect) {
 // segments, so no rank can rejoin the dying process: every rank of the node learns of the
 // restart from one status that says the step is lost and what to do, and the node's ranks
 // meet again at the new process (issue 26: ranks that landed on the dying sidecar and the new
-// one respectively waited for each other until the deadline, every round, for good).
-void RestartSidecarsUnderLoad(const std::string& transport) {
+// one respectively waited for each other until the deadline, every round, for good). Node
+// rounds take shared memory, or the stream in the grpc: run of these tests (HSBN_TRANSPORT).
+TEST(Failures, SidecarsRestartedUnderLoadFailTheStepAlikeAndTheirRanksMeetAgain) {
   constexpr int kNodes = 2, kPerNode = 2, kRestarts = 4, kRoundsBetween = 3;
   auto c = StartCluster(kNodes, kPerNode);
   ASSERT_TRUE(c);
-  const std::string job = "restart-load-" + transport;
   std::vector<std::unique_ptr<Client>> clients;
   for (int r = 0; r < kNodes * kPerNode; ++r) {
-    ClientOptions o = testing::RankOptions(*c, r, job);
-    o.transport = transport;
-    auto client = Client::Connect(o);
-    ASSERT_TRUE(client.ok()) << client.status();
-    clients.push_back(std::move(*client));
+    clients.push_back(testing::ConnectRank(*c, r, "restart-load"));
+    ASSERT_TRUE(clients.back());
   }
   struct Failure {
     int rank;
@@ -631,14 +628,6 @@ void RestartSidecarsUnderLoad(const std::string& transport) {
                                          " is shutting down (SIGTERM): the training step in "
                                          "flight is lost on every rank. Restart the job")));
   }
-}
-
-TEST(Failures, SidecarsRestartedUnderLoadFailTheStepAlikeAndTheirRanksMeetAgainShm) {
-  RestartSidecarsUnderLoad("auto");
-}
-
-TEST(Failures, SidecarsRestartedUnderLoadFailTheStepAlikeAndTheirRanksMeetAgainStream) {
-  RestartSidecarsUnderLoad("grpc");
 }
 
 TEST(Failures, RootRestartFailsGlobalRoundsInFlightAndLaterRoundsSucceed) {
