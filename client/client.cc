@@ -975,9 +975,23 @@ class Client::Impl {
     req.set_incarnation(options_.incarnation);
     req.set_shm_offer(OfferShm());
     v1::JoinResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(deadline + std::chrono::seconds(5));
-    grpc::Status s = stub_->Join(&ctx, req, &resp);
+    grpc::Status s;
+    for (;;) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(deadline + std::chrono::seconds(5));
+      ctx.set_wait_for_ready(true);
+      s = stub_->Join(&ctx, req, &resp);
+      // A sidecar that is stopping refuses Joins (UNAVAILABLE: no other refusal has that code)
+      // and cancels the calls it will not answer: once its connection is gone, join the next
+      // process on the address, as a new connection would (issue 26).
+      const auto code = s.error_code();
+      if (code != grpc::StatusCode::UNAVAILABLE && code != grpc::StatusCode::CANCELLED) break;
+      if (channel_->GetState(false) == GRPC_CHANNEL_READY &&
+          !channel_->WaitForStateChange(GRPC_CHANNEL_READY, deadline)) {
+        break;
+      }
+      if (!channel_->WaitForConnected(deadline)) break;
+    }
     if (!s.ok()) {
       absl::Status st = wire::FromGrpc(s);
       return absl::Status(st.code(), absl::StrCat("joining job '", options_.job_id, "' at ",

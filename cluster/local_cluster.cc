@@ -161,7 +161,9 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(ClusterOptions
   c->own_dir_ = own;
   if (c->options_.nodes > 1 && c->options_.root) {
     std::string bound;
-    auto root = c->StartAggregator("root", {"--role=root", "--listen=127.0.0.1:0"}, &bound);
+    std::vector<std::string> flags = {"--role=root", "--listen=127.0.0.1:0"};
+    flags.insert(flags.end(), c->options_.root_flags.begin(), c->options_.root_flags.end());
+    auto root = c->StartAggregator("root", std::move(flags), &bound);
     if (!root.ok()) return root.status();
     c->root_ = std::move(*root);
     c->root_address_ = bound;
@@ -299,7 +301,9 @@ absl::Status LocalCluster::RestartRoot() {
   const std::string address = root_address_;
   root_->Stop();
   std::string bound;
-  auto root = StartAggregator("root", {"--role=root", "--listen=" + address}, &bound);
+  std::vector<std::string> flags = {"--role=root", "--listen=" + address};
+  flags.insert(flags.end(), options_.root_flags.begin(), options_.root_flags.end());
+  auto root = StartAggregator("root", std::move(flags), &bound);
   if (!root.ok()) return root.status();
   root_ = std::move(*root);
   return absl::OkStatus();

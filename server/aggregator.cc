@@ -452,13 +452,18 @@ void Aggregator::Shutdown(const std::string& why) {
     stopping_ = true;
   }
   if (ticker_.joinable()) ticker_.join();
-  if (shm_) shm_->Shutdown(why);
-  for (auto& job : registry_.Jobs()) {
+  // One status for every rank, whichever path its round takes (stream, shared memory, a Join).
+  const absl::Status closing = absl::UnavailableError(absl::StrCat(
+      options_.role == AggregatorOptions::Role::kNode ? "sidecar " : "aggregator ", options_.id,
+      " is shutting down (", why, "): the training step in flight is lost on every rank. "
+      "Restart the job from its last checkpoint (torchrun --max-restarts does it)"));
+  // Nothing is admitted any more before rounds fail: a rank whose round fails cannot join this
+  // process again, so all ranks of a node meet at the next process on this address.
+  std::vector<std::shared_ptr<Job>> jobs = registry_.Close(closing);
+  if (shm_) shm_->Shutdown(std::string(closing.message()));
+  for (auto& job : jobs) {
     Actions actions;
-    job->FailAll(absl::UnavailableError(absl::StrCat(
-                     "aggregator ", options_.id, " is shutting down (", why,
-                     "); rounds in flight failed. Clients reconnect when it is back")),
-                 &actions);
+    job->FailAll(closing, &actions);
     actions.forwards.clear();
     actions.aborts.clear();
     Execute(actions, job->id());
@@ -590,6 +595,9 @@ void Aggregator::Refused(const char* reason) {
 
 void Aggregator::Execute(Actions& actions, const std::string& job_id) {
   for (const std::string& line : actions.log) Log(LogLevel::kInfo, line);
+  for (const std::string& line : actions.round_failures) {
+    LogLimited(LogLevel::kInfo, LogKind::kRoundFailed, LogSafe(line, 1024));
+  }
   for (const char* reason : actions.refused) Refused(reason);
   // Metrics first: whoever receives a result below must find its round already counted.
   if (Metrics* m = options_.metrics.get()) {

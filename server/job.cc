@@ -420,8 +420,8 @@ void Job::FailRoundLocked(RoundKey key, const absl::Status& status, bool tell_pa
     out->aborts.push_back(Actions::Abort{key, status});
   }
   ++rounds_failed_;
-  out->log.push_back(absl::StrCat("job '", id_, "': round ", Describe(key), " failed: ",
-                                  status.ToString()));
+  out->round_failures.push_back(
+      absl::StrCat("job '", id_, "': round ", Describe(key), " failed: ", status.ToString()));
   FinishLocked(key, Finished{status, nullptr, {}});
 }
 
@@ -451,6 +451,10 @@ bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribu
   absl::MutexLock lock(&mu_);
   if (!members_[index].joined || members_[index].session != session) return false;
   const RoundKey key = KeyOf(index, c);
+  if (!closed_.ok()) {
+    TellSenderLocked(index, session, key, closed_, out);
+    return true;
+  }
   if (auto f = finished_.find(key); f != finished_.end()) {
     const auto& hashes = f->second.contribution_hashes;
     if (f->second.status.ok() && size_t(index) < hashes.size() &&
@@ -910,6 +914,7 @@ void Job::Expire(Clock::time_point now, Actions* out) {
 
 void Job::FailAll(const absl::Status& status, Actions* out) {
   absl::MutexLock lock(&mu_);
+  closed_ = status;
   FailOpenRoundsLocked([](const Round&) { return true; }, [&](const RoundKey&) { return status; },
                        /*tell_parent=*/false, out);
 }

@@ -140,6 +140,9 @@ struct Actions {
   // "node 1" at the root, "upstream" when the parent did not answer.
   std::vector<std::string> timed_out;
   std::vector<std::string> log;  // things worth a log line, in words
+  // One line per round that failed here, in words: logged through the rate limit, since a
+  // client can fail rounds as fast as it can send (LogKind::kRoundFailed).
+  std::vector<std::string> round_failures;
   // For metrics: NaN/Inf values seen in contributions and results, per phase (forward,
   // backward), and why requests were refused for lack of a resource (Metrics::Refused).
   int64_t nonfinite[2] = {0, 0};
@@ -202,7 +205,7 @@ class Job {
   void Retire(const absl::Status& status, Actions* out);
   // Fails rounds whose deadline has passed.
   void Expire(Clock::time_point now, Actions* out);
-  // Fails every open round (shutdown).
+  // Fails every open round with `status`, and every later contribution (shutdown).
   void FailAll(const absl::Status& status, Actions* out);
 
   // The token this job's members presented at Join here (empty: none). An aggregator presents
@@ -338,6 +341,7 @@ class Job {
   std::string down_message_ ABSL_GUARDED_BY(mu_);    // what it said
   int64_t held_ ABSL_GUARDED_BY(mu_) = 0;            // bytes charged to limits_.budget
   Clock::time_point last_change_ ABSL_GUARDED_BY(mu_);  // a member joined, attached or went
+  absl::Status closed_ ABSL_GUARDED_BY(mu_);  // FailAll's status: no round opens any more
 };
 
 }  // namespace hsbn::server

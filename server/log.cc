@@ -85,6 +85,7 @@ const char* LogKindName(LogKind kind) {
     case LogKind::kUnauthenticated: return "unauthenticated";
     case LogKind::kRefused: return "refused";
     case LogKind::kPeer: return "peer";
+    case LogKind::kRoundFailed: return "round_failed";
     default: return "other";
   }
 }

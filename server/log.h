@@ -37,13 +37,15 @@ void Log(LogLevel level, const std::string& message);
 constexpr size_t kLogSafeMaxBytes = 256;
 std::string LogSafe(absl::string_view text, size_t max_bytes = kLogSafeMaxBytes);
 
-// Kinds of lines about invalid or hostile input, each rate-limited on its own (LogLimited).
+// Kinds of lines about invalid or hostile input, and about what a client can cause at will,
+// each rate-limited on its own (LogLimited).
 enum class LogKind {
   kJoinRefused = 0,  // a Join answered with an error
   kInvalidFrame,     // a malformed or invalid contribution, frame or message on a stream
   kUnauthenticated,  // a missing or wrong token, a session the stream may not use
   kRefused,          // a resource limit hit (RESOURCE_EXHAUSTED)
   kPeer,             // anything else a client did wrong (broken streams, protocol misuse)
+  kRoundFailed,      // a round that failed (a client can fail rounds as fast as it can send)
   kCount             // not a kind: the number of kinds
 };
 const char* LogKindName(LogKind kind);  // "join_refused", "invalid_frame", ...

@@ -1,5 +1,6 @@
 // hsbn-aggregator: the hsbn aggregation service, in the node (sidecar) or root role.
 #include <malloc.h>
+#include <netdb.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -50,9 +51,10 @@ Usage:
   hsbn-aggregator --role=root --listen=0.0.0.0:7070
 )";
 
-constexpr char kSignals[] = R"(Signals: SIGTERM or SIGINT fail every open round with UNAVAILABLE (clients reconnect to a
-restarted aggregator), stop the server and exit with status 0. SIGHUP reads --token-file again
-(on an error the old tokens stay in force).
+constexpr char kSignals[] = R"(Signals: SIGTERM or SIGINT stop admitting Joins and new rounds, then fail every open round
+with UNAVAILABLE (the step in flight is lost: restart the job; its workers join a restarted
+aggregator), stop the server and exit with status 0. SIGHUP reads --token-file again (on an
+error the old tokens stay in force).
 )";
 
 constexpr char kFlagsGroup[] = "Flags";
@@ -283,8 +285,8 @@ void AddFlags(FlagTable& f, Settings* s, AggregatorOptions* o) {
   f.Int("max-unbound-bytes", &o->max_unbound_bytes, 1, kInt64Max,
         "Bytes a stream may send before it attaches to a session; more closes it.");
   f.Int("log-lines-per-second", &s->log_lines_per_second, 1, 1000000,
-        "Log lines per second about invalid input, per kind; the rest are counted and "
-        "reported as suppressed.");
+        "Log lines per second about invalid input and failed rounds, per kind; the rest are "
+        "counted and reported as suppressed.");
 
   f.Text("divergence-dir", "DIR", &o->divergence_dir,
          "Root role: when a job ends, write its shadow-mode divergence record (per layer op and "
@@ -360,6 +362,82 @@ bool ReadPem(const std::string& flag, const std::string& path, std::string* out)
     return false;
   }
   return true;
+}
+
+// Why `address`, the value of --`flag`, is not an address that flag takes ("" when it is):
+// unix:PATH (when `unix_ok`), or HOST:PORT with HOST a name, an IPv4 address or a bracketed
+// IPv6 address and PORT a decimal number from `min_port` to 65535. gRPC would take a port
+// above 65535 modulo 65536, and a path without unix: as a host name to resolve.
+std::string AddressError(const std::string& flag, const std::string& address, bool unix_ok,
+                         int min_port) {
+  const std::string given = absl::StrCat("--", flag, "=", hsbn::server::LogSafe(address, 128));
+  const std::string forms = unix_ok ? "HOST:PORT or unix:/path/to.sock" : "HOST:PORT";
+  if (absl::StartsWith(address, "unix:")) {
+    if (!unix_ok) return absl::StrCat(given, " is a Unix socket; --", flag, " takes HOST:PORT");
+    const std::string path = address.substr(5);
+    if (path.empty()) return absl::StrCat(given, " names no socket: write unix:/path/to.sock");
+    if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+      return absl::StrCat(given, ": a Unix socket path has at most ",
+                          sizeof(sockaddr_un::sun_path) - 1, " bytes; choose a shorter one");
+    }
+    return "";
+  }
+  if (unix_ok && (address.find('/') != std::string::npos || absl::EndsWith(address, ".sock"))) {
+    return absl::StrCat(given, " is a path: a Unix socket is written --", flag, "=unix:",
+                        hsbn::server::LogSafe(address, 128));
+  }
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) {
+    return absl::StrCat(given, " has no port: write ", forms, " (e.g. 0.0.0.0:7070)");
+  }
+  const std::string host = address.substr(0, colon), port = address.substr(colon + 1);
+  bool host_ok = !host.empty();
+  if (host_ok && host.front() == '[') {
+    host_ok = host.size() > 2 && host.back() == ']' &&
+              host.find_first_not_of("0123456789abcdefABCDEF:.", 1) == host.size() - 1;
+  } else if (host_ok) {
+    if (host.find(':') != std::string::npos) {
+      return absl::StrCat(given, ": an IPv6 address goes in brackets, as in [::1]:7070");
+    }
+    host_ok = host.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                     "0123456789-._") == std::string::npos;
+  }
+  if (!host_ok) {
+    return absl::StrCat(given, " has no valid host before the port: write ", forms,
+                        " (0.0.0.0 listens on every interface)");
+  }
+  int n = -1;
+  if (port.empty() || port.size() > 5 ||
+      port.find_first_not_of("0123456789") != std::string::npos ||
+      !absl::SimpleAtoi(port, &n) || n < min_port || n > 65535) {
+    return absl::StrCat(given, ": the port must be a number from ", min_port, " to 65535",
+                        min_port == 0 ? " (0 picks a free port)" : "");
+  }
+  return "";
+}
+
+// Whether a TCP `address` (HOST:PORT, already checked) is held by a listening socket now: a
+// bind without SO_REUSEPORT, as gRPC's with GRPC_ARG_ALLOW_REUSEPORT=0, fails EADDRINUSE.
+bool TcpAddressInUse(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  std::string host = address.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), address.c_str() + colon + 1, &hints, &found) != 0) return false;
+  bool in_use = false;
+  for (addrinfo* a = found; a != nullptr && !in_use; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    in_use = bind(fd, a->ai_addr, a->ai_addrlen) != 0 && errno == EADDRINUSE;
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return in_use;
 }
 
 // Removes a stale Unix socket file; refuses if another process is listening on it.
@@ -451,9 +529,38 @@ int main(int argc, char** argv) {
     gethostname(host, sizeof host - 1);
     options.id = absl::StrCat(role, "@", host);
   }
-  if (!options.upstream.empty() && options.role == AggregatorOptions::Role::kRoot) {
-    std::cerr << "hsbn-aggregator: --upstream is for the node role; a root has no parent\n";
+  // A flag of the other role would do nothing: say so instead of ignoring it.
+  struct RoleFlag {
+    const char* flag;
+    AggregatorOptions::Role role;
+    const char* why;
+  };
+  const AggregatorOptions::Role kNodeRole = AggregatorOptions::Role::kNode;
+  const RoleFlag kRoleFlags[] = {
+      {"--upstream", kNodeRole, "a root has no parent"},
+      {"--upstream-ca", kNodeRole, "a root has no parent"},
+      {"--upstream-cert", kNodeRole, "a root has no parent"},
+      {"--upstream-key", kNodeRole, "a root has no parent"},
+      {"--upstream-tls-name", kNodeRole, "a root has no parent"},
+      {"--shm", kNodeRole, "shared memory serves the trainers of one node"},
+      {"--shm-max-channels", kNodeRole, "shared memory serves the trainers of one node"},
+      {"--shm-ring", kNodeRole, "shared memory serves the trainers of one node"},
+      {"--shm-wait-ms", kNodeRole, "shared memory serves the trainers of one node"},
+      {"--divergence-dir", AggregatorOptions::Role::kRoot,
+       "the root computes shadow divergence; give it to the root's command line"},
+  };
+  for (const RoleFlag& f : kRoleFlags) {
+    if (app.count(f.flag) == 0 || f.role == options.role) continue;
+    std::cerr << "hsbn-aggregator: " << f.flag << " is for --role="
+              << (f.role == kNodeRole ? "node" : "root") << " only (" << f.why
+              << "); remove it from this --role=" << role << " command line\n";
     return 2;
+  }
+  if (!options.upstream.empty()) {
+    if (std::string e = AddressError("upstream", options.upstream, true, 1); !e.empty()) {
+      std::cerr << "hsbn-aggregator: " << e << "\n";
+      return 2;
+    }
   }
   const int event_threads = settings.event_threads;
   const mode_t socket_mode = settings.socket_mode;
@@ -475,6 +582,19 @@ int main(int argc, char** argv) {
   if (listen.empty()) {
     std::cerr << "hsbn-aggregator: --listen names no address\n";
     return 2;
+  }
+  for (const auto& l : listen) {
+    if (std::string e = AddressError("listen", l, true, 0); !e.empty()) {
+      std::cerr << "hsbn-aggregator: " << e << "\n";
+      return 2;
+    }
+  }
+  if (!settings.metrics_listen.empty()) {
+    if (std::string e = AddressError("metrics-listen", settings.metrics_listen, false, 0);
+        !e.empty()) {
+      std::cerr << "hsbn-aggregator: " << e << "\n";
+      return 2;
+    }
   }
   // The shared-memory hand-off socket: next to the first Unix socket (same directory, same
   // mode), or an abstract one (named at random) when the sidecar listens on TCP only.
@@ -604,6 +724,9 @@ int main(int argc, char** argv) {
   builder.SetMaxSendMessageSize(64 << 20);
   // Sidecars ping their root every 10 s on an idle link (parent_link.cc); allow it.
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
+  // No SO_REUSEPORT: a second aggregator on a TCP port another one holds must fail to start,
+  // as on a Unix socket, not share the port (sidecars would then split between the two).
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   std::vector<int> ports(listen.size(), 0);
   std::vector<std::string> unix_paths;
   for (size_t i = 0; i < listen.size(); ++i) {
@@ -632,8 +755,15 @@ int main(int argc, char** argv) {
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   umask(saved_umask);
   if (!server) {
-    std::cerr << "hsbn-aggregator: could not listen on " << listen_flag
-              << " (address in use, or a directory that does not exist?)\n";
+    for (const auto& l : listen) {
+      if (!absl::StartsWith(l, "unix:") && TcpAddressInUse(l)) {
+        std::cerr << "hsbn-aggregator: --listen=" << l << ": another process is already "
+                  << "listening on that port; stop it, or give this one another port\n";
+        return 1;
+      }
+    }
+    std::cerr << "hsbn-aggregator: could not listen on --listen=" << listen_flag
+              << " (a host that is not this machine's, or a directory that does not exist?)\n";
     return 1;
   }
   service.Start(std::move(cqs));

@@ -123,6 +123,7 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
     // One critical section from finding (or creating) the job to registering the member, so
     // a sweep can never see a new job without members and drop it.
     absl::MutexLock lock(&mu_);
+    if (!closed_.ok()) return closed_;
     auto it = jobs_.find(req.job_id());
     if (it != jobs_.end() && layout.incarnation != it->second->layout().incarnation) {
       const uint64_t current = it->second->layout().incarnation;
@@ -194,6 +195,10 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
 absl::StatusOr<Registry::SessionRef> Registry::Authorize(const SessionId& session,
                                                          const std::string& token) const {
   SessionRef ref;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!closed_.ok()) return closed_;
+  }
   if (!Find(session, &ref)) {
     return absl::NotFoundError(
         "unknown session: the aggregator restarted or the job was dropped; the client must Join "
@@ -272,6 +277,15 @@ absl::StatusOr<std::vector<std::shared_ptr<Job>>> Registry::StatusJobs(
 
 std::vector<std::shared_ptr<Job>> Registry::Jobs() const {
   absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Job>> jobs;
+  jobs.reserve(jobs_.size());
+  for (const auto& [id, job] : jobs_) jobs.push_back(job);
+  return jobs;
+}
+
+std::vector<std::shared_ptr<Job>> Registry::Close(const absl::Status& why) {
+  absl::MutexLock lock(&mu_);
+  closed_ = why.ok() ? absl::UnavailableError("the aggregator is shutting down") : why;
   std::vector<std::shared_ptr<Job>> jobs;
   jobs.reserve(jobs_.size());
   for (const auto& [id, job] : jobs_) jobs.push_back(job);

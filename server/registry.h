@@ -60,8 +60,8 @@ class Registry {
 
   // Admits a Join: FAILED_PRECONDITION for a protocol version or member kind this aggregator
   // does not take, UNAUTHENTICATED for a wrong token, INVALID_ARGUMENT for a bad or conflicting
-  // layout, RESOURCE_EXHAUSTED past --max-jobs or --max-world-size. A refused Join creates no
-  // job and replaces no member.
+  // layout, RESOURCE_EXHAUSTED past --max-jobs or --max-world-size, Close's status once closed.
+  // A refused Join creates no job and replaces no member.
   absl::StatusOr<Joined> Join(const v1::JoinRequest& req, Actions* out);
   // The session's member, if it may be bound by a caller that presents `token`: NOT_FOUND for
   // an unknown session, UNAUTHENTICATED (tokens on) when `token` is not its job's token.
@@ -81,6 +81,9 @@ class Registry {
   // on, only the named job, and only with its token (UNAUTHENTICATED otherwise).
   absl::StatusOr<std::vector<std::shared_ptr<Job>>> StatusJobs(const v1::StatusRequest& req) const;
   std::vector<std::shared_ptr<Job>> Jobs() const;
+  // Stops admitting: every later Join and Authorize answers `why` (not OK). Returns the jobs,
+  // to which no member can be added from here on.
+  std::vector<std::shared_ptr<Job>> Close(const absl::Status& why);
   std::shared_ptr<Job> FindJob(const std::string& job_id) const;
   size_t size() const;
   bool tokens_on() const { return options_.tokens != nullptr; }
@@ -94,6 +97,7 @@ class Registry {
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SessionId, SessionRef> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::Status closed_ ABSL_GUARDED_BY(mu_);  // Close's status
 };
 
 // A job id a user wrote: at most 256 bytes of printable ASCII (no spaces, no control bytes).

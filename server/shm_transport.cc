@@ -50,7 +50,7 @@ bool SendText(int fd, const std::string& text, const std::vector<int>& fds) {
 ShmTransport::ShmTransport(ShmOptions options, Registry* registry, ShmListener* listener)
     : options_(std::move(options)), registry_(registry), listener_(listener) {}
 
-ShmTransport::~ShmTransport() { Shutdown("the aggregator is being destroyed"); }
+ShmTransport::~ShmTransport() { Shutdown("the sidecar is shutting down"); }
 
 absl::Status ShmTransport::Start() {
   if (options_.socket.empty() || options_.socket.size() >= sizeof(sockaddr_un::sun_path)) {
@@ -97,9 +97,7 @@ void ShmTransport::Shutdown(const std::string& why) {
     if (stopped_) return;
     stopped_ = true;
     for (auto& [id, job] : jobs_) {
-      if (job.segment) {
-        job.segment->Kill(absl::StrCat("the sidecar is shutting down: ", why));
-      }
+      if (job.segment) job.segment->Kill(why);
     }
   }
   if (wake_fd_ >= 0) {

@@ -68,7 +68,8 @@ class ShmTransport {
 
   // Binds the socket and starts the thread.
   absl::Status Start();
-  // Invalidates every segment (open rounds fail UNAVAILABLE with `why`) and stops the thread.
+  // Invalidates every segment (open rounds fail UNAVAILABLE with `why`, the segment's text: at
+  // most shm::kTextBytes - 1 bytes of it) and stops the thread.
   void Shutdown(const std::string& why);
 
   const std::string& socket() const { return options_.socket; }

@@ -3,11 +3,15 @@
 // costs only the rounds in flight, SIGTERM exits cleanly.
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -290,8 +294,13 @@ TEST(Failures, NonFiniteValuesReachEveryRankUnlessTheJobIsStrict) {
 TEST(Failures, ShadowDivergenceIsWrittenWhenTheJobEnds) {
   char tmpl[] = "/tmp/hsbn-div-XXXXXX";
   const std::string dir = mkdtemp(tmpl);
-  auto c = StartCluster(2, 1, {"--divergence-dir=" + dir});
-  ASSERT_TRUE(c);
+  cluster::ClusterOptions opts;
+  opts.nodes = 2;
+  opts.workers_per_node = 1;
+  opts.root_flags = {"--divergence-dir=" + dir};  // a sidecar refuses it
+  auto started = LocalCluster::Start(opts);
+  ASSERT_TRUE(started.ok()) << started.status();
+  auto c = std::move(*started);
   {
     std::vector<std::unique_ptr<Client>> clients;
     for (int rank = 0; rank < 2; ++rank) clients.push_back(testing::ConnectRank(*c, rank, "div/1"));
@@ -514,6 +523,111 @@ TEST(Failures, RestartedSidecarFailsRoundsInFlightAndClientsReconnect) {
   EXPECT_TRUE(again[0].ok()) << again[0];
   EXPECT_TRUE(again[1].ok()) << again[1];
   EXPECT_EQ(means[1][0], 3.0);
+}
+
+// Sidecars restarted under load (SIGTERM, then a new process on the same address), in turn,
+// while every rank runs node rounds back to back and retries a round that failed. A sidecar
+// stops admitting Joins and new rounds before it fails the open ones and invalidates its
+// segments, so no rank can rejoin the dying process: every rank of the node learns of the
+// restart from one status that says the step is lost and what to do, and the node's ranks
+// meet again at the new process (issue 26: ranks that landed on the dying sidecar and the new
+// one respectively waited for each other until the deadline, every round, for good). Node
+// rounds take shared memory, or the stream in the grpc: run of these tests (HSBN_TRANSPORT).
+TEST(Failures, SidecarsRestartedUnderLoadFailTheStepAlikeAndTheirRanksMeetAgain) {
+  constexpr int kNodes = 2, kPerNode = 2, kRestarts = 4, kRoundsBetween = 3;
+  auto c = StartCluster(kNodes, kPerNode);
+  ASSERT_TRUE(c);
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int r = 0; r < kNodes * kPerNode; ++r) {
+    clients.push_back(testing::ConnectRank(*c, r, "restart-load"));
+    ASSERT_TRUE(clients.back());
+  }
+  struct Failure {
+    int rank;
+    int restart;  // the restart it followed (1-based)
+    absl::Status status;
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  int restart = 0;                               // restarts begun
+  uint64_t stop_at = ~uint64_t{0};               // the seq every rank stops before
+  std::vector<int64_t> done(clients.size(), 0);  // rounds completed, per rank
+  std::vector<Failure> failures;
+  int wrong = 0;  // rounds completed with a result other than the node's merge
+  std::vector<std::thread> workers;
+  for (int r = 0; r < int(clients.size()); ++r) {
+    workers.emplace_back([&, r] {
+      const int node = r / kPerNode;
+      // Rank r contributes mean r + 1; the node's merge is the mean of its ranks' means.
+      const double mean[4] = {r + 1.0, r + 1.0, r + 1.0, r + 1.0}, m2[4] = {1, 1, 1, 1};
+      const double merged = node * kPerNode + (kPerNode + 1) / 2.0;
+      for (uint64_t seq = 0;;) {
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          if (seq >= stop_at) return;
+        }
+        double a[4], b[4];
+        int64_t n = 0;
+        absl::Status s = clients[size_t(r)]->Forward(1, seq, Scope::kNode, 4, 2, mean, m2, &n,
+                                                     a, b);
+        std::lock_guard<std::mutex> lock(mu);
+        if (s.ok()) {
+          if (a[0] != merged || n != 2 * kPerNode) ++wrong;
+          ++done[size_t(r)];
+          ++seq;
+          cv.notify_all();
+        } else {
+          failures.push_back({r, restart, s});  // and the same round again
+        }
+      }
+    });
+  }
+  // Every rank completes `more` rounds beyond `from` (a node round completes only when all its
+  // ranks are in it: they met). A backstop of 60 s each, never reached when they meet.
+  auto all_done = [&](std::unique_lock<std::mutex>& lock, const std::vector<int64_t>& from) {
+    return cv.wait_for(lock, std::chrono::seconds(60), [&] {
+      for (size_t r = 0; r < done.size(); ++r) {
+        if (done[r] < from[r] + kRoundsBetween) return false;
+      }
+      return true;
+    });
+  };
+  std::vector<int64_t> base(clients.size(), 0);
+  for (int k = 1; k <= kRestarts; ++k) {
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      EXPECT_TRUE(all_done(lock, base)) << "before restart " << k;
+      restart = k;
+    }
+    absl::Status restarted = c->RestartSidecar((k - 1) % kNodes);
+    std::lock_guard<std::mutex> lock(mu);
+    base = done;
+    if (!restarted.ok()) {
+      ADD_FAILURE() << "restart " << k << ": " << restarted;
+      break;
+    }
+  }
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    EXPECT_TRUE(all_done(lock, base)) << "after the last restart: the ranks did not meet again";
+    stop_at = uint64_t(*std::max_element(done.begin(), done.end())) + 2;
+  }
+  for (auto& t : workers) t.join();
+  EXPECT_EQ(wrong, 0);
+  // Per rank and restart, the first failure is the dying sidecar's: the step is lost, restart
+  // the job. Only ranks of the restarted node fail, and never at a deadline.
+  std::set<std::pair<int, int>> seen;
+  for (const Failure& f : failures) {
+    SCOPED_TRACE(absl::StrCat("rank ", f.rank, " after restart ", f.restart, ": ",
+                              f.status.ToString()));
+    EXPECT_EQ(f.status.code(), absl::StatusCode::kUnavailable);
+    EXPECT_EQ(f.rank / kPerNode, (f.restart - 1) % kNodes);
+    if (!seen.insert({f.rank, f.restart}).second) continue;
+    EXPECT_TRUE(absl::StrContains(
+        f.status.message(), absl::StrCat("sidecar node", (f.restart - 1) % kNodes,
+                                         " is shutting down (SIGTERM): the training step in "
+                                         "flight is lost on every rank. Restart the job")));
+  }
 }
 
 TEST(Failures, RootRestartFailsGlobalRoundsInFlightAndLaterRoundsSucceed) {

@@ -122,6 +122,29 @@ def test_status_names_the_address_where_nothing_answers(tmp_path):
     assert p.stdout == ""
 
 
+@pytest.mark.parametrize("address, says", [
+    ("127.0.0.1:99999", "--address=127.0.0.1:99999: the port must be a number from 1 to 65535"),
+    ("127.0.0.1:0", "--address=127.0.0.1:0: the port must be a number from 1 to 65535"),
+    ("/run/hsbn/hsbn.sock", "--address=/run/hsbn/hsbn.sock is a path: a Unix socket is written "
+                            "--address=unix:/run/hsbn/hsbn.sock"),
+    ("notaport", "--address=notaport has no port"),
+    ("::1:7070", "--address=::1:7070: an IPv6 address goes in brackets"),
+    ("unix:", "--address=unix: names no socket"),
+])
+def test_status_refuses_an_address_that_cannot_be_meant_before_connecting(address, says):
+    # gRPC would wrap port 99999 to 34463 and take a path for a host name to resolve.
+    p = hsbn_status("--address", address)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("hsbn status: " + says), p.stderr
+
+
+def test_status_names_HSBN_ADDRESS_when_the_address_came_from_it():
+    p = hsbn_status(env={"HSBN_ADDRESS": "/tmp/hsbn.sock"})
+    assert p.returncode == 2, p.stderr
+    assert ("HSBN_ADDRESS=/tmp/hsbn.sock is a path: a Unix socket is written "
+            "HSBN_ADDRESS=unix:/tmp/hsbn.sock") in p.stderr, p.stderr
+
+
 def test_with_tokens_status_shows_only_the_job_whose_token_it_presents(sidecar, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("job-a secret-a\njob-b secret-b\n")

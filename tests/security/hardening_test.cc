@@ -14,7 +14,9 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "aggregator_process.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -396,6 +398,81 @@ TEST(Hardening, JobIdsAreShortPrintableAndNeverForgeALogLine) {
   EXPECT_FALSE(absl::StrContains(s.error_message(), "\n")) << s.error_message();
   ExpectServes(side.address, "after-ids");  // its log line comes after the refusals
   EXPECT_FALSE(absl::StrContains(side.log(), "\n[hsbn] FAKE")) << side.log();
+}
+
+// Lines of the log that say a round of job `job` failed, and the sum of K over the
+// "suppressed K round_failed lines" lines.
+std::pair<int64_t, int64_t> FailedRoundLines(const std::string& log, const std::string& job) {
+  int64_t logged = 0, suppressed = 0;
+  const std::string failed = absl::StrCat("job '", job, "': round ");
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    if (absl::StrContains(line, failed) && absl::StrContains(line, " failed: ")) ++logged;
+    const size_t at = line.find("] suppressed ");
+    if (at == absl::string_view::npos) continue;
+    absl::string_view rest = line.substr(at + 13);
+    const size_t space = rest.find(' ');
+    int64_t n = 0;
+    if (space != absl::string_view::npos &&
+        absl::StartsWith(rest.substr(space), " round_failed line") &&
+        absl::SimpleAtoi(rest.substr(0, space), &n)) {
+      suppressed += n;
+    }
+  }
+  return {logged, suppressed};
+}
+
+// A joined worker can fail rounds as fast as it can send (issue 26: 20 000 invalid
+// contributions grew a sidecar's log by 3 MiB). Failed rounds are logged through the rate
+// limit of --log-lines-per-second, as kind round_failed: at most N lines in any second, and
+// every failure accounted for, logged or counted in a "suppressed" line.
+TEST(Hardening, AFloodOfFailedRoundsIsLoggedWithinTheRateLimit) {
+  TempDir dir;
+  constexpr int kRate = 5;
+  constexpr int kRounds = 20000;
+  Aggregator side = MustStart(dir.path(), "s", {"--role=node", "--listen=unix:" + (dir / "s.sock"),
+                                                absl::StrCat("--log-lines-per-second=", kRate)});
+  ASSERT_TRUE(side.process);
+  Raw raw(side.address);
+  std::string session;
+  ASSERT_TRUE(raw.Join("flood", 0, 1, 1, &session).ok());
+  grpc::ClientContext ctx;
+  auto stream = raw.stub->Exchange(&ctx);
+  ASSERT_TRUE(stream->Write(AttachFrame(session)));
+  const auto t0 = std::chrono::steady_clock::now();
+  // channels = 0 is refused: each contribution fails its own round, answered to the sender.
+  std::thread writer([&] {
+    for (int seq = 0; seq < kRounds; ++seq) {
+      if (!stream->Write(Contribution(session, 1, uint64_t(seq), 0))) break;
+    }
+  });
+  int refused = 0;
+  v1::ServerFrame frame;
+  while (refused < kRounds && stream->Read(&frame)) {
+    if (frame.result().code() != int(grpc::StatusCode::INVALID_ARGUMENT)) {
+      ADD_FAILURE() << frame.result().message();
+      break;
+    }
+    ++refused;
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  writer.join();
+  EXPECT_EQ(refused, kRounds);
+  EXPECT_TRUE(absl::StrContains(frame.result().message(), "channels")) << frame.result().message();
+  // Every failed round's line was logged before its answer was sent, so all were logged (or
+  // suppressed) between t0 and t1; the count of the last second comes with the next tick.
+  std::pair<int64_t, int64_t> lines;
+  EXPECT_TRUE(WaitFor([&] {
+    lines = FailedRoundLines(side.log(), "flood");
+    return lines.first + lines.second >= kRounds;
+  })) << lines.first << " logged, " << lines.second << " suppressed";
+  EXPECT_EQ(lines.first + lines.second, kRounds);
+  // The limiter's windows are a second long and disjoint, each opened by a line within
+  // [t0, t1]: at most floor(t1 - t0) + 1 of them, kRate lines each.
+  const int64_t windows = std::chrono::duration_cast<seconds>(t1 - t0).count() + 1;
+  EXPECT_LE(lines.first, kRate * windows) << lines.first << " lines in " << windows << " s";
+  EXPECT_GT(lines.second, 0);
+  ctx.TryCancel();
+  ExpectServes(side.address, "after-flood");
 }
 
 // NaN and Inf are data (docs/PROTOCOL.md): the round completes for every member, and the

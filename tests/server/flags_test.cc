@@ -88,7 +88,30 @@ TEST(Flags, BadValuesAreRefusedWithStatus2NamingTheFlag) {
       {{"--role=node", "--allow-insecure-token-file=maybe"}, "--allow-insecure-token-file"},
       {{"--role=node", "--no-such-flag=1"}, "--no-such-flag"},
       {{"--role=node", "stray"}, "stray"},
-      {{"--role=root", "--upstream=x:1"}, "--upstream is for the node role"},
+      {{"--role=root", "--upstream=x:1"}, "--upstream is for --role=node only"},
+      // Addresses are checked before anything listens or connects (issue 26).
+      {{"--role=root", "--listen=127.0.0.1:99999"},
+       "--listen=127.0.0.1:99999: the port must be a number from 0 to 65535"},
+      {{"--role=root", "--listen=127.0.0.1:-1"}, "--listen=127.0.0.1:-1: the port must be"},
+      {{"--role=root", "--listen=0.0.0.0:7070,127.0.0.1:70000"},
+       "--listen=127.0.0.1:70000: the port must be"},
+      {{"--role=root", "--listen=7070"}, "--listen=7070 has no port"},
+      {{"--role=root", "--listen=::1:7070"}, "an IPv6 address goes in brackets"},
+      {{"--role=root", "--listen=:7070"}, "--listen=:7070 has no valid host"},
+      {{"--role=node", "--listen=/run/hsbn/hsbn.sock"},
+       "--listen=/run/hsbn/hsbn.sock is a path: a Unix socket is written "
+       "--listen=unix:/run/hsbn/hsbn.sock"},
+      {{"--role=node", "--listen=unix:"}, "--listen=unix: names no socket"},
+      {{"--role=node", "--upstream=notaport"}, "--upstream=notaport has no port"},
+      {{"--role=node", "--upstream=root:0"}, "--upstream=root:0: the port must be a number from 1"},
+      {{"--role=node", "--upstream=root:65536"}, "--upstream=root:65536: the port must be"},
+      {{"--role=node", "--metrics-listen=9464"}, "--metrics-listen=9464 has no port"},
+      {{"--role=node", "--metrics-listen=unix:/tmp/m.sock"}, "--metrics-listen takes HOST:PORT"},
+      // Flags of the other role would do nothing.
+      {{"--role=node", "--divergence-dir=/tmp"}, "--divergence-dir is for --role=root only"},
+      {{"--role=root", "--shm=off"}, "--shm is for --role=node only"},
+      {{"--role=root", "--shm-ring=4"}, "--shm-ring is for --role=node only"},
+      {{"--role=root", "--upstream-ca=ca.pem"}, "--upstream-ca is for --role=node only"},
   };
   for (const auto& [flags, part] : cases) {
     auto [code, log] = RunAggregatorToExit(dir.path(), "bad", flags);
@@ -96,6 +119,33 @@ TEST(Flags, BadValuesAreRefusedWithStatus2NamingTheFlag) {
     EXPECT_TRUE(Contains(log, part)) << part << ": " << log;
     EXPECT_TRUE(Contains(log, "hsbn-aggregator: ")) << log;
   }
+}
+
+// gRPC sets SO_REUSEPORT by default, so a second root on a TCP port started and said "ready",
+// and sidecars split between the two (issue 26). A TCP port in use is refused like a Unix
+// socket in use, naming the flag, and the first root serves on.
+TEST(Flags, ASecondAggregatorOnATcpPortInUseIsRefused) {
+  TempDir dir;
+  auto first = StartAggregator(dir.path(), "first", {"--role=root", "--listen=127.0.0.1:0"});
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(Contains(first->address, "127.0.0.1:")) << first->address;
+  auto [code, log] = RunAggregatorToExit(dir.path(), "second",
+                                         {"--role=root", "--listen=" + first->address});
+  EXPECT_EQ(code, 1) << log;
+  EXPECT_TRUE(Contains(log, "hsbn-aggregator: --listen=" + first->address +
+                                ": another process is already listening on that port"))
+      << log;
+  EXPECT_FALSE(Contains(log, "ready: ")) << log;
+  // The same for a Unix socket, as before.
+  auto node = StartAggregator(dir.path(), "node", {"--role=node", "--listen=unix:" + (dir / "n.sock")});
+  ASSERT_TRUE(node.ok()) << node.status();
+  auto [code2, log2] = RunAggregatorToExit(
+      dir.path(), "node2", {"--role=node", "--listen=unix:" + (dir / "n.sock")});
+  EXPECT_EQ(code2, 1) << log2;
+  EXPECT_TRUE(Contains(log2, "another process is already listening")) << log2;
+  EXPECT_TRUE(first->process->Running());
+  EXPECT_EQ(first->process->Stop(), 0);
+  EXPECT_EQ(node->process->Stop(), 0);
 }
 
 TEST(Flags, ValuesReachTheOptionsInBothSyntaxesAndTheLastOfARepeatedFlagWins) {

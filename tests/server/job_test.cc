@@ -298,6 +298,30 @@ TEST(Job, MemberWhoseStreamBreaksFailsItsOpenRoundsAtOnce) {
   EXPECT_EQ(f.sinks[0]->results.back().code(), 0);
 }
 
+// A stopping aggregator fails every open round with one status, and every later contribution
+// gets it too: no round opens again in the process, so no rank can wait in one (issue 26).
+TEST(Job, AfterFailAllEveryContributionGetsTheSameStatusAndNoRoundOpens) {
+  Fixture f(2);
+  f.Send(0, Fwd(0, 0, 1, {0}, {0}));
+  const absl::Status closing = absl::UnavailableError("sidecar s is shutting down (SIGTERM)");
+  Actions a;
+  f.job->FailAll(closing, &a);
+  f.Deliver(a);
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[0]->results[0].code(), int(absl::StatusCode::kUnavailable));
+  EXPECT_EQ(f.sinks[0]->results[0].message(), closing.message());
+  // Rank 1 was between rounds: its next contribution, to a new round, is answered at once.
+  Actions b = f.Send(1, Fwd(1, 0, 1, {0}, {0}));
+  ASSERT_EQ(f.sinks[1]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[1]->results[0].op(), 1u);
+  EXPECT_EQ(f.sinks[1]->results[0].code(), int(absl::StatusCode::kUnavailable));
+  EXPECT_EQ(f.sinks[1]->results[0].message(), closing.message());
+  EXPECT_TRUE(b.forwards.empty());
+  v1::JobStatus status;
+  f.job->FillStatus(&status);
+  EXPECT_EQ(status.open_rounds(), 0);
+}
+
 TEST(Job, SecondLiveSessionForTheSameRankIsRefused) {
   Fixture f(2);
   Actions a;

@@ -44,7 +44,5 @@ def main():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        from .cli import main as cli_main
-        sys.exit(cli_main())
-    sys.exit(main())
+    from .cli import main as cli_main  # `hsbn`: no arguments run main() above
+    sys.exit(cli_main())

@@ -102,13 +102,41 @@ def _fmt_status(st, indent=""):
     return lines
 
 
+def address_error(address, name="--address"):
+    """Why `address` is not an aggregator address (`name` is where it came from), or None.
+
+    unix:PATH, or HOST:PORT with a port from 1 to 65535 (gRPC would wrap a larger one), HOST a
+    name, an IPv4 address or a bracketed IPv6 address. A path without unix: is answered with
+    the spelling that works."""
+    given = "%s=%s" % (name, address)
+    if address.startswith("unix:"):
+        return None if address[5:] else "%s names no socket: write unix:/path/to.sock" % given
+    if "/" in address or address.endswith(".sock"):
+        return "%s is a path: a Unix socket is written %s=unix:%s" % (given, name, address)
+    host, colon, port = address.rpartition(":")
+    if not colon:
+        return "%s has no port: write HOST:PORT or unix:/path/to.sock" % given
+    if host.startswith("["):
+        ok = len(host) > 2 and host.endswith("]") and all(
+            ch in "0123456789abcdefABCDEF:." for ch in host[1:-1])
+    elif ":" in host:
+        return "%s: an IPv6 address goes in brackets, as in [::1]:7070" % given
+    else:
+        ok = bool(host) and all(ch.isascii() and (ch.isalnum() or ch in "-._") for ch in host)
+    if not ok:
+        return "%s has no valid host before the port: write HOST:PORT or unix:/path/to.sock" % given
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535):
+        return "%s: the port must be a number from 1 to 65535" % given
+    return None
+
+
 def status_main(argv):
     p = argparse.ArgumentParser(
         prog="hsbn status", epilog=_STATUS_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Show an hsbn aggregator's jobs, members, rounds and shadow divergence, "
                     "without joining a job.")
-    p.add_argument("--address", default=None,
+    p.add_argument("--address",
                    help="sidecar or root: unix:/path.sock or host:port (default: $HSBN_ADDRESS "
                         "or unix:/tmp/hsbn.sock)")
     p.add_argument("--job", help="one job's status (default: every job it shows you)")
@@ -124,13 +152,18 @@ def status_main(argv):
     p.add_argument("--tls-key", help="PEM key of --tls-cert")
     p.add_argument("--tls-name", help="the name in the root's certificate, if not the host")
     args = p.parse_args(argv)
-    if args.address is None:
-        from . import env
+    from . import env
+    if args.address is not None:
+        bad = address_error(args.address)
+    else:
+        # The workers' default, read as they read it (the library's environment table).
         try:
-            args.address = env.get("HSBN_ADDRESS")
+            args.address, bad = env.get("HSBN_ADDRESS"), None
         except HsbnError as e:
-            print("hsbn status: %s" % e, file=sys.stderr)
-            return 2
+            args.address, bad = None, str(e)
+    if bad:
+        print("hsbn status: %s" % bad, file=sys.stderr)
+        return 2
     try:
         st = query_status(args.address, job_id=args.job, token=_read_token(args),
                           include_upstream=args.upstream, timeout_ms=args.timeout_ms,
@@ -177,9 +210,29 @@ def env_main(argv):
     return status
 
 
+_USAGE = ("usage: hsbn [info]               the native parts in use (as python -m hsbn)\n"
+          "       hsbn status [--help] ...  an aggregator's status, without joining a job\n"
+          "       hsbn env [--markdown]     the environment variables hsbn reads\n"
+          "       hsbn --version")
+
+
 def main(argv=None):
-    """`hsbn [info | status ... | env ...]`."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """`hsbn [info | status ... | env ...]`. A reader that goes away (`hsbn | head -1`) ends it
+    quietly, with status 141 as a process that SIGPIPE ended, not with a BrokenPipeError
+    traceback."""
+    try:
+        code = _main(sys.argv[1:] if argv is None else list(argv))
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # Python flushes stdout again at exit, which would raise again: point it at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
+
+
+def _main(argv):
     if argv and argv[0] == "status":
         return status_main(argv[1:])
     if argv and argv[0] == "env":
@@ -191,12 +244,17 @@ def main(argv=None):
         from . import __version__
         print("hsbn %s" % __version__)
         return 0
-    print("usage: hsbn [info]               the native parts in use (as python -m hsbn)\n"
-          "       hsbn status [--help] ...  an aggregator's status, without joining a job\n"
-          "       hsbn env [--markdown]     the environment variables hsbn reads\n"
-          "       hsbn --version",
-          file=sys.stderr if argv not in (["-h"], ["--help"]) else sys.stdout)
-    return 0 if argv in (["-h"], ["--help"]) else 2
+    if argv in (["-h"], ["--help"]):
+        print(_USAGE)
+        return 0
+    if argv[0] == "info":
+        what = "hsbn info takes no arguments, not %r" % " ".join(argv[1:])
+    elif argv[0].startswith("-"):
+        what = "unknown option %r" % argv[0]
+    else:
+        what = "unknown command %r" % argv[0]
+    print("hsbn: %s\n%s" % (what, _USAGE), file=sys.stderr)
+    return 2
 
 
 def aggregator_main():
