@@ -199,6 +199,12 @@ hsbn_result hsbn_env_get(const char* const* env, const char* name, char* buf, si
   return CopyOut(*value, buf, buf_len, needed);
 }
 
+hsbn_result hsbn_check_address(const char* address, const char* label) {
+  g_last_error.clear();
+  if (address == nullptr || label == nullptr) return Invalid("null address or label");
+  return Done(hsbn::env::CheckAddress(address, label));
+}
+
 hsbn_result hsbn_env_markdown(char* buf, size_t buf_len, size_t* needed) {
   g_last_error.clear();
   return CopyOut(hsbn::env::Markdown(), buf, buf_len, needed);

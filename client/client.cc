@@ -138,7 +138,7 @@ absl::Status AutoPolicyFromEnv(const env::Source& source, AutoPolicy* policy) {
 absl::Status ClientOptions::Validate() const {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id (HSBN_JOB_ID) is empty");
   if (address.empty()) return absl::InvalidArgumentError("address (HSBN_ADDRESS) is empty");
-  if (absl::Status s = env::CheckAddress(address, "address (HSBN_ADDRESS)"); !s.ok()) return s;
+  if (absl::Status s = env::CheckAddress(address, "HSBN_ADDRESS"); !s.ok()) return s;
   if (connect_timeout.count() < 0 || connect_timeout.count() > client_internal::kMaxWaitMs) {
     return absl::InvalidArgumentError(absl::StrCat(
         "connect_timeout (HSBN_CONNECT_TIMEOUT_MS) is ", connect_timeout.count(),

@@ -286,33 +286,15 @@ absl::StatusOr<bool> Flag(const Source& source, absl::string_view name) {
 }
 
 absl::Status CheckAddress(absl::string_view address, absl::string_view what) {
-  auto bad = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, "='", wire::Printable(address, 256), "' ", why));
-  };
-  if (address.empty()) return bad("is empty");
-  for (absl::string_view scheme : {"unix:", "unix-abstract:"}) {
-    if (absl::StartsWith(address, scheme)) {
-      if (address.size() == scheme.size()) return bad("names no socket");
+  // gRPC's other client targets pass as they are; everything else is the aggregator's forms.
+  for (absl::string_view scheme : {"unix-abstract:", "dns:", "ipv4:", "ipv6:"}) {
+    if (absl::StartsWith(address, scheme) && address.size() > scheme.size()) {
       return absl::OkStatus();
     }
   }
-  for (absl::string_view scheme : {"dns:", "ipv4:", "ipv6:"}) {
-    if (absl::StartsWith(address, scheme)) return absl::OkStatus();
-  }
-  if (address[0] == '/' || address[0] == '.' || absl::EndsWith(address, ".sock")) {
-    return bad(absl::StrCat("is a path; a Unix socket is written unix:",
-                            wire::Printable(address, 256)));
-  }
-  const size_t colon = address.rfind(':');
-  if (colon == absl::string_view::npos || colon == 0) {
-    return bad("is neither unix:PATH nor HOST:PORT");
-  }
-  absl::string_view port = address.substr(colon + 1);
-  int64_t p = 0;
-  if (port.empty() || port.find_first_not_of("0123456789") != absl::string_view::npos ||
-      port.size() > 5 || !absl::SimpleAtoi(port, &p) || p < 1 || p > 65535) {
-    return bad("has no port in [1, 65535] after its last ':'");
+  if (std::string e = wire::AddressError(what, address, /*unix_ok=*/true, /*min_port=*/1);
+      !e.empty()) {
+    return absl::InvalidArgumentError(e);
   }
   return absl::OkStatus();
 }

@@ -81,10 +81,10 @@ absl::StatusOr<int64_t> Int(const Source& source, absl::string_view name);
 absl::StatusOr<double> Number(const Source& source, absl::string_view name);
 absl::StatusOr<bool> Flag(const Source& source, absl::string_view name);
 
-// INVALID_ARGUMENT unless `address` is one a client can connect to: unix:PATH,
-// unix-abstract:NAME, dns:/ipv4:/ipv6: targets, or HOST:PORT with a port in [1, 65535]. `what`
-// names where it came from (e.g. "HSBN_ADDRESS"). A bare path is answered with its unix:
-// spelling.
+// INVALID_ARGUMENT unless `address` is one a client can connect to: gRPC's unix-abstract:,
+// dns:, ipv4: and ipv6: targets, or what wire::AddressError admits (unix:PATH, HOST:PORT with a
+// port in [1, 65535]). `what` names where it came from (e.g. "HSBN_ADDRESS"). A bare path is
+// answered with its unix: spelling.
 absl::Status CheckAddress(absl::string_view address, absl::string_view what);
 
 // docs/ENVIRONMENT.md: the table as Markdown.

@@ -1,8 +1,13 @@
 #include "wire.h"
 
+#include <sys/socket.h>
+#include <sys/un.h>
+
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace hsbn::wire {
@@ -147,6 +152,58 @@ std::string Printable(absl::string_view text, size_t max) {
     }
   }
   return out;
+}
+
+}  // namespace hsbn::wire
+
+namespace hsbn::wire {
+
+std::string AddressError(absl::string_view label, absl::string_view address, bool unix_ok,
+                         int min_port) {
+  const std::string given = absl::StrCat(label, "=", Printable(address, 128));
+  const std::string forms = unix_ok ? "HOST:PORT or unix:/path/to.sock" : "HOST:PORT";
+  if (absl::StartsWith(address, "unix:")) {
+    if (!unix_ok) return absl::StrCat(given, " is a Unix socket; ", label, " takes HOST:PORT");
+    const absl::string_view path = address.substr(5);
+    if (path.empty()) return absl::StrCat(given, " names no socket: write unix:/path/to.sock");
+    if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+      return absl::StrCat(given, ": a Unix socket path has at most ",
+                          sizeof(sockaddr_un::sun_path) - 1, " bytes; choose a shorter one");
+    }
+    return "";
+  }
+  if (unix_ok && (address.find('/') != absl::string_view::npos || absl::EndsWith(address, ".sock"))) {
+    return absl::StrCat(given, " is a path: a Unix socket is written ", label, "=unix:",
+                        Printable(address, 128));
+  }
+  const size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos) {
+    return absl::StrCat(given, " has no port: write ", forms, " (e.g. 0.0.0.0:7070)");
+  }
+  const absl::string_view host = address.substr(0, colon), port = address.substr(colon + 1);
+  bool host_ok = !host.empty();
+  if (host_ok && host.front() == '[') {
+    host_ok = host.size() > 2 && host.back() == ']' &&
+              host.find_first_not_of("0123456789abcdefABCDEF:.", 1) == host.size() - 1;
+  } else if (host_ok) {
+    if (host.find(':') != absl::string_view::npos) {
+      return absl::StrCat(given, ": an IPv6 address goes in brackets, as in [::1]:7070");
+    }
+    host_ok = host.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                     "0123456789-._") == absl::string_view::npos;
+  }
+  if (!host_ok) {
+    return absl::StrCat(given, " has no valid host before the port: write ", forms,
+                        " (0.0.0.0 listens on every interface)");
+  }
+  int n = -1;
+  if (port.empty() || port.size() > 5 ||
+      port.find_first_not_of("0123456789") != absl::string_view::npos ||
+      !absl::SimpleAtoi(port, &n) || n < min_port || n > 65535) {
+    return absl::StrCat(given, ": the port must be a number from ", min_port, " to 65535",
+                        min_port == 0 ? " (0 picks a free port)" : "");
+  }
+  return "";
 }
 
 }  // namespace hsbn::wire

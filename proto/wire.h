@@ -52,6 +52,16 @@ absl::Status CheckWorkerLayout(int64_t rank, int64_t world_size, int64_t local_r
 // naming both numbers otherwise.
 absl::Status CheckGroupNodes(int64_t group_nodes, int64_t num_nodes);
 
+// Why `address`, given as `label` (a flag like "--listen" or a variable like "HSBN_ADDRESS"),
+// is not an aggregator address ("" when it is): unix:PATH (when `unix_ok`; a path that fits a
+// Unix socket), or HOST:PORT with HOST a name, an IPv4 address or a bracketed IPv6 address and
+// PORT a decimal number from `min_port` to 65535. gRPC would take a port above 65535 modulo
+// 65536, and a path without unix: as a host name to resolve: a path is answered with the
+// spelling that works. The one address check of the aggregator's flags, the client and `hsbn
+// status`.
+std::string AddressError(absl::string_view label, absl::string_view address, bool unix_ok,
+                         int min_port);
+
 // Untrusted text made safe for an error message or a log line: bytes outside printable ASCII
 // become \xNN, and text past `max` bytes is cut with "...".
 std::string Printable(absl::string_view text, size_t max = 256);

@@ -364,56 +364,9 @@ bool ReadPem(const std::string& flag, const std::string& path, std::string* out)
   return true;
 }
 
-// Why `address`, the value of --`flag`, is not an address that flag takes ("" when it is):
-// unix:PATH (when `unix_ok`), or HOST:PORT with HOST a name, an IPv4 address or a bracketed
-// IPv6 address and PORT a decimal number from `min_port` to 65535. gRPC would take a port
-// above 65535 modulo 65536, and a path without unix: as a host name to resolve.
 std::string AddressError(const std::string& flag, const std::string& address, bool unix_ok,
                          int min_port) {
-  const std::string given = absl::StrCat("--", flag, "=", hsbn::server::LogSafe(address, 128));
-  const std::string forms = unix_ok ? "HOST:PORT or unix:/path/to.sock" : "HOST:PORT";
-  if (absl::StartsWith(address, "unix:")) {
-    if (!unix_ok) return absl::StrCat(given, " is a Unix socket; --", flag, " takes HOST:PORT");
-    const std::string path = address.substr(5);
-    if (path.empty()) return absl::StrCat(given, " names no socket: write unix:/path/to.sock");
-    if (path.size() >= sizeof(sockaddr_un::sun_path)) {
-      return absl::StrCat(given, ": a Unix socket path has at most ",
-                          sizeof(sockaddr_un::sun_path) - 1, " bytes; choose a shorter one");
-    }
-    return "";
-  }
-  if (unix_ok && (address.find('/') != std::string::npos || absl::EndsWith(address, ".sock"))) {
-    return absl::StrCat(given, " is a path: a Unix socket is written --", flag, "=unix:",
-                        hsbn::server::LogSafe(address, 128));
-  }
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos) {
-    return absl::StrCat(given, " has no port: write ", forms, " (e.g. 0.0.0.0:7070)");
-  }
-  const std::string host = address.substr(0, colon), port = address.substr(colon + 1);
-  bool host_ok = !host.empty();
-  if (host_ok && host.front() == '[') {
-    host_ok = host.size() > 2 && host.back() == ']' &&
-              host.find_first_not_of("0123456789abcdefABCDEF:.", 1) == host.size() - 1;
-  } else if (host_ok) {
-    if (host.find(':') != std::string::npos) {
-      return absl::StrCat(given, ": an IPv6 address goes in brackets, as in [::1]:7070");
-    }
-    host_ok = host.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-                                     "0123456789-._") == std::string::npos;
-  }
-  if (!host_ok) {
-    return absl::StrCat(given, " has no valid host before the port: write ", forms,
-                        " (0.0.0.0 listens on every interface)");
-  }
-  int n = -1;
-  if (port.empty() || port.size() > 5 ||
-      port.find_first_not_of("0123456789") != std::string::npos ||
-      !absl::SimpleAtoi(port, &n) || n < min_port || n > 65535) {
-    return absl::StrCat(given, ": the port must be a number from ", min_port, " to 65535",
-                        min_port == 0 ? " (0 picks a free port)" : "");
-  }
-  return "";
+  return hsbn::wire::AddressError(absl::StrCat("--", flag), address, unix_ok, min_port);
 }
 
 // Whether a TCP `address` (HOST:PORT, already checked) is held by a listening socket now: a

@@ -98,7 +98,7 @@ TEST(EnvTable, NumbersChoicesAndAddresses) {
     EXPECT_TRUE(CheckAddress(good, "HSBN_ADDRESS").ok()) << good;
   }
   EXPECT_NE(Refusal(Of({"HSBN_ADDRESS=/run/hsbn.sock"}), "HSBN_ADDRESS")
-                .find("a Unix socket is written unix:/run/hsbn.sock"),
+                .find("a Unix socket is written HSBN_ADDRESS=unix:/run/hsbn.sock"),
             std::string::npos);
   for (const char* bad : {"127.0.0.1:99999", "127.0.0.1:0", "notaport", "host:", "unix:",
                           "host:12a"}) {

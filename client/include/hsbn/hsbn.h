@@ -152,6 +152,10 @@ const char* hsbn_last_error(void);
  * one; HSBN_NOT_FOUND for a name that is not in the table. */
 hsbn_result hsbn_env_get(const char* const* env, const char* name, char* buf, size_t buf_len,
                          size_t* needed);
+/* HSBN_OK if `address` is an aggregator address a client can connect to (unix:PATH, HOST:PORT,
+ * gRPC's dns:/ipv4:/ipv6:/unix-abstract: targets); else HSBN_INVALID_ARGUMENT with
+ * hsbn_last_error() saying why, naming it as `label` (e.g. "--address" or "HSBN_ADDRESS"). */
+hsbn_result hsbn_check_address(const char* address, const char* label);
 /* The table of variables: the name of entry i (0, 1, ...), or NULL past the end. */
 const char* hsbn_env_name(int i);
 /* The table as Markdown (docs/ENVIRONMENT.md), written as hsbn_env_get writes. */

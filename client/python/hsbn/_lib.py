@@ -288,6 +288,7 @@ _SIGNATURES = {
     "hsbn_env_get": (_c_int, [ctypes.POINTER(ctypes.c_char_p), ctypes.c_char_p, ctypes.c_char_p,
                               ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
     "hsbn_env_name": (ctypes.c_char_p, [_c_int]),
+    "hsbn_check_address": (_c_int, [ctypes.c_char_p, ctypes.c_char_p]),
     "hsbn_env_markdown": (_c_int, [ctypes.c_char_p, ctypes.c_size_t,
                                    ctypes.POINTER(ctypes.c_size_t)]),
     "hsbn_query_status_json": (_c_int, [ctypes.POINTER(StatusQuery), ctypes.c_char_p,

@@ -103,31 +103,14 @@ def _fmt_status(st, indent=""):
 
 
 def address_error(address, name="--address"):
-    """Why `address` is not an aggregator address (`name` is where it came from), or None.
-
-    unix:PATH, or HOST:PORT with a port from 1 to 65535 (gRPC would wrap a larger one), HOST a
-    name, an IPv4 address or a bracketed IPv6 address. A path without unix: is answered with
-    the spelling that works."""
-    given = "%s=%s" % (name, address)
-    if address.startswith("unix:"):
-        return None if address[5:] else "%s names no socket: write unix:/path/to.sock" % given
-    if "/" in address or address.endswith(".sock"):
-        return "%s is a path: a Unix socket is written %s=unix:%s" % (given, name, address)
-    host, colon, port = address.rpartition(":")
-    if not colon:
-        return "%s has no port: write HOST:PORT or unix:/path/to.sock" % given
-    if host.startswith("["):
-        ok = len(host) > 2 and host.endswith("]") and all(
-            ch in "0123456789abcdefABCDEF:." for ch in host[1:-1])
-    elif ":" in host:
-        return "%s: an IPv6 address goes in brackets, as in [::1]:7070" % given
-    else:
-        ok = bool(host) and all(ch.isascii() and (ch.isalnum() or ch in "-._") for ch in host)
-    if not ok:
-        return "%s has no valid host before the port: write HOST:PORT or unix:/path/to.sock" % given
-    if not (port.isascii() and port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535):
-        return "%s: the port must be a number from 1 to 65535" % given
-    return None
+    """Why `address` is not an aggregator address (`name` is where it came from), or None: the
+    library's one address check (the aggregator's flags and the workers use it too), which
+    answers a path without unix: with the spelling that works."""
+    lib = _lib.lib()
+    if lib.hsbn_check_address(address.encode("utf-8", "surrogateescape"),
+                              name.encode("utf-8")) == 0:
+        return None
+    return _lib.last_error()
 
 
 def status_main(argv):

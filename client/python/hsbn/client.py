@@ -115,8 +115,10 @@ def _check_address(address, connect_timeout_ms):
     if not address or not isinstance(address, str):
         raise ConfigurationError("the sidecar address is empty; set HSBN_ADDRESS to "
                                  "unix:/path/to.sock or host:port")
-    # The library's check (client/env.cc): a bare path is answered with its unix: spelling.
-    _env.get("HSBN_ADDRESS", {"HSBN_ADDRESS": address})
+    # The library's check (wire::AddressError): a bare path is answered with its unix: spelling.
+    lib = _lib.lib()
+    if lib.hsbn_check_address(address.encode("utf-8", "surrogateescape"), b"HSBN_ADDRESS") != 0:
+        raise ConfigurationError(_lib.last_error())
     if address.startswith("unix:"):
         path = address[len("unix:"):]
         if path.startswith("//"):
