@@ -3,6 +3,7 @@
   hsbn                      what `python -m hsbn` prints: the native parts in use, torch
   hsbn status [options]     an aggregator's status (jobs, members, rounds, shadow divergence),
                             read with its Status RPC without joining any job
+  hsbn doctor REPORT.json   render a report hsbn.torch.diagnose saved (text, --json, --plot)
   hsbn-aggregator ARGS...   the hsbn-aggregator binary this package carries (or HSBN_AGGREGATOR)
 """
 
@@ -142,6 +143,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "status":
         return status_main(argv[1:])
+    if argv and argv[0] == "doctor":
+        from .doctor import main as doctor_main   # renders hsbn.torch.diagnose's saved report
+        return doctor_main(argv[1:])
     if not argv or argv == ["info"]:
         from . import __main__ as info
         return info.main()
@@ -151,6 +155,7 @@ def main(argv=None):
         return 0
     print("usage: hsbn [info]               the native parts in use (as python -m hsbn)\n"
           "       hsbn status [--help] ...  an aggregator's status, without joining a job\n"
+          "       hsbn doctor REPORT.json   render a saved hsbn.torch.diagnose report\n"
           "       hsbn --version",
           file=sys.stderr if argv not in (["-h"], ["--help"]) else sys.stdout)
     return 0 if argv in (["-h"], ["--help"]) else 2

@@ -58,6 +58,8 @@ def _wrapping_ddp(module):
         return None
     if isinstance(module, ddp_type):
         return module
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None   # no process group, no DDP
     for obj in gc.get_objects():
         if isinstance(obj, ddp_type) and getattr(obj, "module", None) is not None:
             if obj.module is module or any(m is module for m in obj.module.modules()):
@@ -412,9 +414,12 @@ def _smells(inner, ddp, layers, entries):
         "convert first, then wrap: model = hsbn.torch.convert_sync_batchnorm(model, ...); "
         "model = DistributedDataParallel(model, ...)")
     if ddp is not None and getattr(ddp, "broadcast_buffers", False):
-        add("broadcast_buffers", [e["name"] for e in entries
+        # The buffers DDP broadcasts (those it found when it was built), where it says.
+        known = {id(b) for b in getattr(ddp, "modules_buffers", None) or []}
+        add("broadcast_buffers", [lay.name for lay, e in zip(layers, entries)
                                   if e["training_scope"] in ("node", "group", "local")
-                                  and e["track_running_stats"]],
+                                  and e["track_running_stats"]
+                                  and (not known or id(lay.m.running_mean) in known)],
             "DistributedDataParallel(broadcast_buffers=True) copies rank 0's running statistics "
             "to every rank at each forward, while these layers normalize with statistics of "
             "less than the job: every node ends up with node 0's running statistics",
