@@ -109,3 +109,48 @@ def test_every_smell_is_named_with_its_layers_and_its_fix(pool):
     # The frozen layer is still in eval mode, everything else back in training mode.
     for o in out:
         assert o["modes"] == {k: k != "bn_frozen" for k in o["modes"]}
+
+
+def reference_divergence(n, size, shift, eps=1e-5):
+    """The doctor's numbers computed in one process from every rank's batches: per layer and
+    level, the mean over ranks and batches of the channel-averaged mean shift and |log var
+    ratio| against the job's statistics, each layer normalizing with the job's statistics
+    (as during the doctor's pass)."""
+    import numpy as np
+    import torch
+    net = cases._net().double()
+    per_node = cases.PER_NODE
+    batches = [cases._batches(r, n, size, shift) for r in range(WORLD)]
+    out = {}
+    for b in range(2):
+        xs = [batches[r][b].double() for r in range(WORLD)]
+        for idx in (1, 4):
+            xs = [net[idx - 1](x) for x in xs]                  # the conv before the layer
+            flat = [x.transpose(0, 1).reshape(x.shape[1], -1) for x in xs]
+            allv = torch.cat(flat, 1)
+            gm, gv = allv.mean(1), allv.var(1, unbiased=False)
+            for level, groups in (("local", [[r] for r in range(WORLD)]),
+                                  ("node", [[0, 1], [2, 3]])):
+                for members in groups:
+                    v = torch.cat([flat[r] for r in members], 1)
+                    shift_ = ((v.mean(1) - gm).abs() / (gv + eps).sqrt()).mean().item()
+                    logv = ((v.var(1, unbiased=False) + eps) / (gv + eps)).log().abs().mean()
+                    acc = out.setdefault((str(idx), level), [])
+                    acc += [(shift_, logv.item())] * len(members)   # one entry per rank
+            xs = [(x - gm.view(1, -1, 1, 1)) / (gv + eps).sqrt().view(1, -1, 1, 1) for x in xs]
+            if idx == 1:
+                xs = [torch.relu(x) for x in xs]
+    return {k: tuple(np.mean(v, 0)) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("scope, n, size, shift", [("node", 2, 2, 1.5), ("local", 64, 8, 0.0)])
+def test_the_numbers_are_those_of_one_process_over_every_ranks_batches(pool, scope, n, size,
+                                                                       shift):
+    out = pool.call(cases.verdict_case, [(scope, n, size, shift, "doctor-ref-" + scope)] * WORLD)
+    want = reference_divergence(n, size, shift)
+    for e in out[0]["layers"]:
+        for level in ("local", "node"):
+            got = e["divergence"][level]
+            ms, lv = want[(e["name"], level)]
+            assert got["mean_shift"] == pytest.approx(ms, rel=1e-5), (e["name"], level)
+            assert got["log_var_ratio"] == pytest.approx(lv, rel=1e-5), (e["name"], level)
