@@ -119,7 +119,7 @@ class DoctorReport:
         rt = d["round_ms"]
         if rt:
             lines.append("measured round time on this job (median of the doctor's own forward "
-                         "rounds): " + ", ".join("%s %.3f ms" % (k, v) for k, v in rt.items()))
+                         "rounds, each after a job round that lines the ranks up): " + ", ".join("%s %.3f ms" % (k, v) for k, v in rt.items()))
         tr = d.get("training_round_ms") or {}
         if tr:
             lines.append("this job's training rounds so far (client stats, mean): " + ", ".join(

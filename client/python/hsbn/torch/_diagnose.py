@@ -36,7 +36,7 @@ from ._layer_check import _book
 
 SEQ_BASE = 3 << 61
 _CALL_STRIDE = 1 << 32          # seqs of one call: batch * 4 + slot, batches < 2**30
-_SLOTS = {"node": 0, "group": 1, "global": 2, "spread": 3}
+_SLOTS = {"node": 0, "group": 1, "global": 2, "global-timed": 3}
 _CALLS = ("doctor", )           # the book's counter of diagnose calls
 _DIGEST_SLOTS = 4
 _MAX_ROUND_CHANNELS = 8192
@@ -168,9 +168,9 @@ def diagnose(model, batches, *, num_batches=None, forward=None, client=None,
     layers = [_Layer(n, m, inner.training) for n, m in named]
     book = _book(client)
     base = SEQ_BASE + book.next_seq(_CALLS) * _CALL_STRIDE
+    before = client.stats()   # the job's training rounds so far
     _check_round(client, base + (1 << 31), layers, num_batches)
     times = {lv: [] for lv in levels if lv != "local"}
-    before = client.stats()
     state = _freeze(inner, [lay.m for lay in layers])
     batch_index = [0]
 
@@ -180,14 +180,19 @@ def diagnose(model, batches, *, num_batches=None, forward=None, client=None,
             n, mean, m2 = _moments(x)
             got = {"local": (n, mean, m2)}
             seq = base + batch_index[0] * 4
-            for lv in levels[1:]:
+            # The job's round first: it also lines the ranks up, so the rounds timed after it
+            # measure the round, not how far apart the ranks arrived.
+            for lv, slot, timed in ([("global", _SLOTS["global"], False)]
+                                    + [(lv, _SLOTS[lv], True) for lv in levels[1:-1]]
+                                    + [("global", _SLOTS["global-timed"], True)]):
                 t0 = time.perf_counter()
                 try:
-                    got[lv] = client.forward(lay.op, seq + _SLOTS[lv], lv, n, mean, m2)
+                    got[lv] = client.forward(lay.op, seq + slot, lv, n, mean, m2)
                 except HsbnError as e:
                     raise type(e)("%s (hsbn.torch.diagnose, layer %r, batch %d)"
                                   % (e, lay.name, batch_index[0]), e.code) from None
-                times[lv].append(time.perf_counter() - t0)
+                if timed:
+                    times[lv].append(time.perf_counter() - t0)
             gn, gmean, gm2 = got["global"]
             lay.batches += 1
             lay.local_counts.append(n)
