@@ -190,3 +190,24 @@ def test_a_perturbed_statistic_fails_the_main_jobs_check(tmp_path, native_parts)
     res = json.loads((out / "results.json").read_text())
     row = res["check"]["rows"][0]
     assert not row["pass"] and row["stats_gap"] > 1e-3 > row["stats_tolerance"]
+
+
+def test_a_torchvision_classifier_by_name(tmp_path, native_parts):
+    """--model resnet18: torchvision's ResNet-18 in the comparison (one step, 2 nodes x 1
+    worker), checked against the float64 reference like the small CNN."""
+    import torchvision   # python3-torchvision (scripts/packages.txt): a failure, not a skip
+    out = tmp_path / "out"
+    cmd = [sys.executable, SCRIPT, "--model", "resnet18", "--task", "cls", "--nodes", "2",
+           "--workers-per-node", "1", "--steps", "1", "--seeds", "1", "--test-size", "8",
+           "--evals", "1", "--precise-items", "2", "--link-delay-ms", "0", "--modes",
+           "global,reference", "--out", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    res = json.loads((out / "results.json").read_text())
+    want = sum(p.numel() for p in torchvision.models.resnet18(num_classes=10).parameters())
+    assert res["config"]["model"] == "resnet18" and res["config"]["params"]["cls"] == want
+    assert res["check"]["pass"]
+    assert "torchvision's `resnet18`" in (out / "results.md").read_text()
+    bad = subprocess.run([sys.executable, SCRIPT, "--model", "no_such_net", "--task", "cls"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert bad.returncode == 2 and "has no classifier of that name" in bad.stderr

@@ -105,6 +105,10 @@ def parse_args(argv=None):
                    help="seeds per mode (default 2); each seed changes the initial weights, "
                         "the data order and the node shards")
     g.add_argument("--first-seed", type=int, default=0, help="first seed (default 0)")
+    g.add_argument("--model", default=None, metavar="NAME",
+                   help="classification with a torchvision classifier by name instead of the "
+                        "small CNN (e.g. resnet18; randomly initialized, gray items repeated "
+                        "to 3 channels; needs python3-torchvision; with --task cls)")
     g = p.add_argument_group("training budget")
     g.add_argument("--train-size", type=int, default=4800,
                    help="training items drawn from Fashion-MNIST's 60000 (default 4800)")
@@ -195,6 +199,13 @@ def parse_args(argv=None):
         p.error("--skew must be in [0, 1]")
     if args.nodes * args.workers_per_node * args.batch < 2:
         p.error("the global batch needs at least 2 items")
+    if args.model is not None:
+        if args.task != "cls" and not args.sweep:
+            p.error("--model applies to classification: add --task cls")
+        try:
+            models.torchvision_model(args.model)
+        except models.UnknownModel as e:
+            p.error(str(e))
     if args.perturb_mean is not None:
         try:
             layer, k = args.perturb_mean.split(",")
@@ -312,10 +323,10 @@ def prepare(args, tasks, tmp):
     return d, cache
 
 
-def initial_state(task, seed):
+def initial_state(task, seed, model_name=None):
     import torch
     torch.manual_seed(seed)
-    model = models.build(task)
+    model = models.build(task, model_name)
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
@@ -484,7 +495,7 @@ def make_cfg(args, tasks, seeds, batch, skew):
             "group_nodes": args.group_nodes if "group" in args.modes or "auto" in args.modes
             else 0,
             "link_delay_ms": args.link_delay_ms, "precise_items": args.precise_items,
-            "perturb_mean": args.perturb_mean}
+            "perturb_mean": args.perturb_mean, "model": args.model}
 
 
 def run_cell(args, cfg, d, pool, cache, label=""):
@@ -498,9 +509,9 @@ def run_cell(args, cfg, d, pool, cache, label=""):
             plans[(task, seed)] = data.make_plan(
                 task, seed, d["train_y"], pool, cfg["nodes"], cfg["workers_per_node"],
                 cfg["batch"], args.epochs, args.steps, cfg["skew"])
-            inits[(task, seed)] = initial_state(task, seed)
+            inits[(task, seed)] = initial_state(task, seed, cfg.get("model"))
     cfg["steps"] = {t: plans[(t, seeds[0])]["steps"] for t in tasks}
-    cfg["params"] = {t: models.parameter_count(t) for t in tasks}
+    cfg["params"] = {t: models.parameter_count(t, cfg.get("model")) for t in tasks}
     print("hsbn_compare: %s%s" % (label, "; ".join(
         "%s: %d steps (%d per epoch), %d parameters" % (
             report.TASK_NAME[t], cfg["steps"][t], plans[(t, seeds[0])]["per_epoch"],

@@ -118,6 +118,11 @@ def markdown(summary, divergence, check, cfg, command, environment):
            cfg.get("link_delay_ms", 0),
            "; groups of %d nodes" % cfg["group_nodes"] if cfg.get("group_nodes") else "",
            environment["machine"]))
+    if cfg.get("model"):
+        lines.append("")
+        lines.append("Classification model: torchvision's `%s` (random initialization, %d "
+                     "parameters), the gray items repeated to 3 channels."
+                     % (cfg["model"], cfg["params"]["cls"]))
     lines.append("")
     head = "| mode | norm. batch |"
     sep = "|---|---:|"

@@ -248,7 +248,7 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = models.build(task)
+    model = models.build(task, cfg.get("model"))
     model.load_state_dict({k: torch.from_numpy(v) for k, v in init.items()})
     # A name per run: its layers get round keys (and shadow divergence records at the root)
     # of their own, apart from the other runs' in this job.
@@ -373,7 +373,7 @@ def reference_run(cfg, task, seed, label, order, init, plan, cache, progress, jo
 
     torch.set_num_threads(1)
     arrays = load_cache(cache)
-    model = models.build(task)
+    model = models.build(task, cfg.get("model"))
     model.load_state_dict({k: torch.from_numpy(v) for k, v in init.items()})
     opt = torch.optim.SGD(model.parameters(), lr=_lr(cfg, task), momentum=0.9)
     steps = plan["steps"]
@@ -429,7 +429,7 @@ def first_step_float64(cfg, task, init, plan, arrays):
     import torch
     import torch.nn.functional as F
 
-    model = models.build(task).double()
+    model = models.build(task, cfg.get("model")).double()
     model.load_state_dict({k: torch.from_numpy(v) for k, v in init.items()})
     world = cfg["nodes"] * cfg["workers_per_node"]
     x, y = batch(torch, task, plan, arrays, 0, list(range(world)))
