@@ -117,3 +117,19 @@ def smells_case():
         return {"report": report.as_dict(), "modes": modes}
     finally:
         dist.destroy_process_group()
+
+
+def group_case():
+    """4 nodes x 1 worker in groups of 2 nodes; nodes 1 and 3 shifted by 1.5, so each group
+    holds both kinds and its statistics are close to the job's while each node's are not.
+    Trained in node scope: the doctor must recommend group."""
+    rank = int(os.environ["RANK"])
+    client = hsbn.Client.from_env(group_nodes=2, job_id=os.environ["HSBN_JOB_ID"] + "-groups")
+    try:
+        model = hsbn.torch.convert_sync_batchnorm(_net(), scope="node", client=client,
+                                                  name="doctor-groups")
+        g = torch.Generator().manual_seed(200 + rank)
+        batches = [torch.randn(16, 3, 4, 4, generator=g) + 1.5 * (rank % 2) for _ in range(2)]
+        return hsbn.torch.diagnose(model, batches).as_dict()
+    finally:
+        client.close()

@@ -154,3 +154,18 @@ def test_the_numbers_are_those_of_one_process_over_every_ranks_batches(pool, sco
             ms, lv = want[(e["name"], level)]
             assert got["mean_shift"] == pytest.approx(ms, rel=1e-5), (e["name"], level)
             assert got["log_var_ratio"] == pytest.approx(lv, rel=1e-5), (e["name"], level)
+
+
+def test_groups_that_hold_both_kinds_of_nodes_get_group_scope():
+    with started(nodes=4, workers_per_node=1, round_timeout_ms=60000) as four:
+        out = four.call(cases.group_case, [()] * 4)
+    _same_on_every_rank(out)
+    r = out[0]
+    assert r["levels"] == ["local", "node", "group", "global"] and r["job"]["group_nodes"] == 2
+    assert r["verdict"] == "yes"
+    for e in r["layers"]:
+        assert e["training_scope"] == "node" and e["explains"]
+        assert e["recommended"] == "group", e
+        assert e["counts"]["group"] == 2 * e["counts"]["node"] == 2 * e["counts"]["local_mean"]
+        assert e["divergence"]["group"]["mean_shift"] < 0.05 < e["divergence"]["node"][
+            "mean_shift"]

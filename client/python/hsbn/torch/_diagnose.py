@@ -123,7 +123,7 @@ class _Layer:
 
 def _levels(client):
     out = ["local", "node"]
-    if getattr(client, "group_nodes", 0) and client.group_nodes not in (0, client.num_nodes):
+    if getattr(client, "group_nodes", 0) not in (0, 1, client.num_nodes):
         out.append("group")
     out.append("global")
     return out
