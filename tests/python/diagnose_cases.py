@@ -133,3 +133,15 @@ def group_case():
         return hsbn.torch.diagnose(model, batches).as_dict()
     finally:
         client.close()
+
+
+def mismatched_call():
+    """Rank 0 asks for one batch, the others for two: every rank must raise at the first
+    round, before any layer's round."""
+    rank = int(os.environ["RANK"])
+    model = hsbn.torch.convert_sync_batchnorm(_net(), scope="global", name="doctor-mismatch")
+    try:
+        hsbn.torch.diagnose(model, _batches(rank, 2, 2, 0.0), num_batches=1 if rank == 0 else 2)
+    except hsbn.InvalidArgumentError as e:
+        return str(e)
+    return None

@@ -89,6 +89,11 @@ def test_the_same_distribution_and_a_large_batch_say_no(pool):
     assert "VERDICT: NO" in r["text"] and "smells: none found" in r["text"]
 
 
+def test_ranks_that_call_it_differently_all_fail_at_once(pool):
+    out = pool.call(cases.mismatched_call, [()] * WORLD)
+    assert all(m and "did not call it alike" in m for m in out), out
+
+
 def test_every_smell_is_named_with_its_layers_and_its_fix(pool):
     out = pool.call(cases.smells_case, [()] * WORLD)
     r = out[0]["report"]
