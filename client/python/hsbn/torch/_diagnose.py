@@ -52,7 +52,8 @@ _client.set_op_label(DIGEST_OP, "hsbn.torch.diagnose's check")
 
 def _wrapping_ddp(module):
     """The DistributedDataParallel that wraps `module` (or `module` itself when it is one),
-    else None. Looks through the live objects: for one call per conversion or diagnosis."""
+    else None. Follows what refers to `module` (DDP holds it in its _modules dict), never the
+    whole heap: gc.get_objects() would hand out tensors that PyTorch is finalizing."""
     ddp_type = getattr(torch.nn.parallel, "DistributedDataParallel", None)
     if ddp_type is None:
         return None
@@ -60,10 +61,16 @@ def _wrapping_ddp(module):
         return module
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None   # no process group, no DDP
-    for obj in gc.get_objects():
-        if isinstance(obj, ddp_type) and getattr(obj, "module", None) is not None:
-            if obj.module is module or any(m is module for m in obj.module.modules()):
-                return obj
+    for holder in gc.get_referrers(module):
+        if not isinstance(holder, dict) or not any(v is module for v in holder.values()):
+            continue
+        for owner in gc.get_referrers(holder):
+            if isinstance(owner, ddp_type) and owner.module is module:
+                return owner
+            if isinstance(owner, dict):   # an instance __dict__ (before Python 3.11)
+                for obj in gc.get_referrers(owner):
+                    if isinstance(obj, ddp_type) and obj.module is module:
+                        return obj
     return None
 
 
