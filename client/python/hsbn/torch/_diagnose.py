@@ -35,7 +35,7 @@ from ._keys import _CHECK_BASE, _hash64
 from ._layer_check import _book
 
 SEQ_BASE = 3 << 61
-_CALL_STRIDE = 1 << 32          # seqs of one call: batch * 4 + slot, batches < 2**30
+_CALL_STRIDE = 1 << 32          # seqs of one call: layer call * 4 + slot, calls < 2**29
 _SLOTS = {"node": 0, "group": 1, "global": 2, "global-timed": 3}
 _CALLS = ("doctor", )           # the book's counter of diagnose calls
 _DIGEST_SLOTS = 4
@@ -122,6 +122,7 @@ class _Layer:
         self.op = _doctor_op(name)
         c = module.num_features
         self.batches = 0
+        self.calls = 0
         self.local_counts = []
         self.level_counts = {}
         self.sums = {}          # level -> [shift sum, logvar sum, n]
@@ -186,7 +187,9 @@ def diagnose(model, batches, *, num_batches=None, forward=None, client=None,
             x = inputs[0]
             n, mean, m2 = _moments(x)
             got = {"local": (n, mean, m2)}
-            seq = base + batch_index[0] * 4
+            # Per call of the layer (a module used twice in a forward gets two keys).
+            seq = base + lay.calls * 4
+            lay.calls += 1
             # The job's round first: it also lines the ranks up, so the rounds timed after it
             # measure the round, not how far apart the ranks arrived.
             for lv, slot, timed in ([("global", _SLOTS["global"], False)]
