@@ -1,5 +1,5 @@
-"""Builds hsbn's wheel from the CMake build: the Python package, libhsbn.so, hsbn-aggregator
-and hsbn-linkproxy (LocalCluster's simulated link, when built), and the shared libraries they need that a plain Linux system does not have (gRPC, protobuf,
+"""Builds hsbn's wheel from the CMake build: the Python package, libhsbn.so and its C header
+(hsbn/include/hsbn/hsbn.h), hsbn-aggregator and hsbn-linkproxy (LocalCluster's simulated link, when built), and the shared libraries they need that a plain Linux system does not have (gRPC, protobuf,
 Abseil, OpenSSL, ...), as auditwheel does: each bundled library is renamed with a hash of its
 contents (so it never clashes with another copy in the process), every reference to it is
 patched, and every native file finds its neighbours through RPATH $ORIGIN. Only glibc and the
@@ -41,6 +41,7 @@ if __name__ != "__main__" and globals().get("__cached__"):
         pass
 REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
 RUNTIME_DEPS = os.path.join(REPO, "docker", "runtime-deps.sh")
+HEADER = os.path.join(REPO, "client", "include", "hsbn", "hsbn.h")
 # 1980-01-01, the earliest time a zip can hold: the same inputs give the same wheel.
 ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 ENTRY_POINTS = {"hsbn": "hsbn.cli:main", "hsbn-aggregator": "hsbn.cli:aggregator_main"}
@@ -177,6 +178,11 @@ def build(lib, aggregator, out_dir, work_dir=None, plat=None, linkproxy=None):
         stage = os.path.join(tmp, "stage")
         shutil.copytree(os.path.join(HERE, "hsbn"), os.path.join(stage, "hsbn"),
                         ignore=shutil.ignore_patterns("_native", "__pycache__", "*.pyc"))
+        # The C ABI's header, for C and C++ workers that link the wheel's libhsbn.so
+        # (hsbn.include_dir() returns the folder).
+        include = os.path.join(stage, "hsbn", "include", "hsbn")
+        os.makedirs(include)
+        shutil.copyfile(HEADER, os.path.join(include, "hsbn.h"))
         native = os.path.join(stage, "hsbn", "_native")
         os.makedirs(native)
         elves = []

@@ -5,7 +5,12 @@ LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT) plus HSBN_JOB_ID and HSB
 sidecar on every node and, for more than one node, a root (docs/DEPLOY.md). GPUs when CUDA is
 available (NCCL), else CPUs (gloo).
 
-  torchrun --standalone --nproc-per-node=2 examples/trainer/train.py --steps 20 --scope global
+  hsbn-aggregator --role=node --listen=unix:/tmp/hsbn.sock &
+  torchrun --standalone --nproc_per_node=2 --redirects 1 --tee 1 \
+      examples/trainer/train.py --steps 20 --scope global
+
+That line works with PyTorch 1.13 and 2.x: 1.13's torchrun refuses the dashed spellings
+(--nproc-per-node), and on Python 3.11 it needs --redirects 1 --tee 1 (docs/PYTORCH.md).
 """
 
 import argparse
@@ -29,7 +34,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=8, help="images per worker and step")
-    p.add_argument("--scope", default="global", choices=["local", "node", "global", "shadow"])
+    p.add_argument("--scope", default="global",
+                   choices=["local", "node", "group", "global", "shadow", "auto"],
+                   help="group needs HSBN_GROUP_NODES=K on every worker (docs/PYTORCH.md)")
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()

@@ -46,6 +46,9 @@ def test_the_wheel_is_python3_generic_and_tagged_for_linux_x86_64(wheel):
     assert not [n for n in names if re.search(r"\.(pyc|pyd)$|cpython-|abi3", n)]
     natives = [n for n in names if n.startswith("hsbn/_native/")]
     assert "hsbn/_native/libhsbn.so" in natives
+    with zipfile.ZipFile(wheel) as z, open(os.path.join(W.REPO, "client", "include", "hsbn",
+                                                        "hsbn.h"), "rb") as h:
+        assert z.read("hsbn/include/hsbn/hsbn.h") == h.read()  # hsbn.include_dir()
     assert [n for n in names if ".so" in n and not n.startswith("hsbn/_native/")] == []
     assert any(re.match(r"hsbn/_native/libgrpc-[0-9a-f]{8}\.so\.\d+$", n) for n in natives)
     assert any(re.match(r"hsbn/_native/libprotobuf-[0-9a-f]{8}\.so\.\d+$", n) for n in natives)

@@ -178,6 +178,7 @@ def test_auto_decisions_survive_a_state_dict_and_it_loads_into_plain_batchnorm(t
         # No warm-up: every forward round went straight to the decided scope.
         assert res["rounds"] == {"node": 3, "group": 0, "global": 3, "shadow": 0}
         assert res["decisions"]["skewed"]["scope"] == "global"
+        assert res["decisions"]["skewed"]["decided_at"] == -1   # restored, not decided here
         assert res["reverted_types"] == ["BatchNorm2d", "Net"]
         # Saved again, the restored decision travels on.
         sd = torch.load(io.BytesIO(res["saved_again"]))
@@ -197,6 +198,18 @@ def test_bad_auto_and_group_parameters_are_refused_naming_them(kwargs, words):
         hsbn.torch.SyncBatchNorm(3, scope="auto", **kwargs)
     with pytest.raises(hsbn.ConfigurationError, match=words):
         hsbn.torch.convert_sync_batchnorm(torch.nn.BatchNorm2d(3), scope="auto", **kwargs)
+
+
+def test_a_loaded_decision_says_decided_at_minus_one():
+    bn = hsbn.torch.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(3)),
+                                           scope="auto", name="loaded")
+    sd = bn.state_dict()
+    sd._metadata["0"]["hsbn_auto"] = {"scope": "global", "mean_shift": 0.3,
+                                      "log_var_ratio": 0.01, "rounds": 50, "decided_at": 50}
+    bn.load_state_dict(sd)
+    assert hsbn.torch.auto_decisions(bn)["0"]["decided_at"] == -1
+    assert hsbn.torch.auto_decisions(bn)["0"]["mean_shift"] == 0.3
+    assert hsbn.torch.scopes(bn) == {"0": "global"}
 
 
 def test_a_bad_saved_decision_fails_load_state_dict():

@@ -22,8 +22,20 @@ __all__ = [
     "Client", "ClientStats", "RoundStats", "default_client", "set_default_client", "SCOPES",
     "HsbnError", "ConfigurationError", "UnavailableError", "DeadlineExceededError", "RoundFailedError",
     "InvalidArgumentError", "ResourceExhaustedError", "NativeNotFoundError", "library_path",
-    "aggregator_path", "torch", "cluster",
+    "aggregator_path", "include_dir", "torch", "cluster",
 ]
+
+
+def include_dir():
+    """The folder to give a C compiler with -I for `#include "hsbn/hsbn.h"` (libhsbn.so's C
+    ABI): the wheel's hsbn/include, or client/include in a checkout."""
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    for d in (os.path.join(here, "include"), os.path.join(here, os.pardir, os.pardir, "include")):
+        if os.path.isfile(os.path.join(d, "hsbn", "hsbn.h")):
+            return os.path.normpath(d)
+    raise NativeNotFoundError("hsbn/hsbn.h is neither in %s nor in a checkout's client/include"
+                              % os.path.join(here, "include"))
 
 
 def __getattr__(name):

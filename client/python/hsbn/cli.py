@@ -4,6 +4,7 @@
   hsbn status [options]     an aggregator's status (jobs, members, rounds, shadow divergence),
                             read with its Status RPC without joining any job
   hsbn env [--markdown]     the environment variables hsbn reads and their values here
+  hsbn doctor REPORT.json   render a report hsbn.torch.diagnose saved (text, --json, --plot)
   hsbn-aggregator ARGS...   the hsbn-aggregator binary this package carries (or HSBN_AGGREGATOR)
 """
 
@@ -196,6 +197,7 @@ def env_main(argv):
 _USAGE = ("usage: hsbn [info]               the native parts in use (as python -m hsbn)\n"
           "       hsbn status [--help] ...  an aggregator's status, without joining a job\n"
           "       hsbn env [--markdown]     the environment variables hsbn reads\n"
+          "       hsbn doctor REPORT.json   render a saved hsbn.torch.diagnose report\n"
           "       hsbn --version")
 
 
@@ -220,6 +222,9 @@ def _main(argv):
         return status_main(argv[1:])
     if argv and argv[0] == "env":
         return env_main(argv[1:])
+    if argv and argv[0] == "doctor":
+        from .doctor import main as doctor_main   # renders hsbn.torch.diagnose's saved report
+        return doctor_main(argv[1:])
     if not argv or argv == ["info"]:
         from . import __main__ as info
         return info.main()

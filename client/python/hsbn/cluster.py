@@ -16,8 +16,10 @@ down). link_command(node, "drop" | "stall" | "resume" | "delay MS" | ...) cuts, 
 re-delays one node's link; link_stats(node) reads the proxy's counters.
 """
 
+import ast
 import multiprocessing
 import os
+import pickle
 import queue as queue_module
 import shutil
 import signal
@@ -33,6 +35,40 @@ from . import _lib
 
 class ClusterError(RuntimeError):
     """An aggregator of the LocalCluster failed to start, or a worker of run() failed."""
+
+
+_GUARD_HINT = (
+    "LocalCluster.run starts its workers with multiprocessing's \"spawn\": each one imports "
+    "your main module (%s) again before it runs the function, so the code that creates the "
+    "LocalCluster must sit under `if __name__ == \"__main__\":` (docs/PYTORCH.md, \"Try it on "
+    "one machine\")")
+
+
+def _bootstrapping():
+    """True in a process started by multiprocessing while it imports the parent's main
+    module (the guard-less script case), when starting processes is refused."""
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
+def _main_module_lacks_guard():
+    """The path of the main module when it is a script without an `if __name__ ==
+    "__main__":` block at its top level (so spawned workers would run it all again), else
+    None. A main module that cannot be read (an interactive session, python -c) passes."""
+    import sys
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not path.endswith(".py") or getattr(main, "__spec__", None) is not None:
+        return None  # python -m pkg.mod: spawn imports it by name, as its own module
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__main__" in ast.dump(node.test) \
+                and "__name__" in ast.dump(node.test):
+            return None
+    return path
 
 
 def _free_port():
@@ -124,6 +160,9 @@ class LocalCluster:
     def __init__(self, nodes=2, workers_per_node=4, job_id=None, round_timeout_ms=None,
                  root=True, aggregator=None, workdir=None, startup_timeout=30.0,
                  link_delay_ms=None, link_proxy=False, linkproxy=None):
+        if _bootstrapping():
+            raise ClusterError("a LocalCluster was created while a worker process was importing "
+                               "the main module: " + _GUARD_HINT % "the script")
         if nodes < 1 or workers_per_node < 1:
             raise ValueError("LocalCluster needs at least one node and one worker per node")
         if link_delay_ms is not None and not (
@@ -244,7 +283,15 @@ class LocalCluster:
         worker_env, and returns their return values by rank. `fn` must be importable (a
         module-level function). Each call is a new job (`job_id`, default a fresh one) with its
         own MASTER_PORT. If a worker raises or dies, the others get 15 seconds to finish, then
-        ClusterError reports every failure."""
+        ClusterError reports every failure.
+
+        Return values travel pickled as plain bytes, so tensors come back as copies (not as
+        shared memory of a process that has exited). The script that calls run() needs an `if
+        __name__ == "__main__":` guard, since every worker imports it; without one, run()
+        raises ClusterError at once and says so."""
+        unguarded = _main_module_lacks_guard()
+        if unguarded:
+            raise ClusterError(_GUARD_HINT % unguarded)
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Queue()
         procs = []
@@ -279,7 +326,7 @@ class LocalCluster:
                             grace_end = grace_end or now + 15
                     continue
                 if ok:
-                    results[rank] = value
+                    results[rank] = pickle.loads(value)
                 else:
                     failures[rank] = value
                     grace_end = grace_end or now + 15
@@ -376,7 +423,9 @@ class LocalCluster:
 def _run_worker(env, rank, fn, args, queue):
     os.environ.update(env)
     try:
-        value = fn(*args)
+        # Plain pickle, not the queue's: torch registers reducers there that would send a
+        # tensor as shared memory owned by this process, gone once it exits.
+        value = pickle.dumps(fn(*args), protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     else:

@@ -55,9 +55,56 @@ class SegmenterNet(nn.Module):
                              align_corners=False)
 
 
-def build(task):
+class GrayToRGB(nn.Module):
+    """A torchvision classifier on Fashion-MNIST's 1-channel 28x28 items: the channel repeated
+    three times (torchvision's models take RGB), the model unchanged otherwise."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x.expand(-1, 3, -1, -1))
+
+
+class UnknownModel(ValueError):
+    pass
+
+
+def torchvision_names():
+    """The classifiers torchvision offers by name (torchvision.models.<name>(num_classes=...))."""
+    import torchvision
+    lister = getattr(torchvision.models, "list_models", None)
+    if lister is not None:
+        return sorted(lister(module=torchvision.models))
+    return sorted(n for n in dir(torchvision.models) if n[:1].islower() and not n.startswith("_")
+                  and callable(getattr(torchvision.models, n)))
+
+
+def torchvision_model(name, classes=10):
+    """torchvision.models.<name>, randomly initialized (weights=None: nothing is downloaded),
+    with `classes` outputs, on gray 28x28 input. Needs Debian's python3-torchvision."""
+    try:
+        import torchvision
+    except ImportError:
+        raise UnknownModel("--model %s needs torchvision: apt-get install python3-torchvision "
+                           "(scripts/packages.txt has it)" % name) from None
+    if name not in torchvision_names():
+        raise UnknownModel("--model %r: torchvision %s has no classifier of that name; "
+                           "e.g. resnet18, resnet50, mobilenet_v3_small, efficientnet_b0"
+                           % (name, torchvision.__version__))
+    return GrayToRGB(getattr(torchvision.models, name)(num_classes=classes))
+
+
+def build(task, model=None):
+    """The task's model: the small built-in one, or with `model` a torchvision classifier by
+    name (classification only)."""
+    if model:
+        if task != "cls":
+            raise UnknownModel("--model applies to classification (--task cls)")
+        return torchvision_model(model)
     return ClassifierCNN() if task == "cls" else SegmenterNet()
 
 
-def parameter_count(task):
-    return sum(p.numel() for p in build(task).parameters())
+def parameter_count(task, model=None):
+    return sum(p.numel() for p in build(task, model).parameters())

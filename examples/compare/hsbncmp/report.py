@@ -118,6 +118,11 @@ def markdown(summary, divergence, check, cfg, command, environment):
            cfg.get("link_delay_ms", 0),
            "; groups of %d nodes" % cfg["group_nodes"] if cfg.get("group_nodes") else "",
            environment["machine"]))
+    if cfg.get("model"):
+        lines.append("")
+        lines.append("Classification model: torchvision's `%s` (random initialization, %d "
+                     "parameters), the gray items repeated to 3 channels."
+                     % (cfg["model"], cfg["params"]["cls"]))
     lines.append("")
     head = "| mode | norm. batch |"
     sep = "|---|---:|"
@@ -195,21 +200,21 @@ def markdown(summary, divergence, check, cfg, command, environment):
         lines.append("")
         lines.append(check["explanation"])
         lines.append("")
-        lines.append("| task | seed | gap after %d steps (noise, tolerance) | final gap (noise, "
-                     "tolerance) | max loss gap (noise, tolerance) | node–global gap after %d "
-                     "steps / final (for scale) | result |"
-                     % (check["rows"][0]["early_steps"], check["rows"][0]["early_steps"]))
-        lines.append("|---|---:|---:|---:|---:|---:|---|")
+        lines.append("| task | seed | statistics: global (reference, tolerance) | gradients: "
+                     "global (reference, tolerance) | running statistics: global (reference, "
+                     "tolerance) | node, for scale: statistics / gradients | final weights, "
+                     "global vs reference | max loss gap | result |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---|")
 
         def trio(c, a):
-            return "%.1e (%.1e, %.1e)" % (c[a + "_gap"], c[a + "_noise"], c[a + "_tolerance"])
+            return "%.1e (%.1e, %.1e)" % (c[a + "_gap"], c[a + "_ref"], c[a + "_tolerance"])
         for c in check["rows"]:
-            node = ("%.1e / %.1e" % (c["node_early_gap"], c["node_gap"])
-                    if c["node_gap"] is not None else "—")
-            lines.append("| %s | %s | %s | %s | %s | %s | %s |"
-                         % (TASK_NAME[c["task"]], c["seed"],
-                            trio(c, "early"), trio(c, "weight"), trio(c, "loss"), node,
-                            "PASS" if c["pass"] else "FAIL"))
+            node = ("%.1e / %.1e" % (c["stats_node"], c["grads_node"])
+                    if c.get("stats_node") is not None else "—")
+            lines.append("| %s | %s | %s | %s | %s | %s | %.1e | %.1e | %s |"
+                         % (TASK_NAME[c["task"]], c["seed"], trio(c, "stats"),
+                            trio(c, "grads"), trio(c, "running"), node, c["weight_gap"],
+                            c["loss_gap"], "PASS" if c["pass"] else "FAIL"))
         lines.append("")
         lines.append("**%s**" % ("PASS: global matches reference" if check["pass"]
                                  else "FAIL: global does not match reference — a bug"))

@@ -324,7 +324,7 @@ def _write(args, command, env, cfg, cells, default_cell, wall, final):
     runs = []
     for c in cells:
         for r in c["runs"]:
-            rr = {k: v for k, v in r.items() if k not in ("state", "early_state")}
+            rr = {k: v for k, v in r.items() if k not in cli.RAW_KEYS}
             rr["cfg"] = {"batch": c["batch"], "skew": c["skew"], "nodes": cfg["nodes"],
                          "workers_per_node": cfg["workers_per_node"], "world": cfg["world"],
                          "group_nodes": cfg["group_nodes"]}

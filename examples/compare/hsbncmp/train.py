@@ -19,11 +19,11 @@ import numpy as np
 
 from . import data, models
 
-# The weights are also kept after this many steps, for the global vs reference check before
-# training has amplified round-off. One step: at 4 nodes x 2 workers, 2 of 5 seeds already
-# amplified round-off 10-100x past the reversed-order reference's by step 3 (gaps 2e-6 to 2e-5,
-# against ~1e-2 between node and global), while after one step the gap stays at ~1e-7.
-EARLY_STEPS = 1
+
+# The global vs reference check compares the first step (each BatchNorm layer's statistics,
+# every parameter's gradient, the running statistics after it) with a float64 one-process run;
+# see cli.global_reference_check. BN_EPS is the layers' eps (torch's default).
+BN_EPS = 1e-5
 
 SCOPE = {"local": "local", "node": "node", "global": "global", "shadow": "shadow",
          "group": "group", "auto": "auto"}
@@ -99,6 +99,50 @@ def _progress_tick(progress, job_index):
 
 def _lr(cfg, task):
     return cfg["lr"][task]
+
+
+# --- the first step, recorded for the check ----------------------------------------------------
+
+def _grads(model):
+    return {k: p.grad.detach().to("cpu").double().numpy().copy()
+            for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _running(model):
+    return {k: v.detach().to("cpu").double().numpy().copy() for k, v in model.state_dict().items()
+            if k.endswith(("running_mean", "running_var"))}
+
+
+def _input_stats_hooks(torch, model, record):
+    """Forward hooks that record each BatchNorm layer's batch mean and biased variance
+    (computed in float64 from its input, what exact BatchNorm over that input uses), by the
+    layer's index in module order. Returns the hook handles."""
+    handles = []
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for i, m in enumerate(layers):
+        def hook(module, inputs, i=i):
+            x = inputs[0].detach().double().transpose(0, 1).reshape(module.num_features, -1)
+            record[i] = (x.mean(1).numpy().copy(), x.var(1, unbiased=False).numpy().copy())
+        handles.append(m.register_forward_pre_hook(hook))
+    return handles
+
+
+def _recording_forward(client, ops, record, perturb):
+    """client.forward that also records each layer's merged (mean, biased variance) by the
+    layer's index (`ops`: op -> index), and with `perturb` = (index, k) moves that layer's
+    merged mean by k of its standard deviations on every rank (a wrong statistic, for testing
+    that the check catches one)."""
+    real = client.forward
+
+    def forward(op, seq, scope, count, mean, m2):
+        n, gm, gm2 = real(op, seq, scope, count, mean, m2)
+        i = ops.get(int(op))
+        if i is not None and n > 0:
+            if perturb is not None and perturb[0] == i:
+                gm = gm + perturb[1] * np.sqrt(gm2 / n)
+            record[i] = (np.array(gm, np.float64), np.array(gm2, np.float64) / n)
+        return n, gm, gm2
+    return forward
 
 
 # --- distributed runs --------------------------------------------------------------------------
@@ -204,7 +248,7 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = models.build(task)
+    model = models.build(task, cfg.get("model"))
     model.load_state_dict({k: torch.from_numpy(v) for k, v in init.items()})
     # A name per run: its layers get round keys (and shadow divergence records at the root)
     # of their own, apart from the other runs' in this job.
@@ -219,23 +263,32 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
     step_s = np.zeros(steps, np.float64)
     sync_s = np.zeros(steps, np.float64)
     curve = []
-    early, early_state = min(EARLY_STEPS, steps), None
+    # The first step's merged statistics (read from the client's answers), for the check.
+    ops = {int(m.op): i for i, (_, m) in enumerate(_bn_layers(torch, model))
+           if getattr(m, "op", None) is not None}
+    first = {"stats": {}}
+    perturb = cfg.get("perturb_mean") if mode == "global" else None
     for step in range(steps):
         x, y = batch(torch, task, plan, arrays, step, [rank])
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, task) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+        if step == 0:
+            client.forward = _recording_forward(client, ops, first["stats"], perturb)
         # Sync time: what the step spent blocked in hsbn rounds (read outside the timed step).
         s0 = _blocked_seconds(client)
         t0 = time.perf_counter()
         loss = F.cross_entropy(ddp(x), y)
         opt.zero_grad()
         loss.backward()
+        if step == 0:
+            del client.forward
+            first["grads"] = _grads(model)  # DDP's average over the workers
         opt.step()
         step_s[step] = time.perf_counter() - t0
         sync_s[step] = _blocked_seconds(client) - s0
         losses[step] = loss.item()
-        if step + 1 == early and rank == 0:
-            early_state = state_numpy(model)
+        if step == 0:
+            first["running"] = _running(model)
         if step + 1 in points:
             curve.append((step + 1, _distributed_eval(torch, dist, model, task, xs_c, ys_c,
                                                       rank, world, "rank0")))
@@ -276,7 +329,8 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
         "step_ms_max_rank": float(per_rank[:, 0].max() * 1e3),
         "sync_ms": float(per_rank[:, 1].mean() * 1e3),
         "divergence": divergence,
-        "state": state_numpy(model), "early_state": early_state,
+        "state": state_numpy(model),
+        "first_step": first if mode in ("global", "node") else None,
     }
 
 
@@ -319,7 +373,7 @@ def reference_run(cfg, task, seed, label, order, init, plan, cache, progress, jo
 
     torch.set_num_threads(1)
     arrays = load_cache(cache)
-    model = models.build(task)
+    model = models.build(task, cfg.get("model"))
     model.load_state_dict({k: torch.from_numpy(v) for k, v in init.items()})
     opt = torch.optim.SGD(model.parameters(), lr=_lr(cfg, task), momentum=0.9)
     steps = plan["steps"]
@@ -330,20 +384,25 @@ def reference_run(cfg, task, seed, label, order, init, plan, cache, progress, jo
     losses = np.zeros(steps)
     step_s = np.zeros(steps)
     curve = []
-    early, early_state = min(EARLY_STEPS, steps), None
+    first = {"stats": {}}
     for step in range(steps):
         x, y = batch(torch, task, plan, arrays, step, ranks)
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, task) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+        hooks = _input_stats_hooks(torch, model, first["stats"]) if step == 0 else []
         t0 = time.perf_counter()
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
+        if step == 0:
+            first["grads"] = _grads(model)
         opt.step()
         step_s[step] = time.perf_counter() - t0
+        for h in hooks:
+            h.remove()
+        if step == 0:
+            first["running"] = _running(model)
         losses[step] = loss.item()
-        if step + 1 == early:
-            early_state = state_numpy(model)
         if step + 1 in points:
             curve.append((step + 1, metric(task, eval_counts(torch, model, task, xs_c, ys_c))))
         _progress_tick(progress, job_index)
@@ -357,5 +416,29 @@ def reference_run(cfg, task, seed, label, order, init, plan, cache, progress, jo
         "curve": curve, "loss": losses.tolist(),
         "step_ms": float(step_s[warm:].mean() * 1e3), "step_ms_max_rank": None,
         "sync_ms": 0.0, "divergence": None,
-        "state": state_numpy(model), "early_state": early_state,
+        "state": state_numpy(model),
+        "first_step": first, "first_step_f64": first_step_float64(cfg, task, init, plan, arrays),
     }
+
+
+def first_step_float64(cfg, task, init, plan, arrays):
+    """The reference's first step in float64 (weights, inputs and arithmetic): each BatchNorm
+    layer's batch statistics, every parameter's gradient and the running statistics after the
+    step. The truth the check measures global and the float32 reference against: neither has
+    float64's round-off, and a wrong statistic is far from both."""
+    import torch
+    import torch.nn.functional as F
+
+    model = models.build(task, cfg.get("model")).double()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in init.items()})
+    world = cfg["nodes"] * cfg["workers_per_node"]
+    x, y = batch(torch, task, plan, arrays, 0, list(range(world)))
+    first = {"stats": {}}
+    hooks = _input_stats_hooks(torch, model, first["stats"])
+    loss = F.cross_entropy(model(x.double()), y)
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    first["grads"] = _grads(model)
+    first["running"] = _running(model)
+    return first

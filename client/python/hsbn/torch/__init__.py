@@ -8,6 +8,7 @@ torch.nn.SyncBatchNorm.
     hsbn.torch.stats(model).total.blocked_seconds   # time spent blocked in rounds
     hsbn.torch.sync_running_stats(model, "global")  # pool running statistics over the job
     hsbn.torch.precise_bn(model, batches)           # recompute them over batches of every rank
+    print(hsbn.torch.diagnose(model, batches))      # is a multi-GPU gap BatchNorm's fault?
 
 Works with any PyTorch that has torch.batch_norm_stats (1.13 and 2.x), on CPU and CUDA tensors;
 it binds hsbn's C ABI only, never PyTorch's C++ ABI.
@@ -20,6 +21,7 @@ from ._convert import convert_sync_batchnorm, revert_sync_batchnorm
 from ._inspect import model_client, stats, divergence, scopes, auto_decisions
 from ._function import SyncBatchNormFunction, SyncStats, sync_stats, reset_sync_stats
 from ._population import sync_running_stats, precise_bn
+from ._diagnose import diagnose
 from . import _ops
 
 
@@ -47,4 +49,4 @@ def cuda_ops():
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm",
            "LayerMismatchError", "SyncBatchNormFunction", "SCOPES", "next_op", "op_for_name",
            "model_client", "stats", "divergence", "scopes", "auto_decisions", "set_cuda_ops", "cuda_ops", "SyncStats", "sync_stats",
-           "reset_sync_stats", "sync_running_stats", "precise_bn"]
+           "reset_sync_stats", "sync_running_stats", "precise_bn", "diagnose"]

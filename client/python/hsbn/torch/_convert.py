@@ -118,6 +118,11 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
         return out
 
     result = convert(module, "")
+    if layers and torch.distributed.is_available() and torch.distributed.is_initialized():
+        from ._diagnose import _wrapping_ddp   # for hsbn.torch.diagnose's smell
+        if _wrapping_ddp(module) is not None:
+            for _, layer in layers:
+                layer._hsbn_converted_under_ddp = True
     # Key the layers by name. Two names whose hashes collide get deterministic second
     # choices, the same on every rank that converts the same model.
     taken = {}

@@ -156,6 +156,7 @@ class SyncBatchNorm(_BatchNorm):
                               % (self._label(), saved, ", ".join(_AUTO_DECISIONS)))
             return
         self._auto_decision = dict(saved)
+        self._auto_decision["decided_at"] = -1  # restored, not decided in this run
         self._auto_restore = saved["scope"]
 
     @property
