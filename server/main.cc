@@ -30,6 +30,7 @@
 #include "aggregator.h"
 #include "grpcpp/grpcpp.h"
 #include "log.h"
+#include "wire.h"
 #include "version.h"
 
 namespace {

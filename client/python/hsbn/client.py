@@ -570,7 +570,7 @@ def default_client(group_nodes=None):
                     % (int(group_nodes), _default.job_id, have))
         if _default is None or _default.closed:
             env = _env.get("HSBN_GROUP_NODES")
-            if group_nodes is not None and os.environ.get("HSBN_GROUP_NODES") and \
+            if group_nodes is not None and _env.is_set("HSBN_GROUP_NODES") and \
                     env != str(int(group_nodes)):
                 raise ConfigurationError(
                     "a layer asks for group_nodes=%d but HSBN_GROUP_NODES=%s; nodes per group "
