@@ -946,7 +946,7 @@ TEST(ClientOptions, FromEnvNamesWhatIsWrong) {
   setenv("GROUP_RANK", "1", 1);
   o = ClientOptions::FromEnv();
   EXPECT_NE(o.status().message().find("HSBN_JOB_ID"), std::string::npos) << o.status();
-  setenv("TORCHELASTIC_RUN_ID", "none", 1);  // torchrun without --rdzv-id: not a job id
+  setenv("TORCHELASTIC_RUN_ID", "none", 1);  // torchrun without --rdzv_id: not a job id
   o = ClientOptions::FromEnv();
   EXPECT_NE(o.status().message().find("HSBN_JOB_ID"), std::string::npos) << o.status();
   unsetenv("TORCHELASTIC_RUN_ID");
