@@ -179,3 +179,23 @@ def test_a_normal_exit_of_a_trainer_is_logged_as_a_leave(transport_env):
         line, log = _wait_for_exit_line(c, job)
         assert line is not None and line.endswith(" left"), log
         assert "disconnected" not in log, log
+
+
+def test_a_first_step_error_that_is_not_about_layers_carries_no_layer_hint(tmp_path):
+    # Two nodes, no root: the model's first synchronized round (its layer check, global scope)
+    # is refused at once by the sidecar (FAILED_PRECONDITION: "this sidecar has no root"). The
+    # hint about ranks that did not run the model belongs to deadlines only: it was added to
+    # every error whose text holds "rank", which this one does.
+    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=1, root=False) as c:
+        client = hsbn.Client.from_env(c.worker_env(0))
+        try:
+            model = hsbn.torch.convert_sync_batchnorm(
+                torch.nn.Sequential(torch.nn.Conv2d(2, 3, 1), torch.nn.BatchNorm2d(3)),
+                scope="global", client=client, name="hintless")
+            with pytest.raises(hsbn.HsbnError) as info:
+                model(torch.randn(2, 2, 3, 3))
+        finally:
+            client.close()
+    assert info.value.code == hsbn.errors.FAILED_PRECONDITION, info.value
+    assert "--upstream" in str(info.value)
+    assert "did not run model" not in str(info.value), str(info.value)

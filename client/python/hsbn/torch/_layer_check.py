@@ -17,7 +17,8 @@ import weakref
 
 import numpy as np
 
-from ..errors import ConfigurationError, HsbnError, InvalidArgumentError, INVALID_ARGUMENT
+from ..errors import (ConfigurationError, HsbnError, InvalidArgumentError, DEADLINE_EXCEEDED,
+                      INVALID_ARGUMENT)
 from ._keys import _check_op_for_model
 
 
@@ -122,7 +123,7 @@ class _LayerCheck:
                 hint = (" The ranks disagree on the check itself: some have global or shadow "
                         "layers in model %r where others have only node layers (its scope here "
                         "is %s)." % (self.model, self.scope))
-            elif "rank" in str(e):
+            elif e.code == DEADLINE_EXCEEDED:  # by code: the ranks the timeout names
                 hint = (" The ranks named did not run model %r in training mode: every rank "
                         "must convert and run the same models, under the same name=."
                         % self.model)
