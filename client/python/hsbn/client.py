@@ -56,10 +56,10 @@ def _check_layout(rank, world_size, local_rank, local_world_size, node_rank, sou
     group_nodes (HSBN_GROUP_NODES) is 0 or divides the number of nodes. The check is the
     library's (hsbn_check_layout_groups), the one the C++ client and the aggregator use."""
     lib = _lib.lib()
-    if lib.hsbn_check_layout_groups(int(rank), int(world_size), int(local_rank),
-                                    int(local_world_size), int(node_rank),
-                                    int(group_nodes)) != 0:
-        if "HSBN_GROUP_NODES" in _lib.last_error():
+    layout = (int(rank), int(world_size), int(local_rank), int(local_world_size), int(node_rank))
+    if lib.hsbn_check_layout_groups(*layout, int(group_nodes)) != 0:
+        if lib.hsbn_check_layout(*layout) == 0:  # the five agree: the group size is what is wrong
+            lib.hsbn_check_layout_groups(*layout, int(group_nodes))
             raise ConfigurationError("inconsistent %s: %s" % (source, _lib.last_error()))
         raise ConfigurationError(
             "inconsistent %s: %s (RANK=%s WORLD_SIZE=%s LOCAL_RANK=%s LOCAL_WORLD_SIZE=%s "
