@@ -166,8 +166,8 @@ absl::Status ClientOptions::Validate() const {
 // connection, who then polls in its turn. Waiters that do not hold the role sleep on their
 // round's condition variable until their round is done or the role is handed to them. In the
 // common case (one thread, one round at a time) the caller reads its own answer: no thread hop.
-// All of this state (pending_, every PendingRound's fields, every Conn's poll state) is guarded
-// by one mutex, rounds_mu_; it is never held while polling.
+// All of this state (pending_, every PendingRound's fields, every RoundStream's poll state) is
+// guarded by one mutex, rounds_mu_; it is never held while polling.
 //
 // Timeouts. The poller polls with its own round's deadline (AsyncNext takes one; a blocking
 // sync Read could not), so a poller never stays past its deadline: it gives the role back,
@@ -189,8 +189,8 @@ absl::Status ClientOptions::Validate() const {
 // thread's poll) fails with UNAVAILABLE at its Wait. A broken connection lives on (it may still
 // deliver results read before the break) until its last round is done; its destructor cancels
 // the call and drains its completion queue.
-struct ClientConn {
-  ~ClientConn() {
+struct RoundStream {
+  ~RoundStream() {
     context.TryCancel();
     cq.Shutdown();
     void* tag;
@@ -227,7 +227,7 @@ class PendingRound {
   Scope scope = Scope::kNode;  // the scope sent (what auto scope chose)
   bool decide = false;         // auto scope's decision round
   int64_t channels = 0;
-  std::shared_ptr<ClientConn> conn;  // the stream it was sent on (gRPC rounds)
+  std::shared_ptr<RoundStream> conn;  // the stream it was sent on (gRPC rounds)
   // Shared-memory rounds: the channel and the slot it was posted in (conn is null).
   std::shared_ptr<client_internal::ShmChannel> shm;
   client_internal::ShmRound shm_round;
@@ -265,7 +265,7 @@ std::chrono::system_clock::time_point ToSystem(std::chrono::steady_clock::time_p
 
 class Client::Impl {
  public:
-  using Conn = ClientConn;
+
   using Clock = std::chrono::steady_clock;
   // How long a round's Start waits for the node's transport before leaving it to its Wait.
   static constexpr std::chrono::milliseconds kDecisionWait{500};
@@ -283,7 +283,7 @@ class Client::Impl {
   }
 
   ~Impl() {
-    std::shared_ptr<Conn> conn;
+    std::shared_ptr<RoundStream> conn;
     {
       absl::MutexLock lock(&mu_);
       conn = std::move(conn_);
@@ -382,7 +382,7 @@ class Client::Impl {
     // Twice at most: when the stream turns out broken before the contribution left (the
     // previous write failed, or ours did), it is sent again once on a new stream.
     for (int attempt = 0;; ++attempt) {
-      std::shared_ptr<Conn> conn;
+      std::shared_ptr<RoundStream> conn;
       std::shared_ptr<client_internal::ShmChannel> shm;
       std::string session;
       {
@@ -617,7 +617,7 @@ class Client::Impl {
     if (!p.conn) return absl::FailedPreconditionError("this round was never sent");
     {
       absl::ReleasableMutexLock lk(&rounds_mu_);
-      Conn& conn = *p.conn;
+      RoundStream& conn = *p.conn;
       while (!p.done) {
         if (Clock::now() >= deadline) {
           Forget(p);
@@ -844,7 +844,7 @@ class Client::Impl {
   }
 
   // After the poller role was given back: wake one thread that may take it. rounds_mu_ held.
-  void HandOff(Conn& conn) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
+  void HandOff(RoundStream& conn) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     if (conn.waiters == 0) return;
     conn.write_cv.SignalAll();  // Starts waiting for the write slot (rare)
     for (auto& [key, r] : pending_) {
@@ -859,7 +859,7 @@ class Client::Impl {
   // events until `stop()` or `deadline` (a deadline in the past handles what is ready and
   // returns). The caller holds conn's poller role.
   template <typename Stop>
-  void Poll(const std::shared_ptr<Conn>& conn, Clock::time_point deadline, Stop stop)
+  void Poll(const std::shared_ptr<RoundStream>& conn, Clock::time_point deadline, Stop stop)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     const auto sys_deadline = ToSystem(deadline);
     const bool now_only = deadline <= Clock::now();
@@ -910,7 +910,7 @@ class Client::Impl {
   }
 
   // A result read from conn: complete its round. rounds_mu_ held.
-  void Dispatch(Conn& conn) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
+  void Dispatch(RoundStream& conn) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     if (!conn.in.has_result()) return;
     v1::Result* r = conn.in.mutable_result();
     auto it = pending_.find(Key{r->op(), r->seq(), int(r->phase())});
@@ -924,7 +924,7 @@ class Client::Impl {
   }
 
   // conn's stream is finished: every round still in flight on it fails. rounds_mu_ held.
-  void FailRounds(Conn& conn) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
+  void FailRounds(RoundStream& conn) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     const std::string why = conn.final_status.error_message();
     const absl::Status lost = absl::UnavailableError(absl::StrCat(
         "the stream to the hsbn sidecar at ", options_.address, " broke (",
@@ -1006,7 +1006,7 @@ class Client::Impl {
     num_nodes_ = resp.num_nodes();
     max_channels_ = resp.max_channels();
     aggregator_timeout_ms_ = resp.round_timeout_ms();
-    auto conn = std::make_shared<Conn>();
+    auto conn = std::make_shared<RoundStream>();
     conn->generation = ++generation_;
     // Not shared yet: start the call, then send the attach frame, synchronously on its queue
     // (StartCall uses the write slot: the attach Write waits for it).
@@ -1086,7 +1086,7 @@ class Client::Impl {
   std::unique_ptr<v1::Aggregator::Stub> stub_;
   absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(rounds_mu_);  // connection state; never taken while
                                                      // rounds_mu_ is held
-  std::shared_ptr<Conn> conn_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<RoundStream> conn_ ABSL_GUARDED_BY(mu_);
   // null: rounds use the stream
   std::shared_ptr<client_internal::ShmChannel> shm_ ABSL_GUARDED_BY(mu_);
   // Why the sidecar's shared-memory socket could not be used; then this worker offers it no more.

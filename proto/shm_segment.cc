@@ -377,7 +377,7 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
     up = ReachesParent(Read(&slot(r, idx[r])->scope), o);
   }
   if (error.ok() && up) {
-    Item partial;
+    QueueEntry partial;
     partial.key = key;
     partial.kind = kPartial;
     partial.scope = scope;
@@ -394,7 +394,7 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
   }
   if (!error.ok()) {
     if (up) {
-      Item abort;
+      QueueEntry abort;
       abort.key = key;
       abort.kind = kAbort;
       abort.code = int32_t(error.code());
@@ -423,7 +423,7 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
   return true;
 }
 
-bool Segment::Enqueue(const Item& item, const ReduceOptions& o) {
+bool Segment::Enqueue(const QueueEntry& item, const ReduceOptions& o) {
   // The sidecar drains the queue whenever its doorbell rings; a full queue waits for it.
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   for (int spins = 0;; ++spins) {
@@ -524,13 +524,13 @@ void Segment::Kill(const std::string& why) {
   WakeAll();
 }
 
-std::vector<Item> Segment::TakeQueue(int* malformed) {
-  std::vector<Item> out;
+std::vector<QueueEntry> Segment::TakeQueue(int* malformed) {
+  std::vector<QueueEntry> out;
   for (int32_t j = 0; j < g_.queue; ++j) {
     SlotHead* e = entry(j);
     const uint32_t w = Load(&e->state);
     if (StateOf(w) != kReady) continue;
-    Item it;
+    QueueEntry it;
     it.kind = Read(&e->kind);
     it.key.op = Read(&e->op);
     it.key.seq = Read(&e->seq);

@@ -145,7 +145,7 @@ struct SlotHead {
 static_assert(sizeof(SlotHead) <= kSlotHeadBytes, "slot head too large");
 
 // A copy of what a slot or queue entry held, after validation.
-struct Item {
+struct QueueEntry {
   Key key;
   int32_t scope = 0;
   uint32_t kind = 0;
@@ -224,7 +224,7 @@ class Segment {
   void Revive(int32_t rank);                   // a rejoined rank: empty ring, not gone
   void Kill(const std::string& why);           // invalidates the segment; wakes every sleeper
   // Takes the queue's ready entries (validated; malformed ones are dropped and counted).
-  std::vector<Item> TakeQueue(int* malformed);
+  std::vector<QueueEntry> TakeQueue(int* malformed);
   // Writes an answer into every rank's slot that posted `key` (claimed ones: the sidecar's
   // rounds). `data` holds 2 * channels doubles when code == 0.
   int DeliverAll(const Key& key, int32_t code, const std::string& message, int64_t count,
@@ -241,7 +241,7 @@ class Segment {
                              const std::vector<uint32_t>& posted) const;
   void Deliver(int32_t rank, int32_t i, uint32_t posted, int32_t code, const std::string& message,
                int64_t count, int64_t channels, const double* a, const double* b) const;
-  bool Enqueue(const Item& item, const ReduceOptions& options);
+  bool Enqueue(const QueueEntry& item, const ReduceOptions& options);
   // Counts one answered round in the header (Status's totals and the metric counters).
   void CountRound(int32_t scope, int32_t phase, int32_t code) const;
   void CountNonFinite(int32_t phase, int64_t values) const;

@@ -726,7 +726,7 @@ std::string Aggregator::NodeTransport(const std::string& job_id) const {
   return shm_->Describe(job_id);
 }
 
-void Aggregator::ShmToParent(const std::string& job_id, const shm::Item& item) {
+void Aggregator::ShmToParent(const std::string& job_id, const shm::QueueEntry& item) {
   std::shared_ptr<Job> job = registry_.FindJob(job_id);
   if (!job || !parent_) return;
   const RoundKey key{item.key.op, item.key.seq, v1::Phase(item.key.phase)};

@@ -127,7 +127,7 @@ class Aggregator final : public UpstreamListener, public ShmListener {
   void OnParentLost(const absl::Status& status) override;
   bool NodeDown(const std::string& job_id, std::string* message) override;
   // ShmListener (called by the shared-memory transport's thread).
-  void ShmToParent(const std::string& job_id, const shm::Item& item) override;
+  void ShmToParent(const std::string& job_id, const shm::QueueEntry& item) override;
 
   // The unary methods, run on the event thread.
   grpc::Status Join(const v1::JoinRequest& req, v1::JoinResponse* resp);

@@ -33,15 +33,15 @@ struct FrameTraits {
 // flight, batches when the parent accepts them, --max-queued-bytes and the memory budget);
 // until the call has started the writer is held. When the read fails (the stream broke, or
 // was cancelled) and no write is in flight, Finish collects the status and its completion
-// tells the link (ConnDone). The Conn holds itself (self_) until its last operation is back.
+// tells the link (ConnDone). The ParentStream holds itself (self_) until its last operation is back.
 // Send() refuses frames once it is broken; an overflow breaks it (the rounds behind it fail
 // through ConnDone -> OnParentLost).
-class ParentLink::Conn final : public StreamWriter<FrameTraits> {
+class ParentLink::ParentStream final : public StreamWriter<FrameTraits> {
  public:
-  explicit Conn(ParentLink* link)
+  explicit ParentStream(ParentLink* link)
       : StreamWriter(link->writer_limits_, /*held=*/true), link_(link) {}
 
-  void Start(const std::shared_ptr<Conn>& self, v1::Aggregator::Stub* stub,
+  void Start(const std::shared_ptr<ParentStream>& self, v1::Aggregator::Stub* stub,
              grpc::CompletionQueue* cq) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     self_ = self;
@@ -150,9 +150,9 @@ class ParentLink::Conn final : public StreamWriter<FrameTraits> {
     Release();
   }
 
-  // Drops one operation; the last one releases the Conn's hold on itself (may delete it).
+  // Drops one operation; the last one releases the ParentStream's hold on itself (may delete it).
   void Release() {
-    std::shared_ptr<Conn> self;
+    std::shared_ptr<ParentStream> self;
     if (ReleaseOp()) {
       absl::MutexLock lock(&mu_);
       self = std::move(self_);
@@ -168,13 +168,13 @@ class ParentLink::Conn final : public StreamWriter<FrameTraits> {
   }
 
   ParentLink* const link_;
-  std::shared_ptr<Conn> self_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<ParentStream> self_ ABSL_GUARDED_BY(mu_);
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::ClientFrame, v1::ServerFrame>> stream_;
-  MemberTag<Conn> start_tag_{this, &Conn::OnStart};
-  MemberTag<Conn> read_tag_{this, &Conn::OnRead};
-  MemberTag<Conn> write_tag_{this, &Conn::OnWrite};
-  MemberTag<Conn> finish_tag_{this, &Conn::OnFinish};
+  MemberTag<ParentStream> start_tag_{this, &ParentStream::OnStart};
+  MemberTag<ParentStream> read_tag_{this, &ParentStream::OnRead};
+  MemberTag<ParentStream> write_tag_{this, &ParentStream::OnWrite};
+  MemberTag<ParentStream> finish_tag_{this, &ParentStream::OnFinish};
   v1::ServerFrame in_;
   grpc::Status status_;
   bool read_failed_ ABSL_GUARDED_BY(mu_) = false;
@@ -276,7 +276,7 @@ void ParentLink::UnaryDone(void* call) {
 }
 
 void ParentLink::CheckStalled(std::chrono::steady_clock::time_point now) {
-  std::shared_ptr<Conn> conn;
+  std::shared_ptr<ParentStream> conn;
   {
     absl::MutexLock lock(&mu_);
     conn = published_;
@@ -289,7 +289,7 @@ void ParentLink::CheckStalled(std::chrono::steady_clock::time_point now) {
 }
 
 void ParentLink::Enqueue(Item item) {
-  std::shared_ptr<Conn> conn;
+  std::shared_ptr<ParentStream> conn;
   SessionId session;
   {
     absl::MutexLock lock(&mu_);
@@ -589,7 +589,7 @@ absl::Status ParentLink::Send(Item& item) {
                : " If the root uses TLS (--tls-cert), give this sidecar --upstream-ca"));
     }
     last_connect_error_ = absl::OkStatus();
-    auto conn = std::make_shared<Conn>(this);
+    auto conn = std::make_shared<ParentStream>(this);
     {
       absl::MutexLock lock(&mu_);
       ++live_conns_;

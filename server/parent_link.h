@@ -5,7 +5,7 @@
 // it queues for a connect thread, which connects (lazily, and again after a failure) and joins
 // each job at the parent once. A Join at the parent is an async unary call: a job whose Join
 // is in flight parks its own frames until it completes, and every other job's frames go on. A
-// job that ends here leaves the parent with a Leave frame on the stream, after its partials. The stream (Conn) is a gRPC async-API call on the aggregator's first
+// job that ends here leaves the parent with a Leave frame on the stream, after its partials. The stream (ParentStream) is a gRPC async-API call on the aggregator's first
 // completion queue, so its completions run on that queue's event thread: writes go through a
 // bounded StreamWriter (one in flight, batches when the root accepts them). Results (single or
 // batched) reach the aggregator through UpstreamListener from the event thread. A node whose
@@ -102,7 +102,7 @@ class ParentLink {
     v1::JoinResponse join_response;
     std::shared_ptr<void> joined_on;
   };
-  class Conn;
+  class ParentStream;
   template <typename Req, typename Resp>
   class UnaryCall;
 
@@ -131,7 +131,7 @@ class ParentLink {
       const Req& req, std::chrono::milliseconds timeout,
       std::function<void(const grpc::Status&, const Resp&)> done) ABSL_LOCKS_EXCLUDED(mu_);
   void UnaryDone(void* call) ABSL_LOCKS_EXCLUDED(mu_);
-  // Called by Conn's reactions.
+  // Called by ParentStream's reactions.
   void Deliver(const v1::Result& result) ABSL_LOCKS_EXCLUDED(jobs_mu_);
   void ConnDone(const grpc::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -154,12 +154,12 @@ class ParentLink {
   // The writer thread publishes an established stream and the jobs joined on it, so that
   // Forward/Abort can write at once from the calling thread when nothing is queued, without a
   // hop to the writer thread.
-  std::shared_ptr<Conn> published_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<ParentStream> published_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, SessionId> published_sessions_ ABSL_GUARDED_BY(mu_);
   absl::Mutex jobs_mu_;  // read on the event thread when results arrive
   absl::flat_hash_map<SessionId, std::string> job_of_session_ ABSL_GUARDED_BY(jobs_mu_);
   // Writer thread only.
-  std::shared_ptr<Conn> conn_;
+  std::shared_ptr<ParentStream> conn_;
   // Jobs whose Join at the parent is in flight on conn_, and the items waiting for it: a slow
   // Join delays its own job's frames only, never another job's.
   std::map<std::string, std::deque<Item>> parked_;

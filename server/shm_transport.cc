@@ -343,7 +343,7 @@ void ShmTransport::Accept() {
       close(fd);
       continue;
     }
-    conns_[fd] = Conn{fd, Clock::now(), false};
+    conns_[fd] = HandoffConn{fd, Clock::now(), false};
   }
 }
 
@@ -422,7 +422,7 @@ void ShmTransport::Doorbell(const std::string& job_id, int fd) {
     seg = it->second.segment;
   }
   int malformed = 0;
-  std::vector<shm::Item> items = seg->TakeQueue(&malformed);
+  std::vector<shm::QueueEntry> items = seg->TakeQueue(&malformed);
   if (malformed > 0) {
     LogLimited(LogLevel::kWarn, LogKind::kInvalidFrame,
                absl::StrCat("job '", LogSafe(job_id, 256), "': ", malformed,
@@ -433,14 +433,14 @@ void ShmTransport::Doorbell(const std::string& job_id, int fd) {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);
     if (it == jobs_.end()) return;
-    for (const shm::Item& item : items) {
+    for (const shm::QueueEntry& item : items) {
       if (item.kind == shm::kPartial && item.scope == v1::SCOPE_GLOBAL) {
         it->second.forwarded[{item.key.op, item.key.seq, item.key.phase}] =
             Forwarded{item.channels, Clock::now()};
       }
     }
   }
-  for (const shm::Item& item : items) listener_->ShmToParent(job_id, item);
+  for (const shm::QueueEntry& item : items) listener_->ShmToParent(job_id, item);
 }
 
 void ShmTransport::HarvestMetrics() {

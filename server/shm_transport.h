@@ -47,7 +47,7 @@ class ShmListener {
  public:
   virtual ~ShmListener() = default;
   // A node partial (kPartial) or a failed round (kAbort) of `job_id` for the parent.
-  virtual void ShmToParent(const std::string& job_id, const shm::Item& item) = 0;
+  virtual void ShmToParent(const std::string& job_id, const shm::QueueEntry& item) = 0;
 };
 
 struct ShmOptions {
@@ -119,7 +119,7 @@ class ShmTransport {
     // The segment's metric counters as last harvested (rounds, then non-finite values).
     std::vector<uint64_t> harvested;
   };
-  struct Conn {
+  struct HandoffConn {
     int fd = -1;
     Clock::time_point opened;
     bool answered = false;
@@ -152,7 +152,7 @@ class ShmTransport {
   mutable absl::Mutex mu_;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, NodeJob> jobs_ ABSL_GUARDED_BY(mu_);
-  std::map<int, Conn> conns_ ABSL_GUARDED_BY(mu_);
+  std::map<int, HandoffConn> conns_ ABSL_GUARDED_BY(mu_);
   std::map<int, std::string> doorbells_ ABSL_GUARDED_BY(mu_);  // eventfd -> job id
 };
 
