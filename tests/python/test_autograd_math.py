@@ -3,6 +3,7 @@ reduced by an in-process stand-in for the aggregator (Chan's merge in rank order
 backward). Separates "the layer's math is right" from "the service delivers the right sums";
 the process-level tests in test_sync_batchnorm.py check both together."""
 
+import contextlib
 import threading
 
 import pytest
@@ -60,7 +61,9 @@ class ThreadClient:
                                   lambda x, y: (x[0] + y[0], x[1] + y[1], x[2] + y[2]))
 
 
-def run_threads(spec, data):
+def run_threads(spec, data, per_thread=contextlib.nullcontext):
+    """bn_steps of every rank on a thread of its own, inside `per_thread()` (a context manager
+    entered on that thread)."""
     world = len(data)
     rounds = InProcessRounds(world)
     results, errors = [None] * world, []
@@ -68,7 +71,9 @@ def run_threads(spec, data):
 
     def worker(rank):
         try:
-            results[rank] = hsbn_cases.bn_steps(spec, data[rank], ThreadClient(rounds, rank), op)
+            with per_thread():
+                results[rank] = hsbn_cases.bn_steps(spec, data[rank], ThreadClient(rounds, rank),
+                                                    op)
         except BaseException as e:  # reported below
             errors.append((rank, e))
     threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]

@@ -7,16 +7,14 @@ The ranks are threads of this process on one GPU, each with autograd's multithre
 default PyTorch runs every CUDA backward node of a device on one shared autograd thread, where
 the first rank's backward round would wait for ranks queued behind it (docs/PYTORCH.md)."""
 
-import threading
 
 import pytest
 import torch
 
 import hsbn
-import hsbn_cases
 from bnref import assert_group_matches, make_spec
 from hsbn.torch import _ops
-from test_autograd_math import InProcessRounds, ThreadClient
+from test_autograd_math import run_threads as _run_threads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -28,26 +26,7 @@ def run_threads(spec, data):
         pytest.fail("torch %s has no torch.autograd.set_multithreading_enabled (2.0+): ranks "
                     "as threads of one process cannot run CUDA backward rounds"
                     % torch.__version__)
-    world = len(data)
-    rounds = InProcessRounds(world)
-    results, errors = [None] * world, []
-    op = hsbn.torch.next_op()
-
-    def worker(rank):
-        try:
-            with no_multithreading(False):  # thread-local
-                results[rank] = hsbn_cases.bn_steps(spec, data[rank],
-                                                    ThreadClient(rounds, rank), op)
-        except BaseException as e:  # reported below
-            errors.append((rank, e))
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0][1]
-    return results
+    return _run_threads(spec, data, per_thread=lambda: no_multithreading(False))  # thread-local
 
 
 @pytest.fixture(params=["torch", "kernels"])
