@@ -48,7 +48,8 @@ hsbn_result CopyOut(const std::string& text, char* buf, size_t buf_len, size_t* 
   return HSBN_OK;
 }
 
-constexpr char kBadScope[] = "scope must be HSBN_SCOPE_NODE, _GLOBAL, _SHADOW, _GROUP or _AUTO";
+constexpr char kBadScope[] =
+    "scope must be HSBN_SCOPE_NODE, _GLOBAL, _SHADOW, _GROUP, _AUTO or _RENORM";
 
 hsbn_result Invalid(const char* what) {
   g_last_error = what;
@@ -57,7 +58,7 @@ hsbn_result Invalid(const char* what) {
 
 bool ToScope(hsbn_scope scope, hsbn::Scope* out) {
   if (scope != HSBN_SCOPE_NODE && scope != HSBN_SCOPE_GLOBAL && scope != HSBN_SCOPE_SHADOW &&
-      scope != HSBN_SCOPE_GROUP && scope != HSBN_SCOPE_AUTO) {
+      scope != HSBN_SCOPE_GROUP && scope != HSBN_SCOPE_AUTO && scope != HSBN_SCOPE_RENORM) {
     return false;
   }
   *out = static_cast<hsbn::Scope>(int(scope));
@@ -241,6 +242,19 @@ hsbn_result hsbn_forward(hsbn_client* client, uint32_t op, uint64_t seq, hsbn_sc
                                       out_m2));
 }
 
+hsbn_result hsbn_client_global_stats(hsbn_client* client, uint32_t op, uint64_t seq,
+                                     int64_t channels, int64_t* out_count, double* out_mean,
+                                     double* out_m2) {
+  g_last_error.clear();
+  if (client == nullptr) return Invalid("null client");
+  return Done(client->client->GlobalStats(op, seq, channels, out_count, out_mean, out_m2));
+}
+
+int hsbn_client_global_stats_ready(hsbn_client* client, uint32_t op, uint64_t seq) {
+  if (client == nullptr) return -1;
+  return client->client->GlobalStatsReady(op, seq) ? 1 : 0;
+}
+
 hsbn_result hsbn_backward(hsbn_client* client, uint32_t op, uint64_t seq, hsbn_scope scope,
                           int64_t channels, int64_t count, const double* sum_dy,
                           const double* sum_dy_xmu, int64_t* out_count, double* out_sum_dy,
@@ -289,16 +303,20 @@ hsbn_result hsbn_client_stats(const hsbn_client* client, hsbn_stats* out) {
   const hsbn::ClientStats s = client->client->Stats();
   hsbn_stats full;
   std::memset(&full, 0, sizeof full);
-  // rounds[][] holds node, global and shadow (the first version); group comes after.
-  static_assert(sizeof full.rounds / sizeof full.rounds[0] + 1 == hsbn::ClientStats::kScopes);
+  // rounds[][] holds node, global and shadow (the first version); group and renorm come after
+  // (auto, index 4, counts as what it sent).
+  static_assert(sizeof full.rounds / sizeof full.rounds[0] + 3 == hsbn::ClientStats::kScopes);
   static_assert(sizeof full.rounds[0] / sizeof full.rounds[0][0] == hsbn::ClientStats::kPhases);
-  for (int si = 0; si < hsbn::ClientStats::kScopes; ++si) {
-    for (int pi = 0; pi < hsbn::ClientStats::kPhases; ++pi) {
-      const hsbn::RoundStats& r = s.rounds[si][pi];
-      hsbn_round_stats& to = si < 3 ? full.rounds[si][pi] : full.group_rounds[pi];
-      to = {r.completed, r.failed, r.blocked_seconds, r.max_blocked_seconds};
-    }
+  auto copy = [](const hsbn::RoundStats& r) {
+    return hsbn_round_stats{r.completed, r.failed, r.blocked_seconds, r.max_blocked_seconds};
+  };
+  for (int pi = 0; pi < hsbn::ClientStats::kPhases; ++pi) {
+    for (int si = 0; si < 3; ++si) full.rounds[si][pi] = copy(s.rounds[si][pi]);
+    full.group_rounds[pi] = copy(s.rounds[int(hsbn::Scope::kGroup) - 1][pi]);
+    full.renorm_rounds[pi] = copy(s.rounds[int(hsbn::Scope::kRenorm) - 1][pi]);
   }
+  full.global_stats = copy(s.global_stats);
+  full.global_stats_waited = s.global_stats_waited;
   full.bytes_sent = s.bytes_sent;
   full.bytes_received = s.bytes_received;
   full.elapsed_seconds = s.elapsed_seconds;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdlib>
+#include <deque>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -38,7 +39,7 @@ absl::StatusOr<Scope> ParseScope(const std::string& name) {
   v1::Scope s = wire::ParseScope(name);
   if (s == v1::SCOPE_UNSPECIFIED) {
     return absl::InvalidArgumentError(
-        absl::StrCat("scope '", name, "' is not one of node, global, shadow, group, auto"));
+        absl::StrCat("scope '", name, "' is not one of node, global, shadow, group, auto, renorm"));
   }
   return Scope(int(s));
 }
@@ -316,8 +317,9 @@ class Client::Impl {
       return absl::InvalidArgumentError("phase must be forward or backward");
     }
     if (scope != Scope::kNode && scope != Scope::kGlobal && scope != Scope::kShadow &&
-        scope != Scope::kGroup && scope != Scope::kAuto) {
-      return absl::InvalidArgumentError("scope must be node, global, shadow, group or auto");
+        scope != Scope::kGroup && scope != Scope::kAuto && scope != Scope::kRenorm) {
+      return absl::InvalidArgumentError(
+          "scope must be node, global, shadow, group, auto or renorm");
     }
     if (scope == Scope::kGroup && options_.group_nodes <= 0) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -349,6 +351,10 @@ class Client::Impl {
         return s;
       }
     }
+    // What the wire says: a renorm layer's backward round is a node round (its sums are the
+    // node's); the round is still counted under renorm.
+    const Scope wire_scope =
+        scope == Scope::kRenorm && phase == Phase::kBackward ? Scope::kNode : scope;
     // The stream's message, built only for a round that takes the stream (packing the payload
     // was most of a shared-memory round's cost).
     v1::ClientFrame frame;
@@ -358,7 +364,7 @@ class Client::Impl {
         c->set_op(op);
         c->set_seq(seq);
         c->set_phase(v1::Phase(int(phase)));
-        c->set_scope(v1::Scope(int(scope)));
+        c->set_scope(v1::Scope(int(wire_scope)));
         if (decide) *c->mutable_decide() = request;
         c->set_channels(uint32_t(channels));
         c->set_count(count);
@@ -419,7 +425,7 @@ class Client::Impl {
         // one wider than the aggregator allows goes into the segment to fail there for all.
         if (shm->mapped() && (channels <= shm->max_channels() ||
                               (max_channels_ > 0 && channels > max_channels_))) {
-          auto r = shm->Start(shm::Key{op, seq, int32_t(phase)}, int32_t(scope), channels, count,
+          auto r = shm->Start(shm::Key{op, seq, int32_t(phase)}, int32_t(wire_scope), channels, count,
                               a, b, deadline);
           if (!r.ok()) return r.status();
           bytes_sent_.fetch_add(wire::PayloadBytes(std::min<int64_t>(channels, shm->max_channels())),
@@ -550,6 +556,11 @@ class Client::Impl {
         r.max_blocked_seconds = Seconds(c.max_blocked);
       }
     }
+    out.global_stats.completed = global_.completed;
+    out.global_stats.failed = global_.failed;
+    out.global_stats.blocked_seconds = Seconds(global_.blocked);
+    out.global_stats.max_blocked_seconds = Seconds(global_.max_blocked);
+    out.global_stats_waited = global_waited_;
     out.bytes_sent = bytes_sent_.load(std::memory_order_relaxed);
     out.bytes_received = bytes_received_.load(std::memory_order_relaxed);
     out.elapsed_seconds = Seconds(now - stats_since_);
@@ -562,6 +573,8 @@ class Client::Impl {
     for (auto& row : counters_) {
       for (Counters& c : row) c = Counters{};
     }
+    global_ = Counters{};
+    global_waited_ = 0;
     bytes_sent_.store(0, std::memory_order_relaxed);
     bytes_received_.store(0, std::memory_order_relaxed);
     stats_since_ = Clock::now();
@@ -719,6 +732,100 @@ class Client::Impl {
   std::atomic<int32_t> max_channels_{0};
   std::atomic<int64_t> aggregator_timeout_ms_{30000};
 
+  absl::Status GlobalStats(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
+                           double* out_mean, double* out_m2) {
+    const auto since = Clock::now();
+    bool waited = false;
+    absl::Status s = WaitGlobal(op, seq, channels, out_count, out_mean, out_m2, &waited);
+    absl::MutexLock lock(&stats_mu_);
+    ++(s.ok() ? global_.completed : global_.failed);
+    if (waited) ++global_waited_;
+    const Clock::duration blocked = Clock::now() - since;
+    global_.blocked += blocked;
+    if (blocked > global_.max_blocked) global_.max_blocked = blocked;
+    return s;
+  }
+
+  absl::Status WaitGlobal(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
+                          double* out_mean, double* out_m2, bool* waited) {
+    auto what = [&] {
+      return absl::StrCat("the global statistics of renorm round op ", op, ", seq ", seq);
+    };
+    if (channels <= 0 || out_count == nullptr || out_mean == nullptr || out_m2 == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what(), ": channels must be at least 1 and the outputs not null"));
+    }
+    std::shared_ptr<RoundStream> conn;
+    {
+      absl::MutexLock lock(&mu_);
+      conn = conn_;
+    }
+    const std::pair<uint32_t, uint64_t> key{op, seq};
+    const auto deadline = Clock::now() + RoundTimeout();
+    absl::MutexLock lock(&rounds_mu_);
+    for (int pass = 0;; ++pass) {
+      if (auto it = late_.find(key); it != late_.end()) {
+        const Late& late = it->second;
+        if (!late.status.ok()) {
+          return absl::Status(late.status.code(), absl::StrCat(what(), ": ",
+                                                               late.status.message()));
+        }
+        if (late.channels != channels) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              what(), " have ", late.channels, " channels; the caller asked for ", channels));
+        }
+        *out_count = late.count;
+        wire::UnpackPayload(late.data, channels, out_mean, out_m2);
+        return absl::OkStatus();
+      }
+      if (conn == nullptr || conn->broken) {
+        return absl::UnavailableError(absl::StrCat(
+            what(), " did not arrive: the stream to the hsbn sidecar at ", options_.address,
+            " broke (the sidecar restarted or was stopped). The next call reconnects; the "
+            "round's global statistics are lost"));
+      }
+      if (pass > 0) *waited = true;
+      if (Clock::now() >= deadline && pass > 0) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            what(), " did not arrive within ", RoundTimeout().count(), " ms: the job's root "
+            "aggregator (the sidecar's --upstream) did not answer, or this round was never "
+            "started with renorm scope on every rank"));
+      }
+      if (!conn->polling) {
+        conn->polling = true;
+        // The first pass only handles what is ready: a result already read counts as no wait.
+        Poll(conn, pass == 0 ? Clock::now() : deadline,
+             [&] { return late_.count(key) > 0 || conn->broken; });
+        conn->polling = false;
+        HandOff(*conn);
+      } else if (pass > 0) {
+        ++late_waiters_;
+        ++conn->waiters;
+        late_cv_.WaitWithDeadline(&rounds_mu_, AbslTime(deadline));
+        --conn->waiters;
+        --late_waiters_;
+      }
+    }
+  }
+
+  bool GlobalStatsReady(uint32_t op, uint64_t seq) {
+    std::shared_ptr<RoundStream> conn;
+    {
+      absl::MutexLock lock(&mu_);
+      conn = conn_;
+    }
+    const std::pair<uint32_t, uint64_t> key{op, seq};
+    absl::MutexLock lock(&rounds_mu_);
+    if (late_.count(key) > 0) return true;
+    if (conn != nullptr && !conn->polling && !conn->broken) {
+      conn->polling = true;
+      Poll(conn, Clock::now(), [&] { return late_.count(key) > 0; });
+      conn->polling = false;
+      HandOff(*conn);
+    }
+    return late_.count(key) > 0;
+  }
+
  private:
   // Auto scope's state of one op. An epoch is a decision: `scope` applies to the op's rounds
   // after seq `decided_at` (all of them for a restored decision, decided_at = -1), except the
@@ -847,6 +954,7 @@ class Client::Impl {
   void HandOff(RoundStream& conn) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     if (conn.waiters == 0) return;
     conn.write_cv.SignalAll();  // Starts waiting for the write slot (rare)
+    if (late_waiters_ > 0) late_cv_.SignalAll();  // GlobalStats waiters may poll in turn
     for (auto& [key, r] : pending_) {
       if (r->conn.get() == &conn && r->waiting && !r->done) {
         r->cv.Signal();
@@ -913,6 +1021,10 @@ class Client::Impl {
   void Dispatch(RoundStream& conn) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     if (!conn.in.has_result()) return;
     v1::Result* r = conn.in.mutable_result();
+    if (r->late()) {
+      KeepLate(r);
+      return;
+    }
     auto it = pending_.find(Key{r->op(), r->seq(), int(r->phase())});
     // A round we gave up on, a repeat, or a key reused on a newer stream: drop it.
     if (it == pending_.end() || it->second->conn.get() != &conn) return;
@@ -921,6 +1033,44 @@ class Client::Impl {
     p.done = true;
     if (p.waiting) p.cv.Signal();
     pending_.erase(it);  // p stays alive: its waiter holds it
+  }
+
+  // A renorm round's global result (or failure), pushed by the sidecar: kept for GlobalStats,
+  // the oldest dropped past kLateKept results or kLateBytes. rounds_mu_ held.
+  static constexpr size_t kLateKept = 4096;
+  static constexpr int64_t kLateBytes = 64 << 20;
+  void KeepLate(v1::Result* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
+    const std::pair<uint32_t, uint64_t> key{r->op(), r->seq()};
+    Late late;
+    if (r->code() != 0) {
+      late.status = wire::StatusFromCode(r->code(), r->message());
+    } else if (r->channels() < 1 ||
+               int64_t(r->data().size()) != wire::PayloadBytes(r->channels()) || r->count() < 0) {
+      late.status = absl::InternalError(absl::StrCat(
+          "the sidecar sent a malformed global result (", r->channels(), " channels, ",
+          r->data().size(), " bytes); check that it runs the same hsbn version"));
+    } else {
+      late.count = r->count();
+      late.channels = r->channels();
+      late.data = std::move(*r->mutable_data());
+    }
+    late_bytes_ += int64_t(late.data.size());
+    if (auto it = late_.find(key); it != late_.end()) {  // a repeat: the newer one counts
+      late_bytes_ -= int64_t(it->second.data.size());
+      it->second = std::move(late);
+    } else {
+      late_.emplace(key, std::move(late));
+      late_order_.push_back(key);
+    }
+    while (!late_order_.empty() && (late_.size() > kLateKept || late_bytes_ > kLateBytes)) {
+      auto old = late_.find(late_order_.front());
+      if (old != late_.end()) {
+        late_bytes_ -= int64_t(old->second.data.size());
+        late_.erase(old);
+      }
+      late_order_.pop_front();
+    }
+    if (late_waiters_ > 0) late_cv_.SignalAll();
   }
 
   // conn's stream is finished: every round still in flight on it fails. rounds_mu_ held.
@@ -1097,6 +1247,18 @@ class Client::Impl {
   // PendingRounds' and the Conns' poll state.
   absl::Mutex rounds_mu_;
   std::map<Key, std::shared_ptr<PendingRound>> pending_ ABSL_GUARDED_BY(rounds_mu_);
+  // Renorm rounds' global results by (op, seq), in arrival order (KeepLate).
+  struct Late {
+    absl::Status status;
+    int64_t count = 0;
+    int64_t channels = 0;
+    std::string data;  // packed payload
+  };
+  std::map<std::pair<uint32_t, uint64_t>, Late> late_ ABSL_GUARDED_BY(rounds_mu_);
+  std::deque<std::pair<uint32_t, uint64_t>> late_order_ ABSL_GUARDED_BY(rounds_mu_);
+  int64_t late_bytes_ ABSL_GUARDED_BY(rounds_mu_) = 0;
+  int late_waiters_ ABSL_GUARDED_BY(rounds_mu_) = 0;
+  absl::CondVar late_cv_;  // a late result arrived, or the poller role is free
 
   // Round statistics: a leaf lock, taken once per round, never while waiting.
   struct Counters {
@@ -1108,6 +1270,8 @@ class Client::Impl {
   static double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
   mutable absl::Mutex stats_mu_;
   Counters counters_[ClientStats::kScopes][ClientStats::kPhases] ABSL_GUARDED_BY(stats_mu_);
+  Counters global_ ABSL_GUARDED_BY(stats_mu_);  // GlobalStats calls
+  int64_t global_waited_ ABSL_GUARDED_BY(stats_mu_) = 0;
   Clock::time_point stats_since_ ABSL_GUARDED_BY(stats_mu_) = Clock::now();
   std::string transport_ ABSL_GUARDED_BY(stats_mu_);
   std::atomic<int64_t> bytes_sent_{0};
@@ -1160,6 +1324,14 @@ absl::Status Client::Backward(uint32_t op, uint64_t seq, Scope scope, int64_t ch
 }
 
 ClientStats Client::Stats() const { return impl_->Stats(); }
+
+absl::Status Client::GlobalStats(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
+                                 double* out_mean, double* out_m2) {
+  return impl_->GlobalStats(op, seq, channels, out_count, out_mean, out_m2);
+}
+bool Client::GlobalStatsReady(uint32_t op, uint64_t seq) {
+  return impl_->GlobalStatsReady(op, seq);
+}
 
 absl::Status Client::SetAutoPolicy(uint32_t op, const AutoPolicy& policy) {
   return impl_->SetAutoPolicy(op, policy);

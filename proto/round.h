@@ -245,11 +245,17 @@ template <typename Who, typename Round>
 absl::Status CheckFields(const ContributionView& c, const RoundRules& rules, Who who,
                          Round round) {
   if (c.scope != v1::SCOPE_NODE && c.scope != v1::SCOPE_GLOBAL && c.scope != v1::SCOPE_SHADOW &&
-      !(rules.group_allowed && c.scope == v1::SCOPE_GROUP)) {
+      c.scope != v1::SCOPE_RENORM && !(rules.group_allowed && c.scope == v1::SCOPE_GROUP)) {
     return InvalidContribution(
         who(), round(), "scope",
-        absl::StrCat("is ", c.scope, rules.group_allowed ? "; expected node, global, shadow or group"
-                                                         : "; expected node, global or shadow"));
+        absl::StrCat("is ", c.scope,
+                     rules.group_allowed ? "; expected node, global, shadow, group or renorm"
+                                         : "; expected node, global, shadow or renorm"));
+  }
+  if (c.scope == v1::SCOPE_RENORM && !rules.forward) {
+    return InvalidContribution(who(), round(), "scope",
+                               "is renorm in a backward round; a renorm layer's backward "
+                               "round is node scope");
   }
   if (c.channels < 1) {
     return InvalidContribution(

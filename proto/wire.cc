@@ -61,6 +61,7 @@ const char* ScopeName(v1::Scope scope) {
     case v1::SCOPE_GLOBAL: return "global";
     case v1::SCOPE_SHADOW: return "shadow";
     case v1::SCOPE_GROUP: return "group";
+    case v1::SCOPE_RENORM: return "renorm";
     default: return "unknown-scope";
   }
 }
@@ -70,6 +71,7 @@ v1::Scope ParseScope(const std::string& name) {
   if (name == "global") return v1::SCOPE_GLOBAL;
   if (name == "shadow") return v1::SCOPE_SHADOW;
   if (name == "group") return v1::SCOPE_GROUP;
+  if (name == "renorm") return v1::SCOPE_RENORM;
   return v1::SCOPE_UNSPECIFIED;
 }
 

@@ -603,11 +603,15 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   wire::PackPayload(a, b, channels, result->mutable_data());
 
   const RoundKey key = round.key;
+  // Shadow and renorm rounds are answered with the node's statistics at once; the root's
+  // global result of a renorm round follows as a late result (DeliverLateLocked).
+  const bool answered_now = round.scope == v1::SCOPE_SHADOW || round.scope == v1::SCOPE_RENORM;
+  bool late_now = false;
   if (ScopeReachesParent(round.scope) && limits_.has_parent) {
     out->forwards.push_back(Actions::Forward{key, round.scope, round.channels, count,
                                              std::make_shared<const std::string>(result->data()),
                                              round.decide});
-    if (round.scope != v1::SCOPE_SHADOW) {
+    if (!answered_now) {
       round.forwarded = true;
       // The root's own deadline for this round fires first (its round opened no later than
       // ours was forwarded), and its error names the missing nodes and ranks; ours is only the
@@ -615,11 +619,18 @@ void Job::CompleteLocked(Round& round, Actions* out) {
       round.deadline = Clock::now() + wire::ForwardedBackstop(limits_.round_timeout);
       return;
     }
-    result->set_scope(v1::SCOPE_NODE);  // shadow: answer with the node's statistics now
+    result->set_scope(v1::SCOPE_NODE);  // answer with the node's statistics now
+    if (round.scope == v1::SCOPE_RENORM) ExpectLateLocked(key, round.channels, Clock::now());
+  } else if (round.scope == v1::SCOPE_RENORM &&
+             layout_.member_kind == v1::MEMBER_KIND_WORKER) {
+    // A job of one node: the node's statistics are the job's, and so is the late result.
+    result->set_scope(v1::SCOPE_NODE);
+    late_now = true;
   } else {
     result->set_scope(round.scope);
   }
-  if (layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR && round.scope == v1::SCOPE_SHADOW &&
+  if (layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR &&
+      (round.scope == v1::SCOPE_SHADOW || round.scope == v1::SCOPE_RENORM) &&
       round.key.phase == v1::PHASE_FORWARD) {
     RecordDivergenceLocked(round, *result, out);
   }
@@ -642,6 +653,12 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   // At the root, shadow partials are fire-and-forget: the nodes are not waiting.
   if (!(layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR && round.scope == v1::SCOPE_SHADOW)) {
     DeliverLocked(round, shared, out);
+  }
+  if (late_now) {
+    auto late = std::make_shared<v1::Result>(*result);
+    late->set_scope(v1::SCOPE_GLOBAL);
+    late->set_late(true);
+    DeliverLateLocked(key, std::move(late), absl::OkStatus(), out);
   }
   ++rounds_completed_;
   out->outcomes.push_back(Actions::Outcome{round.scope, key.phase, absl::StatusCode::kOk,
@@ -838,9 +855,74 @@ void Job::ChildAbort(int32_t index, const v1::Abort& abort, Actions* out) {
   }
 }
 
+void Job::ExpectLate(const RoundKey& key, uint32_t channels, Clock::time_point now) {
+  absl::MutexLock lock(&mu_);
+  ExpectLateLocked(key, channels, now);
+}
+
+void Job::ExpectLateLocked(const RoundKey& key, uint32_t channels, Clock::time_point now) {
+  if (int64_t(late_.size()) >= limits_.max_open_rounds) return;
+  late_[key] = Late{channels, now + wire::ForwardedBackstop(limits_.round_timeout)};
+}
+
+void Job::DeliverLateLocked(const RoundKey& key, std::shared_ptr<const v1::Result> result,
+                            const absl::Status& status, Actions* out) {
+  if (!result) {
+    auto error = std::make_shared<v1::Result>(wire::ErrorResult(key.op, key.seq, key.phase,
+                                                                status));
+    error->set_scope(v1::SCOPE_GLOBAL);
+    error->set_late(true);
+    result = std::move(error);
+  }
+  Actions::Delivery d;
+  d.result = std::move(result);
+  for (const Member& m : members_) {
+    if (m.sink) d.to.emplace_back(m.session, m.sink);
+  }
+  if (!d.to.empty()) out->deliveries.push_back(std::move(d));
+}
+
+template <typename Why>
+void Job::FailLateLocked(Why why, Actions* out) {
+  std::map<RoundKey, Late> late;
+  late.swap(late_);
+  for (const auto& [key, l] : late) DeliverLateLocked(key, nullptr, why(key), out);
+}
+
 void Job::ParentResult(const v1::Result& result, Actions* out) {
   absl::MutexLock lock(&mu_);
   const RoundKey key{result.op(), result.seq(), result.phase()};
+  if (auto l = late_.find(key); l != late_.end()) {
+    const uint32_t channels = l->second.channels;
+    late_.erase(l);
+    if (result.code() != 0) {
+      DeliverLateLocked(key, nullptr, wire::StatusFromCode(result.code(), result.message()), out);
+      return;
+    }
+    if (result.channels() != channels ||
+        int64_t(result.data().size()) != wire::PayloadBytes(channels) || result.count() < 0) {
+      DeliverLateLocked(key, nullptr,
+                        absl::InternalError(absl::StrCat(
+                            "round ", Describe(key), " of job '", id_, "': the root aggregator "
+                            "answered with a malformed result (", result.channels(),
+                            " channels, ", result.data().size(), " bytes; expected ", channels,
+                            " channels); check that the root runs the same hsbn version")),
+                        out);
+      return;
+    }
+    CountNonFinite(result.data(), key.phase, out);
+    auto copy = std::make_shared<v1::Result>();
+    copy->set_op(key.op);
+    copy->set_seq(key.seq);
+    copy->set_phase(key.phase);
+    copy->set_scope(v1::SCOPE_GLOBAL);
+    copy->set_channels(channels);
+    copy->set_count(result.count());
+    copy->set_data(result.data());
+    copy->set_late(true);
+    DeliverLateLocked(key, std::move(copy), absl::OkStatus(), out);
+    return;
+  }
   auto it = open_.find(key);
   if (it == open_.end() || !it->second.forwarded) return;  // failed here already
   if (result.code() != 0) {
@@ -876,12 +958,14 @@ void Job::ParentResult(const v1::Result& result, Actions* out) {
 
 void Job::ParentLost(const absl::Status& status, Actions* out) {
   absl::MutexLock lock(&mu_);
+  FailLateLocked([&](const RoundKey&) { return status; }, out);
   FailOpenRoundsLocked([](const Round& round) { return round.forwarded; },
                        [&](const RoundKey&) { return status; }, /*tell_parent=*/false, out);
 }
 
 void Job::Retire(const absl::Status& status, Actions* out) {
   absl::MutexLock lock(&mu_);
+  FailLateLocked([&](const RoundKey&) { return status; }, out);
   FailOpenRoundsLocked([](const Round&) { return true; },
                        [&](const RoundKey&) { return status; }, /*tell_parent=*/false, out);
 }
@@ -910,11 +994,23 @@ void Job::Expire(Clock::time_point now, Actions* out) {
     doomed.emplace_back(key, wire::TimedOut(ref, limits_.round_timeout, missing));
   }
   for (auto& [key, status] : doomed) FailRoundLocked(key, status, /*tell_parent=*/true, out);
+  for (auto l = late_.begin(); l != late_.end();) {
+    if (l->second.deadline > now) {
+      ++l;
+      continue;
+    }
+    out->timed_out.push_back("upstream");
+    const wire::RoundRef ref{Describe(l->first), id_};
+    DeliverLateLocked(l->first, nullptr,
+                      wire::RootSilent(ref, wire::ForwardedBackstop(limits_.round_timeout)), out);
+    l = late_.erase(l);
+  }
 }
 
 void Job::FailAll(const absl::Status& status, Actions* out) {
   absl::MutexLock lock(&mu_);
   closed_ = status;
+  FailLateLocked([&](const RoundKey&) { return status; }, out);
   FailOpenRoundsLocked([](const Round&) { return true; }, [&](const RoundKey&) { return status; },
                        /*tell_parent=*/false, out);
 }

@@ -195,8 +195,12 @@ class Job {
   // A sidecar: whether its node is down in this job (a worker gone, not back yet), and why.
   // Said again to a parent that the sidecar joins anew (a new stream, a restarted root).
   bool NodeDown(std::string* message) const;
-  // The parent's answer to a round this aggregator forwarded.
+  // The parent's answer to a round this aggregator forwarded. For a renorm round (forwarded
+  // after its node answer) it goes to every member as the round's late global result.
   void ParentResult(const v1::Result& result, Actions* out);
+  // A renorm partial of `channels` went to the parent by another path (the shared-memory
+  // transport's queue): its global result, when the parent answers, goes to every member.
+  void ExpectLate(const RoundKey& key, uint32_t channels, Clock::time_point now);
   // The link to the parent broke: every round waiting for it fails with `status`.
   void ParentLost(const absl::Status& status, Actions* out);
   // The job was replaced by a new run of it (a Join with a higher incarnation): fails every
@@ -288,6 +292,15 @@ class Job {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RecordDivergenceLocked(const Round& round, const v1::Result& global, Actions* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Renorm rounds: notes that `key`'s global result is due from the parent / sends every
+  // member the late global result (`result`: OK, scope global) or the late failure `status`.
+  void ExpectLateLocked(const RoundKey& key, uint32_t channels, Clock::time_point now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DeliverLateLocked(const RoundKey& key, std::shared_ptr<const v1::Result> result,
+                         const absl::Status& status, Actions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails every late global result still due with `why(key)`.
+  template <typename Why>
+  void FailLateLocked(Why why, Actions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   using Records = std::map<std::pair<uint32_t, int32_t>, DivergenceAcc>;
   // The record of `key` in `records`, made if need be. A new record is charged to the memory
   // budget (within a quarter of it, so that records never crowd out round data); null when the
@@ -336,6 +349,14 @@ class Job {
   // (op, group or node): the record since op's last auto-scope decision
   Records decide_window_ ABSL_GUARDED_BY(mu_);
   int64_t records_refused_ ABSL_GUARDED_BY(mu_) = 0;  // shadow records the budget refused
+  // Renorm rounds answered here and forwarded, whose global result is due from the parent:
+  // their channels and when the parent's answer is overdue. At most max_open_rounds (past
+  // that a round's late result is not relayed: its workers' waits time out).
+  struct Late {
+    uint32_t channels = 0;
+    Clock::time_point deadline;
+  };
+  std::map<RoundKey, Late> late_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<const std::string> token_ ABSL_GUARDED_BY(mu_);
   bool reported_down_ ABSL_GUARDED_BY(mu_) = false;  // a sidecar that told its parent so
   std::string down_message_ ABSL_GUARDED_BY(mu_);    // what it said

@@ -27,6 +27,7 @@ const char* ScopeLabel(int scope) {
     case v1::SCOPE_GLOBAL: return "global";
     case v1::SCOPE_SHADOW: return "shadow";
     case v1::SCOPE_GROUP: return "group";
+    case v1::SCOPE_RENORM: return "renorm";
     default: return "unknown";
   }
 }
@@ -46,6 +47,9 @@ std::string OutcomeLabel(int code) {
 }
 
 int Clamp(int v, int n) { return v >= 0 && v < n ? v : 0; }
+// 5 is no wire scope (auto is a client policy): counted as unspecified, like any other.
+constexpr int kNoScope = 5;
+int ScopeIndex(int scope, int n) { return scope == kNoScope ? 0 : Clamp(scope, n); }
 // A code outside gRPC's 0..16 (e.g. from a peer's Abort) counts as "unknown", never as "ok".
 int CodeIndex(absl::StatusCode code) {
   const int c = int(code);
@@ -222,6 +226,7 @@ Metrics::Metrics(const std::string& role, bool has_upstream, size_t max_job_labe
                       .Labels(constant)
                       .Register(*registry_);
   for (int s = 1; s < kScopes; ++s) {
+    if (s == kNoScope) continue;
     for (int p = 1; p < kPhases; ++p) {
       latency_[s][p] =
           &latency.Add({{"scope", ScopeLabel(s)}, {"phase", PhaseLabel(p)}}, LatencyBuckets());
@@ -320,7 +325,7 @@ prometheus::Counter& Metrics::RoundCounter(int scope, int phase, int code) {
 
 void Metrics::RoundFinished(v1::Scope scope, v1::Phase phase, absl::StatusCode code,
                             double seconds) {
-  const int s = Clamp(int(scope), kScopes), p = Clamp(int(phase), kPhases);
+  const int s = ScopeIndex(int(scope), kScopes), p = Clamp(int(phase), kPhases);
   RoundCounter(s, p, CodeIndex(code)).Increment();
   if (code == absl::StatusCode::kOk && seconds >= 0 && latency_[s][p] != nullptr) {
     latency_[s][p]->Observe(seconds);
@@ -330,7 +335,7 @@ void Metrics::RoundFinished(v1::Scope scope, v1::Phase phase, absl::StatusCode c
 void Metrics::RoundsFinished(v1::Scope scope, v1::Phase phase, absl::StatusCode code,
                              int64_t n) {
   if (n <= 0) return;
-  RoundCounter(Clamp(int(scope), kScopes), Clamp(int(phase), kPhases), CodeIndex(code))
+  RoundCounter(ScopeIndex(int(scope), kScopes), Clamp(int(phase), kPhases), CodeIndex(code))
       .Increment(double(n));
 }
 

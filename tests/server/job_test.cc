@@ -437,6 +437,144 @@ TEST(Job, RootRecordsHowFarEachNodeIsFromGlobalInShadowRounds) {
   }
 }
 
+// --- renorm scope --------------------------------------------------------------------------------
+
+// The late global results a sink received (Result.late), in order.
+std::vector<v1::Result> Late(const RecordingSink& s) {
+  std::vector<v1::Result> out;
+  for (const auto& r : s.results) {
+    if (r.late()) out.push_back(r);
+  }
+  return out;
+}
+
+TEST(Job, RenormAnswersNodeAtOnceThenRelaysTheRootsGlobalResultToEveryWorker) {
+  Fixture f(2, 2, 1, /*parent=*/true);
+  f.Send(0, Fwd(3, 7, 1, {1.0}, {0.0}, v1::SCOPE_RENORM));
+  Actions a = f.Send(1, Fwd(3, 7, 1, {3.0}, {0.0}, v1::SCOPE_RENORM));
+  for (auto& s : f.sinks) {
+    ASSERT_EQ(s->results.size(), 1u);
+    EXPECT_FALSE(s->results[0].late());
+    EXPECT_EQ(s->results[0].scope(), v1::SCOPE_NODE);
+    EXPECT_EQ(A(s->results[0])[0], 2.0);
+  }
+  ASSERT_EQ(a.forwards.size(), 1u);
+  EXPECT_EQ(a.forwards[0].scope, v1::SCOPE_RENORM);
+  EXPECT_EQ(a.forwards[0].count, 2);
+
+  // The root's answer: the job's statistics (node 0 had mean 5, m2 4 over 2 values).
+  v1::Result global;
+  global.set_op(3);
+  global.set_seq(7);
+  global.set_phase(v1::PHASE_FORWARD);
+  global.set_scope(v1::SCOPE_RENORM);
+  global.set_channels(1);
+  global.set_count(4);
+  std::vector<double> gm{3.5}, gm2{13.0};
+  wire::PackPayload(gm.data(), gm2.data(), 1, global.mutable_data());
+  Actions b;
+  f.job->ParentResult(global, &b);
+  f.Deliver(b);
+  for (auto& s : f.sinks) {
+    std::vector<v1::Result> late = Late(*s);
+    ASSERT_EQ(late.size(), 1u);
+    EXPECT_EQ(late[0].code(), 0);
+    EXPECT_EQ(late[0].scope(), v1::SCOPE_GLOBAL);
+    EXPECT_EQ(late[0].op(), 3u);
+    EXPECT_EQ(late[0].seq(), 7u);
+    EXPECT_EQ(late[0].count(), 4);
+    EXPECT_EQ(A(late[0])[0], 3.5);
+    EXPECT_EQ(B(late[0])[0], 13.0);
+  }
+  // A repeat of the root's answer is not relayed again.
+  Actions c;
+  f.job->ParentResult(global, &c);
+  EXPECT_TRUE(c.deliveries.empty());
+}
+
+TEST(Job, RenormRoundTheRootFailedReachesEveryWorkerAsALateError) {
+  Fixture f(2, 2, 0, /*parent=*/true);
+  f.Send(0, Fwd(1, 0, 1, {1.0}, {0.0}, v1::SCOPE_RENORM));
+  f.Send(1, Fwd(1, 0, 1, {3.0}, {0.0}, v1::SCOPE_RENORM));
+  Actions a;
+  f.job->ParentResult(wire::ErrorResult(1, 0, v1::PHASE_FORWARD,
+                                        absl::DeadlineExceededError("node 1 (ranks 2-3) is late")),
+                      &a);
+  f.Deliver(a);
+  for (auto& s : f.sinks) {
+    std::vector<v1::Result> late = Late(*s);
+    ASSERT_EQ(late.size(), 1u);
+    EXPECT_EQ(late[0].code(), int(absl::StatusCode::kDeadlineExceeded));
+    EXPECT_NE(late[0].message().find("node 1 (ranks 2-3)"), std::string::npos);
+  }
+}
+
+TEST(Job, RenormLateResultsFailWhenTheParentIsLostOrSilent) {
+  Fixture f(1, 2, 0, /*parent=*/true);
+  f.Send(0, Fwd(1, 0, 1, {1.0}, {0.0}, v1::SCOPE_RENORM));
+  f.Send(0, Fwd(1, 1, 1, {1.0}, {0.0}, v1::SCOPE_RENORM));
+  Actions lost;
+  f.job->ParentLost(absl::UnavailableError("the root went away"), &lost);
+  f.Deliver(lost);
+  std::vector<v1::Result> late = Late(*f.sinks[0]);
+  ASSERT_EQ(late.size(), 2u);
+  for (const auto& r : late) EXPECT_EQ(r.code(), int(absl::StatusCode::kUnavailable));
+
+  // A root that never answers: past the backstop, the wait ends naming the round.
+  f.Send(0, Fwd(1, 2, 1, {1.0}, {0.0}, v1::SCOPE_RENORM));
+  Actions early;
+  f.job->Expire(Clock::now(), &early);
+  EXPECT_TRUE(early.deliveries.empty());
+  Actions expired;
+  f.job->Expire(Clock::now() + std::chrono::hours(1), &expired);
+  f.Deliver(expired);
+  late = Late(*f.sinks[0]);
+  ASSERT_EQ(late.size(), 3u);
+  EXPECT_EQ(late[2].seq(), 2u);
+  EXPECT_EQ(late[2].code(), int(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_NE(late[2].message().find("root aggregator did not answer"), std::string::npos);
+}
+
+TEST(Job, RenormInAOneNodeJobSendsTheNodeStatisticsAsTheLateResultToo) {
+  Fixture f(2, 1, 0, /*parent=*/false);
+  f.Send(0, Fwd(2, 0, 1, {1.0}, {0.0}, v1::SCOPE_RENORM));
+  f.Send(1, Fwd(2, 0, 1, {3.0}, {0.0}, v1::SCOPE_RENORM));
+  for (auto& s : f.sinks) {
+    ASSERT_EQ(s->results.size(), 2u);
+    EXPECT_FALSE(s->results[0].late());
+    EXPECT_TRUE(s->results[1].late());
+    EXPECT_EQ(s->results[1].scope(), v1::SCOPE_GLOBAL);
+    EXPECT_EQ(s->results[1].data(), s->results[0].data());
+    EXPECT_EQ(s->results[1].count(), 2);
+  }
+}
+
+TEST(Job, RenormIsAForwardScopeOnly) {
+  Fixture f(2, 2, 0, /*parent=*/true);
+  v1::Contribution c = Fwd(1, 0, 1, {1.0}, {0.0}, v1::SCOPE_RENORM);
+  c.set_phase(v1::PHASE_BACKWARD);
+  f.Send(0, c);
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[0]->results[0].code(), int(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(f.sinks[0]->results[0].message().find("backward round is node scope"),
+            std::string::npos);
+}
+
+TEST(Job, RootAnswersRenormRoundsLikeGlobalAndRecordsTheirDivergence) {
+  Fixture root(2, 2, 0, false, v1::MEMBER_KIND_AGGREGATOR);
+  root.Send(0, Fwd(0, 0, 10, {0.0}, {10.0}, v1::SCOPE_RENORM));
+  root.Send(1, Fwd(0, 0, 10, {2.0}, {10.0}, v1::SCOPE_RENORM));
+  for (auto& s : root.sinks) {
+    ASSERT_EQ(s->results.size(), 1u);
+    EXPECT_EQ(s->results[0].count(), 20);
+    EXPECT_EQ(A(s->results[0])[0], 1.0);
+    EXPECT_EQ(B(s->results[0])[0], 40.0);
+  }
+  v1::JobStatus status;
+  root.job->FillStatus(&status);
+  EXPECT_EQ(status.divergence_size(), 2);
+}
+
 // --- group scope ---------------------------------------------------------------------------------
 
 Fixture GroupRoot(int nodes, int k) {

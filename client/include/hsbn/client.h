@@ -38,11 +38,14 @@ class Source;  // an environment to read (client/env.h)
 // warm-up, then one global round on which the root decides node (group, when the job has
 // groups) or global for that op, the same for every rank; the decision applies from the next
 // forward round on (docs/PROTOCOL.md, "Auto scope").
-enum class Scope : int { kNode = 1, kGlobal = 2, kShadow = 3, kGroup = 4, kAuto = 5 };
+// kRenorm: forward rounds are answered with the node's statistics at once, like kShadow; the
+// root reduces the job's statistics off the critical path and every worker later gets them
+// (Client::GlobalStats). Its backward rounds are node rounds.
+enum class Scope : int { kNode = 1, kGlobal = 2, kShadow = 3, kGroup = 4, kAuto = 5, kRenorm = 6 };
 enum class Phase : int { kForward = 1, kBackward = 2 };
 
 const char* ScopeName(Scope scope);
-// "node", "global", "shadow", "group" or "auto".
+// "node", "global", "shadow", "group", "auto" or "renorm".
 absl::StatusOr<Scope> ParseScope(const std::string& name);
 
 // How an auto-scope op decides (every rank must use the same for the same op).
@@ -150,9 +153,14 @@ struct RoundStats {
 // before they name a valid scope and phase are not counted. There is no "local" scope at this
 // level: a local BatchNorm layer makes no rounds.
 struct ClientStats {
-  static constexpr int kScopes = 4;  // node, global, shadow, group (auto counts as what it sent)
+  // node, global, shadow, group, auto (always 0: auto counts as what it sent), renorm
+  static constexpr int kScopes = 6;
   static constexpr int kPhases = 2;  // forward, backward
   RoundStats rounds[kScopes][kPhases];  // [int(scope) - 1][int(phase) - 1]
+  // GlobalStats calls (renorm scope): completed, failed and the time blocked in them, and how
+  // many of them found the result not there yet and had to wait for it.
+  RoundStats global_stats;
+  int64_t global_stats_waited = 0;
   // Serialized protobuf bytes of the frames written to and read from the round streams
   // (contributions, results; gRPC and HTTP/2 framing not included), plus the statistics bytes
   // (16 per channel) of rounds through the node's shared memory, each way.
@@ -197,6 +205,18 @@ class Client {
   absl::Status Backward(uint32_t op, uint64_t seq, Scope scope, int64_t channels, int64_t count,
                         const double* sum_dy, const double* sum_dy_xmu, int64_t* out_count,
                         double* out_sum_dy, double* out_sum_dy_xmu);
+
+  // Renorm scope: the job's (global) statistics of forward round (op, seq), which was started
+  // with Scope::kRenorm on this client: count and `channels` values each of mean and m2. Waits
+  // until the root's result reaches this worker (every worker of the job gets the same bits),
+  // at most the round timeout: DEADLINE_EXCEEDED naming the round if the root does not answer,
+  // the root's error if the round failed there, UNAVAILABLE if the stream to the sidecar broke.
+  // A result stays available for later calls until 4096 newer ones (or 64 MiB) pushed it out.
+  absl::Status GlobalStats(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
+                           double* out_mean, double* out_m2);
+  // Whether GlobalStats(op, seq) would return at once (the result, or its failure, is here).
+  // Never blocks; reads what the stream has delivered so far.
+  bool GlobalStatsReady(uint32_t op, uint64_t seq);
 
   // Auto scope, per op. SetAutoPolicy: the op's policy (before its first auto round; a later
   // call with another policy is FAILED_PRECONDITION). AutoDecisionOf: what the op decided so

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define HSBN_ABI_VERSION 2
+#define HSBN_ABI_VERSION 3
 
 typedef enum hsbn_result {
   HSBN_OK = 0,
@@ -51,8 +51,10 @@ typedef enum hsbn_scope {
   HSBN_SCOPE_GLOBAL = 2,
   HSBN_SCOPE_SHADOW = 3,
   HSBN_SCOPE_GROUP = 4,  /* the node's group of hsbn_options.group_nodes consecutive nodes */
-  HSBN_SCOPE_AUTO = 5    /* shadow for a warm-up, then node (group) or global, decided per op by
+  HSBN_SCOPE_AUTO = 5,   /* shadow for a warm-up, then node (group) or global, decided per op by
                             the root (hsbn_set_auto_policy, hsbn_get_auto_decision) */
+  HSBN_SCOPE_RENORM = 6  /* forward: answered with the node's statistics at once; the job's
+                            statistics follow (hsbn_client_global_stats). Backward: node */
 } hsbn_scope;
 
 typedef enum hsbn_phase {
@@ -136,6 +138,12 @@ typedef struct hsbn_stats {
   /* Added after group_rounds: how the node's rounds travel, NUL-terminated: "shm",
    * "grpc: <why>" or "pending" (until the sidecar heard from every local rank); cut to fit. */
   char transport[256];
+  /* Added after transport (ABI 3): HSBN_SCOPE_RENORM's rounds, [phase - 1]; the
+   * hsbn_client_global_stats calls (completed, failed, blocked time) and how many of them had
+   * to wait for the result. */
+  hsbn_round_stats renorm_rounds[2];
+  hsbn_round_stats global_stats;
+  int64_t global_stats_waited;
 } hsbn_stats;
 
 /* Name of a result code ("INVALID_ARGUMENT"); never NULL. */
@@ -193,6 +201,18 @@ hsbn_result hsbn_client_get_info(const hsbn_client* client, hsbn_client_info* ou
 hsbn_result hsbn_forward(hsbn_client* client, uint32_t op, uint64_t seq, hsbn_scope scope,
                          int64_t channels, int64_t count, const double* mean, const double* m2,
                          int64_t* out_count, double* out_mean, double* out_m2);
+
+/* Renorm scope: the job's (global) count, mean[channels] and m2[channels] of forward round
+ * (op, seq), started with HSBN_SCOPE_RENORM on this client. Blocks until they arrive (every
+ * worker of the job gets the same bits), at most the round timeout: DEADLINE_EXCEEDED naming
+ * the round when the root does not answer, the root's error when the round failed there,
+ * UNAVAILABLE when the stream to the sidecar broke. */
+hsbn_result hsbn_client_global_stats(hsbn_client* client, uint32_t op, uint64_t seq,
+                                     int64_t channels, int64_t* out_count, double* out_mean,
+                                     double* out_m2);
+/* 1 when hsbn_client_global_stats(op, seq) would return at once, else 0 (-1: null client).
+ * Never blocks. */
+int hsbn_client_global_stats_ready(hsbn_client* client, uint32_t op, uint64_t seq);
 
 /* One backward round, blocking: contributes (sum_dy, sum_dy_xmu), receives their sums over the
  * scope. `count` is this worker's count; *out_count the scope's. */

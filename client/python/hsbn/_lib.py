@@ -20,7 +20,7 @@ import os
 import shutil
 import threading
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _NATIVE_DIR = os.path.join(_PACKAGE_DIR, "_native")
@@ -216,6 +216,9 @@ class CStats(ctypes.Structure):
         ("elapsed_seconds", ctypes.c_double),
         ("group_rounds", CRoundStats * 2),
         ("transport", ctypes.c_char * 256),
+        ("renorm_rounds", CRoundStats * 2),
+        ("global_stats", CRoundStats),
+        ("global_stats_waited", ctypes.c_int64),
     ]
 
 
@@ -244,6 +247,7 @@ SCOPE_GLOBAL = 2
 SCOPE_SHADOW = 3
 SCOPE_GROUP = 4
 SCOPE_AUTO = 5
+SCOPE_RENORM = 6
 PHASE_FORWARD = 1
 PHASE_BACKWARD = 2
 
@@ -281,6 +285,9 @@ _SIGNATURES = {
                                   _p_dbl, ctypes.POINTER(_p_void)]),
     "hsbn_round_wait": (_c_int, [_p_void, _p_i64, _p_dbl, _p_dbl]),
     "hsbn_client_stats": (_c_int, [_p_void, ctypes.POINTER(CStats)]),
+    "hsbn_client_global_stats": (_c_int, [_p_void, _c_u32, _c_u64, _c_i64, _p_i64, _p_dbl,
+                                          _p_dbl]),
+    "hsbn_client_global_stats_ready": (_c_int, [_p_void, _c_u32, _c_u64]),
     "hsbn_client_reset_stats": (_c_int, [_p_void]),
     "hsbn_status_json": (_c_int, [_p_void, _c_int, ctypes.c_char_p, ctypes.c_size_t,
                                   ctypes.POINTER(ctypes.c_size_t)]),

@@ -23,9 +23,9 @@ from . import env as _env
 from .errors import ConfigurationError, UnavailableError, error_for, UNAVAILABLE
 
 SCOPES = {"node": _lib.SCOPE_NODE, "global": _lib.SCOPE_GLOBAL, "shadow": _lib.SCOPE_SHADOW,
-          "group": _lib.SCOPE_GROUP, "auto": _lib.SCOPE_AUTO}
+          "group": _lib.SCOPE_GROUP, "auto": _lib.SCOPE_AUTO, "renorm": _lib.SCOPE_RENORM}
 # Scopes rounds are sent (and counted) with; an "auto" round counts as what it sent.
-STAT_SCOPES = ("node", "global", "shadow", "group")
+STAT_SCOPES = ("node", "global", "shadow", "group", "renorm")
 _SCOPE_NAMES = {v: k for k, v in SCOPES.items()}
 PHASES = {"forward": _lib.PHASE_FORWARD, "backward": _lib.PHASE_BACKWARD}
 
@@ -169,10 +169,13 @@ class RoundStats:
 class ClientStats:
     """What a Client did since it connected or since its last reset_stats() (Client.stats).
 
-    rounds: {(scope, phase): RoundStats} for every scope in "node", "global", "shadow", "group"
-      and phase in "forward", "backward" (all eight keys always present); an auto-scope layer's
-      rounds count under the scope each was sent with. There is no "local" entry:
-      a local BatchNorm layer makes no rounds.
+    rounds: {(scope, phase): RoundStats} for every scope in "node", "global", "shadow",
+      "group", "renorm" and phase in "forward", "backward" (all ten keys always present); an
+      auto-scope layer's rounds count under the scope each was sent with. There is no "local"
+      entry: a local BatchNorm layer makes no rounds.
+    global_stats: RoundStats of the global_stats() calls (renorm scope): completed, failed,
+      seconds blocked in them; global_stats_waited: how many of them had to wait for the
+      global result (it had not arrived when asked).
     bytes_sent, bytes_received: serialized bytes of the frames written to and read from the
       round stream (contributions and results; gRPC/HTTP/2 framing not included).
     elapsed_seconds: wall time since the client connected or its last reset_stats().
@@ -184,6 +187,8 @@ class ClientStats:
     bytes_received: int = 0
     elapsed_seconds: float = 0.0
     transport: str = ""
+    global_stats: RoundStats = RoundStats()
+    global_stats_waited: int = 0
 
     def get(self, scope=None, phase=None):
         """RoundStats of one scope and phase; None sums over all scopes (or phases)."""
@@ -210,7 +215,9 @@ class ClientStats:
         for (s, p), r in self.rounds.items():
             out.setdefault(s, {})[p] = dataclasses.asdict(r)
         out.update(bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
-                   elapsed_seconds=self.elapsed_seconds, transport=self.transport)
+                   elapsed_seconds=self.elapsed_seconds, transport=self.transport,
+                   global_stats=dataclasses.asdict(self.global_stats),
+                   global_stats_waited=self.global_stats_waited)
         return out
 
     @classmethod
@@ -245,6 +252,7 @@ class Client:
                  auto_max_mean_shift=None, auto_max_log_var_ratio=None, auto_recheck_every=None,
                  env=None):
         self._handle = None
+        self._renorm_channels = {}  # op -> channels of its last renorm forward
         if not job_id:
             raise ConfigurationError("job_id is empty: give every worker of the job the same "
                                      "non-empty job id (HSBN_JOB_ID)")
@@ -371,6 +379,8 @@ class Client:
         out_b = np.empty_like(b)
         out_count = ctypes.c_int64()
         dp = ctypes.POINTER(ctypes.c_double)
+        if scope == "renorm" and what == "forward":
+            self._renorm_channels[int(op) & 0xFFFFFFFF] = channels
         rc = fn(self._handle, int(op), int(seq), scope_code, channels, int(count),
                 a.ctypes.data_as(dp), b.ctypes.data_as(dp), ctypes.byref(out_count),
                 out_a.ctypes.data_as(dp), out_b.ctypes.data_as(dp))
@@ -388,6 +398,40 @@ class Client:
         """Contributes (sum_dy[C], sum_dy_xmu[C]); returns the scope's (count, sums...)."""
         return self._round(self._lib.hsbn_backward, "backward", op, seq, scope, count, sum_dy,
                            sum_dy_xmu)
+
+    def global_stats(self, op, seq, channels=None):
+        """Renorm scope: the job's (count, mean, m2) of forward round (op, seq), which this
+        client started with scope "renorm" (channels: its width; None: that of op's last renorm
+        forward). Blocks until the root's result arrives (every worker of the job gets the same
+        bits), at most the round timeout; raises the hsbn error naming the round when the root
+        does not answer or the round failed."""
+        self._check_open()
+        op = int(op) & 0xFFFFFFFF
+        if channels is None:
+            channels = self._renorm_channels.get(op)
+            if channels is None:
+                raise ConfigurationError(
+                    "global_stats(op=%d): this client made no renorm forward round of op %d; "
+                    "pass channels=" % (op, op))
+        channels = int(channels)
+        mean = np.empty(max(channels, 1), dtype=np.float64)
+        m2 = np.empty_like(mean)
+        count = ctypes.c_int64()
+        dp = ctypes.POINTER(ctypes.c_double)
+        rc = self._lib.hsbn_client_global_stats(self._handle, op, int(seq), channels,
+                                                ctypes.byref(count), mean.ctypes.data_as(dp),
+                                                m2.ctypes.data_as(dp))
+        if rc != 0:
+            raise error_for(rc, "global statistics of %s (op=%d, seq=%d, rank %d of job %r): %s"
+                            % (op_label(op), op, seq, self.rank, self.job_id, _lib.last_error()))
+        return count.value, mean, m2
+
+    def global_stats_ready(self, op, seq):
+        """True when global_stats(op, seq) would return at once (its result or its failure has
+        arrived). Never blocks."""
+        self._check_open()
+        return self._lib.hsbn_client_global_stats_ready(self._handle, int(op) & 0xFFFFFFFF,
+                                                        int(seq)) == 1
 
     def status(self, include_upstream=True):
         """The sidecar's status as a dict (protobuf JSON names: jobs, upstream, divergence with
@@ -418,18 +462,23 @@ class Client:
         if rc != 0:
             raise error_for(rc, "stats call failed: %s" % _lib.last_error())
         rounds = {}
+        def of(r):
+            return RoundStats(int(r.completed), int(r.failed), float(r.blocked_seconds),
+                              float(r.max_blocked_seconds))
         for scope in STAT_SCOPES:
             sc = SCOPES[scope]
             for phase, ph in PHASES.items():
-                r = raw.group_rounds[ph - 1] if scope == "group" else raw.rounds[sc - 1][ph - 1]
-                rounds[(scope, phase)] = RoundStats(int(r.completed), int(r.failed),
-                                                    float(r.blocked_seconds),
-                                                    float(r.max_blocked_seconds))
-        transport = ""
-        if raw.struct_size >= _lib.CStats.transport.offset + _lib.CStats.transport.size:
-            transport = raw.transport.decode("utf-8", "replace")
+                if scope == "group":
+                    r = raw.group_rounds[ph - 1]
+                elif scope == "renorm":
+                    r = raw.renorm_rounds[ph - 1]
+                else:
+                    r = raw.rounds[sc - 1][ph - 1]
+                rounds[(scope, phase)] = of(r)
+        transport = raw.transport.decode("utf-8", "replace")
         return ClientStats(rounds, int(raw.bytes_sent), int(raw.bytes_received),
-                           float(raw.elapsed_seconds), transport)
+                           float(raw.elapsed_seconds), transport, of(raw.global_stats),
+                           int(raw.global_stats_waited))
 
     # --- auto scope ----------------------------------------------------------------------------
 
