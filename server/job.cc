@@ -606,7 +606,6 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   // Shadow and renorm rounds are answered with the node's statistics at once; the root's
   // global result of a renorm round follows as a late result (DeliverLateLocked).
   const bool answered_now = round.scope == v1::SCOPE_SHADOW || round.scope == v1::SCOPE_RENORM;
-  bool late_now = false;
   if (ScopeReachesParent(round.scope) && limits_.has_parent) {
     out->forwards.push_back(Actions::Forward{key, round.scope, round.channels, count,
                                              std::make_shared<const std::string>(result->data()),
@@ -623,9 +622,9 @@ void Job::CompleteLocked(Round& round, Actions* out) {
     if (round.scope == v1::SCOPE_RENORM) ExpectLateLocked(key, round.channels, Clock::now());
   } else if (round.scope == v1::SCOPE_RENORM &&
              layout_.member_kind == v1::MEMBER_KIND_WORKER) {
-    // A job of one node: the node's statistics are the job's, and so is the late result.
+    // A job of one node: the node's statistics are the job's; its clients keep this answer as
+    // the round's global statistics too, so no late result is sent.
     result->set_scope(v1::SCOPE_NODE);
-    late_now = true;
   } else {
     result->set_scope(round.scope);
   }
@@ -653,12 +652,6 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   // At the root, shadow partials are fire-and-forget: the nodes are not waiting.
   if (!(layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR && round.scope == v1::SCOPE_SHADOW)) {
     DeliverLocked(round, shared, out);
-  }
-  if (late_now) {
-    auto late = std::make_shared<v1::Result>(*result);
-    late->set_scope(v1::SCOPE_GLOBAL);
-    late->set_late(true);
-    DeliverLateLocked(key, std::move(late), absl::OkStatus(), out);
   }
   ++rounds_completed_;
   out->outcomes.push_back(Actions::Outcome{round.scope, key.phase, absl::StatusCode::kOk,

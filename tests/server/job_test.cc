@@ -535,17 +535,17 @@ TEST(Job, RenormLateResultsFailWhenTheParentIsLostOrSilent) {
   EXPECT_NE(late[2].message().find("root aggregator did not answer"), std::string::npos);
 }
 
-TEST(Job, RenormInAOneNodeJobSendsTheNodeStatisticsAsTheLateResultToo) {
+TEST(Job, RenormInAOneNodeJobIsANodeRoundWithNoLateResult) {
+  // The node's statistics are the job's: clients keep the node answer as the global ones.
   Fixture f(2, 1, 0, /*parent=*/false);
   f.Send(0, Fwd(2, 0, 1, {1.0}, {0.0}, v1::SCOPE_RENORM));
-  f.Send(1, Fwd(2, 0, 1, {3.0}, {0.0}, v1::SCOPE_RENORM));
+  Actions a = f.Send(1, Fwd(2, 0, 1, {3.0}, {0.0}, v1::SCOPE_RENORM));
+  EXPECT_TRUE(a.forwards.empty());
   for (auto& s : f.sinks) {
-    ASSERT_EQ(s->results.size(), 2u);
+    ASSERT_EQ(s->results.size(), 1u);
     EXPECT_FALSE(s->results[0].late());
-    EXPECT_TRUE(s->results[1].late());
-    EXPECT_EQ(s->results[1].scope(), v1::SCOPE_GLOBAL);
-    EXPECT_EQ(s->results[1].data(), s->results[0].data());
-    EXPECT_EQ(s->results[1].count(), 2);
+    EXPECT_EQ(s->results[0].scope(), v1::SCOPE_NODE);
+    EXPECT_EQ(A(s->results[0])[0], 2.0);
   }
 }
 
