@@ -244,6 +244,7 @@ SCOPE_GLOBAL = 2
 SCOPE_SHADOW = 3
 SCOPE_GROUP = 4
 SCOPE_AUTO = 5
+SCOPE_RENORM = 6  # HSBN_SCOPE_RENORM: node round; the global one off the critical path
 PHASE_FORWARD = 1
 PHASE_BACKWARD = 2
 

@@ -23,7 +23,7 @@ from . import env as _env
 from .errors import ConfigurationError, UnavailableError, error_for, UNAVAILABLE
 
 SCOPES = {"node": _lib.SCOPE_NODE, "global": _lib.SCOPE_GLOBAL, "shadow": _lib.SCOPE_SHADOW,
-          "group": _lib.SCOPE_GROUP, "auto": _lib.SCOPE_AUTO}
+          "group": _lib.SCOPE_GROUP, "auto": _lib.SCOPE_AUTO, "renorm": _lib.SCOPE_RENORM}
 # Scopes rounds are sent (and counted) with; an "auto" round counts as what it sent.
 STAT_SCOPES = ("node", "global", "shadow", "group")
 _SCOPE_NAMES = {v: k for k, v in SCOPES.items()}
