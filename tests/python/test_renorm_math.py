@@ -16,6 +16,7 @@ import hsbn.torch
 from hsbn.torch import _renorm
 from bnref import make_spec, node_of, rel_err, NODES, WORKERS_PER_NODE
 from test_autograd_math import InProcessRounds, chan_merge, cpu_ops  # noqa: F401 (fixture)
+from test_torch_path import no_host_reads  # noqa: F401 (fixture)
 
 EPS = 1e-5
 MOMENTUM = 0.1
@@ -486,3 +487,20 @@ def test_convert_and_layer_scopes_accept_renorm_and_its_options():
         hsbn.torch.convert_sync_batchnorm(model, scope="renorm", renorm_r_max=0.5)
     with pytest.raises(hsbn.ConfigurationError, match="renorm_lag must be an int >= 1"):
         hsbn.torch.SyncBatchNorm(3, scope="renorm", renorm_lag=0)
+
+
+def test_a_round_is_one_download_and_one_upload_global_statistics_add_none():
+    spec, data = renorm_spec(steps=3)
+    hsbn.torch.reset_sync_stats()
+    run_job(spec, data, renorm_warmup=0, renorm_ramp=0)
+    st = hsbn.torch.sync_stats()
+    # 4 workers x 3 steps x (forward + backward); r, d and the running statistics' values
+    # travel up with the forward round's mean and invstd.
+    assert (st.rounds, st.downloads, st.uploads, st.device_waits) == (24, 24, 24, 0)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_a_step_reads_no_tensor_value_on_the_host(no_host_reads, momentum):
+    spec, data = renorm_spec(steps=3, momentum=momentum)
+    _, layers, _ = run_job(spec, data, renorm_warmup=1, renorm_ramp=0)
+    assert all(int(layer.num_batches_tracked.numpy()) == 2 for layer in layers)
