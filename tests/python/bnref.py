@@ -61,8 +61,9 @@ def reference(spec, data, ranks):
             out["y"][r].append(yr.double().numpy())
             out["dx"][r].append(dxr.double().numpy())
         if affine:
-            out["dw"].append(bn.weight.grad.double().numpy())
-            out["db"].append(bn.bias.grad.double().numpy())
+            # Copies: the gradients accumulate in place at the next step.
+            out["dw"].append(bn.weight.grad.double().numpy().copy())
+            out["db"].append(bn.bias.grad.double().numpy().copy())
     if bn.track_running_stats:
         out["running_mean"] = bn.running_mean.double().numpy()
         out["running_var"] = bn.running_var.double().numpy()

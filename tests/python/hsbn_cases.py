@@ -16,7 +16,8 @@ def _dtype(name):
 
 
 def _np(t):
-    return t.detach().to(device="cpu", dtype=torch.float64).numpy()
+    # A copy: a float64 CPU tensor's numpy() is a view, and gradients accumulate in place.
+    return t.detach().to(device="cpu", dtype=torch.float64).numpy().copy()
 
 
 def bn_steps(spec, steps, client=None, op=None):

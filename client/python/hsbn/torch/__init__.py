@@ -20,6 +20,7 @@ from .modules import SyncBatchNorm
 from ._convert import convert_sync_batchnorm, revert_sync_batchnorm
 from ._inspect import model_client, stats, divergence, scopes, auto_decisions
 from ._function import SyncBatchNormFunction, SyncStats, sync_stats, reset_sync_stats
+from ._renorm import RenormFunction, RecomputeError
 from ._population import sync_running_stats, precise_bn
 from ._diagnose import diagnose
 from . import _ops
@@ -49,4 +50,5 @@ def cuda_ops():
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm",
            "LayerMismatchError", "SyncBatchNormFunction", "SCOPES", "next_op", "op_for_name",
            "model_client", "stats", "divergence", "scopes", "auto_decisions", "set_cuda_ops", "cuda_ops", "SyncStats", "sync_stats",
-           "reset_sync_stats", "sync_running_stats", "precise_bn", "diagnose"]
+           "reset_sync_stats", "sync_running_stats", "precise_bn", "diagnose", "RenormFunction",
+           "RecomputeError"]

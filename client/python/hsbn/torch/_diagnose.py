@@ -89,7 +89,8 @@ def _training_scope(m, model_training):
     kind = _kind(m)
     if kind == "hsbn":
         s = m.current_scope()
-        return "node" if s == "shadow" else s
+        # renorm normalizes as with (earlier calls') global statistics, up to its clipping.
+        return {"shadow": "node", "renorm": "global"}.get(s, s)
     if kind == "torch-sync":
         return "global"   # its process group: the whole job unless the user gave another
     return "local"

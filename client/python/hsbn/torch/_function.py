@@ -39,15 +39,34 @@ class SyncStats:
     uploads: result copies back to the tensor's device, one per round (the same).
     device_waits: host waits for the device: one event wait per round of a CUDA tensor, none
       for CPU tensors. hsbn.torch waits on the device nowhere else.
+    Scope "renorm" (docs/PYTORCH.md, "Renorm scope"):
+    renorm_calls: training forward calls of renorm layers (recomputations not included).
+    renorm_global_uses: those that used global statistics (the others: warm-up, seq < lag).
+    renorm_waits: those whose global statistics had not arrived when asked for
+      (client.global_stats_ready was false), so the call blocked for them.
+    renorm_wait_seconds: wall time spent in client.global_stats, every fetch.
+    renorm_recomputes: recomputations in backward (activation checkpointing) that reused
+      their first pass's r and d.
     """
     rounds: int = 0
     downloads: int = 0
     uploads: int = 0
     device_waits: int = 0
+    renorm_calls: int = 0
+    renorm_global_uses: int = 0
+    renorm_waits: int = 0
+    renorm_wait_seconds: float = 0.0
+    renorm_recomputes: int = 0
+
+    @property
+    def renorm_wait_share(self):
+        """renorm_waits / renorm_calls: the share of renorm forward calls that had to wait
+        for the root (0.0 without calls)."""
+        return self.renorm_waits / self.renorm_calls if self.renorm_calls else 0.0
 
 
 _stats_lock = threading.Lock()
-_stats = {"rounds": 0, "downloads": 0, "uploads": 0, "device_waits": 0}
+_stats = {f.name: f.default for f in dataclasses.fields(SyncStats)}
 
 
 def _count(**add):
@@ -64,8 +83,8 @@ def sync_stats():
 
 def reset_sync_stats():
     with _stats_lock:
-        for k in _stats:
-            _stats[k] = 0
+        for f in dataclasses.fields(SyncStats):
+            _stats[f.name] = f.default
 
 
 def opaque_to_dynamo(fn):

@@ -4,7 +4,9 @@ The batch statistics are reduced by the node's sidecar aggregator over the worke
 ("node"), a group of group_nodes consecutive nodes ("group"), the whole job ("global"), or not
 at all ("local"); "shadow" normalizes with node statistics while the root measures how far they
 are from the global ones; "auto" runs shadow for a warm-up, then keeps node (group) or takes
-global per layer, as the root decides from that record (the same decision on every rank).
+global per layer, as the root decides from that record (the same decision on every rank);
+"renorm" normalizes as with global statistics at the cost of a node round (Batch
+Renormalization with the job's statistics of earlier calls; _renorm.py).
 
 Round keys are in _keys.py, the layer check in _layer_check.py, conversion in _convert.py,
 what a model reports (stats, scopes, divergence) in _inspect.py.
@@ -23,6 +25,7 @@ from .. import client as _client
 from ..client import default_client
 from ..errors import ConfigurationError
 from ._function import SyncBatchNormFunction, capturing, opaque_to_dynamo, refuse_capture
+from ._renorm import RenormFunction, RenormState, recomputing, renorm_options
 from ._keys import (_AUTO_DECISIONS, _METADATA_KEY, _KEYED_AT_CONVERSION, next_op,
                     op_for_name, _check_scope, _check_group_nodes, _auto_policy,
                     _check_process_group)
@@ -58,12 +61,16 @@ class SyncBatchNorm(_BatchNorm):
       device, dtype: as torch's.
     hsbn's (keyword only):
       scope: "local" (plain BatchNorm, no exchange), "node", "group", "global" (default),
-        "shadow" or "auto" (docs/PYTORCH.md, "Group and auto scope").
+        "shadow", "auto" (docs/PYTORCH.md, "Group and auto scope") or "renorm" (docs/PYTORCH.md,
+        "Renorm scope").
       group_nodes: nodes per group, for the job (one number per job: it is sent when the
         process's client joins). None: HSBN_GROUP_NODES. Needed by scope="group"; with
         scope="auto" it makes auto choose between group and global instead of node and global.
       auto_warmup, auto_max_mean_shift, auto_max_log_var_ratio, auto_recheck_every: scope="auto"'s
         policy (None: the client's defaults, HSBN_AUTO_* or 50 rounds, 0.05, 0.05, 0 = never).
+      renorm_lag, renorm_momentum, renorm_warmup, renorm_r_max, renorm_d_max, renorm_ramp:
+        scope="renorm"'s options (None: the provisional defaults of hsbn.torch._renorm.DEFAULTS);
+        lag, warmup and ramp count this layer's training calls, not steps.
       client: the hsbn.Client to use; None uses hsbn.default_client(), created from the
         environment at the first synchronized forward.
       name: the layer's round key; every rank must give the same layer the same name. Without
@@ -83,7 +90,8 @@ class SyncBatchNorm(_BatchNorm):
                  track_running_stats=True, process_group=None, device=None, dtype=None, *,
                  scope="global", client=None, name=None, op=None, group_nodes=None,
                  auto_warmup=None, auto_max_mean_shift=None, auto_max_log_var_ratio=None,
-                 auto_recheck_every=None):
+                 auto_recheck_every=None, renorm_lag=None, renorm_momentum=None,
+                 renorm_warmup=None, renorm_r_max=None, renorm_d_max=None, renorm_ramp=None):
         _check_process_group(process_group, "hsbn.torch.SyncBatchNorm")
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype)
@@ -92,6 +100,8 @@ class SyncBatchNorm(_BatchNorm):
         self.auto_policy = _auto_policy(auto_warmup, auto_max_mean_shift, auto_max_log_var_ratio,
                                         auto_recheck_every)
         self._auto_decision = None  # {"scope": ..., ...} once decided (or restored)
+        self._renorm = RenormState(renorm_options(renorm_lag, renorm_momentum, renorm_warmup,
+                                                  renorm_r_max, renorm_d_max, renorm_ramp))
         self._auto_restore = None   # a decision loaded from a state_dict, for the client
         self._register_state_dict_hook(_save_auto_decision)
         self.client = client
@@ -142,6 +152,7 @@ class SyncBatchNorm(_BatchNorm):
         self.__dict__.setdefault("_auto_decision", None)
         self.__dict__.setdefault("_auto_restore", None)
         self.__dict__.setdefault("samples_seen", 0)
+        self.__dict__.setdefault("_renorm", RenormState(renorm_options()))
         _client.set_op_label(self.op, self._label())
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -171,6 +182,12 @@ class SyncBatchNorm(_BatchNorm):
         if self.scope != "auto":
             return self.scope
         return self._auto_decision["scope"] if self._auto_decision is not None else "shadow"
+
+    @property
+    def renorm_options(self):
+        """The renorm options of this layer ({"lag", "momentum", "warmup", "r_max", "d_max",
+        "ramp"}); used when its scope is "renorm"."""
+        return dict(self._renorm.options)
 
     def _check_input_dim(self, input):
         if input.dim() < 2:
@@ -230,6 +247,8 @@ class SyncBatchNorm(_BatchNorm):
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats:
             self.samples_seen += input.numel() // max(1, input.shape[1])
+        if sync and self.scope == "renorm":
+            return self._renorm_forward(input, client, book)
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
@@ -256,6 +275,25 @@ class SyncBatchNorm(_BatchNorm):
             if decided is not None:
                 self._auto_decision = decided
         return out
+
+    def _renorm_forward(self, input, client, book):
+        seq = book.next_seq(self.op)
+        self._seq += 1
+        recompute = recomputing()
+        track = self.track_running_stats
+        # The running statistics take the global statistics of seq - lag at the calls that use
+        # them, never a recomputation's: num_batches_tracked counts those updates.
+        factor = 0.0 if self.momentum is None else self.momentum
+        if track and not recompute and self._renorm.uses_global(seq):
+            if self.num_batches_tracked is not None:
+                self.num_batches_tracked.add_(1)
+                if self.momentum is None:
+                    factor = self.num_batches_tracked
+        return RenormFunction.apply(input, self.weight, self.bias,
+                                    self.running_mean if track else None,
+                                    self.running_var if track else None, self.eps, factor,
+                                    client, self.op, seq, self._renorm, recompute,
+                                    getattr(self, "cuda_ops", None))
 
     def _client(self):
         if self.client is not None:
