@@ -29,7 +29,8 @@ def bn_steps(spec, steps, client=None, op=None):
     bn = hsbn.torch.SyncBatchNorm(spec["C"], eps=spec.get("eps", 1e-5),
                                   momentum=spec.get("momentum", 0.1), affine=affine,
                                   track_running_stats=spec.get("track_running_stats", True),
-                                  scope=spec["scope"], client=client, op=op)
+                                  scope=spec["scope"], client=client, op=op,
+                                  **spec.get("renorm", {}))
     device = torch.device(spec.get("device", "cpu"))
     bn.to(device=device, dtype=_dtype(spec.get("param_dtype", spec["dtype"])))
     if affine:
