@@ -44,10 +44,11 @@ def test_counts_rounds_per_scope_and_phase_time_blocked_failures_and_reset(clust
         fresh = clients[0].stats()
         assert isinstance(fresh, hsbn.ClientStats)
         assert fresh.total == hsbn.RoundStats()
-        assert set(fresh.rounds) == {(s, p) for s in ("node", "global", "shadow", "group")
+        assert set(fresh.rounds) == {(s, p)
+                                     for s in ("node", "global", "shadow", "group", "renorm")
                                      for p in ("forward", "backward")}
         mean, m2 = np.array([1.0, 2.0, 3.0]), np.array([0.5, 0.5, 0.5])
-        n_node, n_global, n_shadow, delay = 6, 4, 3, 0.3
+        n_node, n_global, n_shadow, n_renorm, delay = 6, 4, 3, 2, 0.3
         wall = [0.0, 0.0]
 
         def work(r):
@@ -62,6 +63,11 @@ def test_counts_rounds_per_scope_and_phase_time_blocked_failures_and_reset(clust
                 c.backward(1, i, "global", 4, mean, m2)
             for i in range(n_shadow):
                 c.forward(2, i, "shadow", 4, mean, m2)
+            for i in range(n_renorm):
+                c.forward(3, i, "renorm", 4, mean, m2)
+                c.backward(3, i, "renorm", 4, mean, m2)
+                count, gmean, _ = c.global_stats(3, i)
+                assert count == 8 and np.array_equal(gmean, mean)
             wall[r] = time.perf_counter() - t0
         _in_threads([lambda: work(0), lambda: work(1)])
 
@@ -73,8 +79,12 @@ def test_counts_rounds_per_scope_and_phase_time_blocked_failures_and_reset(clust
             assert s.get("global", "backward").completed == n_global
             assert s.get("global").completed == 2 * n_global
             assert s.get("shadow", "forward").completed == n_shadow
-            assert s.get(phase="backward").completed == n_global
-            assert s.total.completed == n_node + 2 * n_global + n_shadow
+            assert s.get("renorm", "forward").completed == n_renorm
+            assert s.get("renorm", "backward").completed == n_renorm
+            assert s.global_stats.completed == n_renorm and s.global_stats.failed == 0
+            assert 0 <= s.global_stats_waited <= n_renorm
+            assert s.get(phase="backward").completed == n_global + n_renorm
+            assert s.total.completed == n_node + 2 * n_global + n_shadow + 2 * n_renorm
             assert s.total.failed == 0
             assert s.transport == transport_env
             for key in (("node", "forward"), ("global", "forward"), ("global", "backward"),
@@ -104,13 +114,14 @@ def test_counts_rounds_per_scope_and_phase_time_blocked_failures_and_reset(clust
         clients[0].reset_stats()
         z = clients[0].stats()
         assert z.total == hsbn.RoundStats()
+        assert z.global_stats == hsbn.RoundStats() and z.global_stats_waited == 0
         assert z.bytes_sent == z.bytes_received == 0
         assert z.elapsed_seconds < 5
         clients[0].forward(0, 101, "node", 4, mean, m2)
         z = clients[0].stats()
         assert z.total.completed == z.get("node", "forward").completed == 1
         # The other client kept its counts.
-        assert clients[1].stats().total.completed == n_node + 2 * n_global + n_shadow
+        assert clients[1].stats().total.completed == n_node + 2 * n_global + n_shadow + 2 * n_renorm
         with pytest.raises(hsbn.ConfigurationError, match="scope must be"):
             z.get("local")
     finally:
