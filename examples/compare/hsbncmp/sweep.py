@@ -80,6 +80,12 @@ def analyze(cells):
                      ("renorm", "node"), ("global", "renorm"), ("global", "reference")):
             if a in acc and b in acc:
                 pairs["%s-%s" % (a, b)] = paired(acc[a], acc[b])
+        if "renorm" in acc and "node" in acc:
+            # renorm's running statistics are global ones; node's pooled over the job
+            # (sync_running_stats) are the nearest node-trained model scored alike.
+            pooled = _by_seed(runs, "node", "metric_sync_stats")
+            if pooled:
+                pairs["renorm-node sync_running_stats"] = paired(acc["renorm"], pooled)
         if "node" in acc and "global" in acc:
             target = {s: acc["node"][s] + GOAL_SHARE * (acc["global"][s] - acc["node"][s])
                       for s in acc["node"] if s in acc["global"]}
