@@ -160,14 +160,15 @@ def markdown(analysis, cfg, command, env, default_cell, wall):
     lines.append("Command: `%s`" % command)
     lines.append("")
     lines.append(
-        "Topology %d nodes × %d workers (a group = %d nodes), sidecar–root link delayed by %d "
+        "Topology %d nodes × %d workers%s, sidecar–root link delayed by %d "
         "ms each way, %d training items × %g epoch(s) per run (steps = items / global "
         "batch), test accuracy on %s test items. Seeds are paired: every mode of a seed "
         "starts from the same weights and sees the same items in the same order. Accuracies "
         "in %%, mean ± std over seeds; differences are paired by seed, mean [95%% t-interval]. "
         "Sync: ms per step blocked in hsbn rounds (mean over workers and steps). Measured on "
         "%s. Total wall time %d min."
-        % (cfg["nodes"], cfg["workers_per_node"], cfg["group_nodes"] or 1,
+        % (cfg["nodes"], cfg["workers_per_node"],
+           " (a group = %d nodes)" % cfg["group_nodes"] if cfg["group_nodes"] else "",
            cfg["link_delay_ms"], cfg["train_size"], cfg["epochs"], cfg.get("test_items", "all"),
            env["machine"], round(wall / 60)))
     lines.append("")
@@ -344,6 +345,8 @@ def plot(out_dir, analysis, default_cell):
                             label="global − %s" % m)
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
+        if len({c["batch"] for c in cells}) == 1:  # one batch: keep the offsets small
+            ax.set_xlim(cells[0]["batch"] / 1.5, cells[0]["batch"] * 1.5)
         ax.set_xticks(sorted({c["batch"] for c in cells}))
         ax.set_xticklabels([str(b) for b in sorted({c["batch"] for c in cells})])
         ax.set_xlabel("per-worker batch")
