@@ -819,7 +819,9 @@ class Client::Impl {
         conn->polling = true;
         // The first pass only handles what is ready: a result already read counts as no wait.
         Poll(conn, pass == 0 ? Clock::now() : deadline,
-             [&] { return late_.count(key) > 0 || conn->broken; });
+             [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
+               return late_.count(key) > 0 || conn->broken;
+             });
         conn->polling = false;
         HandOff(*conn);
       } else if (pass > 0) {
@@ -843,7 +845,8 @@ class Client::Impl {
     if (late_.count(key) > 0) return true;
     if (conn != nullptr && !conn->polling && !conn->broken) {
       conn->polling = true;
-      Poll(conn, Clock::now(), [&] { return late_.count(key) > 0; });
+      Poll(conn, Clock::now(),
+           [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) { return late_.count(key) > 0; });
       conn->polling = false;
       HandOff(*conn);
     }

@@ -63,7 +63,7 @@ ShmChannel::~ShmChannel() {
 }
 
 absl::Status ShmChannel::Await(Clock::time_point deadline) {
-  std::lock_guard<std::mutex> lock(await_mu_);
+  absl::MutexLock lock(&await_mu_);
   if (decided()) return absl::OkStatus();
   const auto now = Clock::now();
   const int ms = deadline <= now ? 0
@@ -126,7 +126,10 @@ absl::Status ShmChannel::Await(Clock::time_point deadline) {
     }
     segment_ = std::move(*seg);
     doorbell_ = fds[1];
-    busy_.assign(size_t(segment_->geometry().ring), false);
+    {
+      absl::MutexLock lock(&mu_);
+      busy_.assign(size_t(segment_->geometry().ring), false);
+    }
     if (config_.local_world_size > int32_t(std::thread::hardware_concurrency())) {
       max_spin_ns_ = 5000;  // waiters without cores of their own: spinning delays the last rank
       spin_ns_ = 2000;
@@ -230,52 +233,51 @@ absl::StatusOr<ShmRound> ShmChannel::Start(const shm::Key& key, int32_t scope, i
   }
   const int32_t rank = config_.local_rank;
   const int32_t ring = segment_->geometry().ring;
-  std::unique_lock<std::mutex> lk(mu_);
-  for (int32_t i = 0; i < ring; ++i) {
-    if (!busy_[size_t(i)]) continue;
-    const uint32_t w = segment_->State(rank, i);
-    if ((w & 0xffu) == shm::kPosted && segment_->slot(rank, i)->op == key.op &&
-        segment_->slot(rank, i)->seq == key.seq && segment_->slot(rank, i)->phase == key.phase) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "round ", round(), " is already in flight on this client; each (op, seq, phase) is one "
-          "round"));
-    }
-  }
-  int32_t slot = -1;
-  for (int attempt = 0; slot < 0; ++attempt) {
-    for (int32_t i = 0; i < ring && slot < 0; ++i) {
-      if (!busy_[size_t(i)] && (segment_->State(rank, i) & 0xffu) == shm::kFree) slot = i;
-    }
-    if (slot >= 0) break;
-    HarvestLocked();
-    for (int32_t i = 0; i < ring && slot < 0; ++i) {
-      if (!busy_[size_t(i)] && (segment_->State(rank, i) & 0xffu) == shm::kFree) slot = i;
-    }
-    if (slot >= 0) break;
-    // Every slot holds a round in flight: wait for one to finish (rounds are never dropped).
-    if (Clock::now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "round ", round(), ": all ", ring, " shared-memory slots of this rank hold rounds that "
-          "did not finish in time (--shm-ring); wait for rounds before starting more"));
-    }
-    if (!Alive()) {
-      return absl::UnavailableError("the node's sidecar is gone (it restarted or shut down); "
-                                    "the next call rejoins");
-    }
-    lk.unlock();
-    std::this_thread::sleep_for(std::chrono::microseconds(attempt < 100 ? 50 : 1000));
-    lk.lock();
-  }
-  busy_[size_t(slot)] = true;
   ShmRound r;
-  r.key = key;
-  r.scope = scope;
-  r.channels = channels;
-  r.slot = slot;
-  r.started = Clock::now();
-  r.posted = segment_->Post(rank, slot, key, scope, channels, count, a, b);
-  lk.unlock();
-  segment_->TryReduce(key, slot, opts);
+  {
+    absl::MutexLock lock(&mu_);
+    for (int32_t i = 0; i < ring; ++i) {
+      if (!busy_[size_t(i)]) continue;
+      const uint32_t w = segment_->State(rank, i);
+      if ((w & 0xffu) == shm::kPosted && segment_->slot(rank, i)->op == key.op &&
+          segment_->slot(rank, i)->seq == key.seq && segment_->slot(rank, i)->phase == key.phase) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "round ", round(), " is already in flight on this client; each (op, seq, phase) is one "
+            "round"));
+      }
+    }
+    int32_t slot = -1;
+    for (int attempt = 0; slot < 0; ++attempt) {
+      for (int32_t i = 0; i < ring && slot < 0; ++i) {
+        if (!busy_[size_t(i)] && (segment_->State(rank, i) & 0xffu) == shm::kFree) slot = i;
+      }
+      if (slot >= 0) break;
+      HarvestLocked();
+      for (int32_t i = 0; i < ring && slot < 0; ++i) {
+        if (!busy_[size_t(i)] && (segment_->State(rank, i) & 0xffu) == shm::kFree) slot = i;
+      }
+      if (slot >= 0) break;
+      // Every slot holds a round in flight: wait for one to finish (rounds are never dropped).
+      if (Clock::now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "round ", round(), ": all ", ring, " shared-memory slots of this rank hold rounds that "
+            "did not finish in time (--shm-ring); wait for rounds before starting more"));
+      }
+      if (!Alive()) {
+        return absl::UnavailableError("the node's sidecar is gone (it restarted or shut down); "
+                                      "the next call rejoins");
+      }
+      never_.WaitWithTimeout(&mu_, absl::Microseconds(attempt < 100 ? 50 : 1000));
+    }
+    busy_[size_t(slot)] = true;
+    r.key = key;
+    r.scope = scope;
+    r.channels = channels;
+    r.slot = slot;
+    r.started = Clock::now();
+    r.posted = segment_->Post(rank, slot, key, scope, channels, count, a, b);
+  }
+  segment_->TryReduce(key, r.slot, opts);
   return r;
 }
 
@@ -309,7 +311,7 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
   const uint64_t id = RoundId(r.slot, r.posted);
   auto round = [&] { return wire::RoundName(r.key.op, r.key.seq, v1::Phase(r.key.phase)); };
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     // Waited for again after its caller's own timeout: it is no longer abandoned.
     if (auto a = abandoned_.find(r.slot); a != abandoned_.end() && a->second.posted == r.posted) {
       abandoned_.erase(a);
@@ -317,7 +319,7 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
   }
 
   auto release = [&](const absl::Status& s) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     busy_[size_t(r.slot)] = false;
     return s;
   };
@@ -353,7 +355,7 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
           // The caller's own (shorter) timeout: as on the stream, the contribution stays, so
           // the round can still complete for the other ranks; the slot is reclaimed once it
           // does, or at the aggregator's deadline.
-          std::lock_guard<std::mutex> lock(mu_);
+          absl::MutexLock lock(&mu_);
           abandoned_[r.slot] = Abandoned{r.posted, aggregator_deadline};
           return absl::DeadlineExceededError(absl::StrCat(
               "round ", round(), ": no answer through the node's shared memory within ",
@@ -376,27 +378,28 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
       sched_yield();
       continue;
     }
-    std::unique_lock<std::mutex> lk(mu_);
     absl::Status status;
     int64_t count = 0;
     thread_local std::vector<double> data;  // reused: a round allocates nothing here
-    if (auto it = stash_.find(id); it != stash_.end()) {
-      status = it->second.status;
-      count = it->second.count;
-      data = std::move(it->second.data);
-      stash_.erase(it);
-    } else if (segment_->Take(rank, r.slot, r.posted, r.channels, &status, &count, &data)) {
-      busy_[size_t(r.slot)] = false;
-    } else if ((segment_->State(rank, r.slot) & 0xffu) == shm::kDone ||
-               segment_->State(rank, r.slot) == r.posted) {
-      continue;  // changed under us (a harvest in progress); look again
-    } else {
-      busy_[size_t(r.slot)] = false;
-      return absl::UnavailableError(absl::StrCat(
-          "round ", round(), ": this rank's shared-memory slot was reset (the sidecar re-admitted "
-          "this rank, or a process of the job wrote into it); the round is lost"));
+    {
+      absl::MutexLock lock(&mu_);
+      if (auto it = stash_.find(id); it != stash_.end()) {
+        status = it->second.status;
+        count = it->second.count;
+        data = std::move(it->second.data);
+        stash_.erase(it);
+      } else if (segment_->Take(rank, r.slot, r.posted, r.channels, &status, &count, &data)) {
+        busy_[size_t(r.slot)] = false;
+      } else if ((segment_->State(rank, r.slot) & 0xffu) == shm::kDone ||
+                 segment_->State(rank, r.slot) == r.posted) {
+        continue;  // changed under us (a harvest in progress); look again
+      } else {
+        busy_[size_t(r.slot)] = false;
+        return absl::UnavailableError(absl::StrCat(
+            "round ", round(), ": this rank's shared-memory slot was reset (the sidecar "
+            "re-admitted this rank, or a process of the job wrote into it); the round is lost"));
+      }
     }
-    lk.unlock();
     // Adapt the spin: longer while results come within it, shorter when they do not.
     if (!slept) {
       spin_ns_.store(std::min<int64_t>(std::max<int64_t>(spin * 2, 1000), max_spin_ns_),

@@ -21,12 +21,13 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "shm_segment.h"
 
 namespace hsbn::client_internal {
@@ -102,7 +103,7 @@ class ShmChannel {
   explicit ShmChannel(ShmConfig config) : config_(std::move(config)) {}
   shm::ReduceOptions Reduce() const;
   // Takes the answers of DONE slots of this rank into stash_ (frees their slots). mu_ held.
-  void HarvestLocked();
+  void HarvestLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status Deliver(const absl::Status& s, int64_t count, const std::vector<double>& data,
                        int64_t channels, int64_t* out_count, double* out_a, double* out_b);
 
@@ -112,7 +113,10 @@ class ShmChannel {
   std::atomic<bool> decided_{false};
   std::string note_;
   std::unique_ptr<shm::Segment> segment_;
-  std::mutex await_mu_;  // one thread awaits the answer at a time
+  // One thread awaits the sidecar's answer at a time. What it sets up (segment_, note_,
+  // doorbell_, the spin bounds) is published by decided_ (release/acquire), not by this lock:
+  // rounds read it only once decided() is true, and nothing writes it after that.
+  absl::Mutex await_mu_;
 
   struct Stashed {
     uint32_t posted;
@@ -120,14 +124,16 @@ class ShmChannel {
     int64_t count = 0;
     std::vector<double> data;
   };
-  std::mutex mu_;  // the ring's slot ownership and stash_
-  std::vector<bool> busy_;                 // slots owned by a round not yet waited for
-  std::map<uint64_t, Stashed> stash_;      // by RoundId(slot, posted)
+  absl::Mutex mu_;  // the ring's slot ownership, stash_ and abandoned_
+  absl::CondVar never_;  // no one signals it: a timed wait on it is a sleep that releases mu_
+  std::vector<bool> busy_ ABSL_GUARDED_BY(mu_);  // slots owned by a round not yet waited for
+  std::map<uint64_t, Stashed> stash_ ABSL_GUARDED_BY(mu_);  // by RoundId(slot, posted)
   struct Abandoned {
     uint32_t posted;
     Clock::time_point deadline;  // the aggregator's: withdrawn then if still unanswered
   };
-  std::map<int32_t, Abandoned> abandoned_;  // slots whose caller gave up (its own timeout)
+  // Slots whose caller gave up (its own timeout).
+  std::map<int32_t, Abandoned> abandoned_ ABSL_GUARDED_BY(mu_);
   mutable std::atomic<int64_t> polled_at_ns_{0};  // AliveRecently: the last poll (steady ns)
   mutable std::atomic<bool> gone_{false};         // a poll found the connection closed
   std::atomic<int64_t> spin_ns_{20000};    // adaptive spin before sleeping
