@@ -1160,7 +1160,7 @@ class Client::Impl {
       s = stub_->Join(&ctx, req, &resp);
       // A sidecar that is stopping refuses Joins (UNAVAILABLE: no other refusal has that code)
       // and cancels the calls it will not answer: once its connection is gone, join the next
-      // process on the address, as a new connection would (issue 26).
+      // process on the address, as a new connection would.
       const auto code = s.error_code();
       if (code != grpc::StatusCode::UNAVAILABLE && code != grpc::StatusCode::CANCELLED) break;
       if (channel_->GetState(false) == GRPC_CHANNEL_READY &&
