@@ -433,6 +433,10 @@ class Client::Impl {
           auto pending = make_pending();
           pending->shm = std::move(shm);
           pending->shm_round = *r;
+          // Late global results come on the stream, which shared-memory rounds never read:
+          // take what has arrived, so that they cannot pile up at the sidecar (a stream more
+          // than --max-queued-bytes behind is ended) while nobody asks for them (a warm-up).
+          if (scope == Scope::kRenorm) DrainStream(conn);
           return pending;
         }
       }
@@ -803,10 +807,13 @@ class Client::Impl {
         return absl::OkStatus();
       }
       if (conn == nullptr || conn->broken) {
+        const std::string why =
+            conn != nullptr && conn->finished ? conn->final_status.error_message() : "";
         return absl::UnavailableError(absl::StrCat(
             what(), " did not arrive: the stream to the hsbn sidecar at ", options_.address,
-            " broke (the sidecar restarted or was stopped). The next call reconnects; the "
-            "round's global statistics are lost"));
+            " broke (", why.empty() ? "the sidecar restarted or stopped, or ended the stream"
+                                    : why,
+            "). The next call reconnects; the round's global statistics are lost"));
       }
       if (pass > 0) *waited = true;
       if (Clock::now() >= deadline && pass > 0) {
@@ -832,6 +839,18 @@ class Client::Impl {
         --late_waiters_;
       }
     }
+  }
+
+  // Handles the stream's ready events without blocking, unless another thread polls it.
+  void DrainStream(const std::shared_ptr<RoundStream>& conn) {
+    absl::MutexLock lock(&rounds_mu_);
+    if (conn == nullptr || conn->polling || conn->broken) return;
+    conn->polling = true;
+    for (int pass = 0; pass < 2 && !conn->broken; ++pass) {
+      Poll(conn, Clock::now(), [] { return false; });
+    }
+    conn->polling = false;
+    HandOff(*conn);
   }
 
   bool GlobalStatsReady(uint32_t op, uint64_t seq) {
