@@ -250,6 +250,19 @@ hsbn_result hsbn_client_global_stats(hsbn_client* client, uint32_t op, uint64_t 
   return Done(client->client->GlobalStats(op, seq, channels, out_count, out_mean, out_m2));
 }
 
+hsbn_result hsbn_client_name_layers(hsbn_client* client, const uint32_t* ops,
+                                    const char* const* names, size_t n) {
+  g_last_error.clear();
+  if (client == nullptr) return Invalid("null client");
+  if (n > 0 && (ops == nullptr || names == nullptr)) return Invalid("null ops or names");
+  std::vector<std::pair<uint32_t, std::string>> list;
+  for (size_t i = 0; i < n; ++i) {
+    if (names[i] == nullptr) return Invalid("a null name");
+    list.emplace_back(ops[i], names[i]);
+  }
+  return Done(client->client->NameLayers(list));
+}
+
 int hsbn_client_global_stats_ready(hsbn_client* client, uint32_t op, uint64_t seq) {
   if (client == nullptr) return -1;
   return client->client->GlobalStatsReady(op, seq) ? 1 : 0;

@@ -841,6 +841,65 @@ class Client::Impl {
     }
   }
 
+  absl::Status NameLayers(const std::vector<std::pair<uint32_t, std::string>>& names) {
+    if (names.empty()) return absl::OkStatus();
+    v1::ClientFrame frame;
+    for (const auto& [op, name] : names) {
+      v1::LayerName* n = frame.mutable_layer_names()->add_layers();
+      n->set_op(op);
+      n->set_name(name);
+    }
+    return SendFrame(&frame, "layer names");
+  }
+
+  // Writes a frame that is not a round on the stream (its session set here), waiting for the
+  // write slot as Start does; a write that fails shows as a broken stream at the next call.
+  absl::Status SendFrame(v1::ClientFrame* frame, const char* what) {
+    std::shared_ptr<RoundStream> conn;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!conn_ || conn_->broken) {
+        if (absl::Status s = ConnectLocked(); !s.ok()) return s;
+      }
+      conn = conn_;
+      if (frame->has_layer_names()) frame->mutable_layer_names()->set_session(session_);
+    }
+    const auto deadline = Clock::now() + RoundTimeout();
+    absl::MutexLock lock(&rounds_mu_);
+    while (conn->write_in_flight && !conn->broken) {
+      if (Clock::now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "could not send ", what, " to the hsbn sidecar at ", options_.address, " within ",
+            RoundTimeout().count(), " ms"));
+      }
+      if (!conn->polling) {
+        conn->polling = true;
+        Poll(conn, deadline, [&] { return !conn->write_in_flight || conn->broken; });
+        conn->polling = false;
+        HandOff(*conn);
+      } else {
+        ++conn->waiters;
+        conn->write_cv.WaitWithDeadline(&rounds_mu_, AbslTime(deadline));
+        --conn->waiters;
+      }
+    }
+    if (conn->broken) {
+      return absl::UnavailableError(absl::StrCat("could not send ", what, ": the stream to the "
+                                                 "hsbn sidecar at ", options_.address,
+                                                 " broke; the next call reconnects"));
+    }
+    conn->write_in_flight = true;
+    conn->write_failed = false;
+    bytes_sent_.fetch_add(int64_t(frame->ByteSizeLong()), std::memory_order_relaxed);
+    conn->stream->Write(*frame, TagOf(kWrite));
+    if (conn->polling) return absl::OkStatus();
+    conn->polling = true;
+    Poll(conn, deadline, [&] { return !conn->write_in_flight; });
+    conn->polling = false;
+    HandOff(*conn);
+    return absl::OkStatus();
+  }
+
   // Handles the stream's ready events without blocking, unless another thread polls it.
   void DrainStream(const std::shared_ptr<RoundStream>& conn) {
     absl::MutexLock lock(&rounds_mu_);
@@ -1374,6 +1433,9 @@ ClientStats Client::Stats() const { return impl_->Stats(); }
 absl::Status Client::GlobalStats(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
                                  double* out_mean, double* out_m2) {
   return impl_->GlobalStats(op, seq, channels, out_count, out_mean, out_m2);
+}
+absl::Status Client::NameLayers(const std::vector<std::pair<uint32_t, std::string>>& names) {
+  return impl_->NameLayers(names);
 }
 bool Client::GlobalStatsReady(uint32_t op, uint64_t seq) {
   return impl_->GlobalStatsReady(op, seq);

@@ -615,12 +615,13 @@ void Aggregator::Execute(Actions& actions, const std::string& job_id) {
   // Partials go up before results go down: a shadow partial is then queued to the root before
   // its workers can start their next round, so the root sees a node's rounds in the order the
   // node ran them (auto scope's decision round relies on it; docs/PROTOCOL.md).
-  if (!actions.forwards.empty() || !actions.aborts.empty()) {
+  if (!actions.forwards.empty() || !actions.aborts.empty() || !actions.names.empty()) {
     std::shared_ptr<Job> job = registry_.FindJob(job_id);
     if (job && parent_) {
       std::shared_ptr<const std::string> token = job->token();
       for (const auto& f : actions.forwards) parent_->Forward(job_id, job->layout(), token, f);
       for (const auto& a : actions.aborts) parent_->Abort(job_id, job->layout(), token, a);
+      if (!actions.names.empty()) parent_->LayerNames(job_id, job->layout(), token, actions.names);
     }
   }
   for (auto& d : actions.deliveries) {

@@ -848,6 +848,23 @@ void Job::ChildAbort(int32_t index, const v1::Abort& abort, Actions* out) {
   }
 }
 
+void Job::NameLayers(const v1::LayerNames& names, Actions* out) {
+  absl::MutexLock lock(&mu_);
+  for (const v1::LayerName& n : names.layers()) {
+    if (names_.size() >= kMaxNames) break;
+    if (n.name().empty() || n.name().size() > kMaxNameBytes || names_.count(n.op()) > 0) continue;
+    if (wire::Printable(n.name(), kMaxNameBytes) != n.name()) continue;  // not printable ASCII
+    names_.emplace(n.op(), n.name());
+    if (limits_.has_parent) out->names.push_back(n);
+  }
+}
+
+std::string Job::LayerName(uint32_t op) const {
+  absl::MutexLock lock(&mu_);
+  auto it = names_.find(op);
+  return it == names_.end() ? std::string() : it->second;
+}
+
 void Job::ExpectLate(const RoundKey& key, uint32_t channels, Clock::time_point now) {
   absl::MutexLock lock(&mu_);
   ExpectLateLocked(key, channels, now);
@@ -1039,9 +1056,10 @@ void Job::FillStatus(v1::JobStatus* s) const {
   s->set_rounds_completed(rounds_completed_);
   s->set_rounds_failed(rounds_failed_);
   s->set_group_nodes(layout_.group_nodes);
-  auto fill = [](const std::pair<uint32_t, int32_t>& k, const DivergenceAcc& acc,
-                 v1::Divergence* d) {
+  auto fill = [&](const std::pair<uint32_t, int32_t>& k, const DivergenceAcc& acc,
+                  v1::Divergence* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     d->set_op(k.first);
+    if (auto name = names_.find(k.first); name != names_.end()) d->set_layer(name->second);
     d->set_node(k.second);
     d->set_rounds(acc.rounds);
     const double n = double(std::max<int64_t>(acc.rounds, 1));

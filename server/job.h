@@ -127,6 +127,8 @@ struct Actions {
   std::vector<Forward> forwards;
   std::vector<Abort> aborts;
   std::vector<NodeState> node_states;
+  // Layer names this job learned (LayerNames) that the parent has not been told.
+  std::vector<v1::LayerName> names;
   // For metrics: every round that finished here, once, OK (its result was sent, or at the root
   // a shadow round was reduced) or failed.
   struct Outcome {
@@ -148,7 +150,8 @@ struct Actions {
   int64_t nonfinite[2] = {0, 0};
   std::vector<const char*> refused;
   bool empty() const {
-    return deliveries.empty() && forwards.empty() && aborts.empty() && node_states.empty();
+    return deliveries.empty() && forwards.empty() && aborts.empty() && node_states.empty() &&
+           names.empty();
   }
 };
 
@@ -195,6 +198,14 @@ class Job {
   // A sidecar: whether its node is down in this job (a worker gone, not back yet), and why.
   // Said again to a parent that the sidecar joins anew (a new stream, a restarted root).
   bool NodeDown(std::string* message) const;
+  // Layer names from a member: the first name of each op is kept (kMaxNames per job, printable,
+  // at most kMaxNameBytes; others are dropped); with a parent, new ones go up (Actions::names).
+  static constexpr size_t kMaxNames = 4096;
+  static constexpr size_t kMaxNameBytes = 256;
+  void NameLayers(const v1::LayerNames& names, Actions* out);
+  // The name of `op`, or "" when none was given.
+  std::string LayerName(uint32_t op) const;
+
   // The parent's answer to a round this aggregator forwarded. For a renorm round (forwarded
   // after its node answer) it goes to every member as the round's late global result.
   void ParentResult(const v1::Result& result, Actions* out);
@@ -357,6 +368,7 @@ class Job {
     Clock::time_point deadline;
   };
   std::map<RoundKey, Late> late_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint32_t, std::string> names_ ABSL_GUARDED_BY(mu_);  // op -> layer name
   std::shared_ptr<const std::string> token_ ABSL_GUARDED_BY(mu_);
   bool reported_down_ ABSL_GUARDED_BY(mu_) = false;  // a sidecar that told its parent so
   std::string down_message_ ABSL_GUARDED_BY(mu_);    // what it said

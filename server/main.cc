@@ -290,9 +290,9 @@ void AddFlags(FlagTable& f, Settings* s, AggregatorOptions* o) {
         "counted and reported as suppressed.");
 
   f.Text("divergence-dir", "DIR", &o->divergence_dir,
-         "Root role: when a job ends, write its shadow-mode divergence record (per layer op and "
-         "node, and per group for a job with groups) to DIR/JOB.divergence.json, so it outlives "
-         "the job. Default: off.");
+         "Root role: when a job ends, write its shadow-mode divergence record (per layer op, "
+         "with the layer's name when the workers gave it, and node, and per group for a job "
+         "with groups) to DIR/JOB.divergence.json, so it outlives the job. Default: off.");
 
   f.group("Shared-memory node path (node role; docs/PROTOCOL.md)");
   f.Choice("shm", "", {"on", "off"}, &s->shm,

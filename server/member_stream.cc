@@ -53,6 +53,9 @@ void MemberStream::Handle(const v1::ClientFrame& frame) {
     case v1::ClientFrame::kLeave:
       HandleLeave(frame.leave());
       break;
+    case v1::ClientFrame::kLayerNames:
+      HandleLayerNames(frame.layer_names());
+      break;
     default:  // an empty frame, or a batch nested in a batch: nothing to do
       break;
   }
@@ -150,6 +153,18 @@ void MemberStream::HandleNodeState(const v1::NodeState& state) {
   if (ref == nullptr) return;
   Actions actions;
   ref->job->ChildState(ref->index, state, &actions);
+  host_->Execute(ref->job, actions);
+}
+
+void MemberStream::HandleLayerNames(const v1::LayerNames& names) {
+  SessionId session;
+  const Registry::SessionRef* ref = Bound(names.session(), &session);
+  if (ref == nullptr) {
+    host_->LogInvalid("layer names on a session not attached to this stream");
+    return;
+  }
+  Actions actions;
+  ref->job->NameLayers(names, &actions);
   host_->Execute(ref->job, actions);
 }
 

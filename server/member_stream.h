@@ -83,6 +83,8 @@ class MemberStream {
   void HandleAbort(const v1::Abort& a);
   void HandleNodeState(const v1::NodeState& state);
   void HandleLeave(const v1::LeaveRequest& leave);
+  // Any member's, on a session bound here.
+  void HandleLayerNames(const v1::LayerNames& names);
 
   MemberStreamHost* const host_;
   const std::shared_ptr<MemberSink> sink_;

@@ -337,6 +337,7 @@ void ParentLink::SetSession(v1::ClientFrame* frame, const SessionId& session) {
   if (frame->has_contribution()) frame->mutable_contribution()->set_session(session.Bytes());
   if (frame->has_abort()) frame->mutable_abort()->set_session(session.Bytes());
   if (frame->has_node_state()) frame->mutable_node_state()->set_session(session.Bytes());
+  if (frame->has_layer_names()) frame->mutable_layer_names()->set_session(session.Bytes());
 }
 
 void ParentLink::Forward(const std::string& job_id, const JobLayout& layout,
@@ -367,6 +368,15 @@ void ParentLink::Abort(const std::string& job_id, const JobLayout& layout,
   ab->set_phase(a.key.phase);
   ab->set_code(int(a.status.code()));
   ab->set_message(std::string(a.status.message()));
+  Enqueue(std::move(item));
+}
+
+void ParentLink::LayerNames(const std::string& job_id, const JobLayout& layout,
+                            std::shared_ptr<const std::string> token,
+                            const std::vector<v1::LayerName>& names) {
+  Item item = MakeItem(job_id, layout, std::move(token), RoundKey{});
+  v1::LayerNames* n = std::get<Frame>(item.what).frame.mutable_layer_names();
+  for (const v1::LayerName& name : names) *n->add_layers() = name;
   Enqueue(std::move(item));
 }
 

@@ -74,6 +74,11 @@ class ParentLink {
                std::shared_ptr<const std::string> token, const Actions::Forward& f);
   void Abort(const std::string& job_id, const JobLayout& layout,
              std::shared_ptr<const std::string> token, const Actions::Abort& a);
+  // Layer names of the job, for the parent's Status (joins the job at the parent if need be,
+  // in order with its partials).
+  void LayerNames(const std::string& job_id, const JobLayout& layout,
+                  std::shared_ptr<const std::string> token,
+                  const std::vector<v1::LayerName>& names);
   // This node is down in the job (a worker crashed) or back: tell the parent, if it holds the
   // node's session in the job (never connects or joins just for this).
   void NodeState(const std::string& job_id, const Actions::NodeState& state);

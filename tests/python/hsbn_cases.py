@@ -227,7 +227,8 @@ def kill_self():
 
 def shadow_divergence_by_name(nodes, timeout=30.0):
     """Trains a converted two-layer model in shadow scope on this rank's data (shifted by its
-    node) and returns hsbn.torch.divergence(model) once the root has a record of every node."""
+    node) and returns hsbn.torch.divergence(model) once the root has a record of every node,
+    with the root's own record under "_root": {op: layer name it shows}."""
     torch.manual_seed(7)
     model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 1), torch.nn.BatchNorm2d(3),
                                 torch.nn.ReLU(), torch.nn.Conv2d(3, 3, 1), torch.nn.BatchNorm2d(3))
@@ -242,5 +243,8 @@ def shadow_divergence_by_name(nodes, timeout=30.0):
         div = hsbn.torch.divergence(model)
         if (len(div) == 2 and all(len(rows) >= nodes and all(r["rounds"] >= 2 for r in rows)
                                   for rows in div.values())) or time.monotonic() > deadline:
+            root = _job_status(client.status(include_upstream=True).get("upstream", {}),
+                               client.job_id) or {}
+            div["_root"] = {int(d["op"]): d.get("layer", "") for d in root.get("divergence", [])}
             return div
         time.sleep(0.05)

@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -217,6 +219,12 @@ class Client {
   // Whether GlobalStats(op, seq) would return at once (the result, or its failure, is here).
   // Never blocks; reads what the stream has delivered so far.
   bool GlobalStatsReady(uint32_t op, uint64_t seq);
+
+  // Names the job's layers (op -> name) for the aggregators' Status and divergence record, which
+  // otherwise show op numbers. Sent once on the stream; the aggregators keep the first name of
+  // each op (printable ASCII, at most 256 bytes; at most 4096 per job). Names change no round.
+  // After a sidecar restart they are not sent again: give them again to have them there.
+  absl::Status NameLayers(const std::vector<std::pair<uint32_t, std::string>>& names);
 
   // Auto scope, per op. SetAutoPolicy: the op's policy (before its first auto round; a later
   // call with another policy is FAILED_PRECONDITION). AutoDecisionOf: what the op decided so

@@ -210,6 +210,10 @@ hsbn_result hsbn_forward(hsbn_client* client, uint32_t op, uint64_t seq, hsbn_sc
 hsbn_result hsbn_client_global_stats(hsbn_client* client, uint32_t op, uint64_t seq,
                                      int64_t channels, int64_t* out_count, double* out_mean,
                                      double* out_m2);
+/* Names n layers (ops[i] -> names[i], NUL-terminated) for the aggregators' Status and divergence
+ * record, which show op numbers otherwise; names change no round (hsbn::Client::NameLayers). */
+hsbn_result hsbn_client_name_layers(hsbn_client* client, const uint32_t* ops,
+                                    const char* const* names, size_t n);
 /* 1 when hsbn_client_global_stats(op, seq) would return at once, else 0 (-1: null client).
  * Never blocks. */
 int hsbn_client_global_stats_ready(hsbn_client* client, uint32_t op, uint64_t seq);

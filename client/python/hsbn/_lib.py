@@ -288,6 +288,8 @@ _SIGNATURES = {
     "hsbn_client_global_stats": (_c_int, [_p_void, _c_u32, _c_u64, _c_i64, _p_i64, _p_dbl,
                                           _p_dbl]),
     "hsbn_client_global_stats_ready": (_c_int, [_p_void, _c_u32, _c_u64]),
+    "hsbn_client_name_layers": (_c_int, [_p_void, ctypes.POINTER(_c_u32),
+                                         ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t]),
     "hsbn_client_reset_stats": (_c_int, [_p_void]),
     "hsbn_status_json": (_c_int, [_p_void, _c_int, ctypes.c_char_p, ctypes.c_size_t,
                                   ctypes.POINTER(ctypes.c_size_t)]),

@@ -426,6 +426,21 @@ class Client:
                             % (op_label(op), op, seq, self.rank, self.job_id, _lib.last_error()))
         return count.value, mean, m2
 
+    def name_layers(self, names):
+        """Names layers for the aggregators' Status and divergence record ({op: name}); the
+        first name given for an op is kept (printable ASCII, at most 256 bytes). hsbn.torch
+        names its layers by itself ("model:layer")."""
+        self._check_open()
+        items = [(int(op) & 0xFFFFFFFF, str(name).encode("ascii", "replace"))
+                 for op, name in dict(names).items()]
+        if not items:
+            return
+        ops = (ctypes.c_uint32 * len(items))(*[op for op, _ in items])
+        strs = (ctypes.c_char_p * len(items))(*[n for _, n in items])
+        rc = self._lib.hsbn_client_name_layers(self._handle, ops, strs, len(items))
+        if rc != 0:
+            raise error_for(rc, "naming layers failed: %s" % _lib.last_error())
+
     def global_stats_ready(self, op, seq):
         """True when global_stats(op, seq) would return at once (its result or its failure has
         arrived). Never blocks."""

@@ -50,6 +50,7 @@ class _ClientBook:
         self.seqs = {}     # op -> itertools.count of its next seq
         self.checks = {}   # (check op, digest) -> None when passed, its LayerMismatchError if not
         self.auto = {}     # op -> the auto-scope policy given to the client (a dict)
+        self.named = set()  # ops whose layer name was sent to the aggregators
 
     def next_seq(self, op):
         counter = self.seqs.get(op)
