@@ -197,9 +197,9 @@ def state_numpy(model):
     return {k: v.detach().double().numpy().copy() for k, v in model.state_dict().items()}
 
 
-def ddp_train(initial_state, batches_by_rank):
-    """Converts SmallCNN to global-scope hsbn BatchNorm, wraps it in DDP (gloo) and trains it
-    on this rank's batches; returns the final state."""
+def ddp_train(initial_state, batches_by_rank, scope="global", options=None):
+    """Converts SmallCNN to hsbn BatchNorm of `scope` (with convert_sync_batchnorm's `options`),
+    wraps it in DDP (gloo) and trains it on this rank's batches; returns the final state."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     torch.set_num_threads(1)
@@ -207,7 +207,7 @@ def ddp_train(initial_state, batches_by_rank):
     try:
         model = SmallCNN()
         model.load_state_dict({k: torch.from_numpy(v) for k, v in initial_state.items()})
-        model = hsbn.torch.convert_sync_batchnorm(model, scope="global")
+        model = hsbn.torch.convert_sync_batchnorm(model, scope=scope, **(options or {}))
         ddp = DistributedDataParallel(model)
         train(ddp, batches_by_rank[dist.get_rank()])
         return state_numpy(model)
