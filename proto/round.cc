@@ -72,6 +72,12 @@ absl::Status MemberDown(const RoundRef& r, const std::string& who, absl::string_
   return CannotComplete(r, who, " is down: ", down);
 }
 
+absl::Status MemberAborted(const RoundRef& r, const std::string& who, absl::string_view reason) {
+  return absl::AbortedError(absl::StrCat("round ", r.round, " of job '", r.job,
+                                         "' cannot complete: ", who, " aborted (", reason,
+                                         "); the job cannot make progress without it"));
+}
+
 absl::Status TimedOut(const RoundRef& r, std::chrono::milliseconds timeout,
                       const std::vector<std::string>& missing) {
   return absl::DeadlineExceededError(absl::StrCat(

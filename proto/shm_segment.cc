@@ -258,6 +258,12 @@ absl::Status Segment::Blocked(const Key* key, const ReduceOptions& o) const {
     if (key != nullptr && FindPosted(r, *key, 0, &i, &w)) continue;
     const std::string round = key ? wire::RoundName(key->op, key->seq, v1::Phase(key->phase))
                                   : std::string("new rounds");
+    if (why == 3) {
+      char text[kTextBytes + 1] = {};
+      if (Load(&h->abort_set) != 0) std::memcpy(text, h->abort_text, kTextBytes);
+      return wire::MemberAborted(wire::RoundRef{round, o.job_id}, Names(o, g_.ranks)(r),
+                                 text[0] ? wire::Printable(text, kTextBytes) : "no reason given");
+    }
     return wire::MemberGone(wire::RoundRef{round, o.job_id}, Names(o, g_.ranks)(r),
                             why == 2 ? wire::Gone::kLeft : wire::Gone::kDisconnected);
   }
@@ -499,9 +505,22 @@ void Segment::WakeAll() const {
 
 void Segment::MarkGone(int32_t rank, uint32_t why) {
   if (rank < 0 || rank >= g_.ranks) return;
-  Store(&header()->gone[rank], why);
+  // An aborted rank that then leaves or exits stays "aborted": its reason is the news.
+  if (Load(&header()->gone[rank]) != 3 || why == 3) Store(&header()->gone[rank], why);
   __atomic_fetch_add(&header()->epoch, 1, __ATOMIC_SEQ_CST);
   WakeAll();
+}
+
+void Segment::MarkAborted(int32_t rank, const std::string& reason) {
+  if (rank < 0 || rank >= g_.ranks) return;
+  Header* h = header();
+  if (Load(&h->abort_set) == 0) {
+    const size_t n = std::min(reason.size(), kTextBytes - 1);
+    std::memcpy(h->abort_text, reason.data(), n);
+    h->abort_text[n] = '\0';
+    Store(&h->abort_set, 1);
+  }
+  MarkGone(rank, 3);
 }
 
 void Segment::Revive(int32_t rank) {

@@ -43,7 +43,7 @@
 namespace hsbn::shm {
 
 constexpr uint64_t kMagic = 0x31766d68736e6268ull;  // "hbnshmv1"
-constexpr uint32_t kLayoutVersion = 3;
+constexpr uint32_t kLayoutVersion = 4;
 constexpr int32_t kMaxRanks = 256;        // local ranks a segment serves
 constexpr int32_t kMaxRing = 256;         // slots per rank
 constexpr int32_t kMaxChannelCap = 1 << 20;
@@ -115,7 +115,8 @@ struct Header {
   uint32_t dead;       // nonzero: the sidecar invalidated the segment; dead_text says why
   uint32_t epoch;      // bumped on every change of dead or gone
   char dead_text[kTextBytes];
-  uint32_t gone[kMaxRanks];  // per local rank: 0 here, 1 its stream broke, 2 it left
+  uint32_t gone[kMaxRanks];  // per local rank: 0 here, 1 its stream broke, 2 it left,
+                             // 3 it aborted (abort_text says why)
   uint64_t completed;        // rounds answered through the segment (for Status)
   uint64_t failed;
   uint64_t posts[kMaxRanks];  // contributions posted per local rank (for Status)
@@ -124,6 +125,8 @@ struct Header {
   // phase (in contributions and in the root's results), as the stream path counts them.
   uint64_t rounds[kCountScopes][kCountPhases][kCountCodes];
   uint64_t nonfinite[kCountPhases];
+  char abort_text[kTextBytes];  // the reason of the first rank that aborted (gone 3)
+  uint32_t abort_set;           // nonzero once abort_text is written
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header too large");
 
@@ -221,6 +224,8 @@ class Segment {
 
   // ---- Sidecar side ----
   void MarkGone(int32_t rank, uint32_t why);  // 1 stream broke, 2 left; wakes every sleeper
+  // Gone 3: the rank aborted for `reason` (kept: the first aborted rank's); wakes every sleeper.
+  void MarkAborted(int32_t rank, const std::string& reason);
   void Revive(int32_t rank);                   // a rejoined rank: empty ring, not gone
   void Kill(const std::string& why);           // invalidates the segment; wakes every sleeper
   // Takes the queue's ready entries (validated; malformed ones are dropped and counted).

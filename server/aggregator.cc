@@ -145,6 +145,10 @@ class StreamHost final : public MemberStreamHost {
     req.set_session(session.Bytes());
     aggregator_->Leave(req);
   }
+  void Aborted(const Registry::SessionRef& ref, const SessionId& session,
+               const std::string& reason) override {
+    aggregator_->MemberAborted(ref, session, reason);
+  }
 
  private:
   Aggregator* const aggregator_;
@@ -644,6 +648,14 @@ void Aggregator::StreamClosed(const std::vector<SessionId>& sessions) {
     if (shm_) shm_->MemberGone(ref.job->id(), ref.index, /*left=*/false);
     Execute(actions, ref.job->id());
   }
+}
+
+void Aggregator::MemberAborted(const Registry::SessionRef& ref, const SessionId& session,
+                               const std::string& reason) {
+  Actions actions;
+  ref.job->MemberGone(ref.index, session, /*left=*/false, Clock::now(), &actions, reason);
+  if (shm_) shm_->MemberGone(ref.job->id(), ref.index, /*left=*/false, reason);
+  Execute(actions, ref.job->id());
 }
 
 void Aggregator::OnParentResult(const std::string& job_id, const v1::Result& result) {

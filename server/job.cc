@@ -130,6 +130,7 @@ absl::Status Job::AddMember(int32_t index, const SessionId& session,
   m.joined = true;
   m.connected = false;
   m.gone = false;
+  m.aborted.clear();
   m.sink.reset();
   m.down.clear();  // a child aggregator's new session starts healthy; it says so if not
   if (reported_down_) {
@@ -161,7 +162,7 @@ absl::Status Job::Attach(int32_t index, const SessionId& session,
 }
 
 void Job::MemberGone(int32_t index, const SessionId& session, bool left, Clock::time_point now,
-                     Actions* out) {
+                     Actions* out, absl::string_view aborted) {
   absl::MutexLock lock(&mu_);
   Member& m = members_.at(index);
   if (m.session != session) return;  // already replaced by a newer session
@@ -170,6 +171,7 @@ void Job::MemberGone(int32_t index, const SessionId& session, bool left, Clock::
   m.gone = true;
   m.sink.reset();
   if (left) m.joined = false;
+  if (!aborted.empty()) m.aborted = wire::Printable(aborted, 512);
   const std::string why =
       left ? absl::StrCat(MemberName(index), " left job '", id_, "' while this round waited for it")
            : absl::StrCat(MemberName(index), " disconnected from job '", id_,
@@ -177,24 +179,35 @@ void Job::MemberGone(int32_t index, const SessionId& session, bool left, Clock::
                           "while this round waited for it");
   const int failed = FailOpenRoundsLocked(
       [&](const Round& round) {
-        return index >= round.lo && index < round.hi && !round.slots[index].filled;
+        // An aborted member takes back what it sent: its rounds cannot complete either.
+        return index >= round.lo && index < round.hi &&
+               (!round.slots[index].filled || !m.aborted.empty());
       },
       [&](const RoundKey& key) {
+        if (!m.aborted.empty()) {
+          return wire::MemberAborted(wire::RoundRef{Describe(key), id_}, MemberName(index),
+                                     m.aborted);
+        }
         return absl::UnavailableError(absl::StrCat("round ", Describe(key), ": ", why));
       },
       /*tell_parent=*/true, out);
   out->log.push_back(absl::StrCat("job '", id_, "': ", MemberName(index),
-                                  left ? " left" : " disconnected", "; ", failed,
-                                  " open round(s) failed"));
+                                  left                  ? " left"
+                                  : m.aborted.empty()   ? " disconnected"
+                                                        : " aborted (" + m.aborted + ")",
+                                  "; ", failed, " open round(s) failed"));
   // A crashed worker (not one that left when it was done): the node cannot contribute to new
   // rounds until it rejoins, so the root need not wait for the deadline of rounds other nodes
   // open meanwhile.
   if (!left && !reported_down_ && limits_.has_parent &&
       layout_.member_kind == v1::MEMBER_KIND_WORKER && layout_.num_nodes > 1) {
     reported_down_ = true;
-    down_message_ = absl::StrCat(MemberName(index),
-                                 " disconnected from its node's sidecar (its stream broke: the "
-                                 "process probably exited or was killed)");
+    down_message_ =
+        m.aborted.empty()
+            ? absl::StrCat(MemberName(index),
+                           " disconnected from its node's sidecar (its stream broke: the "
+                           "process probably exited or was killed)")
+            : absl::StrCat(MemberName(index), " aborted (", m.aborted, ")");
     out->node_states.push_back(Actions::NodeState{false, down_message_});
   }
 }
@@ -772,6 +785,10 @@ bool Job::NodeDown(std::string* message) const {
 
 absl::Status Job::BlockedLocked(const RoundKey& key, int32_t lo, int32_t hi) const {
   for (size_t i = size_t(lo); i < size_t(hi); ++i) {
+    if (members_[i].gone && !members_[i].aborted.empty()) {
+      return wire::MemberAborted(wire::RoundRef{Describe(key), id_}, MemberName(int32_t(i)),
+                                 members_[i].aborted);
+    }
     if (members_[i].gone) {
       // A member that took part before and whose stream is gone cannot contribute.
       return wire::MemberGone(wire::RoundRef{Describe(key), id_}, MemberName(int32_t(i)),

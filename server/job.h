@@ -34,6 +34,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "hsbn/v1/hsbn.pb.h"
@@ -173,9 +174,10 @@ class Job {
   absl::Status Attach(int32_t index, const SessionId& session, std::shared_ptr<ResultSink> sink,
                       Clock::time_point now);
   // The member's stream broke (connected=false) or it left (left=true): every open round that
-  // still waits for it fails at once, naming it.
+  // still waits for it fails at once, naming it. `aborted` non-empty: a worker said why it is
+  // gone (its Abort frame); the rounds fail ABORTED with that reason.
   void MemberGone(int32_t index, const SessionId& session, bool left, Clock::time_point now,
-                  Actions* out);
+                  Actions* out, absl::string_view aborted = {});
   // True when the job can be dropped: every member left or lost its stream, or no member has
   // been attached to a stream for `attach_timeout` (members that joined and never attached).
   // `expired` (optional) tells which.
@@ -255,6 +257,7 @@ class Job {
     bool connected = false;  // attached to a live stream
     bool gone = false;       // its stream broke or it left; rounds cannot complete without it
     std::string down;        // a child aggregator whose node is down: why (empty: it is not)
+    std::string aborted;     // gone by its own Abort frame: its reason (empty: it did not)
     std::shared_ptr<ResultSink> sink;
     int64_t contributions = 0;
   };

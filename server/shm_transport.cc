@@ -508,7 +508,8 @@ void ShmTransport::Tick() {
   for (int fd : stale) CloseConnLocked(fd);
 }
 
-void ShmTransport::MemberGone(const std::string& job_id, int32_t index, bool left) {
+void ShmTransport::MemberGone(const std::string& job_id, int32_t index, bool left,
+                              const std::string& aborted) {
   std::shared_ptr<shm::Segment> seg;
   {
     absl::MutexLock lock(&mu_);
@@ -516,7 +517,11 @@ void ShmTransport::MemberGone(const std::string& job_id, int32_t index, bool lef
     if (it == jobs_.end()) return;
     seg = it->second.segment;
   }
-  if (seg) seg->MarkGone(index, left ? 2 : 1);
+  if (seg && !aborted.empty()) {
+    seg->MarkAborted(index, aborted);
+  } else if (seg) {
+    seg->MarkGone(index, left ? 2 : 1);
+  }
 }
 
 void ShmTransport::DropJob(const std::string& job_id, const std::string& why) {
