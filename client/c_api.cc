@@ -278,6 +278,26 @@ hsbn_result hsbn_round_wait(hsbn_round* round, int64_t* out_count, double* out_a
   return Done(owned->client->client->Wait(*owned->pending, out_count, out_a, out_b));
 }
 
+hsbn_result hsbn_round_wait_for(hsbn_round* round, int64_t timeout_ms, int* done,
+                                int64_t* out_count, double* out_a, double* out_b) {
+  g_last_error.clear();
+  if (round == nullptr || done == nullptr) return Invalid("null round or done pointer");
+  const auto slice = std::chrono::milliseconds(std::clamp<int64_t>(timeout_ms, 0, 1 << 30));
+  bool finished = false;
+  absl::Status s = round->client->client->WaitFor(*round->pending, slice, &finished, out_count,
+                                                  out_a, out_b);
+  *done = finished ? 1 : 0;
+  if (finished) delete round;
+  return Done(s);
+}
+
+hsbn_result hsbn_client_abort(hsbn_client* client, const char* reason) {
+  g_last_error.clear();
+  if (client == nullptr) return Invalid("null client");
+  client->client->Abort(reason == nullptr ? std::string() : std::string(reason));
+  return HSBN_OK;
+}
+
 hsbn_result hsbn_client_stats(const hsbn_client* client, hsbn_stats* out) {
   g_last_error.clear();
   if (client == nullptr || out == nullptr) return Invalid("null client or output pointer");

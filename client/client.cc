@@ -18,6 +18,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "grpcpp/alarm.h"
 #include "grpcpp/grpcpp.h"
 #include "env.h"
 #include "hsbn/status.h"
@@ -217,6 +218,11 @@ struct RoundStream {
   int waiters = 0;            // threads sleeping in Wait or Start on this connection
   grpc::Status final_status;  // Finish's
   absl::CondVar write_cv;  // Starts waiting for the write slot
+  // Client::Abort: the Abort frame to write once the write slot is free (the poller writes it),
+  // and the alarm that wakes a poller blocked in AsyncNext.
+  std::unique_ptr<v1::ClientFrame> abort_frame;
+  bool woken = false;
+  grpc::Alarm wake;
 };
 
 class PendingRound {
@@ -237,6 +243,12 @@ class PendingRound {
   std::vector<double> deferred;
   int64_t deferred_count = 0;
   bool counted = false;  // in the client's stats already; touched only by its waiter
+  // Sliced waits (Client::WaitFor), touched only by its waiter: the wait's deadline and when
+  // it began, fixed by the first slice; a deferred round's real round once started.
+  bool wait_started = false;
+  std::chrono::steady_clock::time_point wait_deadline;
+  std::chrono::steady_clock::time_point blocked_since;
+  std::shared_ptr<PendingRound> restarted;
   // Guarded by Client::Impl::rounds_mu_ until done; after that, read only by its waiter.
   absl::CondVar cv;
   bool waiting = false;
@@ -247,7 +259,7 @@ class PendingRound {
 namespace {
 using Key = std::tuple<uint32_t, uint64_t, int>;
 
-enum Tag : intptr_t { kStartCall = 1, kRead, kWrite, kFinish };
+enum Tag : intptr_t { kStartCall = 1, kRead, kWrite, kFinish, kWake };
 void* TagOf(Tag t) { return reinterpret_cast<void*>(t); }
 
 // A steady-clock deadline as absl::Time, for absl::CondVar's waits.
@@ -312,6 +324,7 @@ class Client::Impl {
                                                       const double* b) {
     // The round's name is only built for an error message.
     auto round = [&] { return wire::RoundName(op, seq, v1::Phase(int(phase))); };
+    if (absl::Status s = Aborted(); !s.ok()) return s;
     if (phase != Phase::kForward && phase != Phase::kBackward) {
       return absl::InvalidArgumentError("phase must be forward or backward");
     }
@@ -457,6 +470,10 @@ class Client::Impl {
       }
       // One write in flight per stream: wait for the previous one to complete.
       while (conn->write_in_flight && !conn->broken) {
+        if (absl::Status s = Aborted(); !s.ok()) {
+          Forget(*pending);
+          return s;
+        }
         if (Clock::now() >= deadline) {
           Forget(*pending);
           return absl::DeadlineExceededError(absl::StrCat(
@@ -518,6 +535,87 @@ class Client::Impl {
   absl::Status Wait(PendingRound& p, int64_t* out_count, double* out_a, double* out_b,
                     Clock::time_point blocked_since) {
     absl::Status s = WaitResult(p, out_count, out_a, out_b);
+    return Waited(p, s, blocked_since);
+  }
+
+  // One slice of a wait: returns at `slice_end` with *done = false if the round is still
+  // open (it stays waitable), else as Wait with *done = true.
+  absl::Status WaitFor(PendingRound& p, Clock::time_point slice_end, bool* done,
+                       int64_t* out_count, double* out_a, double* out_b) {
+    const bool first = !p.wait_started;
+    if (first) p.blocked_since = Clock::now();
+    bool pending = false;
+    absl::Status s = WaitResult(p, out_count, out_a, out_b, slice_end, &pending);
+    *done = !pending;
+    if (pending) return absl::OkStatus();
+    return Waited(p, s, p.blocked_since);
+  }
+
+  // The client's abort (Client::Abort): every round in flight and every later one fails with
+  // ABORTED and `reason`; the sidecar is told, so the job's other ranks fail at once too.
+  void Abort(const std::string& reason) {
+    const std::string why = reason.empty() ? std::string("no reason given")
+                                           : wire::Printable(reason, 512);
+    const absl::Status status = absl::AbortedError(absl::StrCat(
+        "rank ", options_.rank, " of job '", options_.job_id, "' was aborted (", why,
+        "); its rounds fail, and the job's other ranks are told"));
+    {
+      absl::MutexLock lock(&abort_mu_);
+      if (!aborted_.ok()) return;  // the first abort's reason stands
+      aborted_ = status;
+    }
+    aborted_flag_.store(true, std::memory_order_release);
+    std::shared_ptr<RoundStream> conn;
+    std::shared_ptr<client_internal::ShmChannel> shm;
+    std::string session;
+    {
+      absl::MutexLock lock(&mu_);
+      conn = conn_;
+      shm = shm_;
+      session = session_;
+    }
+    if (shm) shm->Abort(status);
+    if (!conn) return;
+    absl::MutexLock lk(&rounds_mu_);
+    for (auto it = pending_.begin(); it != pending_.end(); it = pending_.erase(it)) {
+      PendingRound& p = *it->second;
+      p.answer.status = status;
+      p.done = true;
+      if (p.waiting) p.cv.Signal();
+    }
+    conn->write_cv.SignalAll();
+    if (conn->broken) return;  // the sidecar already reports this rank as disconnected
+    conn->abort_frame = std::make_unique<v1::ClientFrame>();
+    v1::Abort* frame = conn->abort_frame->mutable_abort();
+    frame->set_session(session);
+    frame->set_code(int(absl::StatusCode::kAborted));
+    frame->set_message(why);
+    if (conn->polling) {
+      // The poller writes the frame when the slot is free; wake it from AsyncNext.
+      if (!conn->woken) {
+        conn->woken = true;
+        conn->wake.Set(&conn->cq, gpr_now(GPR_CLOCK_MONOTONIC), TagOf(kWake));
+      }
+      return;
+    }
+    // Nobody polls: see the frame out (a bounded wait, as a sync Write would).
+    conn->polling = true;
+    FlushAbortFrame(*conn);
+    Poll(conn, Clock::now() + std::chrono::seconds(1), [&] {
+      return (conn->abort_frame == nullptr && !conn->write_in_flight) || conn->broken;
+    });
+    conn->polling = false;
+    HandOff(*conn);
+  }
+
+  absl::Status Aborted() const {
+    if (!aborted_flag_.load(std::memory_order_acquire)) return absl::OkStatus();
+    absl::MutexLock lock(&abort_mu_);
+    return aborted_;
+  }
+
+  // A wait's end, counted in the stats.
+  absl::Status Waited(PendingRound& p, absl::Status s, Clock::time_point blocked_since) {
     if (p.decide) s = TakeDecision(p, s);
     Record(p.scope, p.phase, s.ok(), !p.counted, Clock::now() - blocked_since);
     p.counted = true;
@@ -567,8 +665,33 @@ class Client::Impl {
     stats_since_ = Clock::now();
   }
 
-  absl::Status WaitResult(PendingRound& p, int64_t* out_count, double* out_a, double* out_b) {
-    const auto deadline = Clock::now() + RoundTimeout();
+  // Waits for p until its deadline (fixed by the wait's first slice), or until `slice_end`
+  // when `pending` is given: then *pending = true says the round is still open.
+  absl::Status WaitResult(PendingRound& p, int64_t* out_count, double* out_a, double* out_b,
+                          Clock::time_point slice_end = Clock::time_point::max(),
+                          bool* pending = nullptr) {
+    if (!p.wait_started) {
+      p.wait_started = true;
+      p.wait_deadline = Clock::now() + RoundTimeout();
+    }
+    absl::Status s = WaitUntil(p, p.wait_deadline, out_count, out_a, out_b, slice_end, pending);
+    if (pending == nullptr || !*pending) p.wait_started = false;
+    return s;
+  }
+
+  absl::Status WaitUntil(PendingRound& p, Clock::time_point deadline, int64_t* out_count,
+                         double* out_a, double* out_b, Clock::time_point slice_end,
+                         bool* pending) {
+    // A slice that ends before the deadline may return "still open".
+    auto slice_over = [&] { return pending != nullptr && Clock::now() >= slice_end; };
+    if (p.restarted) {  // a deferred round, started by an earlier slice
+      absl::Status s = WaitResult(*p.restarted, out_count, out_a, out_b, slice_end, pending);
+      if (pending != nullptr && *pending) return s;
+      p.restarted.reset();
+      p.shm_waited = true;
+      p.shm_status = s;
+      return s;
+    }
     if (p.shm_waited) {
       // Waited for before: its answer was taken then (a failed round fails again).
       return p.shm_status.ok() ? absl::FailedPreconditionError("this round was already waited for")
@@ -576,8 +699,21 @@ class Client::Impl {
     }
     if (p.shm && !p.deferred.empty()) {
       // Started before the node's transport was decided: decide, then start it for real.
-      std::shared_ptr<client_internal::ShmChannel> shm = std::move(p.shm);
-      absl::Status s = shm->Await(deadline);
+      std::shared_ptr<client_internal::ShmChannel> shm = p.shm;
+      absl::Status s;
+      for (;;) {  // in short slices, so that an abort ends it
+        s = shm->Await(std::min({deadline, slice_end, Clock::now() + kAbortCheck}));
+        if (s.code() != absl::StatusCode::kDeadlineExceeded || Clock::now() >= deadline) break;
+        if (absl::Status a = Aborted(); !a.ok()) {
+          s = a;
+          break;
+        }
+        if (slice_over()) {
+          *pending = true;
+          return absl::OkStatus();
+        }
+      }
+      p.shm.reset();
       if (!s.ok()) {
         p.shm_waited = true;
         p.shm_status = s;
@@ -592,17 +728,18 @@ class Client::Impl {
       const int64_t ch = p.channels;
       auto q = Start(p.phase, p.op, p.seq, p.scope, ch, p.deferred_count, in.data(),
                      in.data() + ch);
-      p.shm_waited = true;
       if (!q.ok()) {
+        p.shm_waited = true;
         p.shm_status = q.status();
         return q.status();
       }
-      p.shm_status = WaitResult(**q, out_count, out_a, out_b);
-      return p.shm_status;
+      p.restarted = *std::move(q);
+      return WaitUntil(p, deadline, out_count, out_a, out_b, slice_end, pending);
     }
     if (p.shm) {
       absl::Status s = p.shm->Wait(p.shm_round, deadline, RoundTimeout(), out_count, out_a,
-                                   out_b);
+                                   out_b, slice_end, pending);
+      if (pending != nullptr && *pending) return s;
       if (s.ok()) {
         bytes_received_.fetch_add(wire::PayloadBytes(p.channels), std::memory_order_relaxed);
       }
@@ -619,6 +756,11 @@ class Client::Impl {
       absl::ReleasableMutexLock lk(&rounds_mu_);
       RoundStream& conn = *p.conn;
       while (!p.done) {
+        if (Clock::now() < deadline && slice_over()) {
+          if (!conn.polling) HandOff(conn);
+          *pending = true;
+          return absl::OkStatus();
+        }
         if (Clock::now() >= deadline) {
           Forget(p);
           if (!conn.polling) HandOff(conn);
@@ -628,15 +770,16 @@ class Client::Impl {
               ": no answer from the hsbn sidecar at ", options_.address, " within ",
               RoundTimeout().count(), " ms"));
         }
+        const auto until = std::min(deadline, slice_end);
         if (!conn.polling) {
           conn.polling = true;
-          Poll(p.conn, deadline, [&] { return p.done; });
+          Poll(p.conn, until, [&] { return p.done; });
           conn.polling = false;
           HandOff(conn);
         } else {
           p.waiting = true;
           ++conn.waiters;
-          p.cv.WaitWithDeadline(&rounds_mu_, AbslTime(deadline));
+          p.cv.WaitWithDeadline(&rounds_mu_, AbslTime(until));
           --conn.waiters;
           p.waiting = false;
         }
@@ -824,6 +967,12 @@ class Client::Impl {
     return s;
   }
 
+  // How often a wait that cannot be woken (the transport decision) looks for an abort.
+  static constexpr std::chrono::milliseconds kAbortCheck{200};
+  mutable absl::Mutex abort_mu_;  // a leaf lock
+  absl::Status aborted_ ABSL_GUARDED_BY(abort_mu_);  // Abort's status; OK: not aborted
+  std::atomic<bool> aborted_flag_{false};            // !aborted_.ok(), read without the lock
+
   mutable absl::Mutex auto_mu_;  // a leaf lock
   std::map<uint32_t, AutoOp> auto_ ABSL_GUARDED_BY(auto_mu_);
 
@@ -863,7 +1012,8 @@ class Client::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     const auto sys_deadline = ToSystem(deadline);
     const bool now_only = deadline <= Clock::now();
-    while (!stop()) {
+    // A poller leaving with Abort's frame unwritten would strand it: it stays to write it.
+    while (!stop() || (conn->abort_frame != nullptr && !conn->broken)) {
       if (!conn->read_posted && !conn->read_failed) {
         conn->read_posted = true;
         conn->stream->Read(&conn->in, TagOf(kRead));
@@ -904,9 +1054,20 @@ class Client::Impl {
           FailRounds(*conn);
           break;
         case kStartCall:
+        case kWake:
           break;
       }
+      FlushAbortFrame(*conn);
     }
+  }
+
+  // Writes Abort's frame if the write slot is free. rounds_mu_ held.
+  void FlushAbortFrame(RoundStream& conn) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
+    if (!conn.abort_frame || conn.write_in_flight || conn.broken) return;
+    conn.write_in_flight = true;
+    conn.write_failed = false;
+    conn.stream->Write(*conn.abort_frame, TagOf(kWrite));  // serialised here
+    conn.abort_frame.reset();
   }
 
   // A result read from conn: complete its round. rounds_mu_ held.
@@ -1158,6 +1319,13 @@ absl::Status Client::Backward(uint32_t op, uint64_t seq, Scope scope, int64_t ch
   return impl_->Blocking(Phase::kBackward, op, seq, scope, channels, count, sum_dy, sum_dy_xmu,
                          out_count, out_sum_dy, out_sum_dy_xmu);
 }
+
+absl::Status Client::WaitFor(PendingRound& round, std::chrono::milliseconds slice, bool* done,
+                             int64_t* out_count, double* out_a, double* out_b) {
+  return impl_->WaitFor(round, Impl::Clock::now() + slice, done, out_count, out_a, out_b);
+}
+
+void Client::Abort(const std::string& reason) { impl_->Abort(reason); }
 
 ClientStats Client::Stats() const { return impl_->Stats(); }
 

@@ -190,6 +190,18 @@ class Client {
                                                       const double* b);
   // Waits for a started round and writes its result (outputs may alias the inputs).
   absl::Status Wait(PendingRound& round, int64_t* out_count, double* out_a, double* out_b);
+  // One slice of Wait: returns after at most `slice` with *done = false while the round is
+  // still open (call again; the round's deadline counts from the first slice), else as Wait
+  // with *done = true. Lets a caller look at other things (signals) while a round waits.
+  absl::Status WaitFor(PendingRound& round, std::chrono::milliseconds slice, bool* done,
+                       int64_t* out_count, double* out_a, double* out_b);
+
+  // Gives up on the job: every round in flight and every later one fails at once with ABORTED
+  // and `reason`, and the sidecar is told, so every other rank's rounds fail at once too,
+  // naming this rank and `reason` (docs/PROTOCOL.md, "Abort"). The first call's reason
+  // stands; later calls do nothing. Safe from any thread, also while others wait in rounds.
+  // The client cannot be used for rounds afterwards: destroy it (a new one joins again).
+  void Abort(const std::string& reason);
 
   absl::Status Forward(uint32_t op, uint64_t seq, Scope scope, int64_t channels, int64_t count,
                        const double* mean, const double* m2, int64_t* out_count,

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define HSBN_ABI_VERSION 2
+#define HSBN_ABI_VERSION 3
 
 typedef enum hsbn_result {
   HSBN_OK = 0,
@@ -208,6 +208,20 @@ hsbn_result hsbn_round_start(hsbn_client* client, hsbn_phase phase, uint32_t op,
                              hsbn_scope scope, int64_t channels, int64_t count, const double* a,
                              const double* b, hsbn_round** out);
 hsbn_result hsbn_round_wait(hsbn_round* round, int64_t* out_count, double* out_a, double* out_b);
+/* One slice of hsbn_round_wait, at most timeout_ms long: *done = 0 (and HSBN_OK) while the round
+ * is still open: the round stays valid, call again (its deadline counts from the first slice);
+ * *done = 1: as hsbn_round_wait (the outputs written, the round freed, the result code its
+ * outcome). For callers that must look at other things while they wait: Python waits in slices
+ * of 200 ms so that Ctrl-C raises KeyboardInterrupt. */
+hsbn_result hsbn_round_wait_for(hsbn_round* round, int64_t timeout_ms, int* done,
+                                int64_t* out_count, double* out_a, double* out_b);
+
+/* Gives up on the job (NCCL's ncclCommAbort): every round of this client in flight and every
+ * later one fails at once with HSBN_ABORTED and `reason` (NULL: none given), and the sidecar is
+ * told, so every other rank's rounds fail at once too, with HSBN_ABORTED naming this rank and
+ * `reason` (docs/PROTOCOL.md, "Abort"). Callable from any thread, also while others wait in
+ * rounds of this client; the first call's reason stands. Destroy the client afterwards. */
+hsbn_result hsbn_client_abort(hsbn_client* client, const char* reason);
 
 /* The client's round statistics (see hsbn_stats); cheap, callable from any thread at any time.
  * INVALID_ARGUMENT if struct_size is smaller than the first version of hsbn_stats (one that

@@ -20,7 +20,7 @@ import os
 import shutil
 import threading
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _NATIVE_DIR = os.path.join(_PACKAGE_DIR, "_native")
@@ -280,6 +280,9 @@ _SIGNATURES = {
     "hsbn_round_start": (_c_int, [_p_void, _c_int, _c_u32, _c_u64, _c_int, _c_i64, _c_i64, _p_dbl,
                                   _p_dbl, ctypes.POINTER(_p_void)]),
     "hsbn_round_wait": (_c_int, [_p_void, _p_i64, _p_dbl, _p_dbl]),
+    "hsbn_round_wait_for": (_c_int, [_p_void, _c_i64, ctypes.POINTER(_c_int), _p_i64, _p_dbl,
+                                     _p_dbl]),
+    "hsbn_client_abort": (_c_int, [_p_void, ctypes.c_char_p]),
     "hsbn_client_stats": (_c_int, [_p_void, ctypes.POINTER(CStats)]),
     "hsbn_client_reset_stats": (_c_int, [_p_void]),
     "hsbn_status_json": (_c_int, [_p_void, _c_int, ctypes.c_char_p, ctypes.c_size_t,
