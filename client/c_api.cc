@@ -153,6 +153,7 @@ hsbn_result hsbn_client_create(const hsbn_options* options, hsbn_client** out) {
     o.group_nodes = options->group_nodes;
   }
   o.transport = *transport;
+  if (absl::Status s = hsbn::DebugFromEnv(source, &o); !s.ok()) return Fail(s);
   o.incarnation = defaults.incarnation;
   o.auto_policy = defaults.auto_policy;
   if (has(offsetof(hsbn_options, auto_recheck_every), sizeof(int64_t))) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <cstdlib>
 #include <fstream>
@@ -103,8 +104,19 @@ absl::StatusOr<ClientOptions> ClientOptions::FromEnv(const env::Source& source) 
   if (absl::Status s = IncarnationFromEnv(source, &o.incarnation); !s.ok()) return s;
   if (text = env::Resolve(source, "HSBN_TRANSPORT"); !text.ok()) return text.status();
   o.transport = *text;
+  if (absl::Status s = DebugFromEnv(source, &o); !s.ok()) return s;
   if (absl::Status s = o.Validate(); !s.ok()) return s;
   return o;
+}
+
+absl::Status DebugFromEnv(const env::Source& source, ClientOptions* options) {
+  absl::StatusOr<std::string> level = env::Resolve(source, "HSBN_DEBUG");
+  if (!level.ok()) return level.status();
+  absl::StatusOr<int64_t> slow = env::Int(source, "HSBN_DEBUG_SLOW_MS");
+  if (!slow.ok()) return slow.status();
+  options->debug = *level == "INFO";
+  options->debug_slow = std::chrono::milliseconds(*slow);
+  return absl::OkStatus();
 }
 
 absl::Status IncarnationFromEnv(uint64_t* incarnation) {
@@ -403,6 +415,10 @@ class Client::Impl {
         // A sidecar that closed the shared-memory socket is gone (restarted): rejoin, as for a
         // broken stream, which nobody reads while rounds travel through shared memory.
         if (!conn_ || conn_->broken || (shm_ && !shm_->AliveRecently())) {
+          if (conn_) {
+            Debug(conn_->broken ? "reconnecting: the stream to the sidecar broke"
+                                : "reconnecting: the sidecar's shared-memory segment is gone");
+          }
           if (absl::Status s = ConnectLocked(); !s.ok()) return s;
         }
         conn = conn_;
@@ -565,6 +581,7 @@ class Client::Impl {
       aborted_ = status;
     }
     aborted_flag_.store(true, std::memory_order_release);
+    Debug(absl::StrCat("aborting: ", why));
     std::shared_ptr<RoundStream> conn;
     std::shared_ptr<client_internal::ShmChannel> shm;
     std::string session;
@@ -617,7 +634,14 @@ class Client::Impl {
   // A wait's end, counted in the stats.
   absl::Status Waited(PendingRound& p, absl::Status s, Clock::time_point blocked_since) {
     if (p.decide) s = TakeDecision(p, s);
-    Record(p.scope, p.phase, s.ok(), !p.counted, Clock::now() - blocked_since);
+    const Clock::duration blocked = Clock::now() - blocked_since;
+    if (options_.debug && blocked > options_.debug_slow) {
+      Debug(absl::StrCat(
+          "round ", wire::RoundName(p.op, p.seq, v1::Phase(int(p.phase))), " (", ScopeName(p.scope),
+          ") waited ", std::chrono::duration_cast<std::chrono::milliseconds>(blocked).count(),
+          " ms: ", s.ok() ? std::string("ok") : absl::StatusCodeToString(s.code())));
+    }
+    Record(p.scope, p.phase, s.ok(), !p.counted, blocked);
     p.counted = true;
     return s;
   }
@@ -1137,6 +1161,11 @@ class Client::Impl {
     req.set_shm_offer(OfferShm());
     v1::JoinResponse resp;
     grpc::Status s;
+    Debug(absl::StrCat("joining job '", options_.job_id, "' at ", options_.address, " as rank ",
+                       options_.rank, " of ", options_.world_size, " (node ", options_.node_rank,
+                       ", local rank ", options_.local_rank, " of ", options_.local_world_size,
+                       ", run ", options_.incarnation, ", shared memory ",
+                       req.shm_offer() ? "offered" : "not offered", ")"));
     for (;;) {
       grpc::ClientContext ctx;
       ctx.set_deadline(deadline + std::chrono::seconds(5));
@@ -1155,9 +1184,19 @@ class Client::Impl {
     }
     if (!s.ok()) {
       absl::Status st = wire::FromGrpc(s);
+      Debug(absl::StrCat("join refused: ", st.ToString()));
       return absl::Status(st.code(), absl::StrCat("joining job '", options_.job_id, "' at ",
                                                   options_.address, " failed: ", st.message()));
     }
+    Debug(absl::StrCat("joined: ", resp.num_nodes(), " node(s), aggregator '",
+                       wire::Printable(resp.aggregator_id(), 128), "', round timeout ",
+                       resp.round_timeout_ms(), " ms, max channels ", resp.max_channels(),
+                       resp.shm_socket().empty()
+                           ? std::string(", no shared memory: ") +
+                                 wire::Printable(resp.shm_note().empty() ? "none offered"
+                                                                         : resp.shm_note(),
+                                                 256)
+                           : ", shared memory offered"));
     if (resp.session().size() != 16) {
       return absl::InternalError(absl::StrCat(
           "the hsbn sidecar at ", options_.address, " answered Join without a valid session; "
@@ -1239,8 +1278,20 @@ class Client::Impl {
   }
 
   void SetTransport(const std::string& t) {
-    absl::MutexLock lock(&stats_mu_);
-    transport_ = t;
+    {
+      absl::MutexLock lock(&stats_mu_);
+      if (transport_ == t) return;
+      transport_ = t;
+    }
+    if (t != "pending") Debug(absl::StrCat("node rounds travel by ", t));
+  }
+
+  // HSBN_DEBUG=INFO: one line on stderr, prefixed with the rank (one write: lines of several
+  // threads or processes do not interleave).
+  void Debug(const std::string& what) const {
+    if (!options_.debug) return;
+    const std::string line = absl::StrCat("hsbn[rank ", options_.rank, "] ", what, "\n");
+    fwrite(line.data(), 1, line.size(), stderr);
   }
 
   std::shared_ptr<grpc::Channel> channel_;

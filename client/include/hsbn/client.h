@@ -108,6 +108,10 @@ struct ClientOptions {
   // Which run of the job (IncarnationFromEnv): a restarted job's processes must use a higher
   // number than the previous run's, so that no aggregator mistakes them for the old run.
   uint64_t incarnation = 0;
+  // HSBN_DEBUG=INFO: say on stderr what the client does, one line each ("hsbn[rank R] ...");
+  // rounds are reported when their wait took longer than debug_slow (HSBN_DEBUG_SLOW_MS).
+  bool debug = false;
+  std::chrono::milliseconds debug_slow{1000};
   // The policy of auto-scope ops without one of their own (Client::SetAutoPolicy); from
   // HSBN_AUTO_WARMUP, HSBN_AUTO_MAX_MEAN_SHIFT, HSBN_AUTO_MAX_LOG_VAR_RATIO,
   // HSBN_AUTO_RECHECK_EVERY.
@@ -117,13 +121,17 @@ struct ClientOptions {
   // (or TORCHELASTIC_RUN_ID), HSBN_ADDRESS, HSBN_ROUND_TIMEOUT_MS, HSBN_CONNECT_TIMEOUT_MS,
   // HSBN_TOKEN or HSBN_TOKEN_FILE, HSBN_STRICT_FINITE (1/0), HSBN_GROUP_NODES, the
   // HSBN_AUTO_* variables above, HSBN_INCARNATION (or TORCHELASTIC_RESTART_COUNT) and
-  // HSBN_TRANSPORT (auto/grpc): docs/ENVIRONMENT.md, parsed by the one table (client/env.h).
+  // HSBN_TRANSPORT (auto/grpc), HSBN_DEBUG and HSBN_DEBUG_SLOW_MS: docs/ENVIRONMENT.md, parsed
+  // by the one table (client/env.h).
   // INVALID_ARGUMENT naming the variable for a value outside its type or range.
   static absl::StatusOr<ClientOptions> FromEnv();
   static absl::StatusOr<ClientOptions> FromEnv(const env::Source& source);
   // Checks the layout for consistency (the errors name the variable to fix).
   absl::Status Validate() const;
 };
+
+// Reads HSBN_DEBUG and HSBN_DEBUG_SLOW_MS into options->debug and options->debug_slow.
+absl::Status DebugFromEnv(const env::Source& source, ClientOptions* options);
 
 // A round that was started and not yet waited for.
 class PendingRound;

@@ -182,7 +182,8 @@ hsbn_result hsbn_check_layout_groups(int64_t rank, int64_t world_size, int64_t l
 hsbn_result hsbn_client_create(const hsbn_options* options, hsbn_client** out);
 /* Same, from RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, HSBN_JOB_ID,
  * HSBN_ADDRESS (default unix:/tmp/hsbn.sock), HSBN_ROUND_TIMEOUT_MS, HSBN_TOKEN / HSBN_TOKEN_FILE.
- * Both honour HSBN_STRICT_FINITE=1 (the job's strict mode: NaN/Inf fail rounds; docs/PROTOCOL.md). */
+ * Both honour HSBN_STRICT_FINITE=1 (the job's strict mode: NaN/Inf fail rounds; docs/PROTOCOL.md)
+ * and HSBN_DEBUG=INFO (what the client does, one line each on stderr). */
 hsbn_result hsbn_client_create_from_env(hsbn_client** out);
 /* Leaves the job and closes the stream. NULL is ignored. */
 void hsbn_client_destroy(hsbn_client* client);

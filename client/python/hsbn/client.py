@@ -14,6 +14,7 @@ import math
 import multiprocessing.util
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -572,6 +573,22 @@ class Client:
                 % (getattr(self, "job_id", None), getattr(self, "rank", None),
                    getattr(self, "world_size", None), getattr(self, "node_rank", None),
                    getattr(self, "address", None), state))
+
+
+_debug_on = None
+
+
+def debug(rank, what):
+    """With HSBN_DEBUG=INFO, writes "hsbn[rank R] what" to stderr (as libhsbn does)."""
+    global _debug_on
+    if _debug_on is None:
+        try:
+            _debug_on = _env.get("HSBN_DEBUG") == "INFO"
+        except Exception:
+            _debug_on = False
+    if _debug_on:
+        sys.stderr.write("hsbn[rank %s] %s\n" % (rank, what))
+        sys.stderr.flush()
 
 
 # Round waits return to Python this often, so that signal handlers run (Ctrl-C).

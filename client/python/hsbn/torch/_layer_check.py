@@ -142,7 +142,11 @@ class _LayerCheck:
         count, sums, squares = self._round(
             client, book, [n & 0xFFFF, n >> 16] + self._digest_slots(self.digest))
         if self._all_equal(count, sums, squares):
+            _debug(client, "layer check of model %r: the %d rank(s) of the round have the same "
+                           "%d synchronized layer(s)" % (self.model, count, n))
             return
+        _debug(client, "layer check of model %r: the ranks' synchronized layers differ; "
+                       "finding where" % (self.model,))
         # Bisection over prefix lengths: "prefix p equal everywhere" holds for p = 0 and fails
         # for p = the longest list (bounded by the sum of the lengths). Every rank sees the
         # same sums, so all take the same steps.
@@ -198,6 +202,12 @@ class _LayerCheck:
                 client.node_rank * client.local_world_size + s
             out[rank] = chunk.rstrip(b"\0").decode("utf-8", "replace")
         return out
+
+
+def _debug(client, what):
+    """HSBN_DEBUG=INFO: one line on stderr, as the library writes its own."""
+    from .. import client as _client
+    _client.debug(getattr(client, "rank", "?"), what)
 
 
 def _ranges(ranks):
