@@ -26,9 +26,11 @@ struct hsbn_round {
 namespace {
 
 thread_local std::string g_last_error;
+thread_local int g_last_reason = 0;  // valid while g_last_error is not empty
 
 hsbn_result Fail(const absl::Status& status) {
   g_last_error = std::string(status.message());
+  g_last_reason = int(hsbn::wire::ReasonOf(status));
   return static_cast<hsbn_result>(int(status.code()));
 }
 
@@ -91,6 +93,12 @@ const char* hsbn_result_string(hsbn_result code) {
 }
 
 const char* hsbn_last_error(void) { return g_last_error.c_str(); }
+
+int hsbn_last_error_reason(void) { return g_last_error.empty() ? 0 : g_last_reason; }
+
+const char* hsbn_reason_string(int reason) {
+  return hsbn::wire::ReasonName(static_cast<hsbn::v1::Reason>(reason));
+}
 
 int hsbn_abi_version(void) { return HSBN_ABI_VERSION; }
 

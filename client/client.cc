@@ -572,9 +572,11 @@ class Client::Impl {
   void Abort(const std::string& reason) {
     const std::string why = reason.empty() ? std::string("no reason given")
                                            : wire::Printable(reason, 512);
-    const absl::Status status = absl::AbortedError(absl::StrCat(
-        "rank ", options_.rank, " of job '", options_.job_id, "' was aborted (", why,
-        "); its rounds fail, and the job's other ranks are told"));
+    const absl::Status status = wire::WithReason(
+        absl::AbortedError(absl::StrCat("rank ", options_.rank, " of job '", options_.job_id,
+                                        "' was aborted (", why,
+                                        "); its rounds fail, and the job's other ranks are told")),
+        v1::REASON_CLIENT_ABORTED);
     {
       absl::MutexLock lock(&abort_mu_);
       if (!aborted_.ok()) return;  // the first abort's reason stands
@@ -1185,8 +1187,8 @@ class Client::Impl {
     if (!s.ok()) {
       absl::Status st = wire::FromGrpc(s);
       Debug(absl::StrCat("join refused: ", st.ToString()));
-      return absl::Status(st.code(), absl::StrCat("joining job '", options_.job_id, "' at ",
-                                                  options_.address, " failed: ", st.message()));
+      return wire::WithMessage(st, absl::StrCat("joining job '", options_.job_id, "' at ",
+                                                options_.address, " failed: ", st.message()));
     }
     Debug(absl::StrCat("joined: ", resp.num_nodes(), " node(s), aggregator '",
                        wire::Printable(resp.aggregator_id(), 128), "', round timeout ",

@@ -396,7 +396,7 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
       if (!fail.ok()) {
         // As at the sidecar, the round fails for every rank that is in it, at once.
         segment_->DeliverAll(r.key, int32_t(fail.code()), std::string(fail.message()), 0, 0,
-                             nullptr);
+                             nullptr, int32_t(wire::ReasonOf(fail)));
         if (segment_->Withdraw(rank, r.slot, r.posted)) return release(fail);
         continue;  // an answer is there or being written: take it
       }

@@ -283,10 +283,11 @@ bool Segment::BeginDeliver(int32_t rank, int32_t i, uint32_t posted) const {
 
 void Segment::Deliver(int32_t rank, int32_t i, uint32_t posted, int32_t code,
                       const std::string& message, int64_t count, int64_t channels,
-                      const double* a, const double* b) const {
+                      const double* a, const double* b, int32_t reason) const {
   SlotHead* s = slot(rank, i);
   const uint32_t gen = GenOf(posted);
   s->code = code;
+  s->reason = reason;
   const size_t n = std::min(message.size(), kSlotTextBytes);
   std::memcpy(s->message, message.data(), n);
   s->message_len = uint32_t(n);
@@ -404,6 +405,7 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
       abort.key = key;
       abort.kind = kAbort;
       abort.code = int32_t(error.code());
+      abort.reason = int32_t(wire::ReasonOf(error));
       abort.message = std::string(error.message());
       Enqueue(abort, o);
     }
@@ -413,7 +415,8 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
                int32_t(error.code()));
     for (int32_t r = 0; r < n; ++r) {
       if (mine[size_t(r)]) {
-        Deliver(r, idx[r], posted[r], int32_t(error.code()), message, 0, 0, nullptr, nullptr);
+        Deliver(r, idx[r], posted[r], int32_t(error.code()), message, 0, 0, nullptr, nullptr,
+                int32_t(wire::ReasonOf(error)));
       }
     }
     return true;
@@ -446,6 +449,7 @@ bool Segment::Enqueue(const QueueEntry& item, const ReduceOptions& o) {
       e->channels = uint32_t(item.channels);
       e->count = item.count;
       e->code = item.code;
+      e->reason = item.reason;
       const size_t len = std::min(item.message.size(), kSlotTextBytes);
       std::memcpy(e->message, item.message.data(), len);
       e->message_len = uint32_t(len);
@@ -478,7 +482,8 @@ bool Segment::Take(int32_t rank, int32_t i, uint32_t posted, int64_t channels,
   if (code != 0) {
     const uint32_t len = std::min<uint32_t>(Read(&s->message_len), kSlotTextBytes);
     std::string text(s->message, len);
-    *status = wire::StatusFromCode(code, wire::Printable(text, kSlotTextBytes));
+    *status = wire::StatusFromCode(code, wire::Printable(text, kSlotTextBytes),
+                                   static_cast<v1::Reason>(Read(&s->reason)));
   } else if (int64_t(Read(&s->channels)) != channels || Read(&s->count) < 0) {
     *status = absl::InternalError(
         "the node's shared-memory segment held a malformed result (wrong channel count or a "
@@ -558,6 +563,7 @@ std::vector<QueueEntry> Segment::TakeQueue(int* malformed) {
     it.channels = Read(&e->channels);
     it.count = Read(&e->count);
     it.code = Read(&e->code);
+    it.reason = Read(&e->reason);
     const uint32_t len = std::min<uint32_t>(Read(&e->message_len), kSlotTextBytes);
     it.message = wire::Printable(std::string(e->message, len), kSlotTextBytes);
     bool ok = (it.kind == kPartial || it.kind == kAbort) &&
@@ -582,7 +588,7 @@ std::vector<QueueEntry> Segment::TakeQueue(int* malformed) {
 }
 
 int Segment::DeliverAll(const Key& key, int32_t code, const std::string& message, int64_t count,
-                        int64_t channels, const double* d) {
+                        int64_t channels, const double* d, int32_t reason) {
   std::vector<int32_t> idx(size_t(g_.ranks), -1);
   std::vector<uint32_t> posted(size_t(g_.ranks), 0);
   for (int32_t r = 0; r < g_.ranks; ++r) {
@@ -602,7 +608,7 @@ int Segment::DeliverAll(const Key& key, int32_t code, const std::string& message
   for (int32_t r = 0; r < g_.ranks; ++r) {
     if (!mine[size_t(r)]) continue;
     Deliver(r, idx[size_t(r)], posted[size_t(r)], code, message, count, channels, d,
-            d ? d + channels : nullptr);
+            d ? d + channels : nullptr, reason);
     ++delivered;
   }
   return delivered;

@@ -142,6 +142,7 @@ struct SlotHead {
   uint32_t channels;
   int64_t count;
   int32_t code;       // results: 0 or a google.rpc.Code
+  int32_t reason;     // with a code: a v1::Reason (layout 4)
   uint32_t message_len;
   char message[kSlotTextBytes];
 };
@@ -155,6 +156,7 @@ struct QueueEntry {
   int64_t channels = 0;
   int64_t count = 0;
   int32_t code = 0;
+  int32_t reason = 0;  // v1::Reason
   std::string message;
   std::vector<double> data;  // 2 * channels: [a | b]
 };
@@ -233,7 +235,7 @@ class Segment {
   // Writes an answer into every rank's slot that posted `key` (claimed ones: the sidecar's
   // rounds). `data` holds 2 * channels doubles when code == 0.
   int DeliverAll(const Key& key, int32_t code, const std::string& message, int64_t count,
-                 int64_t channels, const double* data);
+                 int64_t channels, const double* data, int32_t reason = 0);
 
  private:
   Segment(char* base, const Geometry& g, int fd) : base_(base), g_(g), fd_(fd) {}
@@ -245,7 +247,8 @@ class Segment {
   std::vector<bool> BeginAll(const std::vector<int32_t>& idx,
                              const std::vector<uint32_t>& posted) const;
   void Deliver(int32_t rank, int32_t i, uint32_t posted, int32_t code, const std::string& message,
-               int64_t count, int64_t channels, const double* a, const double* b) const;
+               int64_t count, int64_t channels, const double* a, const double* b,
+               int32_t reason = 0) const;
   bool Enqueue(const QueueEntry& item, const ReduceOptions& options);
   // Counts one answered round in the header (Status's totals and the metric counters).
   void CountRound(int32_t scope, int32_t phase, int32_t code) const;

@@ -78,6 +78,18 @@ wire::MemberNames Job::Names() const {
 std::string Job::MemberName(int32_t index) const { return Names()(index); }
 
 absl::Status Job::CheckLayout(const JobLayout& d, const std::string& who) const {
+  absl::Status s = LayoutDiffers(d, who);
+  if (s.ok()) return s;
+  const bool groups_only = d.member_kind == layout_.member_kind &&
+                           d.world_size == layout_.world_size &&
+                           d.local_world_size == layout_.local_world_size &&
+                           d.strict_finite == layout_.strict_finite &&
+                           d.group_nodes != layout_.group_nodes;
+  return wire::WithReason(std::move(s),
+                          groups_only ? v1::REASON_GROUP_NODES : v1::REASON_LAYOUT);
+}
+
+absl::Status Job::LayoutDiffers(const JobLayout& d, const std::string& who) const {
   auto mismatch = [&](const char* field, int64_t got, int64_t want) {
     return absl::InvalidArgumentError(absl::StrCat(
         who, ": ", field, "=", got, " but job '", id_, "' was joined with ", field, "=", want,
@@ -188,7 +200,9 @@ void Job::MemberGone(int32_t index, const SessionId& session, bool left, Clock::
           return wire::MemberAborted(wire::RoundRef{Describe(key), id_}, MemberName(index),
                                      m.aborted);
         }
-        return absl::UnavailableError(absl::StrCat("round ", Describe(key), ": ", why));
+        return wire::WithReason(
+            absl::UnavailableError(absl::StrCat("round ", Describe(key), ": ", why)),
+            left ? v1::REASON_MEMBER_LEFT : v1::REASON_MEMBER_DISCONNECTED);
       },
       /*tell_parent=*/true, out);
   out->log.push_back(absl::StrCat("job '", id_, "': ", MemberName(index),
@@ -830,7 +844,7 @@ void Job::ChildAbort(int32_t index, const v1::Abort& abort, Actions* out) {
   absl::MutexLock lock(&mu_);
   absl::Status s = wire::StatusFromCode(abort.code() == 0 ? int(absl::StatusCode::kAborted)
                                                           : abort.code(),
-                                        wire::Printable(abort.message(), 1024));
+                                        wire::Printable(abort.message(), 1024), abort.reason());
   // An abort does not say the round's scope: with groups it may be the node's group round.
   const RoundKey key{abort.op(), abort.seq(), abort.phase()};
   if (layout_.group_nodes > 0) {
@@ -861,7 +875,7 @@ void Job::ParentResult(const v1::Result& result, Actions* out) {
   auto it = open_.find(key);
   if (it == open_.end() || !it->second.forwarded) return;  // failed here already
   if (result.code() != 0) {
-    FailRoundLocked(key, wire::StatusFromCode(result.code(), result.message()),
+    FailRoundLocked(key, wire::StatusFromCode(result.code(), result.message(), result.reason()),
                     /*tell_parent=*/false, out);
     return;
   }

@@ -224,6 +224,8 @@ class Job {
   std::string MemberName(int32_t index) const;
 
  private:
+  // CheckLayout's message, without its reason.
+  absl::Status LayoutDiffers(const JobLayout& declared, const std::string& who) const;
   struct Slot {
     bool filled = false;
     int64_t count = 0;

@@ -547,7 +547,8 @@ bool ShmTransport::ParentResult(const std::string& job_id, const v1::Result& res
   }
   const shm::Key key{result.op(), result.seq(), int32_t(result.phase())};
   if (result.code() != 0) {
-    seg->DeliverAll(key, result.code(), wire::Printable(result.message(), 1024), 0, 0, nullptr);
+    seg->DeliverAll(key, result.code(), wire::Printable(result.message(), 1024), 0, 0, nullptr,
+                    result.reason());
   } else if (int64_t(result.channels()) != channels ||
              int64_t(result.data().size()) != wire::PayloadBytes(channels) || result.count() < 0) {
     seg->DeliverAll(key, int32_t(absl::StatusCode::kInternal),
@@ -576,7 +577,10 @@ void ShmTransport::ParentLost(const absl::Status& status) {
     }
   }
   for (auto& [seg, key] : doomed) {
-    if (seg) seg->DeliverAll(key, int32_t(status.code()), std::string(status.message()), 0, 0, nullptr);
+    if (seg) {
+      seg->DeliverAll(key, int32_t(status.code()), std::string(status.message()), 0, 0, nullptr,
+                      int32_t(wire::ReasonOf(status)));
+    }
   }
 }
 

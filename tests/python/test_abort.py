@@ -90,7 +90,7 @@ def test_sigint_in_a_round_raises_keyboard_interrupt_and_the_other_rank_learns_w
             # why it is gone.
             with pytest.raises(hsbn.RoundFailedError) as e:
                 other.forward(5, 0, "node", 1, np.zeros(2), np.zeros(2))
-            assert e.value.code_name == "ABORTED"
+            assert (e.value.code_name, e.value.reason) == ("ABORTED", "MEMBER_ABORTED")
             assert "rank 0" in str(e.value) and "KeyboardInterrupt" in str(e.value), e.value
             assert other.stats().transport == transport_env
     finally:
@@ -129,6 +129,7 @@ def test_abort_from_another_thread_ends_a_wait_and_fails_the_other_rank_at_once(
         waiter.join(GIVE_UP_S)
         assert not waiter.is_alive()
         assert results["a"].code_name == "ABORTED" and "the loss diverged" in str(results["a"])
+        assert results["a"].reason == "CLIENT_ABORTED"
         # Later rounds of the aborted client fail at once too.
         with pytest.raises(hsbn.RoundFailedError, match="the loss diverged"):
             a.forward(1, 2, "node", 1, np.ones(2), np.zeros(2))
@@ -136,3 +137,4 @@ def test_abort_from_another_thread_ends_a_wait_and_fails_the_other_rank_at_once(
         with pytest.raises(hsbn.RoundFailedError) as e:
             b.forward(1, 1, "node", 1, np.ones(2), np.zeros(2))
         assert "rank 0" in str(e.value) and "the loss diverged" in str(e.value), e.value
+        assert e.value.reason == "MEMBER_ABORTED"

@@ -46,6 +46,30 @@ typedef enum hsbn_result {
   HSBN_UNAUTHENTICATED = 16
 } hsbn_result;
 
+/* Why a call failed, beside its code (hsbn_last_error_reason): programs branch on the code and
+ * this, never on the message's text. The numbers are the protocol's (hsbn.v1.Reason); values may
+ * be added, and one a program does not know means "not said". */
+typedef enum hsbn_reason {
+  HSBN_REASON_UNSPECIFIED = 0,          /* not said */
+  HSBN_REASON_MEMBER_DISCONNECTED = 1,  /* a member's stream broke while the round waited */
+  HSBN_REASON_MEMBER_LEFT = 2,          /* a member left the job while the round waited */
+  HSBN_REASON_MEMBER_ABORTED = 3,       /* a member aborted (hsbn_client_abort), with a reason */
+  HSBN_REASON_NODE_DOWN = 4,            /* another node lost a worker */
+  HSBN_REASON_TIMED_OUT = 5,            /* members did not contribute before the deadline */
+  HSBN_REASON_ROOT_SILENT = 6,          /* the root did not answer a forwarded round in time */
+  HSBN_REASON_INVALID_CONTRIBUTION = 7, /* a malformed or inconsistent contribution */
+  HSBN_REASON_COUNT_OVERFLOW = 8,       /* the members' counts overflow int64 */
+  HSBN_REASON_NONFINITE = 9,            /* a strict job's round has NaN or Inf */
+  HSBN_REASON_LAYOUT = 10,              /* an inconsistent RANK, WORLD_SIZE, ... */
+  HSBN_REASON_GROUP_NODES = 11,         /* HSBN_GROUP_NODES does not divide the nodes */
+  HSBN_REASON_MAX_WORLD_SIZE = 12,      /* WORLD_SIZE above the aggregator's --max-world-size */
+  HSBN_REASON_MAX_JOBS = 13,            /* the aggregator serves --max-jobs jobs already */
+  HSBN_REASON_JOB_ID = 14,              /* an empty, too long or unprintable job id */
+  HSBN_REASON_QUEUE_BYTES = 15,         /* the stream's reader fell --max-queued-bytes behind */
+  HSBN_REASON_MEMORY_BUDGET = 16,       /* the aggregator's memory budget is exhausted */
+  HSBN_REASON_CLIENT_ABORTED = 17       /* this client was aborted (hsbn_client_abort) */
+} hsbn_reason;
+
 typedef enum hsbn_scope {
   HSBN_SCOPE_NODE = 1,
   HSBN_SCOPE_GLOBAL = 2,
@@ -142,6 +166,11 @@ typedef struct hsbn_stats {
 const char* hsbn_result_string(hsbn_result code);
 /* Message of the last failed hsbn call on this thread ("" if none); never NULL. */
 const char* hsbn_last_error(void);
+/* The hsbn_reason of the last failed hsbn call on this thread (HSBN_REASON_UNSPECIFIED if none
+ * or not said). */
+int hsbn_last_error_reason(void);
+/* Name of a reason ("MEMBER_ABORTED"; "UNSPECIFIED" for 0 and unknown values); never NULL. */
+const char* hsbn_reason_string(int reason);
 /* The value of environment variable `name` (one of docs/ENVIRONMENT.md's) as hsbn reads it:
  * checked against its type and range, written canonically (integers in decimal, flags 0/1),
  * with its fallback (HSBN_JOB_ID: TORCHELASTIC_RUN_ID; HSBN_TOKEN: the contents of

@@ -260,6 +260,8 @@ _p_void = ctypes.c_void_p
 _SIGNATURES = {
     "hsbn_result_string": (ctypes.c_char_p, [_c_int]),
     "hsbn_last_error": (ctypes.c_char_p, []),
+    "hsbn_last_error_reason": (_c_int, []),
+    "hsbn_reason_string": (ctypes.c_char_p, [_c_int]),
     "hsbn_abi_version": (_c_int, []),
     "hsbn_check_layout": (_c_int, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_int64, ctypes.c_int64]),
@@ -339,6 +341,13 @@ def result_name(code):
 
 def last_error():
     return lib().hsbn_last_error().decode("utf-8", "replace")
+
+
+def last_error_reason():
+    """The reason of the last failed call on this thread, by name ("MEMBER_ABORTED"), or
+    "UNSPECIFIED"."""
+    handle = lib()
+    return handle.hsbn_reason_string(handle.hsbn_last_error_reason()).decode("ascii", "replace")
 
 
 # --- the BatchNorm kernels' C ABI (kernels/include/hsbn/bn_kernels_c.h) ------------------------

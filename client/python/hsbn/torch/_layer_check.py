@@ -119,15 +119,18 @@ class _LayerCheck:
             raise
         except HsbnError as e:
             hint = ""
-            if e.code == INVALID_ARGUMENT:
+            # By code and reason, never by text: only errors about the check's rounds.
+            if e.code == INVALID_ARGUMENT and e.reason == "INVALID_CONTRIBUTION":
                 hint = (" The ranks disagree on the check itself: some have global or shadow "
                         "layers in model %r where others have only node layers (its scope here "
                         "is %s)." % (self.model, self.scope))
-            elif e.code == DEADLINE_EXCEEDED:  # by code: the ranks the timeout names
+            elif e.code == DEADLINE_EXCEEDED and e.reason == "TIMED_OUT":  # ranks it names
                 hint = (" The ranks named did not run model %r in training mode: every rank "
                         "must convert and run the same models, under the same name=."
                         % self.model)
-            raise type(e)(str(e) + hint, e.code) from None
+            err = type(e)(str(e) + hint, e.code)
+            err.reason = e.reason
+            raise err from None
 
     def describe(self, i):
         if i < len(self.entries):
