@@ -250,6 +250,13 @@ absl::Status Segment::Blocked(const Key* key, const ReduceOptions& o) const {
         "the node's sidecar invalidated the shared-memory segment of job '", o.job_id, "' (",
         wire::Printable(text, kTextBytes), "); rounds in flight failed. The next call rejoins"));
   }
+  if (const uint32_t code = Load(reinterpret_cast<uint32_t*>(&h->refused_code)); code != 0) {
+    char text[kSlotTextBytes + 1];
+    std::memcpy(text, h->refused_text, kSlotTextBytes);
+    text[kSlotTextBytes] = '\0';
+    return wire::StatusFromCode(int(code), wire::Printable(text, kSlotTextBytes),
+                                static_cast<v1::Reason>(Read(&h->refused_reason)));
+  }
   for (int32_t r = 0; r < g_.ranks; ++r) {
     const uint32_t why = Load(&h->gone[r]);
     if (why == 0) continue;
@@ -526,6 +533,19 @@ void Segment::MarkAborted(int32_t rank, const std::string& reason) {
     Store(&h->abort_set, 1);
   }
   MarkGone(rank, 3);
+}
+
+void Segment::Refuse(const absl::Status& status) {
+  Header* h = header();
+  if (Load(reinterpret_cast<uint32_t*>(&h->refused_code)) != 0 || status.ok()) return;
+  const std::string text(status.message());
+  const size_t n = std::min(text.size(), kSlotTextBytes - 1);
+  std::memcpy(h->refused_text, text.data(), n);
+  h->refused_text[n] = '\0';
+  h->refused_reason = int32_t(wire::ReasonOf(status));
+  Store(reinterpret_cast<uint32_t*>(&h->refused_code), uint32_t(status.code()));
+  __atomic_fetch_add(&h->epoch, 1, __ATOMIC_SEQ_CST);
+  WakeAll();
 }
 
 void Segment::Revive(int32_t rank) {

@@ -127,6 +127,11 @@ struct Header {
   uint64_t nonfinite[kCountPhases];
   char abort_text[kTextBytes];  // the reason of the first rank that aborted (gone 3)
   uint32_t abort_set;           // nonzero once abort_text is written
+  // Nonzero: a process was refused joining the job for its layout; every round fails with this
+  // google.rpc.Code, v1::Reason and text.
+  int32_t refused_code;
+  int32_t refused_reason;
+  char refused_text[kSlotTextBytes];
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header too large");
 
@@ -229,6 +234,8 @@ class Segment {
   // Gone 3: the rank aborted for `reason` (kept: the first aborted rank's); wakes every sleeper.
   void MarkAborted(int32_t rank, const std::string& reason);
   void Revive(int32_t rank);                   // a rejoined rank: empty ring, not gone
+  // Every round of the job fails with `status` from now on (a layout refusal); wakes sleepers.
+  void Refuse(const absl::Status& status);
   void Kill(const std::string& why);           // invalidates the segment; wakes every sleeper
   // Takes the queue's ready entries (validated; malformed ones are dropped and counted).
   std::vector<QueueEntry> TakeQueue(int* malformed);

@@ -693,6 +693,11 @@ grpc::Status Aggregator::Join(const v1::JoinRequest& req, v1::JoinResponse* resp
   if (Metrics* m = options_.metrics.get()) m->JoinAnswered(joined.status().code());
   if (!joined.ok()) {
     const absl::Status& s = joined.status();
+    Execute(actions, req.job_id());  // a layout refusal fails the job's rounds (Job::Refused)
+    if (shm_) {
+      std::shared_ptr<Job> job = registry_.FindJob(req.job_id());
+      if (job && !job->refusal().ok()) shm_->Refuse(req.job_id(), job->refusal());
+    }
     switch (wire::ReasonOf(s)) {
       case v1::REASON_MAX_WORLD_SIZE: Refused("world_size"); break;
       case v1::REASON_MAX_JOBS: Refused("max_jobs"); break;

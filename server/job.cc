@@ -798,6 +798,7 @@ bool Job::NodeDown(std::string* message) const {
 }
 
 absl::Status Job::BlockedLocked(const RoundKey& key, int32_t lo, int32_t hi) const {
+  if (!refused_.ok()) return refused_;
   for (size_t i = size_t(lo); i < size_t(hi); ++i) {
     if (members_[i].gone && !members_[i].aborted.empty()) {
       return wire::MemberAborted(wire::RoundRef{Describe(key), id_}, MemberName(int32_t(i)),
@@ -948,6 +949,21 @@ void Job::FailAll(const absl::Status& status, Actions* out) {
   closed_ = status;
   FailOpenRoundsLocked([](const Round&) { return true; }, [&](const RoundKey&) { return status; },
                        /*tell_parent=*/false, out);
+}
+
+void Job::Refused(const absl::Status& refusal, Actions* out) {
+  absl::MutexLock lock(&mu_);
+  if (!refused_.ok()) return;
+  refused_ = refusal;
+  const int failed = FailOpenRoundsLocked([](const Round&) { return true; },
+                                          [&](const RoundKey&) { return refusal; },
+                                          /*tell_parent=*/true, out);
+  out->log.push_back(absl::StrCat(refusal.message(), "; ", failed, " open round(s) failed"));
+}
+
+absl::Status Job::refusal() const {
+  absl::MutexLock lock(&mu_);
+  return refused_;
 }
 
 void Job::SetToken(const std::string& token) {

@@ -209,6 +209,11 @@ class Job {
   void Expire(Clock::time_point now, Actions* out);
   // Fails every open round with `status`, and every later contribution (shutdown).
   void FailAll(const absl::Status& status, Actions* out);
+  // A process was refused joining this job for its layout: the job cannot run as launched.
+  // Every open round fails with `refusal` at once (told to the parent too), and so does every
+  // round opened later. The first refusal stands; refusal() returns it (OK: none).
+  void Refused(const absl::Status& refusal, Actions* out);
+  absl::Status refusal() const;
 
   // The token this job's members presented at Join here (empty: none). An aggregator presents
   // it when it joins the job at its parent, so one token file format serves every level.
@@ -346,6 +351,7 @@ class Job {
   std::string down_message_ ABSL_GUARDED_BY(mu_);    // what it said
   int64_t held_ ABSL_GUARDED_BY(mu_) = 0;            // bytes charged to limits_.budget
   Clock::time_point last_change_ ABSL_GUARDED_BY(mu_);  // a member joined, attached or went
+  absl::Status refused_ ABSL_GUARDED_BY(mu_);  // Refused's status
   absl::Status closed_ ABSL_GUARDED_BY(mu_);  // FailAll's status: no round opens any more
 };
 

@@ -31,6 +31,29 @@ absl::Status CheckJobIdText(const std::string& job_id) {
   return absl::OkStatus();
 }
 
+absl::Status Registry::RefuseInJob(const v1::JoinRequest& req, const absl::Status& refusal,
+                                   Actions* out) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(req.job_id());
+  if (it != jobs_.end()) TellJobLocked(*it->second, req, refusal, out);
+  return refusal;
+}
+
+void Registry::TellJobLocked(Job& job, const v1::JoinRequest& req, const absl::Status& refusal,
+                             Actions* out) {
+  // Only a layout refusal, of the job's own run: the job cannot run as launched. (With tokens
+  // on, the caller presented the job's token before any layout check.)
+  const v1::Reason reason = wire::ReasonOf(refusal);
+  if ((reason != v1::REASON_LAYOUT && reason != v1::REASON_GROUP_NODES) ||
+      req.incarnation() != job.layout().incarnation) {
+    return;
+  }
+  job.Refused(wire::WithMessage(
+                  refusal, absl::StrCat("job '", job.id(), "' cannot run as launched: a process "
+                                        "joining it was refused (", refusal.message(), ")")),
+              out);
+}
+
 Registry::Registry(RegistryOptions options)
     : options_(std::move(options)),
       budget_(std::make_shared<MemoryBudget>(options_.memory_budget_bytes)) {}
@@ -107,7 +130,7 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
       return s;
     }
   }
-  if (absl::Status s = CheckRequest(req, who); !s.ok()) return s;
+  if (absl::Status s = CheckRequest(req, who); !s.ok()) return RefuseInJob(req, s, out);
   SessionId previous;
   if (!req.previous_session().empty() &&
       !SessionId::FromBytes(req.previous_session(), &previous)) {
@@ -169,7 +192,10 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
       job = std::make_shared<Job>(req.job_id(), layout, limits);
     } else {
       job = it->second;
-      if (absl::Status s = job->CheckLayout(layout, who); !s.ok()) return s;
+      if (absl::Status s = job->CheckLayout(layout, who); !s.ok()) {
+        TellJobLocked(*job, req, s, out);
+        return s;
+      }
     }
     while (sessions_.count(joined.session)) joined.session = SessionId::Random();
     if (absl::Status s = job->AddMember(index, joined.session, previous, Clock::now(), out);

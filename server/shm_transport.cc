@@ -508,6 +508,22 @@ void ShmTransport::Tick() {
   for (int fd : stale) CloseConnLocked(fd);
 }
 
+void ShmTransport::Refuse(const std::string& job_id, const absl::Status& refusal) {
+  std::shared_ptr<shm::Segment> seg;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return;
+    // Ranks that wait for the node's transport must not wait for --shm-wait-ms: the stream,
+    // where the job's rounds fail with the refusal at once.
+    if (it->second.decision == Decision::kPending) {
+      DecideGrpcLocked(it->second, "a process joining the job was refused for its layout");
+    }
+    seg = it->second.segment;
+  }
+  if (seg) seg->Refuse(refusal);
+}
+
 void ShmTransport::MemberGone(const std::string& job_id, int32_t index, bool left,
                               const std::string& aborted) {
   std::shared_ptr<shm::Segment> seg;

@@ -79,6 +79,8 @@ class ShmTransport {
   absl::Status CheckJoin(const v1::JoinRequest& req);
   // After a worker's Join was admitted as local rank `index`: fills the response's shm fields.
   void Joined(const v1::JoinRequest& req, int32_t index, v1::JoinResponse* resp);
+  // A process was refused joining `job_id` for its layout: its rounds fail with `refusal`.
+  void Refuse(const std::string& job_id, const absl::Status& refusal);
   // The member's stream broke (left=false) or it left; `aborted` non-empty: it aborted, why.
   void MemberGone(const std::string& job_id, int32_t index, bool left,
                   const std::string& aborted = "");
