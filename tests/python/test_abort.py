@@ -42,6 +42,31 @@ CHILD = textwrap.dedent("""
 """ % ROUND_TIMEOUT_MS)
 
 
+# Rank 0 again, but its round waits on another thread (as on autograd's device threads) while
+# the main thread waits in Python: SIGINT's handler aborts the client, so that thread returns.
+SIDE = textwrap.dedent("""
+    import sys, threading
+    import numpy as np
+    import hsbn
+    client = hsbn.Client.from_env(round_timeout_ms=%d)
+    ended = threading.Event()
+    def side():
+        try:
+            client.forward(5, 0, "node", 1, np.zeros(2), np.zeros(2))
+        except hsbn.HsbnError as e:
+            print("side thread:", e.reason, flush=True)
+        ended.set()
+    threading.Thread(target=side, daemon=True).start()
+    print("joined", flush=True)
+    try:
+        ended.wait()
+    except KeyboardInterrupt:
+        ended.wait(%d)
+        print("main thread: KeyboardInterrupt; side thread ended:", ended.is_set(), flush=True)
+        sys.exit(3)
+""" % (ROUND_TIMEOUT_MS, GIVE_UP_S))
+
+
 @pytest.fixture(scope="module")
 def cluster():
     with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=2, root=False,
@@ -138,3 +163,25 @@ def test_abort_from_another_thread_ends_a_wait_and_fails_the_other_rank_at_once(
             b.forward(1, 1, "node", 1, np.ones(2), np.zeros(2))
         assert "rank 0" in str(e.value) and "the loss diverged" in str(e.value), e.value
         assert e.value.reason == "MEMBER_ABORTED"
+
+
+def test_sigint_aborts_a_round_that_waits_on_another_thread(cluster, transport, transport_env):
+    job = "sigint-side-" + transport
+    child = subprocess.Popen([sys.executable, "-c", SIDE],
+                             env=cluster.worker_env(0, job_id=job), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        assert child.stdout.readline().strip() == "joined"
+        with hsbn.Client.from_env(cluster.worker_env(1, job_id=job),
+                                  round_timeout_ms=ROUND_TIMEOUT_MS):
+            wait_for(lambda: contributed(cluster.node_addresses[0], job, 0) > 0,
+                     "rank 0 never contributed to its round")
+            child.send_signal(signal.SIGINT)
+            out, _ = child.communicate(timeout=GIVE_UP_S)
+        assert child.returncode == 3, out
+        assert "side thread: CLIENT_ABORTED" in out, out
+        assert "side thread ended: True" in out, out
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
