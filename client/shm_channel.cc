@@ -294,9 +294,32 @@ absl::Status ShmChannel::Deliver(const absl::Status& s, int64_t count,
   return absl::OkStatus();
 }
 
+void ShmChannel::Abort(const absl::Status& status) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (aborted_flag_.load()) return;
+    aborted_ = status;
+    aborted_flag_.store(true);
+  }
+  if (!segment_) return;
+  // Takes back this rank's posted contributions, so that no round completes with them now,
+  // and wakes its waiters.
+  for (int32_t i = 0; i < segment_->geometry().ring; ++i) {
+    const uint32_t w = segment_->State(config_.local_rank, i);
+    if ((w & 0xffu) == shm::kPosted) segment_->Withdraw(config_.local_rank, i, w);
+    shm::FutexWake(&segment_->slot(config_.local_rank, i)->state);
+  }
+}
+
+absl::Status ShmChannel::AbortStatus() {
+  absl::MutexLock lock(&mu_);
+  return aborted_;
+}
+
 absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadline,
                               std::chrono::milliseconds client_timeout, int64_t* out_count,
-                              double* out_a, double* out_b) {
+                              double* out_a, double* out_b, Clock::time_point slice_end,
+                              bool* pending) {
   const int32_t rank = config_.local_rank;
   const shm::ReduceOptions opts = Reduce();
   const bool up = r.scope != v1::SCOPE_NODE && config_.num_nodes > 1;
@@ -334,6 +357,16 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
   for (;;) {
     const uint32_t w = segment_->State(rank, r.slot);
     if (w == r.posted) {
+      if (aborted_flag_.load()) {
+        // Only this rank's wait ends: the sidecar tells the others, naming this rank.
+        if (segment_->Withdraw(rank, r.slot, r.posted)) return release(AbortStatus());
+        continue;  // an answer is there or being written: take it
+      }
+      if (pending != nullptr && Clock::now() >= slice_end &&
+          Clock::now() < std::min(aggregator_deadline, client_deadline)) {
+        *pending = true;
+        return absl::OkStatus();
+      }
       absl::Status fail = segment_->Blocked(&r.key, opts);
       if (fail.ok() && !Alive()) {
         fail = absl::UnavailableError(absl::StrCat(
@@ -365,13 +398,15 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
       if (!fail.ok()) {
         // As at the sidecar, the round fails for every rank that is in it, at once.
         segment_->DeliverAll(r.key, int32_t(fail.code()), std::string(fail.message()), 0, 0,
-                             nullptr);
+                             nullptr, int32_t(wire::ReasonOf(fail)));
         if (segment_->Withdraw(rank, r.slot, r.posted)) return release(fail);
         continue;  // an answer is there or being written: take it
       }
       slept = true;
       segment_->Sleep(rank, r.slot, r.posted,
-                      std::min<Clock::duration>(deadline - now, kSlice));
+                      std::max<Clock::duration>(
+                          Clock::duration::zero(),
+                          std::min<Clock::duration>({deadline - now, kSlice, slice_end - now})));
       continue;
     }
     if ((w & 0xffu) == shm::kWriting) {
@@ -395,11 +430,13 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
         continue;  // changed under us (a harvest in progress); look again
       } else {
         busy_[size_t(r.slot)] = false;
+        if (aborted_flag_.load()) return aborted_;  // Abort took the contribution back
         return absl::UnavailableError(absl::StrCat(
             "round ", round(), ": this rank's shared-memory slot was reset (the sidecar "
             "re-admitted this rank, or a process of the job wrote into it); the round is lost"));
       }
     }
+    if (aborted_flag_.load()) return AbortStatus();  // an answer that came too late
     // Adapt the spin: longer while results come within it, shorter when they do not.
     if (!slept) {
       spin_ns_.store(std::min<int64_t>(std::max<int64_t>(spin * 2, 1000), max_spin_ns_),

@@ -95,9 +95,16 @@ class ShmChannel {
                                  Clock::time_point deadline);
   // Waits for the round's answer until `client_deadline` (the caller's round timeout); fails
   // with DEADLINE_EXCEEDED naming the missing ranks at the aggregator's round timeout.
+  // With `pending`: returns OK at `slice_end` with *pending = true while the round is still
+  // open (it stays posted; wait again).
   absl::Status Wait(const ShmRound& round, Clock::time_point client_deadline,
                     std::chrono::milliseconds client_timeout, int64_t* out_count, double* out_a,
-                    double* out_b);
+                    double* out_b, Clock::time_point slice_end = Clock::time_point::max(),
+                    bool* pending = nullptr);
+  // The client aborted: waits end with `status` (their slots withdrawn), woken at once; later
+  // rounds are refused by the client. The sidecar marks this rank aborted for the others.
+  void Abort(const absl::Status& status);
+  absl::Status AbortStatus();  // OK until Abort
 
  private:
   explicit ShmChannel(ShmConfig config) : config_(std::move(config)) {}
@@ -136,6 +143,8 @@ class ShmChannel {
   std::map<int32_t, Abandoned> abandoned_ ABSL_GUARDED_BY(mu_);
   mutable std::atomic<int64_t> polled_at_ns_{0};  // AliveRecently: the last poll (steady ns)
   mutable std::atomic<bool> gone_{false};         // a poll found the connection closed
+  std::atomic<bool> aborted_flag_{false};
+  absl::Status aborted_ ABSL_GUARDED_BY(mu_);  // set once, with aborted_flag_
   std::atomic<int64_t> spin_ns_{20000};    // adaptive spin before sleeping
   int64_t max_spin_ns_ = 50000;
 };

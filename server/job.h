@@ -34,6 +34,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "hsbn/v1/hsbn.pb.h"
@@ -176,9 +177,10 @@ class Job {
   absl::Status Attach(int32_t index, const SessionId& session, std::shared_ptr<ResultSink> sink,
                       Clock::time_point now);
   // The member's stream broke (connected=false) or it left (left=true): every open round that
-  // still waits for it fails at once, naming it.
+  // still waits for it fails at once, naming it. `aborted` non-empty: a worker said why it is
+  // gone (its Abort frame); the rounds fail ABORTED with that reason.
   void MemberGone(int32_t index, const SessionId& session, bool left, Clock::time_point now,
-                  Actions* out);
+                  Actions* out, absl::string_view aborted = {});
   // True when the job can be dropped: every member left or lost its stream, or no member has
   // been attached to a stream for `attach_timeout` (members that joined and never attached).
   // `expired` (optional) tells which.
@@ -222,6 +224,11 @@ class Job {
   void Expire(Clock::time_point now, Actions* out);
   // Fails every open round with `status`, and every later contribution (shutdown).
   void FailAll(const absl::Status& status, Actions* out);
+  // A process was refused joining this job for its layout: the job cannot run as launched.
+  // Every open round fails with `refusal` at once (told to the parent too), and so does every
+  // round opened later. The first refusal stands; refusal() returns it (OK: none).
+  void Refused(const absl::Status& refusal, Actions* out);
+  absl::Status refusal() const;
 
   // The token this job's members presented at Join here (empty: none). An aggregator presents
   // it when it joins the job at its parent, so one token file format serves every level.
@@ -237,6 +244,8 @@ class Job {
   std::string MemberName(int32_t index) const;
 
  private:
+  // CheckLayout's message, without its reason.
+  absl::Status LayoutDiffers(const JobLayout& declared, const std::string& who) const;
   struct Slot {
     bool filled = false;
     int64_t count = 0;
@@ -270,6 +279,7 @@ class Job {
     bool connected = false;  // attached to a live stream
     bool gone = false;       // its stream broke or it left; rounds cannot complete without it
     std::string down;        // a child aggregator whose node is down: why (empty: it is not)
+    std::string aborted;     // gone by its own Abort frame: its reason (empty: it did not)
     std::shared_ptr<ResultSink> sink;
     int64_t contributions = 0;
   };
@@ -374,6 +384,7 @@ class Job {
   std::string down_message_ ABSL_GUARDED_BY(mu_);    // what it said
   int64_t held_ ABSL_GUARDED_BY(mu_) = 0;            // bytes charged to limits_.budget
   Clock::time_point last_change_ ABSL_GUARDED_BY(mu_);  // a member joined, attached or went
+  absl::Status refused_ ABSL_GUARDED_BY(mu_);  // Refused's status
   absl::Status closed_ ABSL_GUARDED_BY(mu_);  // FailAll's status: no round opens any more
 };
 

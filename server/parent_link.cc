@@ -77,9 +77,9 @@ class ParentLink::ParentStream final : public StreamWriter<FrameTraits> {
     stream_->Write(frame, &write_tag_);
     return true;
   }
-  void OverflowLocked(const char* which) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void OverflowLocked(Overflow which) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Log(LogLevel::kWarn, absl::StrCat("the stream to the root ", link_->address_, " has more "
-                                      "than ", std::string(which) == "queue"
+                                      "than ", which == Overflow::kQueue
                                           ? "--max-queued-bytes unsent"
                                           : "the memory budget's worth of unsent bytes",
                                       "; dropping it (global rounds in flight fail)"));
@@ -368,6 +368,7 @@ void ParentLink::Abort(const std::string& job_id, const JobLayout& layout,
   ab->set_phase(a.key.phase);
   ab->set_code(int(a.status.code()));
   ab->set_message(std::string(a.status.message()));
+  ab->set_reason(wire::ReasonOf(a.status));
   Enqueue(std::move(item));
 }
 
@@ -461,9 +462,9 @@ void ParentLink::Joined(const std::string& job_id, const JoinDoneItem& done) {
   absl::Status status;
   SessionId session;
   if (!done.status.ok()) {
-    status = absl::Status(wire::FromGrpc(done.status).code(),
-                          absl::StrCat("joining job '", job_id, "' at the root ", address_,
-                                       " failed: ", done.status.error_message()));
+    status = wire::WithMessage(wire::FromGrpc(done.status),
+                               absl::StrCat("joining job '", job_id, "' at the root ", address_,
+                                            " failed: ", done.status.error_message()));
   } else if (!SessionId::FromBytes(done.response.session(), &session)) {
     status = absl::InternalError(absl::StrCat("the root ", address_, " answered Join for job '",
                                               job_id, "' without a valid session; check "
