@@ -976,7 +976,9 @@ class Client::Impl {
     }
     const std::pair<uint32_t, uint64_t> key{op, seq};
     absl::MutexLock lock(&rounds_mu_);
-    auto [entry, first] = global_waits_.try_emplace(key);
+    const auto emplaced = global_waits_.try_emplace(key);
+    const auto entry = emplaced.first;
+    const bool first = emplaced.second;
     if (first) {
       entry->second.since = Clock::now();
       entry->second.deadline = entry->second.since + RoundTimeout();
