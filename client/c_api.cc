@@ -26,9 +26,11 @@ struct hsbn_round {
 namespace {
 
 thread_local std::string g_last_error;
+thread_local int g_last_reason = 0;  // valid while g_last_error is not empty
 
 hsbn_result Fail(const absl::Status& status) {
   g_last_error = std::string(status.message());
+  g_last_reason = int(hsbn::wire::ReasonOf(status));
   return static_cast<hsbn_result>(int(status.code()));
 }
 
@@ -93,6 +95,12 @@ const char* hsbn_result_string(hsbn_result code) {
 
 const char* hsbn_last_error(void) { return g_last_error.c_str(); }
 
+int hsbn_last_error_reason(void) { return g_last_error.empty() ? 0 : g_last_reason; }
+
+const char* hsbn_reason_string(int reason) {
+  return hsbn::wire::ReasonName(static_cast<hsbn::v1::Reason>(reason));
+}
+
 int hsbn_abi_version(void) { return HSBN_ABI_VERSION; }
 
 void hsbn_options_init(hsbn_options* options) {
@@ -154,6 +162,7 @@ hsbn_result hsbn_client_create(const hsbn_options* options, hsbn_client** out) {
     o.group_nodes = options->group_nodes;
   }
   o.transport = *transport;
+  if (absl::Status s = hsbn::DebugFromEnv(source, &o); !s.ok()) return Fail(s);
   o.incarnation = defaults.incarnation;
   o.auto_policy = defaults.auto_policy;
   if (has(offsetof(hsbn_options, auto_recheck_every), sizeof(int64_t))) {
@@ -250,6 +259,33 @@ hsbn_result hsbn_client_global_stats(hsbn_client* client, uint32_t op, uint64_t 
   return Done(client->client->GlobalStats(op, seq, channels, out_count, out_mean, out_m2));
 }
 
+hsbn_result hsbn_client_global_stats_for(hsbn_client* client, uint32_t op, uint64_t seq,
+                                         int64_t channels, int64_t timeout_ms, int* done,
+                                         int64_t* out_count, double* out_mean, double* out_m2) {
+  g_last_error.clear();
+  if (client == nullptr || done == nullptr) return Invalid("null client or done");
+  if (timeout_ms < 0) return Invalid("timeout_ms must be >= 0");
+  bool finished = false;
+  absl::Status s = client->client->GlobalStatsFor(
+      op, seq, channels, std::chrono::milliseconds(std::min<int64_t>(timeout_ms, 1 << 30)),
+      &finished, out_count, out_mean, out_m2);
+  *done = finished ? 1 : 0;
+  return Done(s);
+}
+
+hsbn_result hsbn_client_name_layers(hsbn_client* client, const uint32_t* ops,
+                                    const char* const* names, size_t n) {
+  g_last_error.clear();
+  if (client == nullptr) return Invalid("null client");
+  if (n > 0 && (ops == nullptr || names == nullptr)) return Invalid("null ops or names");
+  std::vector<std::pair<uint32_t, std::string>> list;
+  for (size_t i = 0; i < n; ++i) {
+    if (names[i] == nullptr) return Invalid("a null name");
+    list.emplace_back(ops[i], names[i]);
+  }
+  return Done(client->client->NameLayers(list));
+}
+
 int hsbn_client_global_stats_ready(hsbn_client* client, uint32_t op, uint64_t seq) {
   if (client == nullptr) return -1;
   return client->client->GlobalStatsReady(op, seq) ? 1 : 0;
@@ -290,6 +326,26 @@ hsbn_result hsbn_round_wait(hsbn_round* round, int64_t* out_count, double* out_a
   if (round == nullptr) return Invalid("null round");
   std::unique_ptr<hsbn_round> owned(round);
   return Done(owned->client->client->Wait(*owned->pending, out_count, out_a, out_b));
+}
+
+hsbn_result hsbn_round_wait_for(hsbn_round* round, int64_t timeout_ms, int* done,
+                                int64_t* out_count, double* out_a, double* out_b) {
+  g_last_error.clear();
+  if (round == nullptr || done == nullptr) return Invalid("null round or done pointer");
+  const auto slice = std::chrono::milliseconds(std::clamp<int64_t>(timeout_ms, 0, 1 << 30));
+  bool finished = false;
+  absl::Status s = round->client->client->WaitFor(*round->pending, slice, &finished, out_count,
+                                                  out_a, out_b);
+  *done = finished ? 1 : 0;
+  if (finished) delete round;
+  return Done(s);
+}
+
+hsbn_result hsbn_client_abort(hsbn_client* client, const char* reason) {
+  g_last_error.clear();
+  if (client == nullptr) return Invalid("null client");
+  client->client->Abort(reason == nullptr ? std::string() : std::string(reason));
+  return HSBN_OK;
 }
 
 hsbn_result hsbn_client_stats(const hsbn_client* client, hsbn_stats* out) {

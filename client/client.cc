@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <cstdlib>
 #include <deque>
@@ -19,6 +20,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "grpcpp/alarm.h"
 #include "grpcpp/grpcpp.h"
 #include "env.h"
 #include "hsbn/status.h"
@@ -103,8 +105,19 @@ absl::StatusOr<ClientOptions> ClientOptions::FromEnv(const env::Source& source) 
   if (absl::Status s = IncarnationFromEnv(source, &o.incarnation); !s.ok()) return s;
   if (text = env::Resolve(source, "HSBN_TRANSPORT"); !text.ok()) return text.status();
   o.transport = *text;
+  if (absl::Status s = DebugFromEnv(source, &o); !s.ok()) return s;
   if (absl::Status s = o.Validate(); !s.ok()) return s;
   return o;
+}
+
+absl::Status DebugFromEnv(const env::Source& source, ClientOptions* options) {
+  absl::StatusOr<std::string> level = env::Resolve(source, "HSBN_DEBUG");
+  if (!level.ok()) return level.status();
+  absl::StatusOr<int64_t> slow = env::Int(source, "HSBN_DEBUG_SLOW_MS");
+  if (!slow.ok()) return slow.status();
+  options->debug = *level == "INFO";
+  options->debug_slow = std::chrono::milliseconds(*slow);
+  return absl::OkStatus();
 }
 
 absl::Status IncarnationFromEnv(uint64_t* incarnation) {
@@ -218,6 +231,11 @@ struct RoundStream {
   int waiters = 0;            // threads sleeping in Wait or Start on this connection
   grpc::Status final_status;  // Finish's
   absl::CondVar write_cv;  // Starts waiting for the write slot
+  // Client::Abort: the Abort frame to write once the write slot is free (the poller writes it),
+  // and the alarm that wakes a poller blocked in AsyncNext.
+  std::unique_ptr<v1::ClientFrame> abort_frame;
+  bool woken = false;
+  grpc::Alarm wake;
 };
 
 class PendingRound {
@@ -238,6 +256,12 @@ class PendingRound {
   std::vector<double> deferred;
   int64_t deferred_count = 0;
   bool counted = false;  // in the client's stats already; touched only by its waiter
+  // Sliced waits (Client::WaitFor), touched only by its waiter: the wait's deadline and when
+  // it began, fixed by the first slice; a deferred round's real round once started.
+  bool wait_started = false;
+  std::chrono::steady_clock::time_point wait_deadline;
+  std::chrono::steady_clock::time_point blocked_since;
+  std::shared_ptr<PendingRound> restarted;
   // Guarded by Client::Impl::rounds_mu_ until done; after that, read only by its waiter.
   absl::CondVar cv;
   bool waiting = false;
@@ -248,7 +272,7 @@ class PendingRound {
 namespace {
 using Key = std::tuple<uint32_t, uint64_t, int>;
 
-enum Tag : intptr_t { kStartCall = 1, kRead, kWrite, kFinish };
+enum Tag : intptr_t { kStartCall = 1, kRead, kWrite, kFinish, kWake };
 void* TagOf(Tag t) { return reinterpret_cast<void*>(t); }
 
 // A steady-clock deadline as absl::Time, for absl::CondVar's waits.
@@ -313,6 +337,7 @@ class Client::Impl {
                                                       const double* b) {
     // The round's name is only built for an error message.
     auto round = [&] { return wire::RoundName(op, seq, v1::Phase(int(phase))); };
+    if (absl::Status s = Aborted(); !s.ok()) return s;
     if (phase != Phase::kForward && phase != Phase::kBackward) {
       return absl::InvalidArgumentError("phase must be forward or backward");
     }
@@ -396,6 +421,10 @@ class Client::Impl {
         // A sidecar that closed the shared-memory socket is gone (restarted): rejoin, as for a
         // broken stream, which nobody reads while rounds travel through shared memory.
         if (!conn_ || conn_->broken || (shm_ && !shm_->AliveRecently())) {
+          if (conn_) {
+            Debug(conn_->broken ? "reconnecting: the stream to the sidecar broke"
+                                : "reconnecting: the sidecar's shared-memory segment is gone");
+          }
           if (absl::Status s = ConnectLocked(); !s.ok()) return s;
         }
         conn = conn_;
@@ -433,6 +462,10 @@ class Client::Impl {
           auto pending = make_pending();
           pending->shm = std::move(shm);
           pending->shm_round = *r;
+          // Late global results come on the stream, which shared-memory rounds never read:
+          // take what has arrived, so that they cannot pile up at the sidecar (a stream more
+          // than --max-queued-bytes behind is ended) while nobody asks for them (a warm-up).
+          if (scope == Scope::kRenorm) DrainStream(conn);
           return pending;
         }
       }
@@ -463,6 +496,10 @@ class Client::Impl {
       }
       // One write in flight per stream: wait for the previous one to complete.
       while (conn->write_in_flight && !conn->broken) {
+        if (absl::Status s = Aborted(); !s.ok()) {
+          Forget(*pending);
+          return s;
+        }
         if (Clock::now() >= deadline) {
           Forget(*pending);
           return absl::DeadlineExceededError(absl::StrCat(
@@ -523,33 +560,101 @@ class Client::Impl {
   // Wait, counted in the stats: the caller has been blocked since `blocked_since`.
   absl::Status Wait(PendingRound& p, int64_t* out_count, double* out_a, double* out_b,
                     Clock::time_point blocked_since) {
-    absl::Status s;
-    if (p.scope == Scope::kRenorm && p.phase == Phase::kForward && num_nodes_.load() == 1) {
-      // A job of one node: the node's statistics are the job's, kept as the round's global
-      // ones here (the sidecar sends none).
-      v1::Result own;
-      own.set_op(p.op);
-      own.set_seq(p.seq);
-      own.set_channels(uint32_t(p.channels));
-      std::vector<double> a(size_t(p.channels)), b(size_t(p.channels));
-      int64_t count = 0;
-      s = WaitResult(p, &count, a.data(), b.data());
-      if (s.ok()) {
-        own.set_count(count);
-        wire::PackPayload(a.data(), b.data(), p.channels, own.mutable_data());
-        {
-          absl::MutexLock lock(&rounds_mu_);
-          KeepLate(&own);
-        }
-        if (out_count != nullptr) *out_count = count;
-        if (out_a != nullptr) std::copy(a.begin(), a.end(), out_a);
-        if (out_b != nullptr) std::copy(b.begin(), b.end(), out_b);
-      }
-    } else {
-      s = WaitResult(p, out_count, out_a, out_b);
+    absl::Status s = WaitResult(p, out_count, out_a, out_b);
+    return Waited(p, s, blocked_since);
+  }
+
+  // One slice of a wait: returns at `slice_end` with *done = false if the round is still
+  // open (it stays waitable), else as Wait with *done = true.
+  absl::Status WaitFor(PendingRound& p, Clock::time_point slice_end, bool* done,
+                       int64_t* out_count, double* out_a, double* out_b) {
+    const bool first = !p.wait_started;
+    if (first) p.blocked_since = Clock::now();
+    bool pending = false;
+    absl::Status s = WaitResult(p, out_count, out_a, out_b, slice_end, &pending);
+    *done = !pending;
+    if (pending) return absl::OkStatus();
+    return Waited(p, s, p.blocked_since);
+  }
+
+  // The client's abort (Client::Abort): every round in flight and every later one fails with
+  // ABORTED and `reason`; the sidecar is told, so the job's other ranks fail at once too.
+  void Abort(const std::string& reason) {
+    const std::string why = reason.empty() ? std::string("no reason given")
+                                           : wire::Printable(reason, 512);
+    const absl::Status status = wire::WithReason(
+        absl::AbortedError(absl::StrCat("rank ", options_.rank, " of job '", options_.job_id,
+                                        "' was aborted (", why,
+                                        "); its rounds fail, and the job's other ranks are told")),
+        v1::REASON_CLIENT_ABORTED);
+    {
+      absl::MutexLock lock(&abort_mu_);
+      if (!aborted_.ok()) return;  // the first abort's reason stands
+      aborted_ = status;
     }
+    aborted_flag_.store(true, std::memory_order_release);
+    Debug(absl::StrCat("aborting: ", why));
+    std::shared_ptr<RoundStream> conn;
+    std::shared_ptr<client_internal::ShmChannel> shm;
+    std::string session;
+    {
+      absl::MutexLock lock(&mu_);
+      conn = conn_;
+      shm = shm_;
+      session = session_;
+    }
+    if (shm) shm->Abort(status);
+    if (!conn) return;
+    absl::MutexLock lk(&rounds_mu_);
+    for (auto it = pending_.begin(); it != pending_.end(); it = pending_.erase(it)) {
+      PendingRound& p = *it->second;
+      p.answer.status = status;
+      p.done = true;
+      if (p.waiting) p.cv.Signal();
+    }
+    conn->write_cv.SignalAll();
+    if (late_waiters_ > 0) late_cv_.SignalAll();  // GlobalStats waits end too
+    if (conn->broken) return;  // the sidecar already reports this rank as disconnected
+    conn->abort_frame = std::make_unique<v1::ClientFrame>();
+    v1::Abort* frame = conn->abort_frame->mutable_abort();
+    frame->set_session(session);
+    frame->set_code(int(absl::StatusCode::kAborted));
+    frame->set_message(why);
+    if (conn->polling) {
+      // The poller writes the frame when the slot is free; wake it from AsyncNext.
+      if (!conn->woken) {
+        conn->woken = true;
+        conn->wake.Set(&conn->cq, gpr_now(GPR_CLOCK_MONOTONIC), TagOf(kWake));
+      }
+      return;
+    }
+    // Nobody polls: see the frame out (a bounded wait, as a sync Write would).
+    conn->polling = true;
+    FlushAbortFrame(*conn);
+    Poll(conn, Clock::now() + std::chrono::seconds(1), [&] {
+      return (conn->abort_frame == nullptr && !conn->write_in_flight) || conn->broken;
+    });
+    conn->polling = false;
+    HandOff(*conn);
+  }
+
+  absl::Status Aborted() const {
+    if (!aborted_flag_.load(std::memory_order_acquire)) return absl::OkStatus();
+    absl::MutexLock lock(&abort_mu_);
+    return aborted_;
+  }
+
+  // A wait's end, counted in the stats.
+  absl::Status Waited(PendingRound& p, absl::Status s, Clock::time_point blocked_since) {
     if (p.decide) s = TakeDecision(p, s);
-    Record(p.scope, p.phase, s.ok(), !p.counted, Clock::now() - blocked_since);
+    const Clock::duration blocked = Clock::now() - blocked_since;
+    if (options_.debug && blocked > options_.debug_slow) {
+      Debug(absl::StrCat(
+          "round ", wire::RoundName(p.op, p.seq, v1::Phase(int(p.phase))), " (", ScopeName(p.scope),
+          ") waited ", std::chrono::duration_cast<std::chrono::milliseconds>(blocked).count(),
+          " ms: ", s.ok() ? std::string("ok") : absl::StatusCodeToString(s.code())));
+    }
+    Record(p.scope, p.phase, s.ok(), !p.counted, blocked);
     p.counted = true;
     return s;
   }
@@ -604,8 +709,57 @@ class Client::Impl {
     stats_since_ = Clock::now();
   }
 
-  absl::Status WaitResult(PendingRound& p, int64_t* out_count, double* out_a, double* out_b) {
-    const auto deadline = Clock::now() + RoundTimeout();
+  // Waits for p until its deadline (fixed by the wait's first slice), or until `slice_end`
+  // when `pending` is given: then *pending = true says the round is still open.
+  absl::Status WaitResult(PendingRound& p, int64_t* out_count, double* out_a, double* out_b,
+                          Clock::time_point slice_end = Clock::time_point::max(),
+                          bool* pending = nullptr) {
+    if (!p.wait_started) {
+      p.wait_started = true;
+      p.wait_deadline = Clock::now() + RoundTimeout();
+    }
+    absl::Status s;
+    if (p.scope == Scope::kRenorm && p.phase == Phase::kForward && num_nodes_.load() == 1) {
+      // A job of one node: the node's statistics are the job's, kept as the round's global
+      // ones here (the sidecar sends none).
+      std::vector<double> a(size_t(p.channels)), b(size_t(p.channels));
+      int64_t count = 0;
+      s = WaitUntil(p, p.wait_deadline, &count, a.data(), b.data(), slice_end, pending);
+      if (s.ok() && (pending == nullptr || !*pending)) {
+        v1::Result own;
+        own.set_op(p.op);
+        own.set_seq(p.seq);
+        own.set_channels(uint32_t(p.channels));
+        own.set_count(count);
+        wire::PackPayload(a.data(), b.data(), p.channels, own.mutable_data());
+        {
+          absl::MutexLock lock(&rounds_mu_);
+          KeepLate(&own);
+        }
+        if (out_count != nullptr) *out_count = count;
+        if (out_a != nullptr) std::copy(a.begin(), a.end(), out_a);
+        if (out_b != nullptr) std::copy(b.begin(), b.end(), out_b);
+      }
+    } else {
+      s = WaitUntil(p, p.wait_deadline, out_count, out_a, out_b, slice_end, pending);
+    }
+    if (pending == nullptr || !*pending) p.wait_started = false;
+    return s;
+  }
+
+  absl::Status WaitUntil(PendingRound& p, Clock::time_point deadline, int64_t* out_count,
+                         double* out_a, double* out_b, Clock::time_point slice_end,
+                         bool* pending) {
+    // A slice that ends before the deadline may return "still open".
+    auto slice_over = [&] { return pending != nullptr && Clock::now() >= slice_end; };
+    if (p.restarted) {  // a deferred round, started by an earlier slice
+      absl::Status s = WaitResult(*p.restarted, out_count, out_a, out_b, slice_end, pending);
+      if (pending != nullptr && *pending) return s;
+      p.restarted.reset();
+      p.shm_waited = true;
+      p.shm_status = s;
+      return s;
+    }
     if (p.shm_waited) {
       // Waited for before: its answer was taken then (a failed round fails again).
       return p.shm_status.ok() ? absl::FailedPreconditionError("this round was already waited for")
@@ -613,8 +767,21 @@ class Client::Impl {
     }
     if (p.shm && !p.deferred.empty()) {
       // Started before the node's transport was decided: decide, then start it for real.
-      std::shared_ptr<client_internal::ShmChannel> shm = std::move(p.shm);
-      absl::Status s = shm->Await(deadline);
+      std::shared_ptr<client_internal::ShmChannel> shm = p.shm;
+      absl::Status s;
+      for (;;) {  // in short slices, so that an abort ends it
+        s = shm->Await(std::min({deadline, slice_end, Clock::now() + kAbortCheck}));
+        if (s.code() != absl::StatusCode::kDeadlineExceeded || Clock::now() >= deadline) break;
+        if (absl::Status a = Aborted(); !a.ok()) {
+          s = a;
+          break;
+        }
+        if (slice_over()) {
+          *pending = true;
+          return absl::OkStatus();
+        }
+      }
+      p.shm.reset();
       if (!s.ok()) {
         p.shm_waited = true;
         p.shm_status = s;
@@ -629,17 +796,18 @@ class Client::Impl {
       const int64_t ch = p.channels;
       auto q = Start(p.phase, p.op, p.seq, p.scope, ch, p.deferred_count, in.data(),
                      in.data() + ch);
-      p.shm_waited = true;
       if (!q.ok()) {
+        p.shm_waited = true;
         p.shm_status = q.status();
         return q.status();
       }
-      p.shm_status = WaitResult(**q, out_count, out_a, out_b);
-      return p.shm_status;
+      p.restarted = *std::move(q);
+      return WaitUntil(p, deadline, out_count, out_a, out_b, slice_end, pending);
     }
     if (p.shm) {
       absl::Status s = p.shm->Wait(p.shm_round, deadline, RoundTimeout(), out_count, out_a,
-                                   out_b);
+                                   out_b, slice_end, pending);
+      if (pending != nullptr && *pending) return s;
       if (s.ok()) {
         bytes_received_.fetch_add(wire::PayloadBytes(p.channels), std::memory_order_relaxed);
       }
@@ -656,6 +824,11 @@ class Client::Impl {
       absl::ReleasableMutexLock lk(&rounds_mu_);
       RoundStream& conn = *p.conn;
       while (!p.done) {
+        if (Clock::now() < deadline && slice_over()) {
+          if (!conn.polling) HandOff(conn);
+          *pending = true;
+          return absl::OkStatus();
+        }
         if (Clock::now() >= deadline) {
           Forget(p);
           if (!conn.polling) HandOff(conn);
@@ -665,15 +838,16 @@ class Client::Impl {
               ": no answer from the hsbn sidecar at ", options_.address, " within ",
               RoundTimeout().count(), " ms"));
         }
+        const auto until = std::min(deadline, slice_end);
         if (!conn.polling) {
           conn.polling = true;
-          Poll(p.conn, deadline, [&] { return p.done; });
+          Poll(p.conn, until, [&] { return p.done; });
           conn.polling = false;
           HandOff(conn);
         } else {
           p.waiting = true;
           ++conn.waiters;
-          p.cv.WaitWithDeadline(&rounds_mu_, AbslTime(deadline));
+          p.cv.WaitWithDeadline(&rounds_mu_, AbslTime(until));
           --conn.waiters;
           p.waiting = false;
         }
@@ -756,26 +930,42 @@ class Client::Impl {
   std::atomic<int32_t> max_channels_{0};
   std::atomic<int64_t> aggregator_timeout_ms_{30000};
 
+  // GlobalStats, whole (slice_end max, done null) or in slices: a slice that ends first sets
+  // *done = false and writes nothing; the wait goes on at the next call, against the deadline
+  // its first slice set. Counted in the stats once, when it ends.
   absl::Status GlobalStats(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
-                           double* out_mean, double* out_m2) {
-    const auto since = Clock::now();
-    bool waited = false;
-    absl::Status s = WaitGlobal(op, seq, channels, out_count, out_mean, out_m2, &waited);
+                           double* out_mean, double* out_m2,
+                           Clock::time_point slice_end = Clock::time_point::max(),
+                           bool* done = nullptr) {
+    GlobalWait wait;
+    bool pending = false;
+    absl::Status s = WaitGlobal(op, seq, channels, out_count, out_mean, out_m2, slice_end,
+                                &pending, &wait);
+    if (done != nullptr) *done = !pending;
+    if (pending) return absl::OkStatus();
     absl::MutexLock lock(&stats_mu_);
     ++(s.ok() ? global_.completed : global_.failed);
-    if (waited) ++global_waited_;
-    const Clock::duration blocked = Clock::now() - since;
+    if (wait.waited) ++global_waited_;
+    const Clock::duration blocked = Clock::now() - wait.since;
     global_.blocked += blocked;
     if (blocked > global_.max_blocked) global_.max_blocked = blocked;
     return s;
   }
 
+  // A wait for a round's global statistics, across the slices of a sliced wait.
+  struct GlobalWait {
+    Clock::time_point since, deadline;
+    bool waited = false;  // the result was not there at the first look
+  };
+
   absl::Status WaitGlobal(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
-                          double* out_mean, double* out_m2, bool* waited) {
+                          double* out_mean, double* out_m2, Clock::time_point slice_end,
+                          bool* pending, GlobalWait* wait) {
     auto what = [&] {
       return absl::StrCat("the global statistics of renorm round op ", op, ", seq ", seq);
     };
     if (channels <= 0 || out_count == nullptr || out_mean == nullptr || out_m2 == nullptr) {
+      *wait = GlobalWait{Clock::now(), Clock::now()};
       return absl::InvalidArgumentError(absl::StrCat(
           what(), ": channels must be at least 1 and the outputs not null"));
     }
@@ -785,51 +975,147 @@ class Client::Impl {
       conn = conn_;
     }
     const std::pair<uint32_t, uint64_t> key{op, seq};
-    const auto deadline = Clock::now() + RoundTimeout();
     absl::MutexLock lock(&rounds_mu_);
+    const auto emplaced = global_waits_.try_emplace(key);
+    const auto entry = emplaced.first;
+    const bool first = emplaced.second;
+    if (first) {
+      entry->second.since = Clock::now();
+      entry->second.deadline = entry->second.since + RoundTimeout();
+    }
+    // Ends the wait (not a slice): its record goes to the caller.
+    auto end = [&](absl::Status s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
+      *wait = entry->second;
+      global_waits_.erase(entry);
+      return s;
+    };
+    const Clock::time_point deadline = entry->second.deadline;
     for (int pass = 0;; ++pass) {
       if (auto it = late_.find(key); it != late_.end()) {
         const Late& late = it->second;
         if (!late.status.ok()) {
-          return absl::Status(late.status.code(), absl::StrCat(what(), ": ",
-                                                               late.status.message()));
+          return end(wire::WithMessage(late.status,
+                                       absl::StrCat(what(), ": ", late.status.message())));
         }
         if (late.channels != channels) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              what(), " have ", late.channels, " channels; the caller asked for ", channels));
+          return end(absl::InvalidArgumentError(absl::StrCat(
+              what(), " have ", late.channels, " channels; the caller asked for ", channels)));
         }
         *out_count = late.count;
         wire::UnpackPayload(late.data, channels, out_mean, out_m2);
-        return absl::OkStatus();
+        return end(absl::OkStatus());
       }
+      if (absl::Status aborted = Aborted(); !aborted.ok()) return end(aborted);
       if (conn == nullptr || conn->broken) {
-        return absl::UnavailableError(absl::StrCat(
+        const std::string why =
+            conn != nullptr && conn->finished ? conn->final_status.error_message() : "";
+        return end(absl::UnavailableError(absl::StrCat(
             what(), " did not arrive: the stream to the hsbn sidecar at ", options_.address,
-            " broke (the sidecar restarted or was stopped). The next call reconnects; the "
-            "round's global statistics are lost"));
+            " broke (", why.empty() ? "the sidecar restarted or stopped, or ended the stream"
+                                    : why,
+            "). The next call reconnects; the round's global statistics are lost")));
       }
-      if (pass > 0) *waited = true;
-      if (Clock::now() >= deadline && pass > 0) {
-        return absl::DeadlineExceededError(absl::StrCat(
+      if (pass > 0 || !first) entry->second.waited = true;
+      const Clock::time_point now = Clock::now();
+      if (now >= deadline && pass > 0) {
+        return end(absl::DeadlineExceededError(absl::StrCat(
             what(), " did not arrive within ", RoundTimeout().count(), " ms: the job's root "
             "aggregator (the sidecar's --upstream) did not answer, or this round was never "
-            "started with renorm scope on every rank"));
+            "started with renorm scope on every rank")));
       }
+      if (now >= slice_end && pass > 0) {
+        *pending = true;
+        return absl::OkStatus();
+      }
+      const Clock::time_point until = std::min(deadline, slice_end);
       if (!conn->polling) {
         conn->polling = true;
         // The first pass only handles what is ready: a result already read counts as no wait.
-        Poll(conn, pass == 0 ? Clock::now() : deadline,
-             [&] { return late_.count(key) > 0 || conn->broken; });
+        Poll(conn, pass == 0 ? now : until, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
+          return late_.count(key) > 0 || conn->broken ||
+                 aborted_flag_.load(std::memory_order_acquire);
+        });
         conn->polling = false;
         HandOff(*conn);
       } else if (pass > 0) {
         ++late_waiters_;
         ++conn->waiters;
-        late_cv_.WaitWithDeadline(&rounds_mu_, AbslTime(deadline));
+        late_cv_.WaitWithDeadline(&rounds_mu_, AbslTime(until));
         --conn->waiters;
         --late_waiters_;
       }
     }
+  }
+
+  absl::Status NameLayers(const std::vector<std::pair<uint32_t, std::string>>& names) {
+    if (names.empty()) return absl::OkStatus();
+    v1::ClientFrame frame;
+    for (const auto& [op, name] : names) {
+      v1::LayerName* n = frame.mutable_layer_names()->add_layers();
+      n->set_op(op);
+      n->set_name(name);
+    }
+    return SendFrame(&frame, "layer names");
+  }
+
+  // Writes a frame that is not a round on the stream (its session set here), waiting for the
+  // write slot as Start does; a write that fails shows as a broken stream at the next call.
+  absl::Status SendFrame(v1::ClientFrame* frame, const char* what) {
+    std::shared_ptr<RoundStream> conn;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!conn_ || conn_->broken) {
+        if (absl::Status s = ConnectLocked(); !s.ok()) return s;
+      }
+      conn = conn_;
+      if (frame->has_layer_names()) frame->mutable_layer_names()->set_session(session_);
+    }
+    const auto deadline = Clock::now() + RoundTimeout();
+    absl::MutexLock lock(&rounds_mu_);
+    while (conn->write_in_flight && !conn->broken) {
+      if (Clock::now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "could not send ", what, " to the hsbn sidecar at ", options_.address, " within ",
+            RoundTimeout().count(), " ms"));
+      }
+      if (!conn->polling) {
+        conn->polling = true;
+        Poll(conn, deadline, [&] { return !conn->write_in_flight || conn->broken; });
+        conn->polling = false;
+        HandOff(*conn);
+      } else {
+        ++conn->waiters;
+        conn->write_cv.WaitWithDeadline(&rounds_mu_, AbslTime(deadline));
+        --conn->waiters;
+      }
+    }
+    if (conn->broken) {
+      return absl::UnavailableError(absl::StrCat("could not send ", what, ": the stream to the "
+                                                 "hsbn sidecar at ", options_.address,
+                                                 " broke; the next call reconnects"));
+    }
+    conn->write_in_flight = true;
+    conn->write_failed = false;
+    bytes_sent_.fetch_add(int64_t(frame->ByteSizeLong()), std::memory_order_relaxed);
+    conn->stream->Write(*frame, TagOf(kWrite));
+    if (conn->polling) return absl::OkStatus();
+    conn->polling = true;
+    Poll(conn, deadline, [&] { return !conn->write_in_flight; });
+    conn->polling = false;
+    HandOff(*conn);
+    return absl::OkStatus();
+  }
+
+  // Handles the stream's ready events without blocking, unless another thread polls it.
+  void DrainStream(const std::shared_ptr<RoundStream>& conn) {
+    absl::MutexLock lock(&rounds_mu_);
+    if (conn == nullptr || conn->polling || conn->broken) return;
+    conn->polling = true;
+    for (int pass = 0; pass < 2 && !conn->broken; ++pass) {
+      Poll(conn, Clock::now(), [] { return false; });
+    }
+    conn->polling = false;
+    HandOff(*conn);
   }
 
   bool GlobalStatsReady(uint32_t op, uint64_t seq) {
@@ -843,7 +1129,8 @@ class Client::Impl {
     if (late_.count(key) > 0) return true;
     if (conn != nullptr && !conn->polling && !conn->broken) {
       conn->polling = true;
-      Poll(conn, Clock::now(), [&] { return late_.count(key) > 0; });
+      Poll(conn, Clock::now(),
+           [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) { return late_.count(key) > 0; });
       conn->polling = false;
       HandOff(*conn);
     }
@@ -955,6 +1242,12 @@ class Client::Impl {
     return s;
   }
 
+  // How often a wait that cannot be woken (the transport decision) looks for an abort.
+  static constexpr std::chrono::milliseconds kAbortCheck{200};
+  mutable absl::Mutex abort_mu_;  // a leaf lock
+  absl::Status aborted_ ABSL_GUARDED_BY(abort_mu_);  // Abort's status; OK: not aborted
+  std::atomic<bool> aborted_flag_{false};            // !aborted_.ok(), read without the lock
+
   mutable absl::Mutex auto_mu_;  // a leaf lock
   std::map<uint32_t, AutoOp> auto_ ABSL_GUARDED_BY(auto_mu_);
 
@@ -995,7 +1288,8 @@ class Client::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     const auto sys_deadline = ToSystem(deadline);
     const bool now_only = deadline <= Clock::now();
-    while (!stop()) {
+    // A poller leaving with Abort's frame unwritten would strand it: it stays to write it.
+    while (!stop() || (conn->abort_frame != nullptr && !conn->broken)) {
       if (!conn->read_posted && !conn->read_failed) {
         conn->read_posted = true;
         conn->stream->Read(&conn->in, TagOf(kRead));
@@ -1036,9 +1330,20 @@ class Client::Impl {
           FailRounds(*conn);
           break;
         case kStartCall:
+        case kWake:
           break;
       }
+      FlushAbortFrame(*conn);
     }
+  }
+
+  // Writes Abort's frame if the write slot is free. rounds_mu_ held.
+  void FlushAbortFrame(RoundStream& conn) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
+    if (!conn.abort_frame || conn.write_in_flight || conn.broken) return;
+    conn.write_in_flight = true;
+    conn.write_failed = false;
+    conn.stream->Write(*conn.abort_frame, TagOf(kWrite));  // serialised here
+    conn.abort_frame.reset();
   }
 
   // A result read from conn: complete its round. rounds_mu_ held.
@@ -1150,6 +1455,11 @@ class Client::Impl {
     req.set_shm_offer(OfferShm());
     v1::JoinResponse resp;
     grpc::Status s;
+    Debug(absl::StrCat("joining job '", options_.job_id, "' at ", options_.address, " as rank ",
+                       options_.rank, " of ", options_.world_size, " (node ", options_.node_rank,
+                       ", local rank ", options_.local_rank, " of ", options_.local_world_size,
+                       ", run ", options_.incarnation, ", shared memory ",
+                       req.shm_offer() ? "offered" : "not offered", ")"));
     for (;;) {
       grpc::ClientContext ctx;
       ctx.set_deadline(deadline + std::chrono::seconds(5));
@@ -1157,7 +1467,7 @@ class Client::Impl {
       s = stub_->Join(&ctx, req, &resp);
       // A sidecar that is stopping refuses Joins (UNAVAILABLE: no other refusal has that code)
       // and cancels the calls it will not answer: once its connection is gone, join the next
-      // process on the address, as a new connection would (issue 26).
+      // process on the address, as a new connection would.
       const auto code = s.error_code();
       if (code != grpc::StatusCode::UNAVAILABLE && code != grpc::StatusCode::CANCELLED) break;
       if (channel_->GetState(false) == GRPC_CHANNEL_READY &&
@@ -1168,9 +1478,19 @@ class Client::Impl {
     }
     if (!s.ok()) {
       absl::Status st = wire::FromGrpc(s);
-      return absl::Status(st.code(), absl::StrCat("joining job '", options_.job_id, "' at ",
-                                                  options_.address, " failed: ", st.message()));
+      Debug(absl::StrCat("join refused: ", st.ToString()));
+      return wire::WithMessage(st, absl::StrCat("joining job '", options_.job_id, "' at ",
+                                                options_.address, " failed: ", st.message()));
     }
+    Debug(absl::StrCat("joined: ", resp.num_nodes(), " node(s), aggregator '",
+                       wire::Printable(resp.aggregator_id(), 128), "', round timeout ",
+                       resp.round_timeout_ms(), " ms, max channels ", resp.max_channels(),
+                       resp.shm_socket().empty()
+                           ? std::string(", no shared memory: ") +
+                                 wire::Printable(resp.shm_note().empty() ? "none offered"
+                                                                         : resp.shm_note(),
+                                                 256)
+                           : ", shared memory offered"));
     if (resp.session().size() != 16) {
       return absl::InternalError(absl::StrCat(
           "the hsbn sidecar at ", options_.address, " answered Join without a valid session; "
@@ -1252,8 +1572,20 @@ class Client::Impl {
   }
 
   void SetTransport(const std::string& t) {
-    absl::MutexLock lock(&stats_mu_);
-    transport_ = t;
+    {
+      absl::MutexLock lock(&stats_mu_);
+      if (transport_ == t) return;
+      transport_ = t;
+    }
+    if (t != "pending") Debug(absl::StrCat("node rounds travel by ", t));
+  }
+
+  // HSBN_DEBUG=INFO: one line on stderr, prefixed with the rank (one write: lines of several
+  // threads or processes do not interleave).
+  void Debug(const std::string& what) const {
+    if (!options_.debug) return;
+    const std::string line = absl::StrCat("hsbn[rank ", options_.rank, "] ", what, "\n");
+    fwrite(line.data(), 1, line.size(), stderr);
   }
 
   std::shared_ptr<grpc::Channel> channel_;
@@ -1282,6 +1614,7 @@ class Client::Impl {
   std::deque<std::pair<uint32_t, uint64_t>> late_order_ ABSL_GUARDED_BY(rounds_mu_);
   int64_t late_bytes_ ABSL_GUARDED_BY(rounds_mu_) = 0;
   int late_waiters_ ABSL_GUARDED_BY(rounds_mu_) = 0;
+  std::map<std::pair<uint32_t, uint64_t>, GlobalWait> global_waits_ ABSL_GUARDED_BY(rounds_mu_);
   absl::CondVar late_cv_;  // a late result arrived, or the poller role is free
 
   // Round statistics: a leaf lock, taken once per round, never while waiting.
@@ -1347,11 +1680,28 @@ absl::Status Client::Backward(uint32_t op, uint64_t seq, Scope scope, int64_t ch
                          out_count, out_sum_dy, out_sum_dy_xmu);
 }
 
+absl::Status Client::WaitFor(PendingRound& round, std::chrono::milliseconds slice, bool* done,
+                             int64_t* out_count, double* out_a, double* out_b) {
+  return impl_->WaitFor(round, Impl::Clock::now() + slice, done, out_count, out_a, out_b);
+}
+
+void Client::Abort(const std::string& reason) { impl_->Abort(reason); }
+
 ClientStats Client::Stats() const { return impl_->Stats(); }
 
 absl::Status Client::GlobalStats(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
                                  double* out_mean, double* out_m2) {
   return impl_->GlobalStats(op, seq, channels, out_count, out_mean, out_m2);
+}
+absl::Status Client::GlobalStatsFor(uint32_t op, uint64_t seq, int64_t channels,
+                                    std::chrono::milliseconds slice, bool* done,
+                                    int64_t* out_count, double* out_mean, double* out_m2) {
+  return impl_->GlobalStats(op, seq, channels, out_count, out_mean, out_m2,
+                            Impl::Clock::now() + slice, done);
+}
+
+absl::Status Client::NameLayers(const std::vector<std::pair<uint32_t, std::string>>& names) {
+  return impl_->NameLayers(names);
 }
 bool Client::GlobalStatsReady(uint32_t op, uint64_t seq) {
   return impl_->GlobalStatsReady(op, seq);

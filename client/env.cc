@@ -117,6 +117,14 @@ const std::vector<Var>& Vars() {
       Choice("HSBN_TRANSPORT", "auto|grpc", "auto",
              "how node rounds travel: auto (shared memory where the node can use it, else the "
              "gRPC stream) or grpc (always the stream)"),
+      Choice("HSBN_DEBUG", "WARN|INFO", "WARN",
+             "INFO: the client says what it does on stderr, one line each, prefixed "
+             "\"hsbn[rank R]\": the join and its answer, the node's transport and why, the layer "
+             "check, rounds slower than HSBN_DEBUG_SLOW_MS, reconnections, an abort; WARN: "
+             "nothing (errors are raised, not printed)"),
+      IntVar("HSBN_DEBUG_SLOW_MS", 0, kInt32Max, "1000",
+             "with HSBN_DEBUG=INFO: a round the caller waited for longer than this, in ms, is "
+             "reported"),
       PythonOnly(Of("HSBN_LIBRARY", Type::kPath, "",
                     "Python: the libhsbn.so to load (unset: the wheel's, then the build tree's)")),
       PythonOnly(Of("HSBN_AGGREGATOR", Type::kPath, "",

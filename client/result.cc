@@ -10,7 +10,7 @@ namespace hsbn::client_internal {
 
 Answer TakeAnswer(v1::Result* r) {
   Answer a;
-  a.status = wire::StatusFromCode(r->code(), r->message());
+  a.status = wire::StatusFromCode(r->code(), r->message(), r->reason());
   a.count = r->count();
   a.data.swap(*r->mutable_data());
   if (r->has_decision()) {

@@ -63,7 +63,7 @@ ShmChannel::~ShmChannel() {
 }
 
 absl::Status ShmChannel::Await(Clock::time_point deadline) {
-  std::lock_guard<std::mutex> lock(await_mu_);
+  absl::MutexLock lock(&await_mu_);
   if (decided()) return absl::OkStatus();
   const auto now = Clock::now();
   const int ms = deadline <= now ? 0
@@ -126,7 +126,10 @@ absl::Status ShmChannel::Await(Clock::time_point deadline) {
     }
     segment_ = std::move(*seg);
     doorbell_ = fds[1];
-    busy_.assign(size_t(segment_->geometry().ring), false);
+    {
+      absl::MutexLock lock(&mu_);
+      busy_.assign(size_t(segment_->geometry().ring), false);
+    }
     if (config_.local_world_size > int32_t(std::thread::hardware_concurrency())) {
       max_spin_ns_ = 5000;  // waiters without cores of their own: spinning delays the last rank
       spin_ns_ = 2000;
@@ -230,52 +233,51 @@ absl::StatusOr<ShmRound> ShmChannel::Start(const shm::Key& key, int32_t scope, i
   }
   const int32_t rank = config_.local_rank;
   const int32_t ring = segment_->geometry().ring;
-  std::unique_lock<std::mutex> lk(mu_);
-  for (int32_t i = 0; i < ring; ++i) {
-    if (!busy_[size_t(i)]) continue;
-    const uint32_t w = segment_->State(rank, i);
-    if ((w & 0xffu) == shm::kPosted && segment_->slot(rank, i)->op == key.op &&
-        segment_->slot(rank, i)->seq == key.seq && segment_->slot(rank, i)->phase == key.phase) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "round ", round(), " is already in flight on this client; each (op, seq, phase) is one "
-          "round"));
-    }
-  }
-  int32_t slot = -1;
-  for (int attempt = 0; slot < 0; ++attempt) {
-    for (int32_t i = 0; i < ring && slot < 0; ++i) {
-      if (!busy_[size_t(i)] && (segment_->State(rank, i) & 0xffu) == shm::kFree) slot = i;
-    }
-    if (slot >= 0) break;
-    HarvestLocked();
-    for (int32_t i = 0; i < ring && slot < 0; ++i) {
-      if (!busy_[size_t(i)] && (segment_->State(rank, i) & 0xffu) == shm::kFree) slot = i;
-    }
-    if (slot >= 0) break;
-    // Every slot holds a round in flight: wait for one to finish (rounds are never dropped).
-    if (Clock::now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "round ", round(), ": all ", ring, " shared-memory slots of this rank hold rounds that "
-          "did not finish in time (--shm-ring); wait for rounds before starting more"));
-    }
-    if (!Alive()) {
-      return absl::UnavailableError("the node's sidecar is gone (it restarted or shut down); "
-                                    "the next call rejoins");
-    }
-    lk.unlock();
-    std::this_thread::sleep_for(std::chrono::microseconds(attempt < 100 ? 50 : 1000));
-    lk.lock();
-  }
-  busy_[size_t(slot)] = true;
   ShmRound r;
-  r.key = key;
-  r.scope = scope;
-  r.channels = channels;
-  r.slot = slot;
-  r.started = Clock::now();
-  r.posted = segment_->Post(rank, slot, key, scope, channels, count, a, b);
-  lk.unlock();
-  segment_->TryReduce(key, slot, opts);
+  {
+    absl::MutexLock lock(&mu_);
+    for (int32_t i = 0; i < ring; ++i) {
+      if (!busy_[size_t(i)]) continue;
+      const uint32_t w = segment_->State(rank, i);
+      if ((w & 0xffu) == shm::kPosted && segment_->slot(rank, i)->op == key.op &&
+          segment_->slot(rank, i)->seq == key.seq && segment_->slot(rank, i)->phase == key.phase) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "round ", round(), " is already in flight on this client; each (op, seq, phase) is one "
+            "round"));
+      }
+    }
+    int32_t slot = -1;
+    for (int attempt = 0; slot < 0; ++attempt) {
+      for (int32_t i = 0; i < ring && slot < 0; ++i) {
+        if (!busy_[size_t(i)] && (segment_->State(rank, i) & 0xffu) == shm::kFree) slot = i;
+      }
+      if (slot >= 0) break;
+      HarvestLocked();
+      for (int32_t i = 0; i < ring && slot < 0; ++i) {
+        if (!busy_[size_t(i)] && (segment_->State(rank, i) & 0xffu) == shm::kFree) slot = i;
+      }
+      if (slot >= 0) break;
+      // Every slot holds a round in flight: wait for one to finish (rounds are never dropped).
+      if (Clock::now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "round ", round(), ": all ", ring, " shared-memory slots of this rank hold rounds that "
+            "did not finish in time (--shm-ring); wait for rounds before starting more"));
+      }
+      if (!Alive()) {
+        return absl::UnavailableError("the node's sidecar is gone (it restarted or shut down); "
+                                      "the next call rejoins");
+      }
+      never_.WaitWithTimeout(&mu_, absl::Microseconds(attempt < 100 ? 50 : 1000));
+    }
+    busy_[size_t(slot)] = true;
+    r.key = key;
+    r.scope = scope;
+    r.channels = channels;
+    r.slot = slot;
+    r.started = Clock::now();
+    r.posted = segment_->Post(rank, slot, key, scope, channels, count, a, b);
+  }
+  segment_->TryReduce(key, r.slot, opts);
   return r;
 }
 
@@ -292,9 +294,32 @@ absl::Status ShmChannel::Deliver(const absl::Status& s, int64_t count,
   return absl::OkStatus();
 }
 
+void ShmChannel::Abort(const absl::Status& status) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (aborted_flag_.load()) return;
+    aborted_ = status;
+    aborted_flag_.store(true);
+  }
+  if (!segment_) return;
+  // Takes back this rank's posted contributions, so that no round completes with them now,
+  // and wakes its waiters.
+  for (int32_t i = 0; i < segment_->geometry().ring; ++i) {
+    const uint32_t w = segment_->State(config_.local_rank, i);
+    if ((w & 0xffu) == shm::kPosted) segment_->Withdraw(config_.local_rank, i, w);
+    shm::FutexWake(&segment_->slot(config_.local_rank, i)->state);
+  }
+}
+
+absl::Status ShmChannel::AbortStatus() {
+  absl::MutexLock lock(&mu_);
+  return aborted_;
+}
+
 absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadline,
                               std::chrono::milliseconds client_timeout, int64_t* out_count,
-                              double* out_a, double* out_b) {
+                              double* out_a, double* out_b, Clock::time_point slice_end,
+                              bool* pending) {
   const int32_t rank = config_.local_rank;
   const shm::ReduceOptions opts = Reduce();
   const bool up = r.scope != v1::SCOPE_NODE && config_.num_nodes > 1;
@@ -309,7 +334,7 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
   const uint64_t id = RoundId(r.slot, r.posted);
   auto round = [&] { return wire::RoundName(r.key.op, r.key.seq, v1::Phase(r.key.phase)); };
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     // Waited for again after its caller's own timeout: it is no longer abandoned.
     if (auto a = abandoned_.find(r.slot); a != abandoned_.end() && a->second.posted == r.posted) {
       abandoned_.erase(a);
@@ -317,7 +342,7 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
   }
 
   auto release = [&](const absl::Status& s) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     busy_[size_t(r.slot)] = false;
     return s;
   };
@@ -332,6 +357,16 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
   for (;;) {
     const uint32_t w = segment_->State(rank, r.slot);
     if (w == r.posted) {
+      if (aborted_flag_.load()) {
+        // Only this rank's wait ends: the sidecar tells the others, naming this rank.
+        if (segment_->Withdraw(rank, r.slot, r.posted)) return release(AbortStatus());
+        continue;  // an answer is there or being written: take it
+      }
+      if (pending != nullptr && Clock::now() >= slice_end &&
+          Clock::now() < std::min(aggregator_deadline, client_deadline)) {
+        *pending = true;
+        return absl::OkStatus();
+      }
       absl::Status fail = segment_->Blocked(&r.key, opts);
       if (fail.ok() && !Alive()) {
         fail = absl::UnavailableError(absl::StrCat(
@@ -353,7 +388,7 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
           // The caller's own (shorter) timeout: as on the stream, the contribution stays, so
           // the round can still complete for the other ranks; the slot is reclaimed once it
           // does, or at the aggregator's deadline.
-          std::lock_guard<std::mutex> lock(mu_);
+          absl::MutexLock lock(&mu_);
           abandoned_[r.slot] = Abandoned{r.posted, aggregator_deadline};
           return absl::DeadlineExceededError(absl::StrCat(
               "round ", round(), ": no answer through the node's shared memory within ",
@@ -363,40 +398,45 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
       if (!fail.ok()) {
         // As at the sidecar, the round fails for every rank that is in it, at once.
         segment_->DeliverAll(r.key, int32_t(fail.code()), std::string(fail.message()), 0, 0,
-                             nullptr);
+                             nullptr, int32_t(wire::ReasonOf(fail)));
         if (segment_->Withdraw(rank, r.slot, r.posted)) return release(fail);
         continue;  // an answer is there or being written: take it
       }
       slept = true;
       segment_->Sleep(rank, r.slot, r.posted,
-                      std::min<Clock::duration>(deadline - now, kSlice));
+                      std::max<Clock::duration>(
+                          Clock::duration::zero(),
+                          std::min<Clock::duration>({deadline - now, kSlice, slice_end - now})));
       continue;
     }
     if ((w & 0xffu) == shm::kWriting) {
       sched_yield();
       continue;
     }
-    std::unique_lock<std::mutex> lk(mu_);
     absl::Status status;
     int64_t count = 0;
     thread_local std::vector<double> data;  // reused: a round allocates nothing here
-    if (auto it = stash_.find(id); it != stash_.end()) {
-      status = it->second.status;
-      count = it->second.count;
-      data = std::move(it->second.data);
-      stash_.erase(it);
-    } else if (segment_->Take(rank, r.slot, r.posted, r.channels, &status, &count, &data)) {
-      busy_[size_t(r.slot)] = false;
-    } else if ((segment_->State(rank, r.slot) & 0xffu) == shm::kDone ||
-               segment_->State(rank, r.slot) == r.posted) {
-      continue;  // changed under us (a harvest in progress); look again
-    } else {
-      busy_[size_t(r.slot)] = false;
-      return absl::UnavailableError(absl::StrCat(
-          "round ", round(), ": this rank's shared-memory slot was reset (the sidecar re-admitted "
-          "this rank, or a process of the job wrote into it); the round is lost"));
+    {
+      absl::MutexLock lock(&mu_);
+      if (auto it = stash_.find(id); it != stash_.end()) {
+        status = it->second.status;
+        count = it->second.count;
+        data = std::move(it->second.data);
+        stash_.erase(it);
+      } else if (segment_->Take(rank, r.slot, r.posted, r.channels, &status, &count, &data)) {
+        busy_[size_t(r.slot)] = false;
+      } else if ((segment_->State(rank, r.slot) & 0xffu) == shm::kDone ||
+                 segment_->State(rank, r.slot) == r.posted) {
+        continue;  // changed under us (a harvest in progress); look again
+      } else {
+        busy_[size_t(r.slot)] = false;
+        if (aborted_flag_.load()) return aborted_;  // Abort took the contribution back
+        return absl::UnavailableError(absl::StrCat(
+            "round ", round(), ": this rank's shared-memory slot was reset (the sidecar "
+            "re-admitted this rank, or a process of the job wrote into it); the round is lost"));
+      }
     }
-    lk.unlock();
+    if (aborted_flag_.load()) return AbortStatus();  // an answer that came too late
     // Adapt the spin: longer while results come within it, shorter when they do not.
     if (!slept) {
       spin_ns_.store(std::min<int64_t>(std::max<int64_t>(spin * 2, 1000), max_spin_ns_),

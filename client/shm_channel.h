@@ -21,12 +21,13 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "shm_segment.h"
 
 namespace hsbn::client_internal {
@@ -94,15 +95,22 @@ class ShmChannel {
                                  Clock::time_point deadline);
   // Waits for the round's answer until `client_deadline` (the caller's round timeout); fails
   // with DEADLINE_EXCEEDED naming the missing ranks at the aggregator's round timeout.
+  // With `pending`: returns OK at `slice_end` with *pending = true while the round is still
+  // open (it stays posted; wait again).
   absl::Status Wait(const ShmRound& round, Clock::time_point client_deadline,
                     std::chrono::milliseconds client_timeout, int64_t* out_count, double* out_a,
-                    double* out_b);
+                    double* out_b, Clock::time_point slice_end = Clock::time_point::max(),
+                    bool* pending = nullptr);
+  // The client aborted: waits end with `status` (their slots withdrawn), woken at once; later
+  // rounds are refused by the client. The sidecar marks this rank aborted for the others.
+  void Abort(const absl::Status& status);
+  absl::Status AbortStatus();  // OK until Abort
 
  private:
   explicit ShmChannel(ShmConfig config) : config_(std::move(config)) {}
   shm::ReduceOptions Reduce() const;
   // Takes the answers of DONE slots of this rank into stash_ (frees their slots). mu_ held.
-  void HarvestLocked();
+  void HarvestLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status Deliver(const absl::Status& s, int64_t count, const std::vector<double>& data,
                        int64_t channels, int64_t* out_count, double* out_a, double* out_b);
 
@@ -112,7 +120,10 @@ class ShmChannel {
   std::atomic<bool> decided_{false};
   std::string note_;
   std::unique_ptr<shm::Segment> segment_;
-  std::mutex await_mu_;  // one thread awaits the answer at a time
+  // One thread awaits the sidecar's answer at a time. What it sets up (segment_, note_,
+  // doorbell_, the spin bounds) is published by decided_ (release/acquire), not by this lock:
+  // rounds read it only once decided() is true, and nothing writes it after that.
+  absl::Mutex await_mu_;
 
   struct Stashed {
     uint32_t posted;
@@ -120,16 +131,20 @@ class ShmChannel {
     int64_t count = 0;
     std::vector<double> data;
   };
-  std::mutex mu_;  // the ring's slot ownership and stash_
-  std::vector<bool> busy_;                 // slots owned by a round not yet waited for
-  std::map<uint64_t, Stashed> stash_;      // by RoundId(slot, posted)
+  absl::Mutex mu_;  // the ring's slot ownership, stash_ and abandoned_
+  absl::CondVar never_;  // no one signals it: a timed wait on it is a sleep that releases mu_
+  std::vector<bool> busy_ ABSL_GUARDED_BY(mu_);  // slots owned by a round not yet waited for
+  std::map<uint64_t, Stashed> stash_ ABSL_GUARDED_BY(mu_);  // by RoundId(slot, posted)
   struct Abandoned {
     uint32_t posted;
     Clock::time_point deadline;  // the aggregator's: withdrawn then if still unanswered
   };
-  std::map<int32_t, Abandoned> abandoned_;  // slots whose caller gave up (its own timeout)
+  // Slots whose caller gave up (its own timeout).
+  std::map<int32_t, Abandoned> abandoned_ ABSL_GUARDED_BY(mu_);
   mutable std::atomic<int64_t> polled_at_ns_{0};  // AliveRecently: the last poll (steady ns)
   mutable std::atomic<bool> gone_{false};         // a poll found the connection closed
+  std::atomic<bool> aborted_flag_{false};
+  absl::Status aborted_ ABSL_GUARDED_BY(mu_);  // set once, with aborted_flag_
   std::atomic<int64_t> spin_ns_{20000};    // adaptive spin before sleeping
   int64_t max_spin_ns_ = 50000;
 };

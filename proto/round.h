@@ -74,6 +74,8 @@ absl::Status MergedNonFinite(const RoundRef& r);
 enum class Gone { kLeft, kDisconnected };
 absl::Status MemberGone(const RoundRef& r, const std::string& who, Gone why);
 absl::Status MemberDown(const RoundRef& r, const std::string& who, absl::string_view down);
+// ABORTED: the round cannot complete because `who` aborted (hsbn_client_abort) for `reason`.
+absl::Status MemberAborted(const RoundRef& r, const std::string& who, absl::string_view reason);
 // DEADLINE_EXCEEDED: the round's members `missing` did not contribute within `timeout`.
 absl::Status TimedOut(const RoundRef& r, std::chrono::milliseconds timeout,
                       const std::vector<std::string>& missing);

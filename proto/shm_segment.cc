@@ -250,6 +250,13 @@ absl::Status Segment::Blocked(const Key* key, const ReduceOptions& o) const {
         "the node's sidecar invalidated the shared-memory segment of job '", o.job_id, "' (",
         wire::Printable(text, kTextBytes), "); rounds in flight failed. The next call rejoins"));
   }
+  if (const uint32_t code = Load(reinterpret_cast<uint32_t*>(&h->refused_code)); code != 0) {
+    char text[kSlotTextBytes + 1];
+    std::memcpy(text, h->refused_text, kSlotTextBytes);
+    text[kSlotTextBytes] = '\0';
+    return wire::StatusFromCode(int(code), wire::Printable(text, kSlotTextBytes),
+                                static_cast<v1::Reason>(Read(&h->refused_reason)));
+  }
   for (int32_t r = 0; r < g_.ranks; ++r) {
     const uint32_t why = Load(&h->gone[r]);
     if (why == 0) continue;
@@ -258,6 +265,12 @@ absl::Status Segment::Blocked(const Key* key, const ReduceOptions& o) const {
     if (key != nullptr && FindPosted(r, *key, 0, &i, &w)) continue;
     const std::string round = key ? wire::RoundName(key->op, key->seq, v1::Phase(key->phase))
                                   : std::string("new rounds");
+    if (why == 3) {
+      char text[kTextBytes + 1] = {};
+      if (Load(&h->abort_set) != 0) std::memcpy(text, h->abort_text, kTextBytes);
+      return wire::MemberAborted(wire::RoundRef{round, o.job_id}, Names(o, g_.ranks)(r),
+                                 text[0] ? wire::Printable(text, kTextBytes) : "no reason given");
+    }
     return wire::MemberGone(wire::RoundRef{round, o.job_id}, Names(o, g_.ranks)(r),
                             why == 2 ? wire::Gone::kLeft : wire::Gone::kDisconnected);
   }
@@ -277,10 +290,11 @@ bool Segment::BeginDeliver(int32_t rank, int32_t i, uint32_t posted) const {
 
 void Segment::Deliver(int32_t rank, int32_t i, uint32_t posted, int32_t code,
                       const std::string& message, int64_t count, int64_t channels,
-                      const double* a, const double* b) const {
+                      const double* a, const double* b, int32_t reason) const {
   SlotHead* s = slot(rank, i);
   const uint32_t gen = GenOf(posted);
   s->code = code;
+  s->reason = reason;
   const size_t n = std::min(message.size(), kSlotTextBytes);
   std::memcpy(s->message, message.data(), n);
   s->message_len = uint32_t(n);
@@ -398,6 +412,7 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
       abort.key = key;
       abort.kind = kAbort;
       abort.code = int32_t(error.code());
+      abort.reason = int32_t(wire::ReasonOf(error));
       abort.message = std::string(error.message());
       Enqueue(abort, o);
     }
@@ -407,7 +422,8 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
                int32_t(error.code()));
     for (int32_t r = 0; r < n; ++r) {
       if (mine[size_t(r)]) {
-        Deliver(r, idx[r], posted[r], int32_t(error.code()), message, 0, 0, nullptr, nullptr);
+        Deliver(r, idx[r], posted[r], int32_t(error.code()), message, 0, 0, nullptr, nullptr,
+                int32_t(wire::ReasonOf(error)));
       }
     }
     return true;
@@ -440,6 +456,7 @@ bool Segment::Enqueue(const QueueEntry& item, const ReduceOptions& o) {
       e->channels = uint32_t(item.channels);
       e->count = item.count;
       e->code = item.code;
+      e->reason = item.reason;
       const size_t len = std::min(item.message.size(), kSlotTextBytes);
       std::memcpy(e->message, item.message.data(), len);
       e->message_len = uint32_t(len);
@@ -472,7 +489,8 @@ bool Segment::Take(int32_t rank, int32_t i, uint32_t posted, int64_t channels,
   if (code != 0) {
     const uint32_t len = std::min<uint32_t>(Read(&s->message_len), kSlotTextBytes);
     std::string text(s->message, len);
-    *status = wire::StatusFromCode(code, wire::Printable(text, kSlotTextBytes));
+    *status = wire::StatusFromCode(code, wire::Printable(text, kSlotTextBytes),
+                                   static_cast<v1::Reason>(Read(&s->reason)));
   } else if (int64_t(Read(&s->channels)) != channels || Read(&s->count) < 0) {
     *status = absl::InternalError(
         "the node's shared-memory segment held a malformed result (wrong channel count or a "
@@ -499,8 +517,34 @@ void Segment::WakeAll() const {
 
 void Segment::MarkGone(int32_t rank, uint32_t why) {
   if (rank < 0 || rank >= g_.ranks) return;
-  Store(&header()->gone[rank], why);
+  // An aborted rank that then leaves or exits stays "aborted": its reason is the news.
+  if (Load(&header()->gone[rank]) != 3 || why == 3) Store(&header()->gone[rank], why);
   __atomic_fetch_add(&header()->epoch, 1, __ATOMIC_SEQ_CST);
+  WakeAll();
+}
+
+void Segment::MarkAborted(int32_t rank, const std::string& reason) {
+  if (rank < 0 || rank >= g_.ranks) return;
+  Header* h = header();
+  if (Load(&h->abort_set) == 0) {
+    const size_t n = std::min(reason.size(), kTextBytes - 1);
+    std::memcpy(h->abort_text, reason.data(), n);
+    h->abort_text[n] = '\0';
+    Store(&h->abort_set, 1);
+  }
+  MarkGone(rank, 3);
+}
+
+void Segment::Refuse(const absl::Status& status) {
+  Header* h = header();
+  if (Load(reinterpret_cast<uint32_t*>(&h->refused_code)) != 0 || status.ok()) return;
+  const std::string text(status.message());
+  const size_t n = std::min(text.size(), kSlotTextBytes - 1);
+  std::memcpy(h->refused_text, text.data(), n);
+  h->refused_text[n] = '\0';
+  h->refused_reason = int32_t(wire::ReasonOf(status));
+  Store(reinterpret_cast<uint32_t*>(&h->refused_code), uint32_t(status.code()));
+  __atomic_fetch_add(&h->epoch, 1, __ATOMIC_SEQ_CST);
   WakeAll();
 }
 
@@ -539,6 +583,7 @@ std::vector<QueueEntry> Segment::TakeQueue(int* malformed) {
     it.channels = Read(&e->channels);
     it.count = Read(&e->count);
     it.code = Read(&e->code);
+    it.reason = Read(&e->reason);
     const uint32_t len = std::min<uint32_t>(Read(&e->message_len), kSlotTextBytes);
     it.message = wire::Printable(std::string(e->message, len), kSlotTextBytes);
     bool ok = (it.kind == kPartial || it.kind == kAbort) &&
@@ -564,7 +609,7 @@ std::vector<QueueEntry> Segment::TakeQueue(int* malformed) {
 }
 
 int Segment::DeliverAll(const Key& key, int32_t code, const std::string& message, int64_t count,
-                        int64_t channels, const double* d) {
+                        int64_t channels, const double* d, int32_t reason) {
   std::vector<int32_t> idx(size_t(g_.ranks), -1);
   std::vector<uint32_t> posted(size_t(g_.ranks), 0);
   for (int32_t r = 0; r < g_.ranks; ++r) {
@@ -584,7 +629,7 @@ int Segment::DeliverAll(const Key& key, int32_t code, const std::string& message
   for (int32_t r = 0; r < g_.ranks; ++r) {
     if (!mine[size_t(r)]) continue;
     Deliver(r, idx[size_t(r)], posted[size_t(r)], code, message, count, channels, d,
-            d ? d + channels : nullptr);
+            d ? d + channels : nullptr, reason);
     ++delivered;
   }
   return delivered;

@@ -115,7 +115,8 @@ struct Header {
   uint32_t dead;       // nonzero: the sidecar invalidated the segment; dead_text says why
   uint32_t epoch;      // bumped on every change of dead or gone
   char dead_text[kTextBytes];
-  uint32_t gone[kMaxRanks];  // per local rank: 0 here, 1 its stream broke, 2 it left
+  uint32_t gone[kMaxRanks];  // per local rank: 0 here, 1 its stream broke, 2 it left,
+                             // 3 it aborted (abort_text says why)
   uint64_t completed;        // rounds answered through the segment (for Status)
   uint64_t failed;
   uint64_t posts[kMaxRanks];  // contributions posted per local rank (for Status)
@@ -124,6 +125,13 @@ struct Header {
   // phase (in contributions and in the root's results), as the stream path counts them.
   uint64_t rounds[kCountScopes][kCountPhases][kCountCodes];
   uint64_t nonfinite[kCountPhases];
+  char abort_text[kTextBytes];  // the reason of the first rank that aborted (gone 3)
+  uint32_t abort_set;           // nonzero once abort_text is written
+  // Nonzero: a process was refused joining the job for its layout; every round fails with this
+  // google.rpc.Code, v1::Reason and text.
+  int32_t refused_code;
+  int32_t refused_reason;
+  char refused_text[kSlotTextBytes];
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header too large");
 
@@ -139,6 +147,7 @@ struct SlotHead {
   uint32_t channels;
   int64_t count;
   int32_t code;       // results: 0 or a google.rpc.Code
+  int32_t reason;     // with a code: a v1::Reason (layout 4)
   uint32_t message_len;
   char message[kSlotTextBytes];
 };
@@ -152,6 +161,7 @@ struct QueueEntry {
   int64_t channels = 0;
   int64_t count = 0;
   int32_t code = 0;
+  int32_t reason = 0;  // v1::Reason
   std::string message;
   std::vector<double> data;  // 2 * channels: [a | b]
 };
@@ -221,14 +231,18 @@ class Segment {
 
   // ---- Sidecar side ----
   void MarkGone(int32_t rank, uint32_t why);  // 1 stream broke, 2 left; wakes every sleeper
+  // Gone 3: the rank aborted for `reason` (kept: the first aborted rank's); wakes every sleeper.
+  void MarkAborted(int32_t rank, const std::string& reason);
   void Revive(int32_t rank);                   // a rejoined rank: empty ring, not gone
+  // Every round of the job fails with `status` from now on (a layout refusal); wakes sleepers.
+  void Refuse(const absl::Status& status);
   void Kill(const std::string& why);           // invalidates the segment; wakes every sleeper
   // Takes the queue's ready entries (validated; malformed ones are dropped and counted).
   std::vector<QueueEntry> TakeQueue(int* malformed);
   // Writes an answer into every rank's slot that posted `key` (claimed ones: the sidecar's
   // rounds). `data` holds 2 * channels doubles when code == 0.
   int DeliverAll(const Key& key, int32_t code, const std::string& message, int64_t count,
-                 int64_t channels, const double* data);
+                 int64_t channels, const double* data, int32_t reason = 0);
 
  private:
   Segment(char* base, const Geometry& g, int fd) : base_(base), g_(g), fd_(fd) {}
@@ -240,7 +254,8 @@ class Segment {
   std::vector<bool> BeginAll(const std::vector<int32_t>& idx,
                              const std::vector<uint32_t>& posted) const;
   void Deliver(int32_t rank, int32_t i, uint32_t posted, int32_t code, const std::string& message,
-               int64_t count, int64_t channels, const double* a, const double* b) const;
+               int64_t count, int64_t channels, const double* a, const double* b,
+               int32_t reason = 0) const;
   bool Enqueue(const QueueEntry& item, const ReduceOptions& options);
   // Counts one answered round in the header (Status's totals and the metric counters).
   void CountRound(int32_t scope, int32_t phase, int32_t code) const;

@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
+
+#include "absl/strings/cord.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -32,19 +35,74 @@ void UnpackPayload(const std::string& data, int64_t channels, double* a, double*
   std::memcpy(b, data.data() + half, half);
 }
 
-absl::Status StatusFromCode(int code, const std::string& message) {
+absl::Status StatusFromCode(int code, const std::string& message, v1::Reason reason) {
   if (code == 0) return absl::OkStatus();
   if (code < 0 || code > 16) code = int(absl::StatusCode::kUnknown);
-  return absl::Status(static_cast<absl::StatusCode>(code), message);
+  return WithReason(absl::Status(static_cast<absl::StatusCode>(code), message), reason);
+}
+
+absl::Status WithReason(absl::Status status, v1::Reason reason) {
+  if (status.ok() || reason == v1::REASON_UNSPECIFIED || !v1::Reason_IsValid(reason)) {
+    return status;
+  }
+  v1::ErrorDetail detail;
+  detail.set_reason(reason);
+  status.SetPayload(kReasonUrl, absl::Cord(detail.SerializeAsString()));
+  return status;
+}
+
+v1::Reason ReasonOf(const absl::Status& status) {
+  auto payload = status.GetPayload(kReasonUrl);
+  v1::ErrorDetail detail;
+  if (!payload || !detail.ParseFromString(std::string(*payload))) return v1::REASON_UNSPECIFIED;
+  return v1::Reason_IsValid(detail.reason()) ? detail.reason() : v1::REASON_UNSPECIFIED;
+}
+
+absl::Status WithMessage(const absl::Status& status, absl::string_view message) {
+  absl::Status out(status.code(), message);
+  status.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
+    out.SetPayload(url, payload);
+  });
+  return out;
+}
+
+const char* ReasonName(v1::Reason reason) {
+  if (!v1::Reason_IsValid(reason) || reason == v1::REASON_UNSPECIFIED) return "UNSPECIFIED";
+  // The enum's names without their "REASON_" prefix.
+  return v1::Reason_Name(reason).c_str() + 7;
 }
 
 absl::Status FromGrpc(const grpc::Status& status) {
-  return StatusFromCode(int(status.error_code()), status.error_message());
+  v1::Reason reason = v1::REASON_UNSPECIFIED;
+  v1::RpcStatus details;
+  if (!status.error_details().empty() && details.ParseFromString(status.error_details())) {
+    for (const v1::AnyDetail& any : details.details()) {
+      v1::ErrorDetail detail;
+      if (any.type_url() == kReasonUrl && detail.ParseFromString(any.value())) {
+        reason = detail.reason();
+      }
+    }
+  }
+  return StatusFromCode(int(status.error_code()), status.error_message(), reason);
 }
 
 grpc::Status ToGrpc(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  const v1::Reason reason = ReasonOf(status);
+  if (reason == v1::REASON_UNSPECIFIED) {
+    return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                        std::string(status.message()));
+  }
+  v1::RpcStatus details;
+  details.set_code(int(status.code()));
+  details.set_message(std::string(status.message()));
+  v1::AnyDetail* any = details.add_details();
+  any->set_type_url(kReasonUrl);
+  v1::ErrorDetail detail;
+  detail.set_reason(reason);
+  any->set_value(detail.SerializeAsString());
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()),
+                      details.SerializeAsString());
 }
 
 const char* PhaseName(v1::Phase phase) {
@@ -86,18 +144,23 @@ v1::Result ErrorResult(uint32_t op, uint64_t seq, v1::Phase phase, const absl::S
   r.set_phase(phase);
   r.set_code(int(status.code()));
   r.set_message(std::string(status.message()));
+  r.set_reason(ReasonOf(status));
   return r;
 }
 
 absl::Status CheckWorkerLayout(int64_t rank, int64_t world_size, int64_t local_rank,
                                int64_t local_world_size, int64_t node_rank,
                                int64_t max_world_size, int64_t group_nodes) {
-  auto bad = [](const std::string& what) { return absl::InvalidArgumentError(what); };
+  auto bad = [](const std::string& what) {
+    return WithReason(absl::InvalidArgumentError(what), v1::REASON_LAYOUT);
+  };
   if (world_size <= 0) return bad(absl::StrCat("WORLD_SIZE=", world_size, " must be positive"));
   if (max_world_size > 0 && world_size > max_world_size) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "WORLD_SIZE=", world_size, " is more than this aggregator serves (--max-world-size=",
-        max_world_size, ")"));
+    return WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                          "WORLD_SIZE=", world_size,
+                          " is more than this aggregator serves (--max-world-size=",
+                          max_world_size, ")")),
+                      v1::REASON_MAX_WORLD_SIZE);
   }
   if (rank < 0 || rank >= world_size) {
     return bad(absl::StrCat("RANK=", rank, " is outside [0, WORLD_SIZE=", world_size, ")"));
@@ -127,10 +190,12 @@ absl::Status CheckWorkerLayout(int64_t rank, int64_t world_size, int64_t local_r
 absl::Status CheckGroupNodes(int64_t group_nodes, int64_t num_nodes) {
   if (group_nodes == 0) return absl::OkStatus();
   if (group_nodes < 0 || num_nodes <= 0 || num_nodes % group_nodes != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "HSBN_GROUP_NODES=", group_nodes, " does not divide the job's ", num_nodes,
-        " nodes (WORLD_SIZE / LOCAL_WORLD_SIZE); group scope needs groups of equal size: "
-        "choose a positive divisor of ", num_nodes, ", or 0 for no groups"));
+    return WithReason(absl::InvalidArgumentError(absl::StrCat(
+                          "HSBN_GROUP_NODES=", group_nodes, " does not divide the job's ",
+                          num_nodes, " nodes (WORLD_SIZE / LOCAL_WORLD_SIZE); group scope needs "
+                          "groups of equal size: choose a positive divisor of ", num_nodes,
+                          ", or 0 for no groups")),
+                      v1::REASON_GROUP_NODES);
   }
   return absl::OkStatus();
 }

@@ -26,9 +26,21 @@ void PackPayload(const double* a, const double* b, int64_t channels, std::string
 // Reads [a | b] from data, which must hold PayloadBytes(channels) bytes.
 void UnpackPayload(const std::string& data, int64_t channels, double* a, double* b);
 
+// A status's Reason travels as an absl payload (kReasonUrl) within a process, as the status
+// details of an RPC (v1::RpcStatus) and as Result.reason in a round's answer.
 absl::Status FromGrpc(const grpc::Status& status);
 grpc::Status ToGrpc(const absl::Status& status);
-absl::Status StatusFromCode(int code, const std::string& message);
+absl::Status StatusFromCode(int code, const std::string& message,
+                            v1::Reason reason = v1::REASON_UNSPECIFIED);
+constexpr const char* kReasonUrl = "type.googleapis.com/hsbn.v1.ErrorDetail";
+// `status` with `reason` attached (an OK status stays OK).
+absl::Status WithReason(absl::Status status, v1::Reason reason);
+// The reason attached to `status`, or REASON_UNSPECIFIED.
+v1::Reason ReasonOf(const absl::Status& status);
+// `status`'s code and payloads with another message (a wrapper that adds context).
+absl::Status WithMessage(const absl::Status& status, absl::string_view message);
+// "MEMBER_ABORTED" for REASON_MEMBER_ABORTED; "UNSPECIFIED" for unknown values.
+const char* ReasonName(v1::Reason reason);
 
 const char* PhaseName(v1::Phase phase);   // "forward", "backward"
 const char* ScopeName(v1::Scope scope);   // "node", "global", "shadow", "group"

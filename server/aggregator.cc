@@ -92,16 +92,19 @@ class Outbox final : public MemberSink, public WatchedStream, public StreamWrite
     return false;
   }
 
-  void OverflowLocked(const char* which) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    aggregator_->Refused(std::string(which) == "queue" ? "queue_bytes" : "memory_budget");
+  void OverflowLocked(Overflow which) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const bool queue = which == Overflow::kQueue;
+    aggregator_->Refused(queue ? "queue_bytes" : "memory_budget");
     if (end_status_.ok()) {
       end_status_ = absl::ResourceExhaustedError(
-          std::string(which) == "queue"
+          queue
               ? absl::StrCat("this stream's reader fell more than --max-queued-bytes=",
                              limits().max_queued_bytes, " bytes of results behind; the "
                              "aggregator dropped it (read results as they come)")
               : std::string("the aggregator's memory budget (--memory-budget-bytes) is "
                             "exhausted; this stream's queued results were dropped"));
+      end_status_ = wire::WithReason(
+          end_status_, queue ? v1::REASON_QUEUE_BYTES : v1::REASON_MEMORY_BUDGET);
     }
     if (!writing() && !finishing_) FinishLocked();
   }
@@ -144,6 +147,10 @@ class StreamHost final : public MemberStreamHost {
     v1::LeaveRequest req;
     req.set_session(session.Bytes());
     aggregator_->Leave(req);
+  }
+  void Aborted(const Registry::SessionRef& ref, const SessionId& session,
+               const std::string& reason) override {
+    aggregator_->MemberAborted(ref, session, reason);
   }
 
  private:
@@ -615,12 +622,13 @@ void Aggregator::Execute(Actions& actions, const std::string& job_id) {
   // Partials go up before results go down: a shadow partial is then queued to the root before
   // its workers can start their next round, so the root sees a node's rounds in the order the
   // node ran them (auto scope's decision round relies on it; docs/PROTOCOL.md).
-  if (!actions.forwards.empty() || !actions.aborts.empty()) {
+  if (!actions.forwards.empty() || !actions.aborts.empty() || !actions.names.empty()) {
     std::shared_ptr<Job> job = registry_.FindJob(job_id);
     if (job && parent_) {
       std::shared_ptr<const std::string> token = job->token();
       for (const auto& f : actions.forwards) parent_->Forward(job_id, job->layout(), token, f);
       for (const auto& a : actions.aborts) parent_->Abort(job_id, job->layout(), token, a);
+      if (!actions.names.empty()) parent_->LayerNames(job_id, job->layout(), token, actions.names);
     }
   }
   for (auto& d : actions.deliveries) {
@@ -644,6 +652,14 @@ void Aggregator::StreamClosed(const std::vector<SessionId>& sessions) {
     if (shm_) shm_->MemberGone(ref.job->id(), ref.index, /*left=*/false);
     Execute(actions, ref.job->id());
   }
+}
+
+void Aggregator::MemberAborted(const Registry::SessionRef& ref, const SessionId& session,
+                               const std::string& reason) {
+  Actions actions;
+  ref.job->MemberGone(ref.index, session, /*left=*/false, Clock::now(), &actions, reason);
+  if (shm_) shm_->MemberGone(ref.job->id(), ref.index, /*left=*/false, reason);
+  Execute(actions, ref.job->id());
 }
 
 void Aggregator::OnParentResult(const std::string& job_id, const v1::Result& result) {
@@ -678,10 +694,16 @@ grpc::Status Aggregator::Join(const v1::JoinRequest& req, v1::JoinResponse* resp
   if (Metrics* m = options_.metrics.get()) m->JoinAnswered(joined.status().code());
   if (!joined.ok()) {
     const absl::Status& s = joined.status();
-    if (s.code() == absl::StatusCode::kResourceExhausted) {
-      Refused(absl::StrContains(s.message(), "--max-world-size") ? "world_size" : "max_jobs");
-    } else if (absl::StrContains(s.message(), "job_id")) {
-      Refused("job_id");
+    Execute(actions, req.job_id());  // a layout refusal fails the job's rounds (Job::Refused)
+    if (shm_) {
+      std::shared_ptr<Job> job = registry_.FindJob(req.job_id());
+      if (job && !job->refusal().ok()) shm_->Refuse(req.job_id(), job->refusal());
+    }
+    switch (wire::ReasonOf(s)) {
+      case v1::REASON_MAX_WORLD_SIZE: Refused("world_size"); break;
+      case v1::REASON_MAX_JOBS: Refused("max_jobs"); break;
+      case v1::REASON_JOB_ID: Refused("job_id"); break;
+      default: break;
     }
     LogLimited(LogLevel::kWarn,
                s.code() == absl::StatusCode::kUnauthenticated ? LogKind::kUnauthenticated
@@ -743,7 +765,8 @@ void Aggregator::ShmToParent(const std::string& job_id, const shm::QueueEntry& i
                                       item.count, std::move(data), /*decide=*/nullptr});
   } else {
     parent_->Abort(job_id, job->layout(), token,
-                   Actions::Abort{key, wire::StatusFromCode(item.code, item.message)});
+                   Actions::Abort{key, wire::StatusFromCode(item.code, item.message,
+                                                           static_cast<v1::Reason>(item.reason))});
   }
 }
 

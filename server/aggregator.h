@@ -140,6 +140,9 @@ class Aggregator final : public UpstreamListener, public ShmListener {
   // Used by the streams.
   void Execute(Actions& actions, const std::string& job_id);
   void StreamClosed(const std::vector<SessionId>& sessions);
+  // A worker's Abort frame: its session is gone, for `reason` (docs/PROTOCOL.md, "Abort").
+  void MemberAborted(const Registry::SessionRef& ref, const SessionId& session,
+                     const std::string& reason);
   // Watches a member stream for writes stalled past the write deadline.
   void WatchStream(std::weak_ptr<WatchedStream> stream);
   // Counts a refusal for lack of a resource (Metrics::Refused reasons).

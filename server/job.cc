@@ -78,6 +78,18 @@ wire::MemberNames Job::Names() const {
 std::string Job::MemberName(int32_t index) const { return Names()(index); }
 
 absl::Status Job::CheckLayout(const JobLayout& d, const std::string& who) const {
+  absl::Status s = LayoutDiffers(d, who);
+  if (s.ok()) return s;
+  const bool groups_only = d.member_kind == layout_.member_kind &&
+                           d.world_size == layout_.world_size &&
+                           d.local_world_size == layout_.local_world_size &&
+                           d.strict_finite == layout_.strict_finite &&
+                           d.group_nodes != layout_.group_nodes;
+  return wire::WithReason(std::move(s),
+                          groups_only ? v1::REASON_GROUP_NODES : v1::REASON_LAYOUT);
+}
+
+absl::Status Job::LayoutDiffers(const JobLayout& d, const std::string& who) const {
   auto mismatch = [&](const char* field, int64_t got, int64_t want) {
     return absl::InvalidArgumentError(absl::StrCat(
         who, ": ", field, "=", got, " but job '", id_, "' was joined with ", field, "=", want,
@@ -130,6 +142,7 @@ absl::Status Job::AddMember(int32_t index, const SessionId& session,
   m.joined = true;
   m.connected = false;
   m.gone = false;
+  m.aborted.clear();
   m.sink.reset();
   m.down.clear();  // a child aggregator's new session starts healthy; it says so if not
   if (reported_down_) {
@@ -161,7 +174,7 @@ absl::Status Job::Attach(int32_t index, const SessionId& session,
 }
 
 void Job::MemberGone(int32_t index, const SessionId& session, bool left, Clock::time_point now,
-                     Actions* out) {
+                     Actions* out, absl::string_view aborted) {
   absl::MutexLock lock(&mu_);
   Member& m = members_.at(index);
   if (m.session != session) return;  // already replaced by a newer session
@@ -170,6 +183,7 @@ void Job::MemberGone(int32_t index, const SessionId& session, bool left, Clock::
   m.gone = true;
   m.sink.reset();
   if (left) m.joined = false;
+  if (!aborted.empty()) m.aborted = wire::Printable(aborted, 512);
   const std::string why =
       left ? absl::StrCat(MemberName(index), " left job '", id_, "' while this round waited for it")
            : absl::StrCat(MemberName(index), " disconnected from job '", id_,
@@ -177,24 +191,37 @@ void Job::MemberGone(int32_t index, const SessionId& session, bool left, Clock::
                           "while this round waited for it");
   const int failed = FailOpenRoundsLocked(
       [&](const Round& round) {
-        return index >= round.lo && index < round.hi && !round.slots[index].filled;
+        // An aborted member takes back what it sent: its rounds cannot complete either.
+        return index >= round.lo && index < round.hi &&
+               (!round.slots[index].filled || !m.aborted.empty());
       },
       [&](const RoundKey& key) {
-        return absl::UnavailableError(absl::StrCat("round ", Describe(key), ": ", why));
+        if (!m.aborted.empty()) {
+          return wire::MemberAborted(wire::RoundRef{Describe(key), id_}, MemberName(index),
+                                     m.aborted);
+        }
+        return wire::WithReason(
+            absl::UnavailableError(absl::StrCat("round ", Describe(key), ": ", why)),
+            left ? v1::REASON_MEMBER_LEFT : v1::REASON_MEMBER_DISCONNECTED);
       },
       /*tell_parent=*/true, out);
   out->log.push_back(absl::StrCat("job '", id_, "': ", MemberName(index),
-                                  left ? " left" : " disconnected", "; ", failed,
-                                  " open round(s) failed"));
+                                  left                  ? " left"
+                                  : m.aborted.empty()   ? " disconnected"
+                                                        : " aborted (" + m.aborted + ")",
+                                  "; ", failed, " open round(s) failed"));
   // A crashed worker (not one that left when it was done): the node cannot contribute to new
   // rounds until it rejoins, so the root need not wait for the deadline of rounds other nodes
   // open meanwhile.
   if (!left && !reported_down_ && limits_.has_parent &&
       layout_.member_kind == v1::MEMBER_KIND_WORKER && layout_.num_nodes > 1) {
     reported_down_ = true;
-    down_message_ = absl::StrCat(MemberName(index),
-                                 " disconnected from its node's sidecar (its stream broke: the "
-                                 "process probably exited or was killed)");
+    down_message_ =
+        m.aborted.empty()
+            ? absl::StrCat(MemberName(index),
+                           " disconnected from its node's sidecar (its stream broke: the "
+                           "process probably exited or was killed)")
+            : absl::StrCat(MemberName(index), " aborted (", m.aborted, ")");
     out->node_states.push_back(Actions::NodeState{false, down_message_});
   }
 }
@@ -781,7 +808,12 @@ bool Job::NodeDown(std::string* message) const {
 }
 
 absl::Status Job::BlockedLocked(const RoundKey& key, int32_t lo, int32_t hi) const {
+  if (!refused_.ok()) return refused_;
   for (size_t i = size_t(lo); i < size_t(hi); ++i) {
+    if (members_[i].gone && !members_[i].aborted.empty()) {
+      return wire::MemberAborted(wire::RoundRef{Describe(key), id_}, MemberName(int32_t(i)),
+                                 members_[i].aborted);
+    }
     if (members_[i].gone) {
       // A member that took part before and whose stream is gone cannot contribute.
       return wire::MemberGone(wire::RoundRef{Describe(key), id_}, MemberName(int32_t(i)),
@@ -823,7 +855,7 @@ void Job::ChildAbort(int32_t index, const v1::Abort& abort, Actions* out) {
   absl::MutexLock lock(&mu_);
   absl::Status s = wire::StatusFromCode(abort.code() == 0 ? int(absl::StatusCode::kAborted)
                                                           : abort.code(),
-                                        wire::Printable(abort.message(), 1024));
+                                        wire::Printable(abort.message(), 1024), abort.reason());
   // An abort does not say the round's scope: with groups it may be the node's group round.
   const RoundKey key{abort.op(), abort.seq(), abort.phase()};
   if (layout_.group_nodes > 0) {
@@ -846,6 +878,23 @@ void Job::ChildAbort(int32_t index, const v1::Abort& abort, Actions* out) {
         Actions::Outcome{v1::SCOPE_UNSPECIFIED, key.phase, s.code(), Clock::time_point{}});
     FinishLocked(key, Finished{s, nullptr, {}});  // later partials of this round get the error
   }
+}
+
+void Job::NameLayers(const v1::LayerNames& names, Actions* out) {
+  absl::MutexLock lock(&mu_);
+  for (const v1::LayerName& n : names.layers()) {
+    if (names_.size() >= kMaxNames) break;
+    if (n.name().empty() || n.name().size() > kMaxNameBytes || names_.count(n.op()) > 0) continue;
+    if (wire::Printable(n.name(), kMaxNameBytes) != n.name()) continue;  // not printable ASCII
+    names_.emplace(n.op(), n.name());
+    if (limits_.has_parent) out->names.push_back(n);
+  }
+}
+
+std::string Job::LayerName(uint32_t op) const {
+  absl::MutexLock lock(&mu_);
+  auto it = names_.find(op);
+  return it == names_.end() ? std::string() : it->second;
 }
 
 void Job::ExpectLate(const RoundKey& key, uint32_t channels, Clock::time_point now) {
@@ -919,7 +968,7 @@ void Job::ParentResult(const v1::Result& result, Actions* out) {
   auto it = open_.find(key);
   if (it == open_.end() || !it->second.forwarded) return;  // failed here already
   if (result.code() != 0) {
-    FailRoundLocked(key, wire::StatusFromCode(result.code(), result.message()),
+    FailRoundLocked(key, wire::StatusFromCode(result.code(), result.message(), result.reason()),
                     /*tell_parent=*/false, out);
     return;
   }
@@ -1008,6 +1057,21 @@ void Job::FailAll(const absl::Status& status, Actions* out) {
                        /*tell_parent=*/false, out);
 }
 
+void Job::Refused(const absl::Status& refusal, Actions* out) {
+  absl::MutexLock lock(&mu_);
+  if (!refused_.ok()) return;
+  refused_ = refusal;
+  const int failed = FailOpenRoundsLocked([](const Round&) { return true; },
+                                          [&](const RoundKey&) { return refusal; },
+                                          /*tell_parent=*/true, out);
+  out->log.push_back(absl::StrCat(refusal.message(), "; ", failed, " open round(s) failed"));
+}
+
+absl::Status Job::refusal() const {
+  absl::MutexLock lock(&mu_);
+  return refused_;
+}
+
 void Job::SetToken(const std::string& token) {
   absl::MutexLock lock(&mu_);
   if (token_ && *token_ == token) return;
@@ -1039,9 +1103,10 @@ void Job::FillStatus(v1::JobStatus* s) const {
   s->set_rounds_completed(rounds_completed_);
   s->set_rounds_failed(rounds_failed_);
   s->set_group_nodes(layout_.group_nodes);
-  auto fill = [](const std::pair<uint32_t, int32_t>& k, const DivergenceAcc& acc,
-                 v1::Divergence* d) {
+  auto fill = [&](const std::pair<uint32_t, int32_t>& k, const DivergenceAcc& acc,
+                  v1::Divergence* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     d->set_op(k.first);
+    if (auto name = names_.find(k.first); name != names_.end()) d->set_layer(name->second);
     d->set_node(k.second);
     d->set_rounds(acc.rounds);
     const double n = double(std::max<int64_t>(acc.rounds, 1));

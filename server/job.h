@@ -34,6 +34,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "hsbn/v1/hsbn.pb.h"
@@ -127,6 +128,8 @@ struct Actions {
   std::vector<Forward> forwards;
   std::vector<Abort> aborts;
   std::vector<NodeState> node_states;
+  // Layer names this job learned (LayerNames) that the parent has not been told.
+  std::vector<v1::LayerName> names;
   // For metrics: every round that finished here, once, OK (its result was sent, or at the root
   // a shadow round was reduced) or failed.
   struct Outcome {
@@ -148,7 +151,8 @@ struct Actions {
   int64_t nonfinite[2] = {0, 0};
   std::vector<const char*> refused;
   bool empty() const {
-    return deliveries.empty() && forwards.empty() && aborts.empty() && node_states.empty();
+    return deliveries.empty() && forwards.empty() && aborts.empty() && node_states.empty() &&
+           names.empty();
   }
 };
 
@@ -173,9 +177,10 @@ class Job {
   absl::Status Attach(int32_t index, const SessionId& session, std::shared_ptr<ResultSink> sink,
                       Clock::time_point now);
   // The member's stream broke (connected=false) or it left (left=true): every open round that
-  // still waits for it fails at once, naming it.
+  // still waits for it fails at once, naming it. `aborted` non-empty: a worker said why it is
+  // gone (its Abort frame); the rounds fail ABORTED with that reason.
   void MemberGone(int32_t index, const SessionId& session, bool left, Clock::time_point now,
-                  Actions* out);
+                  Actions* out, absl::string_view aborted = {});
   // True when the job can be dropped: every member left or lost its stream, or no member has
   // been attached to a stream for `attach_timeout` (members that joined and never attached).
   // `expired` (optional) tells which.
@@ -195,6 +200,14 @@ class Job {
   // A sidecar: whether its node is down in this job (a worker gone, not back yet), and why.
   // Said again to a parent that the sidecar joins anew (a new stream, a restarted root).
   bool NodeDown(std::string* message) const;
+  // Layer names from a member: the first name of each op is kept (kMaxNames per job, printable,
+  // at most kMaxNameBytes; others are dropped); with a parent, new ones go up (Actions::names).
+  static constexpr size_t kMaxNames = 4096;
+  static constexpr size_t kMaxNameBytes = 256;
+  void NameLayers(const v1::LayerNames& names, Actions* out);
+  // The name of `op`, or "" when none was given.
+  std::string LayerName(uint32_t op) const;
+
   // The parent's answer to a round this aggregator forwarded. For a renorm round (forwarded
   // after its node answer) it goes to every member as the round's late global result.
   void ParentResult(const v1::Result& result, Actions* out);
@@ -211,6 +224,11 @@ class Job {
   void Expire(Clock::time_point now, Actions* out);
   // Fails every open round with `status`, and every later contribution (shutdown).
   void FailAll(const absl::Status& status, Actions* out);
+  // A process was refused joining this job for its layout: the job cannot run as launched.
+  // Every open round fails with `refusal` at once (told to the parent too), and so does every
+  // round opened later. The first refusal stands; refusal() returns it (OK: none).
+  void Refused(const absl::Status& refusal, Actions* out);
+  absl::Status refusal() const;
 
   // The token this job's members presented at Join here (empty: none). An aggregator presents
   // it when it joins the job at its parent, so one token file format serves every level.
@@ -226,6 +244,8 @@ class Job {
   std::string MemberName(int32_t index) const;
 
  private:
+  // CheckLayout's message, without its reason.
+  absl::Status LayoutDiffers(const JobLayout& declared, const std::string& who) const;
   struct Slot {
     bool filled = false;
     int64_t count = 0;
@@ -259,6 +279,7 @@ class Job {
     bool connected = false;  // attached to a live stream
     bool gone = false;       // its stream broke or it left; rounds cannot complete without it
     std::string down;        // a child aggregator whose node is down: why (empty: it is not)
+    std::string aborted;     // gone by its own Abort frame: its reason (empty: it did not)
     std::shared_ptr<ResultSink> sink;
     int64_t contributions = 0;
   };
@@ -357,11 +378,13 @@ class Job {
     Clock::time_point deadline;
   };
   std::map<RoundKey, Late> late_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint32_t, std::string> names_ ABSL_GUARDED_BY(mu_);  // op -> layer name
   std::shared_ptr<const std::string> token_ ABSL_GUARDED_BY(mu_);
   bool reported_down_ ABSL_GUARDED_BY(mu_) = false;  // a sidecar that told its parent so
   std::string down_message_ ABSL_GUARDED_BY(mu_);    // what it said
   int64_t held_ ABSL_GUARDED_BY(mu_) = 0;            // bytes charged to limits_.budget
   Clock::time_point last_change_ ABSL_GUARDED_BY(mu_);  // a member joined, attached or went
+  absl::Status refused_ ABSL_GUARDED_BY(mu_);  // Refused's status
   absl::Status closed_ ABSL_GUARDED_BY(mu_);  // FailAll's status: no round opens any more
 };
 

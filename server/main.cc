@@ -43,8 +43,8 @@ using hsbn::server::LogLevel;
 constexpr char kIntro[] = R"(hsbn-aggregator — the hsbn BatchNorm statistics aggregator.
 
 One binary, two roles. A node aggregator (sidecar) runs on every node; the node's trainer
-processes join it, and it reduces node-scope rounds itself. For global and shadow scope it
-forwards each node partial to the root over one persistent stream. A root aggregator joins the
+processes join it, and it reduces node-scope rounds itself. For global, shadow and renorm
+scope it forwards each node partial to the root over one persistent stream. A root aggregator joins the
 nodes. A job on a single node needs no root.
 
 Usage:
@@ -248,8 +248,8 @@ void AddFlags(FlagTable& f, Settings* s, AggregatorOptions* o) {
          "Where to listen: unix:/path/to.sock or host:port (port 0 picks a free port). "
          "Default: unix:/tmp/hsbn.sock for node, 0.0.0.0:7070 for root.");
   f.Text("upstream", "ADDR", &o->upstream,
-         "Node role: the root aggregator (host:port or unix:/path). Needed for global and "
-         "shadow scope in jobs that span several nodes.");
+         "Node role: the root aggregator (host:port or unix:/path). Needed for global, "
+         "shadow and renorm scope in jobs that span several nodes.");
   f.Text("id", "NAME", &o->id, "Name used in logs, errors and status. Default: role@hostname.");
   f.Text("ready-file", "PATH", &s->ready_file,
          "Once listening, write the bound addresses there, one per line (written atomically; "
@@ -290,9 +290,9 @@ void AddFlags(FlagTable& f, Settings* s, AggregatorOptions* o) {
         "counted and reported as suppressed.");
 
   f.Text("divergence-dir", "DIR", &o->divergence_dir,
-         "Root role: when a job ends, write its shadow-mode divergence record (per layer op and "
-         "node, and per group for a job with groups) to DIR/JOB.divergence.json, so it outlives "
-         "the job. Default: off.");
+         "Root role: when a job ends, write its shadow-mode divergence record (per layer op, "
+         "with the layer's name when the workers gave it, and node, and per group for a job "
+         "with groups) to DIR/JOB.divergence.json, so it outlives the job. Default: off.");
 
   f.group("Shared-memory node path (node role; docs/PROTOCOL.md)");
   f.Choice("shm", "", {"on", "off"}, &s->shm,

@@ -53,6 +53,9 @@ void MemberStream::Handle(const v1::ClientFrame& frame) {
     case v1::ClientFrame::kLeave:
       HandleLeave(frame.leave());
       break;
+    case v1::ClientFrame::kLayerNames:
+      HandleLayerNames(frame.layer_names());
+      break;
     default:  // an empty frame, or a batch nested in a batch: nothing to do
       break;
   }
@@ -137,6 +140,16 @@ const Registry::SessionRef* MemberStream::FromAggregator(const std::string& byte
 
 void MemberStream::HandleAbort(const v1::Abort& a) {
   SessionId session;
+  const Registry::SessionRef* worker = Bound(a.session(), &session);
+  if (worker != nullptr && worker->job->layout().member_kind == v1::MEMBER_KIND_WORKER) {
+    // "This rank is gone, because ...": the round key is not looked at, so the frame can only
+    // ever fail the rounds of the job of this stream's own session.
+    const Registry::SessionRef ref = *worker;
+    Unbind(session);  // its rounds fail once, here, not again when the stream ends
+    host_->Aborted(ref, session, a.message().empty() ? std::string("no reason given")
+                                                     : wire::Printable(a.message(), 512));
+    return;
+  }
   const Registry::SessionRef* ref = FromAggregator(a.session(), "an Abort", &session);
   if (ref == nullptr) return;
   Actions actions;
@@ -153,9 +166,26 @@ void MemberStream::HandleNodeState(const v1::NodeState& state) {
   host_->Execute(ref->job, actions);
 }
 
+void MemberStream::HandleLayerNames(const v1::LayerNames& names) {
+  SessionId session;
+  const Registry::SessionRef* ref = Bound(names.session(), &session);
+  if (ref == nullptr) {
+    host_->LogInvalid("layer names on a session not attached to this stream");
+    return;
+  }
+  Actions actions;
+  ref->job->NameLayers(names, &actions);
+  host_->Execute(ref->job, actions);
+}
+
 void MemberStream::HandleLeave(const v1::LeaveRequest& leave) {
   SessionId session;
   if (FromAggregator(leave.session(), "a Leave frame", &session) == nullptr) return;
+  Unbind(session);
+  host_->Leave(session);
+}
+
+void MemberStream::Unbind(const SessionId& session) {
   for (size_t i = 0; i < bound_.size(); ++i) {
     if (bound_[i].first == session) {
       bound_.erase(bound_.begin() + ptrdiff_t(i));
@@ -163,7 +193,6 @@ void MemberStream::HandleLeave(const v1::LeaveRequest& leave) {
     }
   }
   sessions_.erase(std::remove(sessions_.begin(), sessions_.end(), session), sessions_.end());
-  host_->Leave(session);
 }
 
 }  // namespace hsbn::server

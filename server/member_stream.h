@@ -3,8 +3,10 @@
 //
 // A MemberStream decides what each ClientFrame read from a member's stream may do: an Attach
 // binds sessions (through Registry::Authorize, with the job's token when tokens are on) to this
-// stream's sink; a Contribution reaches its job only on a session bound here; Abort, NodeState
-// and Leave frames are taken only from an aggregator's session (a sidecar below a root); a
+// stream's sink; a Contribution reaches its job only on a session bound here; NodeState and
+// Leave frames are taken only from an aggregator's session (a sidecar below a root); an Abort
+// from an aggregator fails one round, from a worker it says that worker is gone and why (only
+// in the job of a session bound here: it can fail no other job's rounds); a
 // stream may send at most max_unbound_bytes before its first successful Attach. The gRPC call
 // object (ExchangeCall in aggregator.cc) drives it with every message it reads, and
 // tests/fuzz/fuzz_frames.cc drives the same class, so the fuzzer tests the real dispatch.
@@ -49,6 +51,9 @@ class MemberStreamHost {
   virtual void Refused(const char* reason) = 0;
   // An aggregator member left `session`'s job (its Leave frame).
   virtual void Leave(const SessionId& session) = 0;
+  // A worker aborted (its Abort frame): like its stream breaking, with its reason.
+  virtual void Aborted(const Registry::SessionRef& ref, const SessionId& session,
+                       const std::string& reason) {}
   // Observers, for tests that model the protocol: a session was bound to this stream; a
   // contribution on a bound session was accepted (Job::Contribute returned true).
   virtual void Attached(const Registry::SessionRef&, const SessionId&) {}
@@ -83,6 +88,9 @@ class MemberStream {
   void HandleAbort(const v1::Abort& a);
   void HandleNodeState(const v1::NodeState& state);
   void HandleLeave(const v1::LeaveRequest& leave);
+  // Any member's, on a session bound here.
+  void HandleLayerNames(const v1::LayerNames& names);
+  void Unbind(const SessionId& session);
 
   MemberStreamHost* const host_;
   const std::shared_ptr<MemberSink> sink_;

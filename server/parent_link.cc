@@ -1,6 +1,7 @@
 #include "parent_link.h"
 
 #include <chrono>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
@@ -76,9 +77,9 @@ class ParentLink::ParentStream final : public StreamWriter<FrameTraits> {
     stream_->Write(frame, &write_tag_);
     return true;
   }
-  void OverflowLocked(const char* which) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void OverflowLocked(Overflow which) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Log(LogLevel::kWarn, absl::StrCat("the stream to the root ", link_->address_, " has more "
-                                      "than ", std::string(which) == "queue"
+                                      "than ", which == Overflow::kQueue
                                           ? "--max-queued-bytes unsent"
                                           : "the memory budget's worth of unsent bytes",
                                       "; dropping it (global rounds in flight fail)"));
@@ -294,8 +295,7 @@ void ParentLink::Enqueue(Item item) {
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return;
-    if (!item.leave && !item.join_done && queue_.empty() && published_ &&
-        !published_->broken()) {
+    if (FrameOf(item) != nullptr && queue_.empty() && published_ && !published_->broken()) {
       auto it = published_sessions_.find(item.job_id);
       if (it != published_sessions_.end()) {
         conn = published_;
@@ -309,10 +309,9 @@ void ParentLink::Enqueue(Item item) {
   }
   // Fast path: the stream is up and the job joined at the parent; queue on the stream from this
   // thread (never blocks).
-  if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session(session.Bytes());
-  if (item.frame.has_abort()) item.frame.mutable_abort()->set_session(session.Bytes());
-  if (item.frame.has_node_state()) item.frame.mutable_node_state()->set_session(session.Bytes());
-  if (!conn->Send(std::move(item.frame))) {
+  v1::ClientFrame* frame = FrameOf(item);
+  SetSession(frame, session);
+  if (!conn->Send(std::move(*frame))) {
     FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
                                                        " broke")));
   }
@@ -327,19 +326,28 @@ void ParentLink::Unpublish() {
 ParentLink::Item ParentLink::MakeItem(const std::string& job_id, const JobLayout& layout,
                                      std::shared_ptr<const std::string> token,
                                      const RoundKey& key) {
-  Item item;
-  item.job_id = job_id;
-  item.layout = layout;
-  item.token = std::move(token);
-  item.key = key;
-  return item;
+  Frame f;
+  f.layout = layout;
+  f.token = std::move(token);
+  f.key = key;
+  return Item{job_id, std::move(f)};
+}
+
+void ParentLink::SetSession(v1::ClientFrame* frame, const SessionId& session) {
+  if (frame->has_contribution()) frame->mutable_contribution()->set_session(session.Bytes());
+  if (frame->has_abort()) frame->mutable_abort()->set_session(session.Bytes());
+  if (frame->has_node_state()) frame->mutable_node_state()->set_session(session.Bytes());
+  if (frame->has_layer_names()) frame->mutable_layer_names()->set_session(session.Bytes());
 }
 
 void ParentLink::Forward(const std::string& job_id, const JobLayout& layout,
                          std::shared_ptr<const std::string> token, const Actions::Forward& f) {
   Item item = MakeItem(job_id, layout, std::move(token), f.key);
-  item.wants_answer = f.scope != v1::SCOPE_SHADOW;
-  v1::Contribution* c = item.frame.mutable_contribution();
+  Frame& frame = std::get<Frame>(item.what);
+  // A renorm partial wants its answer too: the root's global result goes to every worker.
+  frame.contribution = true;
+  frame.wants_answer = f.scope != v1::SCOPE_SHADOW;
+  v1::Contribution* c = frame.frame.mutable_contribution();
   c->set_op(f.key.op);
   c->set_seq(f.key.seq);
   c->set_phase(f.key.phase);
@@ -354,19 +362,28 @@ void ParentLink::Forward(const std::string& job_id, const JobLayout& layout,
 void ParentLink::Abort(const std::string& job_id, const JobLayout& layout,
                        std::shared_ptr<const std::string> token, const Actions::Abort& a) {
   Item item = MakeItem(job_id, layout, std::move(token), a.key);
-  v1::Abort* ab = item.frame.mutable_abort();
+  v1::Abort* ab = std::get<Frame>(item.what).frame.mutable_abort();
   ab->set_op(a.key.op);
   ab->set_seq(a.key.seq);
   ab->set_phase(a.key.phase);
   ab->set_code(int(a.status.code()));
   ab->set_message(std::string(a.status.message()));
+  ab->set_reason(wire::ReasonOf(a.status));
+  Enqueue(std::move(item));
+}
+
+void ParentLink::LayerNames(const std::string& job_id, const JobLayout& layout,
+                            std::shared_ptr<const std::string> token,
+                            const std::vector<v1::LayerName>& names) {
+  Item item = MakeItem(job_id, layout, std::move(token), RoundKey{});
+  v1::LayerNames* n = std::get<Frame>(item.what).frame.mutable_layer_names();
+  for (const v1::LayerName& name : names) *n->add_layers() = name;
   Enqueue(std::move(item));
 }
 
 void ParentLink::NodeState(const std::string& job_id, const Actions::NodeState& state) {
-  Item item;
-  item.job_id = job_id;
-  v1::NodeState* ns = item.frame.mutable_node_state();
+  Item item{job_id, Frame{}};
+  v1::NodeState* ns = std::get<Frame>(item.what).frame.mutable_node_state();
   ns->set_healthy(state.healthy);
   ns->set_message(state.message);
   Enqueue(std::move(item));
@@ -384,15 +401,18 @@ void ParentLink::Status(const v1::StatusRequest& request,
 }
 
 void ParentLink::FailItem(const Item& item, const absl::Status& status) {
-  if (!item.frame.has_contribution()) return;  // an abort that could not be sent: nothing waits
-  if (!item.wants_answer) {
+  const Frame* f = std::get_if<Frame>(&item.what);
+  // Only contributions wait for an answer (aborts, node states and leaves do not); the frame
+  // itself may have been moved out already.
+  if (f == nullptr || !f->contribution) return;
+  if (!f->wants_answer) {
     Log(LogLevel::kWarn, absl::StrCat("shadow partial for job '", item.job_id, "' round ",
-                                      Describe(item.key), " not sent to the root: ",
+                                      Describe(f->key), " not sent to the root: ",
                                       status.ToString()));
     return;
   }
   listener_->OnParentResult(item.job_id,
-                            wire::ErrorResult(item.key.op, item.key.seq, item.key.phase, status));
+                            wire::ErrorResult(f->key.op, f->key.seq, f->key.phase, status));
 }
 
 void ParentLink::FailParked(const absl::Status& status) {
@@ -403,17 +423,12 @@ void ParentLink::FailParked(const absl::Status& status) {
   }
 }
 
-void ParentLink::Leave(const std::string& job_id) {
-  Item item;
-  item.job_id = job_id;
-  item.leave = true;
-  Enqueue(std::move(item));
-}
+void ParentLink::Leave(const std::string& job_id) { Enqueue(Item{job_id, LeaveItem{}}); }
 
-void ParentLink::StartJoin(const Item& item) {
+void ParentLink::StartJoin(const std::string& job_id, const Frame& item) {
   v1::JoinRequest req;
   req.set_protocol_version(v1::PROTOCOL_VERSION_2);
-  req.set_job_id(item.job_id);
+  req.set_job_id(job_id);
   req.set_kind(v1::MEMBER_KIND_AGGREGATOR);
   req.set_world_size(item.layout.world_size);
   req.set_local_world_size(item.layout.local_world_size);
@@ -423,28 +438,22 @@ void ParentLink::StartJoin(const Item& item) {
   req.set_strict_finite(item.layout.strict_finite);
   req.set_group_nodes(item.layout.group_nodes);
   req.set_incarnation(item.layout.incarnation);
-  if (auto last = last_session_.find(item.job_id); last != last_session_.end()) {
+  if (auto last = last_session_.find(job_id); last != last_session_.end()) {
     req.set_previous_session(last->second.Bytes());
   }
   if (item.token) req.set_token(*item.token);
   std::shared_ptr<void> on = conn_;
-  const std::string job_id = item.job_id;
   StartUnary<v1::JoinRequest, v1::JoinResponse>(
       &v1::Aggregator::Stub::PrepareAsyncJoin, req,
       std::chrono::duration_cast<std::chrono::milliseconds>(kConnectTimeout),
       [this, on, job_id](const grpc::Status& s, const v1::JoinResponse& resp) {
-        Item done;
-        done.job_id = job_id;
-        done.join_done = true;
-        done.join_status = s;
-        done.join_response = resp;
-        done.joined_on = on;
-        Enqueue(std::move(done));  // to the writer thread, in order with the job's frames
+        // To the writer thread, in order with the job's frames.
+        Enqueue(Item{job_id, JoinDoneItem{s, resp, on}});
       });
 }
 
-void ParentLink::JoinDone(Item& done) {
-  auto parked = parked_.find(done.job_id);
+void ParentLink::Joined(const std::string& job_id, const JoinDoneItem& done) {
+  auto parked = parked_.find(job_id);
   if (parked == parked_.end() || done.joined_on != std::static_pointer_cast<void>(conn_)) {
     return;  // its stream is gone: the parked items failed with it
   }
@@ -452,30 +461,34 @@ void ParentLink::JoinDone(Item& done) {
   parked_.erase(parked);
   absl::Status status;
   SessionId session;
-  if (!done.join_status.ok()) {
-    status = absl::Status(wire::FromGrpc(done.join_status).code(),
-                          absl::StrCat("joining job '", done.job_id, "' at the root ", address_,
-                                       " failed: ", done.join_status.error_message()));
-  } else if (!SessionId::FromBytes(done.join_response.session(), &session)) {
+  if (!done.status.ok()) {
+    status = wire::WithMessage(wire::FromGrpc(done.status),
+                               absl::StrCat("joining job '", job_id, "' at the root ", address_,
+                                            " failed: ", done.status.error_message()));
+  } else if (!SessionId::FromBytes(done.response.session(), &session)) {
     status = absl::InternalError(absl::StrCat("the root ", address_, " answered Join for job '",
-                                              done.job_id, "' without a valid session; check "
+                                              job_id, "' without a valid session; check "
                                               "that it runs the same hsbn version"));
   }
   if (!status.ok()) {
     for (const Item& item : items) FailItem(item, status);
     return;
   }
-  if (done.join_response.accepts_batches()) conn_->EnableBatches();
-  conn_->session_of_job[done.job_id] = session;
-  last_session_[done.job_id] = session;
+  if (done.response.accepts_batches()) conn_->EnableBatches();
+  conn_->session_of_job[job_id] = session;
+  last_session_[job_id] = session;
   {
     absl::MutexLock lock(&jobs_mu_);
-    job_of_session_[session] = done.job_id;
+    job_of_session_[session] = job_id;
   }
   v1::ClientFrame attach;
   attach.mutable_attach()->add_sessions(session.Bytes());
   attach.mutable_attach()->set_accepts_batches(true);
-  if (!items.empty() && items.front().token) attach.mutable_attach()->set_token(*items.front().token);
+  // The first parked item is the frame whose forward started the Join.
+  if (const Frame* first = items.empty() ? nullptr : std::get_if<Frame>(&items.front().what);
+      first != nullptr && first->token) {
+    attach.mutable_attach()->set_token(*first->token);
+  }
   if (!conn_->Send(std::move(attach))) {
     for (const Item& item : items) {
       FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
@@ -485,7 +498,7 @@ void ParentLink::JoinDone(Item& done) {
   }
   bool left = false;
   for (size_t i = 0; i < items.size(); ++i) {
-    if (items[i].leave) {  // the job ended here while its Join was in flight
+    if (std::holds_alternative<LeaveItem>(items[i].what)) {  // the job ended while it joined
       Send(items[i]).IgnoreError();  // a leave never fails
       left = true;
       continue;
@@ -494,7 +507,7 @@ void ParentLink::JoinDone(Item& done) {
     // A parent that holds a new session for this node knows nothing of its lost workers: say
     // it again, after the first item (whose round completed here before).
     if (i == 0) {
-      if (std::string why; listener_->NodeDown(done.job_id, &why)) {
+      if (std::string why; listener_->NodeDown(job_id, &why)) {
         v1::ClientFrame down;
         down.mutable_node_state()->set_session(session.Bytes());
         down.mutable_node_state()->set_healthy(false);
@@ -506,25 +519,25 @@ void ParentLink::JoinDone(Item& done) {
   if (left) return;
   absl::MutexLock lock(&mu_);
   published_ = conn_;
-  published_sessions_[done.job_id] = session;
+  published_sessions_[job_id] = session;
 }
 
 void ParentLink::SendJoined(Item& item, const SessionId& session) {
-  if (item.frame.has_contribution()) item.frame.mutable_contribution()->set_session(session.Bytes());
-  if (item.frame.has_abort()) item.frame.mutable_abort()->set_session(session.Bytes());
-  if (item.frame.has_node_state()) item.frame.mutable_node_state()->set_session(session.Bytes());
-  if (!conn_->Send(std::move(item.frame))) {
+  v1::ClientFrame* frame = FrameOf(item);
+  if (frame == nullptr) return;
+  SetSession(frame, session);
+  if (!conn_->Send(std::move(*frame))) {
     FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
                                                        " broke")));
   }
 }
 
 absl::Status ParentLink::Send(Item& item) {
-  if (item.join_done) {
-    JoinDone(item);
+  if (const JoinDoneItem* done = std::get_if<JoinDoneItem>(&item.what)) {
+    Joined(item.job_id, *done);
     return absl::OkStatus();
   }
-  if (item.leave) {  // never connects just to leave, and never waits for the answer
+  if (std::holds_alternative<LeaveItem>(item.what)) {  // never connects just to leave, nor waits
     if (auto p = parked_.find(item.job_id); p != parked_.end()) {
       p->second.push_back(std::move(item));  // after its Join, in order with its frames
       return absl::OkStatus();
@@ -554,14 +567,15 @@ absl::Status ParentLink::Send(Item& item) {
     }
     return absl::OkStatus();
   }
-  if (item.frame.has_node_state() && !parked_.count(item.job_id)) {
+  Frame& f = std::get<Frame>(item.what);
+  if (f.frame.has_node_state() && !parked_.count(item.job_id)) {
     // Only news for a root that holds this node's session in the job: never connects or joins
     // just to say it (a root that never saw the job has no round waiting for this node).
     if (!conn_ || conn_->broken()) return absl::OkStatus();
     auto it = conn_->session_of_job.find(item.job_id);
     if (it == conn_->session_of_job.end()) return absl::OkStatus();
-    item.frame.mutable_node_state()->set_session(it->second.Bytes());
-    conn_->Send(std::move(item.frame));
+    f.frame.mutable_node_state()->set_session(it->second.Bytes());
+    conn_->Send(std::move(f.frame));
     return absl::OkStatus();
   }
   if (conn_ && conn_->broken()) {
@@ -606,7 +620,7 @@ absl::Status ParentLink::Send(Item& item) {
   }
   auto found = conn_->session_of_job.find(item.job_id);
   if (found == conn_->session_of_job.end()) {
-    StartJoin(item);
+    StartJoin(item.job_id, f);
     parked_[item.job_id].push_back(std::move(item));
     return absl::OkStatus();
   }
@@ -616,14 +630,15 @@ absl::Status ParentLink::Send(Item& item) {
 
 void ParentLink::WriterLoop() {
   for (;;) {
-    Item item;
+    std::optional<Item> next;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(this, &ParentLink::WriterHasWork));
       if (stopping_) break;
-      item = std::move(queue_.front());
+      next.emplace(std::move(queue_.front()));
       queue_.pop_front();
     }
+    Item& item = *next;
     absl::Status s = Send(item);
     if (!s.ok()) FailItem(item, s);
   }

@@ -25,6 +25,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <variant>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -73,6 +74,11 @@ class ParentLink {
                std::shared_ptr<const std::string> token, const Actions::Forward& f);
   void Abort(const std::string& job_id, const JobLayout& layout,
              std::shared_ptr<const std::string> token, const Actions::Abort& a);
+  // Layer names of the job, for the parent's Status (joins the job at the parent if need be,
+  // in order with its partials).
+  void LayerNames(const std::string& job_id, const JobLayout& layout,
+                  std::shared_ptr<const std::string> token,
+                  const std::vector<v1::LayerName>& names);
   // This node is down in the job (a worker crashed) or back: tell the parent, if it holds the
   // node's session in the job (never connects or joins just for this).
   void NodeState(const std::string& job_id, const Actions::NodeState& state);
@@ -88,19 +94,26 @@ class ParentLink {
   const std::string& address() const { return address_; }
 
  private:
-  struct Item {
-    std::string job_id;
+  // One entry of the writer's queue, for job_id: a frame for the job's session at the parent,
+  // a Leave of the job, or the completion of the job's Join (acted on by the writer thread only,
+  // in order with the job's frames).
+  struct Frame {
     JobLayout layout;
     std::shared_ptr<const std::string> token;
     v1::ClientFrame frame;
     RoundKey key;
-    bool wants_answer = false;  // a global round: its failure to send must fail the round
-    bool leave = false;         // not a frame: leave job_id at the parent
-    // Not a frame: the Join of job_id at the parent on stream `joined_on` completed.
-    bool join_done = false;
-    grpc::Status join_status;
-    v1::JoinResponse join_response;
-    std::shared_ptr<void> joined_on;
+    bool contribution = false;  // a partial: its failure to send is reported (FailItem)
+    bool wants_answer = false;  // ... to the listener, failing its round (not shadow)
+  };
+  struct LeaveItem {};
+  struct JoinDoneItem {
+    grpc::Status status;
+    v1::JoinResponse response;
+    std::shared_ptr<void> joined_on;  // the stream it was made on
+  };
+  struct Item {
+    std::string job_id;
+    std::variant<Frame, LeaveItem, JoinDoneItem> what;
   };
   class ParentStream;
   template <typename Req, typename Resp>
@@ -108,6 +121,12 @@ class ParentLink {
 
   static Item MakeItem(const std::string& job_id, const JobLayout& layout,
                        std::shared_ptr<const std::string> token, const RoundKey& key);
+  // The frame of a Frame item, null for the others.
+  static void SetSession(v1::ClientFrame* frame, const SessionId& session);
+  static v1::ClientFrame* FrameOf(Item& item) {
+    Frame* f = std::get_if<Frame>(&item.what);
+    return f ? &f->frame : nullptr;
+  }
   void Enqueue(Item item) ABSL_LOCKS_EXCLUDED(mu_);
   void Unpublish() ABSL_LOCKS_EXCLUDED(mu_);
   void WriterLoop() ABSL_LOCKS_EXCLUDED(mu_);
@@ -116,8 +135,8 @@ class ParentLink {
   }
   // Writer thread: sends `item` (or parks it until its job's Join at the parent completes).
   absl::Status Send(Item& item);
-  void StartJoin(const Item& item);
-  void JoinDone(Item& done);
+  void StartJoin(const std::string& job_id, const Frame& first);
+  void Joined(const std::string& job_id, const JoinDoneItem& done);
   void SendJoined(Item& item, const SessionId& session);
   // Writer thread: every parked item fails with `status` (the stream they waited for is gone).
   void FailParked(const absl::Status& status);

@@ -8,7 +8,14 @@
 
 namespace hsbn::server {
 
+static absl::Status CheckJobIdText(const std::string& job_id);
+
 absl::Status CheckJobId(const std::string& job_id) {
+  absl::Status s = CheckJobIdText(job_id);
+  return wire::WithReason(s, v1::REASON_JOB_ID);
+}
+
+absl::Status CheckJobIdText(const std::string& job_id) {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id is empty: set HSBN_JOB_ID");
   if (job_id.size() > 256) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -22,6 +29,29 @@ absl::Status CheckJobId(const std::string& job_id) {
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status Registry::RefuseInJob(const v1::JoinRequest& req, const absl::Status& refusal,
+                                   Actions* out) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(req.job_id());
+  if (it != jobs_.end()) TellJobLocked(*it->second, req, refusal, out);
+  return refusal;
+}
+
+void Registry::TellJobLocked(Job& job, const v1::JoinRequest& req, const absl::Status& refusal,
+                             Actions* out) {
+  // Only a layout refusal, of the job's own run: the job cannot run as launched. (With tokens
+  // on, the caller presented the job's token before any layout check.)
+  const v1::Reason reason = wire::ReasonOf(refusal);
+  if ((reason != v1::REASON_LAYOUT && reason != v1::REASON_GROUP_NODES) ||
+      req.incarnation() != job.layout().incarnation) {
+    return;
+  }
+  job.Refused(wire::WithMessage(
+                  refusal, absl::StrCat("job '", job.id(), "' cannot run as launched: a process "
+                                        "joining it was refused (", refusal.message(), ")")),
+              out);
 }
 
 Registry::Registry(RegistryOptions options)
@@ -38,15 +68,19 @@ absl::Status Registry::CheckRequest(const v1::JoinRequest& req, const std::strin
     absl::Status s = wire::CheckWorkerLayout(req.rank(), req.world_size(), req.local_rank(),
                                              req.local_world_size(), req.node_rank(),
                                              options_.max_world_size, req.group_nodes());
-    if (!s.ok()) return absl::Status(s.code(), absl::StrCat(who, " of job '", req.job_id(), "': ",
-                                                            s.message()));
+    if (!s.ok()) {
+      return wire::WithMessage(s, absl::StrCat(who, " of job '", req.job_id(), "': ", s.message()));
+    }
     return absl::OkStatus();
   }
   if (req.world_size() <= 0) return bad("world_size (WORLD_SIZE) must be positive");
   if (req.world_size() > options_.max_world_size) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        who, " of job '", req.job_id(), "': WORLD_SIZE=", req.world_size(),
-        " is more than this aggregator serves (--max-world-size=", options_.max_world_size, ")"));
+    return wire::WithReason(
+        absl::ResourceExhaustedError(absl::StrCat(
+            who, " of job '", req.job_id(), "': WORLD_SIZE=", req.world_size(),
+            " is more than this aggregator serves (--max-world-size=", options_.max_world_size,
+            ")")),
+        v1::REASON_MAX_WORLD_SIZE);
   }
   if (req.local_world_size() <= 0 || req.world_size() % req.local_world_size() != 0) {
     return bad(absl::StrCat("local_world_size (LOCAL_WORLD_SIZE) is ", req.local_world_size(),
@@ -88,7 +122,7 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
   const std::string who = worker ? absl::StrCat("rank ", req.rank())
                                  : absl::StrCat("the sidecar of node ", req.node_rank());
   if (absl::Status s = CheckJobId(req.job_id()); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat(who, ": ", s.message()));
+    return wire::WithMessage(s, absl::StrCat(who, ": ", s.message()));
   }
   // Before anything touches the job: a refused Join creates no job and replaces no member.
   if (options_.tokens) {
@@ -96,7 +130,7 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
       return s;
     }
   }
-  if (absl::Status s = CheckRequest(req, who); !s.ok()) return s;
+  if (absl::Status s = CheckRequest(req, who); !s.ok()) return RefuseInJob(req, s, out);
   SessionId previous;
   if (!req.previous_session().empty() &&
       !SessionId::FromBytes(req.previous_session(), &previous)) {
@@ -147,16 +181,21 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
     std::shared_ptr<Job> job;
     if (it == jobs_.end()) {
       if (int32_t(jobs_.size()) >= options_.max_jobs) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "aggregator ", options_.id, " already serves ", jobs_.size(),
-            " jobs, its limit (--max-jobs); job '", req.job_id(), "' was refused"));
+        return wire::WithReason(
+            absl::ResourceExhaustedError(absl::StrCat(
+                "aggregator ", options_.id, " already serves ", jobs_.size(),
+                " jobs, its limit (--max-jobs); job '", req.job_id(), "' was refused")),
+            v1::REASON_MAX_JOBS);
       }
       JobLimits limits = options_.limits;
       limits.budget = budget_;
       job = std::make_shared<Job>(req.job_id(), layout, limits);
     } else {
       job = it->second;
-      if (absl::Status s = job->CheckLayout(layout, who); !s.ok()) return s;
+      if (absl::Status s = job->CheckLayout(layout, who); !s.ok()) {
+        TellJobLocked(*job, req, s, out);
+        return s;
+      }
     }
     while (sessions_.count(joined.session)) joined.session = SessionId::Random();
     if (absl::Status s = job->AddMember(index, joined.session, previous, Clock::now(), out);

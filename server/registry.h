@@ -94,6 +94,12 @@ class Registry {
 
   const RegistryOptions options_;
   const std::shared_ptr<MemoryBudget> budget_;
+  // A layout refusal of a Join to an existing job of the same run also reaches the job's
+  // members (Job::Refused). RefuseInJob returns `refusal`.
+  absl::Status RefuseInJob(const v1::JoinRequest& req, const absl::Status& refusal, Actions* out)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void TellJobLocked(Job& job, const v1::JoinRequest& req, const absl::Status& refusal,
+                     Actions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SessionId, SessionRef> sessions_ ABSL_GUARDED_BY(mu_);

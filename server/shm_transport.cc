@@ -508,7 +508,24 @@ void ShmTransport::Tick() {
   for (int fd : stale) CloseConnLocked(fd);
 }
 
-void ShmTransport::MemberGone(const std::string& job_id, int32_t index, bool left) {
+void ShmTransport::Refuse(const std::string& job_id, const absl::Status& refusal) {
+  std::shared_ptr<shm::Segment> seg;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return;
+    // Ranks that wait for the node's transport must not wait for --shm-wait-ms: the stream,
+    // where the job's rounds fail with the refusal at once.
+    if (it->second.decision == Decision::kPending) {
+      DecideGrpcLocked(it->second, "a process joining the job was refused for its layout");
+    }
+    seg = it->second.segment;
+  }
+  if (seg) seg->Refuse(refusal);
+}
+
+void ShmTransport::MemberGone(const std::string& job_id, int32_t index, bool left,
+                              const std::string& aborted) {
   std::shared_ptr<shm::Segment> seg;
   {
     absl::MutexLock lock(&mu_);
@@ -516,7 +533,11 @@ void ShmTransport::MemberGone(const std::string& job_id, int32_t index, bool lef
     if (it == jobs_.end()) return;
     seg = it->second.segment;
   }
-  if (seg) seg->MarkGone(index, left ? 2 : 1);
+  if (seg && !aborted.empty()) {
+    seg->MarkAborted(index, aborted);
+  } else if (seg) {
+    seg->MarkGone(index, left ? 2 : 1);
+  }
 }
 
 void ShmTransport::DropJob(const std::string& job_id, const std::string& why) {
@@ -542,7 +563,8 @@ bool ShmTransport::ParentResult(const std::string& job_id, const v1::Result& res
   }
   const shm::Key key{result.op(), result.seq(), int32_t(result.phase())};
   if (result.code() != 0) {
-    seg->DeliverAll(key, result.code(), wire::Printable(result.message(), 1024), 0, 0, nullptr);
+    seg->DeliverAll(key, result.code(), wire::Printable(result.message(), 1024), 0, 0, nullptr,
+                    result.reason());
   } else if (int64_t(result.channels()) != channels ||
              int64_t(result.data().size()) != wire::PayloadBytes(channels) || result.count() < 0) {
     seg->DeliverAll(key, int32_t(absl::StatusCode::kInternal),
@@ -571,7 +593,10 @@ void ShmTransport::ParentLost(const absl::Status& status) {
     }
   }
   for (auto& [seg, key] : doomed) {
-    if (seg) seg->DeliverAll(key, int32_t(status.code()), std::string(status.message()), 0, 0, nullptr);
+    if (seg) {
+      seg->DeliverAll(key, int32_t(status.code()), std::string(status.message()), 0, 0, nullptr,
+                      int32_t(wire::ReasonOf(status)));
+    }
   }
 }
 

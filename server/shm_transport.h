@@ -79,8 +79,11 @@ class ShmTransport {
   absl::Status CheckJoin(const v1::JoinRequest& req);
   // After a worker's Join was admitted as local rank `index`: fills the response's shm fields.
   void Joined(const v1::JoinRequest& req, int32_t index, v1::JoinResponse* resp);
-  // The member's stream broke (left=false) or it left.
-  void MemberGone(const std::string& job_id, int32_t index, bool left);
+  // A process was refused joining `job_id` for its layout: its rounds fail with `refusal`.
+  void Refuse(const std::string& job_id, const absl::Status& refusal);
+  // The member's stream broke (left=false) or it left; `aborted` non-empty: it aborted, why.
+  void MemberGone(const std::string& job_id, int32_t index, bool left,
+                  const std::string& aborted = "");
   // The Registry dropped the job (or replaced it by a new run of it): its segment is invalidated,
   // and open rounds in it fail with `why`.
   void DropJob(const std::string& job_id, const std::string& why = "the job ended at the sidecar");

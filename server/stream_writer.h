@@ -40,6 +40,9 @@ struct WriterLimits {
   size_t max_batch_bytes = 4 << 20;      // most bytes put in one batch frame
 };
 
+// Which bound refused a frame.
+enum class Overflow { kQueue, kBudget };
+
 template <typename Traits>
 class StreamWriter {
  public:
@@ -68,7 +71,7 @@ class StreamWriter {
     if (over_cap || (limits_.budget && !limits_.budget->TryCharge(bytes))) {
       closed_ = true;
       DropPendingLocked();
-      OverflowLocked(over_cap ? "queue" : "budget");
+      OverflowLocked(over_cap ? Overflow::kQueue : Overflow::kBudget);
       return false;
     }
     queued_bytes_ += bytes;
@@ -128,8 +131,9 @@ class StreamWriter {
   // Starts the gRPC write of `frame` (which stays valid until WriteDone); counts its operation
   // with ++ops(). False when it could not start (the transport is shutting down).
   virtual bool StartWriteLocked(const Frame& frame) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
-  // A bound refused a frame (`which`: "queue" or "budget"): end the stream.
-  virtual void OverflowLocked(const char* which) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
+  // A bound refused a frame (`which`: the queue's --max-queued-bytes, or the memory budget):
+  // end the stream.
+  virtual void OverflowLocked(Overflow which) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
   // No write in flight and none to start.
   virtual void IdleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {}
 

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "hsbn/client.h"
+#include "hsbn/v1/hsbn.pb.h"
 #include "test_cluster.h"
 
 namespace hsbn {
@@ -255,6 +256,103 @@ TEST(Renorm, AKilledRootFailsTheWaitAtOnceAndNodeRoundsGoOn) {
   }
   for (auto& t : threads) t.join();
   for (const absl::Status& s : node) EXPECT_TRUE(s.ok()) << s;
+}
+
+// Shared-memory rounds never read the stream, which carries the late results: a layer that does
+// not ask for them (a warm-up) must not let them pile up at the sidecar, which ends a stream
+// more than --max-queued-bytes behind (and then counts the worker as gone).
+TEST(Renorm, LateResultsNobodyAsksForDoNotPileUpAtTheSidecar) {
+  // The sidecars' limit is small; the root's is not (its results to the sidecars are not
+  // what this tests).
+  cluster::ClusterOptions opts;
+  opts.nodes = 2;
+  opts.workers_per_node = 2;
+  opts.extra_flags = {"--max-queued-bytes=1048576"};
+  opts.root_flags = {"--max-queued-bytes=1073741824"};
+  auto started = cluster::LocalCluster::Start(opts);
+  ASSERT_TRUE(started.ok()) << started.status();
+  auto c = std::move(*started);
+  auto job = ConnectJob(*c, "renorm-unread", "auto");
+  for (auto& p : job) ASSERT_TRUE(p);
+  constexpr int64_t kChannels = 4096;  // 64 KiB of statistics per late result
+  constexpr int kRounds = 200;         // 12.5 MiB of late results per worker
+  std::vector<absl::Status> status(job.size());
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < job.size(); ++r) {
+    threads.emplace_back([&, r] {
+      std::vector<double> mean(kChannels, double(r)), m2(kChannels, 1.0), om(kChannels),
+          om2(kChannels);
+      int64_t count = 0;
+      for (int seq = 0; seq < kRounds && status[r].ok(); ++seq) {
+        status[r] = job[r]->Forward(9, uint64_t(seq), Scope::kRenorm, kChannels, 2, mean.data(),
+                                    m2.data(), &count, om.data(), om2.data());
+        // A global round now and then paces the partials to the root (the sidecar's link to
+        // the root has the same small limit); it does not read the stream either.
+        if (seq % 8 == 7 && status[r].ok()) {
+          status[r] = job[r]->Forward(10, uint64_t(seq), Scope::kGlobal, 1, 2, mean.data(),
+                                      m2.data(), &count, om.data(), om2.data());
+        }
+      }
+      if (status[r].ok()) {
+        status[r] = job[r]->GlobalStats(9, kRounds - 1, kChannels, &count, om.data(), om2.data());
+      }
+      if (status[r].ok() && count != 8) status[r] = absl::InternalError("wrong count");
+      if (status[r].ok()) {  // the first one is still kept
+        status[r] = job[r]->GlobalStats(9, 0, kChannels, &count, om.data(), om2.data());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t r = 0; r < job.size(); ++r) {
+    EXPECT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+    EXPECT_EQ(job[r]->Stats().transport, "shm");
+  }
+}
+
+// Layer names reach the root, which shows them in its divergence record (renorm rounds are
+// recorded there like shadow rounds; a renorm round's global statistics arriving means the
+// root has recorded it).
+TEST(Renorm, TheRootsDivergenceRecordNamesTheLayersTheWorkersNamed) {
+  auto c = StartCluster(2, 2);
+  ASSERT_TRUE(c);
+  auto job = ConnectJob(*c, "renorm-names", "");
+  for (auto& p : job) ASSERT_TRUE(p);
+  std::vector<absl::Status> status(job.size());
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < job.size(); ++r) {
+    threads.emplace_back([&, r] {
+      absl::Status s = job[r]->NameLayers({{5, "net:layer1.bn"}, {6, std::string("bad\x01name")}});
+      if (s.ok() && r == 0) s = job[r]->NameLayers({{5, "a second name"}});  // the first stays
+      std::vector<double> mean{double(r), 1.0}, m2{1.0, 2.0}, om(2), om2(2);
+      int64_t count = 0;
+      for (uint32_t op : {5u, 6u}) {
+        if (s.ok()) {
+          s = job[r]->Forward(op, 0, Scope::kRenorm, 2, 3, mean.data(), m2.data(), &count,
+                              om.data(), om2.data());
+        }
+        if (s.ok()) s = job[r]->GlobalStats(op, 0, 2, &count, om.data(), om2.data());
+      }
+      status[r] = s;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const absl::Status& s : status) ASSERT_TRUE(s.ok()) << s;
+  auto st = job[0]->Status(/*include_upstream=*/true);
+  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_TRUE(st->has_upstream());
+  ASSERT_EQ(st->upstream().jobs_size(), 1);
+  int named = 0, unnamed = 0;
+  for (const v1::Divergence& d : st->upstream().jobs(0).divergence()) {
+    if (d.op() == 5) {
+      EXPECT_EQ(d.layer(), "net:layer1.bn");
+      ++named;
+    } else if (d.op() == 6) {
+      EXPECT_EQ(d.layer(), "");  // not printable: dropped
+      ++unnamed;
+    }
+  }
+  EXPECT_EQ(named, 2);  // one record per node
+  EXPECT_EQ(unnamed, 2);
 }
 
 }  // namespace

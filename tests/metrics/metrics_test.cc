@@ -17,6 +17,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "aggregator_process.h"
+#include "grpcpp/grpcpp.h"
+#include "hsbn/v1/hsbn.grpc.pb.h"
+#include "wire.h"
 #include "gtest/gtest.h"
 #include "hsbn/v1/hsbn.pb.h"
 
@@ -539,6 +542,47 @@ TEST(Metrics, BuildInfoAndVersionFlagAgree) {
   EXPECT_EQ(Sample(text, "hsbn_max_world_size"), 77);
   EXPECT_EQ(Sample(text, "hsbn_memory_used_bytes"), 0);
   EXPECT_EQ(Sample(text, "hsbn_refused_total", L({{"reason", "memory_budget"}})), 0);
+}
+
+// A refused Join says why as a value (the status details' Reason, read by wire::FromGrpc), and
+// the refusal metric is counted by that value, not by words in the message.
+TEST(Metrics, JoinRefusalsCarryTheirReasonAndAreCountedByIt) {
+  TempDir dir;
+  auto agg = StartAggregator(dir.path(), "node0",
+                             {"--role=node", "--listen=unix:" + (dir / "node0.sock"),
+                              "--metrics-listen=127.0.0.1:0", "--max-world-size=2",
+                              "--max-jobs=1"});
+  ASSERT_TRUE(agg.ok()) << agg.status();
+  auto stub = v1::Aggregator::NewStub(
+      grpc::CreateChannel(agg->address, grpc::InsecureChannelCredentials()));
+  auto join = [&](const std::string& job, int world) {
+    v1::JoinRequest req;
+    req.set_protocol_version(v1::PROTOCOL_VERSION_2);
+    req.set_job_id(job);
+    req.set_kind(v1::MEMBER_KIND_WORKER);
+    req.set_rank(0);
+    req.set_world_size(world);
+    req.set_local_rank(0);
+    req.set_local_world_size(world);
+    req.set_node_rank(0);
+    v1::JoinResponse resp;
+    grpc::ClientContext ctx;
+    return wire::FromGrpc(stub->Join(&ctx, req, &resp));
+  };
+  absl::Status s = join("big", 4);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ(wire::ReasonOf(s), v1::REASON_MAX_WORLD_SIZE) << s;
+  s = join("bad id", 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(wire::ReasonOf(s), v1::REASON_JOB_ID) << s;
+  ASSERT_TRUE(join("first", 1).ok());
+  s = join("second", 1);
+  EXPECT_EQ(wire::ReasonOf(s), v1::REASON_MAX_JOBS) << s;
+  const std::string text = Scrape(*agg);
+  EXPECT_EQ(Sample(text, "hsbn_refused_total", L({{"reason", "world_size"}})), 1);
+  EXPECT_EQ(Sample(text, "hsbn_refused_total", L({{"reason", "job_id"}})), 1);
+  // --max-jobs has no label of its own (kRefusedReasons): "other".
+  EXPECT_EQ(Sample(text, "hsbn_refused_total", L({{"reason", "other"}})), 1);
 }
 
 }  // namespace

@@ -197,9 +197,9 @@ def state_numpy(model):
     return {k: v.detach().double().numpy().copy() for k, v in model.state_dict().items()}
 
 
-def ddp_train(initial_state, batches_by_rank):
-    """Converts SmallCNN to global-scope hsbn BatchNorm, wraps it in DDP (gloo) and trains it
-    on this rank's batches; returns the final state."""
+def ddp_train(initial_state, batches_by_rank, scope="global", options=None):
+    """Converts SmallCNN to hsbn BatchNorm of `scope` (with convert_sync_batchnorm's `options`),
+    wraps it in DDP (gloo) and trains it on this rank's batches; returns the final state."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     torch.set_num_threads(1)
@@ -207,7 +207,7 @@ def ddp_train(initial_state, batches_by_rank):
     try:
         model = SmallCNN()
         model.load_state_dict({k: torch.from_numpy(v) for k, v in initial_state.items()})
-        model = hsbn.torch.convert_sync_batchnorm(model, scope="global")
+        model = hsbn.torch.convert_sync_batchnorm(model, scope=scope, **(options or {}))
         ddp = DistributedDataParallel(model)
         train(ddp, batches_by_rank[dist.get_rank()])
         return state_numpy(model)
@@ -227,7 +227,8 @@ def kill_self():
 
 def shadow_divergence_by_name(nodes, timeout=30.0):
     """Trains a converted two-layer model in shadow scope on this rank's data (shifted by its
-    node) and returns hsbn.torch.divergence(model) once the root has a record of every node."""
+    node) and returns hsbn.torch.divergence(model) once the root has a record of every node,
+    with the root's own record under "_root": {op: layer name it shows}."""
     torch.manual_seed(7)
     model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 1), torch.nn.BatchNorm2d(3),
                                 torch.nn.ReLU(), torch.nn.Conv2d(3, 3, 1), torch.nn.BatchNorm2d(3))
@@ -242,5 +243,8 @@ def shadow_divergence_by_name(nodes, timeout=30.0):
         div = hsbn.torch.divergence(model)
         if (len(div) == 2 and all(len(rows) >= nodes and all(r["rounds"] >= 2 for r in rows)
                                   for rows in div.values())) or time.monotonic() > deadline:
+            root = _job_status(client.status(include_upstream=True).get("upstream", {}),
+                               client.job_id) or {}
+            div["_root"] = {int(d["op"]): d.get("layer", "") for d in root.get("divergence", [])}
             return div
         time.sleep(0.05)

@@ -40,3 +40,28 @@ def test_ddp_training_in_global_scope_equals_single_process_training(transport_e
             assert err <= 1e-5, "rank %d, %s: relative error %.3g" % (rank, key, err)
     # Training moved the weights: the comparison is not of two untouched copies.
     assert rel_err(initial["conv1.weight"], expected["conv1.weight"]) > 1e-3
+
+
+def test_ddp_training_in_renorm_scope_ends_with_the_same_state_on_every_rank(transport_env):
+    # DDP averages the gradients and renorm's running statistics are the job's: every rank must
+    # end with the same bits, with DDP's default broadcast_buffers and the correction on from
+    # the second step (no warm-up, no ramp, wide limits).
+    torch.manual_seed(1)
+    initial = {k: v.astype(np.float32) if v.dtype == np.float64 and "num_batches" not in k
+               else v.astype(np.int64)
+               for k, v in hsbn_cases.state_numpy(hsbn_cases.SmallCNN()).items()}
+    rng = np.random.default_rng(1)
+    batches = [[(rng.standard_normal((PER_WORKER, 3, 6, 6)).astype(np.float32)
+                 + np.float32(2 * (r // 2)), rng.integers(0, 5, PER_WORKER).astype(np.int64))
+                for _ in range(STEPS)] for r in range(WORKERS)]
+    options = dict(renorm_warmup=0, renorm_ramp=0, renorm_r_max=10.0, renorm_d_max=10.0)
+    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2, round_timeout_ms=30000) as c:
+        out = c.run(hsbn_cases.and_transport, hsbn_cases.ddp_train, initial, batches, "renorm",
+                    options, timeout=240)
+    assert [used for _, used in out] == [transport_env] * WORKERS
+    states = [state for state, _ in out]
+    for rank, state in enumerate(states[1:], 1):
+        for key in states[0]:
+            assert np.array_equal(state[key], states[0][key]), (rank, key)
+    # The running statistics moved from their initial values, to the job's (not a node's).
+    assert rel_err(initial["bn1.running_mean"], states[0]["bn1.running_mean"]) > 1e-3

@@ -264,9 +264,9 @@ def test_outputs_and_gradients_equal_renorm_over_the_node_batch_with_global_popu
     r, d = ref["rd"][2]
     assert np.all(np.abs(r - 1.0) > 1e-3) and np.all(np.abs(d) > 0.05)
     assert np.all(r < 3.0) and np.all(r > 1 / 3.0) and np.all(np.abs(d) < 5.0)
-    # The layer sent renorm forward rounds and node backward rounds; global statistics were
-    # asked for the round one call earlier, by every rank, from step 1 on.
-    assert job.scopes == {("forward", "renorm"), ("backward", "node")}
+    # The layer sent renorm rounds (its backward ones are node rounds on the wire); global
+    # statistics were asked for the round one call earlier, by every rank, from step 1 on.
+    assert job.scopes == {("forward", "renorm"), ("backward", "renorm")}
     assert sorted(s for _, _, s in job.global_calls) == sorted([0, 1, 2] * len(data))
 
 

@@ -102,6 +102,10 @@ def test_shadow_scope_gives_node_results_and_status_shows_divergence(pool):
 
 def test_divergence_is_reported_by_layer_name(pool):
     divs = pool.call(hsbn_cases.shadow_divergence_by_name, [(NODES,)] * 4)
+    # The root's own record (Status, the divergence file) names them too: the layers sent
+    # their names ("model:layer") to the aggregators.
+    for div in divs:
+        assert sorted(div.pop("_root").values()) == ["divnet:1", "divnet:4"]
     for div in divs:
         assert sorted(div) == ["1", "4"], div  # the BatchNorm layers' names in the Sequential
         for rows in div.values():

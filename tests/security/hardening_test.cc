@@ -352,8 +352,10 @@ TEST(Hardening, JobsThatNeverAttachExpire) {
   ExpectServes(side.address, "third");
 }
 
-// Only aggregators may send Abort: a worker's Abort does not fail its round-mates' round.
-TEST(Hardening, AWorkerCannotAbortRounds) {
+// A worker's Abort speaks only for the worker itself (docs/PROTOCOL.md, "A worker that
+// aborts"): whatever round it names, it means "this rank is gone", so its round-mates' round
+// fails naming the aborting rank, never another; and the aborted session is off its stream.
+TEST(Hardening, AWorkersAbortOnlyEverSaysThatItIsGone) {
   TempDir dir;
   Aggregator side = MustStart(dir.path(), "s", {"--role=node", "--listen=unix:" + (dir / "s.sock")});
   ASSERT_TRUE(side.process);
@@ -376,9 +378,12 @@ TEST(Hardening, AWorkerCannotAbortRounds) {
   ASSERT_TRUE(st1->Write(Contribution(s1, 3, 0, 2)));
   v1::ServerFrame f;
   ASSERT_TRUE(st0->Read(&f));
-  EXPECT_EQ(f.result().code(), 0) << f.result().message();
+  EXPECT_EQ(f.result().code(), int(grpc::StatusCode::ABORTED)) << f.result().message();
+  EXPECT_EQ(f.result().reason(), v1::REASON_MEMBER_ABORTED);
+  EXPECT_TRUE(absl::StrContains(f.result().message(), "rank 1 (node 0, local rank 1) aborted"))
+      << f.result().message();
   ASSERT_TRUE(st1->Read(&f));
-  EXPECT_EQ(f.result().code(), 0) << f.result().message();
+  EXPECT_EQ(f.result().code(), int(grpc::StatusCode::NOT_FOUND)) << f.result().message();
   c0.TryCancel();
   c1.TryCancel();
 }

@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -111,6 +113,10 @@ struct ClientOptions {
   // Which run of the job (IncarnationFromEnv): a restarted job's processes must use a higher
   // number than the previous run's, so that no aggregator mistakes them for the old run.
   uint64_t incarnation = 0;
+  // HSBN_DEBUG=INFO: say on stderr what the client does, one line each ("hsbn[rank R] ...");
+  // rounds are reported when their wait took longer than debug_slow (HSBN_DEBUG_SLOW_MS).
+  bool debug = false;
+  std::chrono::milliseconds debug_slow{1000};
   // The policy of auto-scope ops without one of their own (Client::SetAutoPolicy); from
   // HSBN_AUTO_WARMUP, HSBN_AUTO_MAX_MEAN_SHIFT, HSBN_AUTO_MAX_LOG_VAR_RATIO,
   // HSBN_AUTO_RECHECK_EVERY.
@@ -120,13 +126,17 @@ struct ClientOptions {
   // (or TORCHELASTIC_RUN_ID), HSBN_ADDRESS, HSBN_ROUND_TIMEOUT_MS, HSBN_CONNECT_TIMEOUT_MS,
   // HSBN_TOKEN or HSBN_TOKEN_FILE, HSBN_STRICT_FINITE (1/0), HSBN_GROUP_NODES, the
   // HSBN_AUTO_* variables above, HSBN_INCARNATION (or TORCHELASTIC_RESTART_COUNT) and
-  // HSBN_TRANSPORT (auto/grpc): docs/ENVIRONMENT.md, parsed by the one table (client/env.h).
+  // HSBN_TRANSPORT (auto/grpc), HSBN_DEBUG and HSBN_DEBUG_SLOW_MS: docs/ENVIRONMENT.md, parsed
+  // by the one table (client/env.h).
   // INVALID_ARGUMENT naming the variable for a value outside its type or range.
   static absl::StatusOr<ClientOptions> FromEnv();
   static absl::StatusOr<ClientOptions> FromEnv(const env::Source& source);
   // Checks the layout for consistency (the errors name the variable to fix).
   absl::Status Validate() const;
 };
+
+// Reads HSBN_DEBUG and HSBN_DEBUG_SLOW_MS into options->debug and options->debug_slow.
+absl::Status DebugFromEnv(const env::Source& source, ClientOptions* options);
 
 // A round that was started and not yet waited for.
 class PendingRound;
@@ -198,6 +208,18 @@ class Client {
                                                       const double* b);
   // Waits for a started round and writes its result (outputs may alias the inputs).
   absl::Status Wait(PendingRound& round, int64_t* out_count, double* out_a, double* out_b);
+  // One slice of Wait: returns after at most `slice` with *done = false while the round is
+  // still open (call again; the round's deadline counts from the first slice), else as Wait
+  // with *done = true. Lets a caller look at other things (signals) while a round waits.
+  absl::Status WaitFor(PendingRound& round, std::chrono::milliseconds slice, bool* done,
+                       int64_t* out_count, double* out_a, double* out_b);
+
+  // Gives up on the job: every round in flight and every later one fails at once with ABORTED
+  // and `reason`, and the sidecar is told, so every other rank's rounds fail at once too,
+  // naming this rank and `reason` (docs/PROTOCOL.md, "Abort"). The first call's reason
+  // stands; later calls do nothing. Safe from any thread, also while others wait in rounds.
+  // The client cannot be used for rounds afterwards: destroy it (a new one joins again).
+  void Abort(const std::string& reason);
 
   absl::Status Forward(uint32_t op, uint64_t seq, Scope scope, int64_t channels, int64_t count,
                        const double* mean, const double* m2, int64_t* out_count,
@@ -214,9 +236,21 @@ class Client {
   // A result stays available for later calls until 4096 newer ones (or 64 MiB) pushed it out.
   absl::Status GlobalStats(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
                            double* out_mean, double* out_m2);
+  // GlobalStats in slices of at most `slice` (for callers that must stay interruptible): when
+  // the slice ends first, *done = false and nothing is written; call again to go on (the round
+  // timeout counts from the first slice). *done = true: as GlobalStats.
+  absl::Status GlobalStatsFor(uint32_t op, uint64_t seq, int64_t channels,
+                              std::chrono::milliseconds slice, bool* done, int64_t* out_count,
+                              double* out_mean, double* out_m2);
   // Whether GlobalStats(op, seq) would return at once (the result, or its failure, is here).
   // Never blocks; reads what the stream has delivered so far.
   bool GlobalStatsReady(uint32_t op, uint64_t seq);
+
+  // Names the job's layers (op -> name) for the aggregators' Status and divergence record, which
+  // otherwise show op numbers. Sent once on the stream; the aggregators keep the first name of
+  // each op (printable ASCII, at most 256 bytes; at most 4096 per job). Names change no round.
+  // After a sidecar restart they are not sent again: give them again to have them there.
+  absl::Status NameLayers(const std::vector<std::pair<uint32_t, std::string>>& names);
 
   // Auto scope, per op. SetAutoPolicy: the op's policy (before its first auto round; a later
   // call with another policy is FAILED_PRECONDITION). AutoDecisionOf: what the op decided so

@@ -46,6 +46,30 @@ typedef enum hsbn_result {
   HSBN_UNAUTHENTICATED = 16
 } hsbn_result;
 
+/* Why a call failed, beside its code (hsbn_last_error_reason): programs branch on the code and
+ * this, never on the message's text. The numbers are the protocol's (hsbn.v1.Reason); values may
+ * be added, and one a program does not know means "not said". */
+typedef enum hsbn_reason {
+  HSBN_REASON_UNSPECIFIED = 0,          /* not said */
+  HSBN_REASON_MEMBER_DISCONNECTED = 1,  /* a member's stream broke while the round waited */
+  HSBN_REASON_MEMBER_LEFT = 2,          /* a member left the job while the round waited */
+  HSBN_REASON_MEMBER_ABORTED = 3,       /* a member aborted (hsbn_client_abort), with a reason */
+  HSBN_REASON_NODE_DOWN = 4,            /* another node lost a worker */
+  HSBN_REASON_TIMED_OUT = 5,            /* members did not contribute before the deadline */
+  HSBN_REASON_ROOT_SILENT = 6,          /* the root did not answer a forwarded round in time */
+  HSBN_REASON_INVALID_CONTRIBUTION = 7, /* a malformed or inconsistent contribution */
+  HSBN_REASON_COUNT_OVERFLOW = 8,       /* the members' counts overflow int64 */
+  HSBN_REASON_NONFINITE = 9,            /* a strict job's round has NaN or Inf */
+  HSBN_REASON_LAYOUT = 10,              /* an inconsistent RANK, WORLD_SIZE, ... */
+  HSBN_REASON_GROUP_NODES = 11,         /* HSBN_GROUP_NODES does not divide the nodes */
+  HSBN_REASON_MAX_WORLD_SIZE = 12,      /* WORLD_SIZE above the aggregator's --max-world-size */
+  HSBN_REASON_MAX_JOBS = 13,            /* the aggregator serves --max-jobs jobs already */
+  HSBN_REASON_JOB_ID = 14,              /* an empty, too long or unprintable job id */
+  HSBN_REASON_QUEUE_BYTES = 15,         /* the stream's reader fell --max-queued-bytes behind */
+  HSBN_REASON_MEMORY_BUDGET = 16,       /* the aggregator's memory budget is exhausted */
+  HSBN_REASON_CLIENT_ABORTED = 17       /* this client was aborted (hsbn_client_abort) */
+} hsbn_reason;
+
 typedef enum hsbn_scope {
   HSBN_SCOPE_NODE = 1,
   HSBN_SCOPE_GLOBAL = 2,
@@ -150,6 +174,11 @@ typedef struct hsbn_stats {
 const char* hsbn_result_string(hsbn_result code);
 /* Message of the last failed hsbn call on this thread ("" if none); never NULL. */
 const char* hsbn_last_error(void);
+/* The hsbn_reason of the last failed hsbn call on this thread (HSBN_REASON_UNSPECIFIED if none
+ * or not said). */
+int hsbn_last_error_reason(void);
+/* Name of a reason ("MEMBER_ABORTED"; "UNSPECIFIED" for 0 and unknown values); never NULL. */
+const char* hsbn_reason_string(int reason);
 /* The value of environment variable `name` (one of docs/ENVIRONMENT.md's) as hsbn reads it:
  * checked against its type and range, written canonically (integers in decimal, flags 0/1),
  * with its fallback (HSBN_JOB_ID: TORCHELASTIC_RUN_ID; HSBN_TOKEN: the contents of
@@ -190,7 +219,8 @@ hsbn_result hsbn_check_layout_groups(int64_t rank, int64_t world_size, int64_t l
 hsbn_result hsbn_client_create(const hsbn_options* options, hsbn_client** out);
 /* Same, from RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, HSBN_JOB_ID,
  * HSBN_ADDRESS (default unix:/tmp/hsbn.sock), HSBN_ROUND_TIMEOUT_MS, HSBN_TOKEN / HSBN_TOKEN_FILE.
- * Both honour HSBN_STRICT_FINITE=1 (the job's strict mode: NaN/Inf fail rounds; docs/PROTOCOL.md). */
+ * Both honour HSBN_STRICT_FINITE=1 (the job's strict mode: NaN/Inf fail rounds; docs/PROTOCOL.md)
+ * and HSBN_DEBUG=INFO (what the client does, one line each on stderr). */
 hsbn_result hsbn_client_create_from_env(hsbn_client** out);
 /* Leaves the job and closes the stream. NULL is ignored. */
 void hsbn_client_destroy(hsbn_client* client);
@@ -210,6 +240,16 @@ hsbn_result hsbn_forward(hsbn_client* client, uint32_t op, uint64_t seq, hsbn_sc
 hsbn_result hsbn_client_global_stats(hsbn_client* client, uint32_t op, uint64_t seq,
                                      int64_t channels, int64_t* out_count, double* out_mean,
                                      double* out_m2);
+/* hsbn_client_global_stats in slices of at most timeout_ms: *done = 0 when the slice ended
+ * first (nothing written; call again, the round timeout counts from the first slice), else 1
+ * and the result as hsbn_client_global_stats's. */
+hsbn_result hsbn_client_global_stats_for(hsbn_client* client, uint32_t op, uint64_t seq,
+                                         int64_t channels, int64_t timeout_ms, int* done,
+                                         int64_t* out_count, double* out_mean, double* out_m2);
+/* Names n layers (ops[i] -> names[i], NUL-terminated) for the aggregators' Status and divergence
+ * record, which show op numbers otherwise; names change no round (hsbn::Client::NameLayers). */
+hsbn_result hsbn_client_name_layers(hsbn_client* client, const uint32_t* ops,
+                                    const char* const* names, size_t n);
 /* 1 when hsbn_client_global_stats(op, seq) would return at once, else 0 (-1: null client).
  * Never blocks. */
 int hsbn_client_global_stats_ready(hsbn_client* client, uint32_t op, uint64_t seq);
@@ -228,6 +268,20 @@ hsbn_result hsbn_round_start(hsbn_client* client, hsbn_phase phase, uint32_t op,
                              hsbn_scope scope, int64_t channels, int64_t count, const double* a,
                              const double* b, hsbn_round** out);
 hsbn_result hsbn_round_wait(hsbn_round* round, int64_t* out_count, double* out_a, double* out_b);
+/* One slice of hsbn_round_wait, at most timeout_ms long: *done = 0 (and HSBN_OK) while the round
+ * is still open: the round stays valid, call again (its deadline counts from the first slice);
+ * *done = 1: as hsbn_round_wait (the outputs written, the round freed, the result code its
+ * outcome). For callers that must look at other things while they wait: Python waits in slices
+ * of 200 ms so that Ctrl-C raises KeyboardInterrupt. */
+hsbn_result hsbn_round_wait_for(hsbn_round* round, int64_t timeout_ms, int* done,
+                                int64_t* out_count, double* out_a, double* out_b);
+
+/* Gives up on the job (NCCL's ncclCommAbort): every round of this client in flight and every
+ * later one fails at once with HSBN_ABORTED and `reason` (NULL: none given), and the sidecar is
+ * told, so every other rank's rounds fail at once too, with HSBN_ABORTED naming this rank and
+ * `reason` (docs/PROTOCOL.md, "Abort"). Callable from any thread, also while others wait in
+ * rounds of this client; the first call's reason stands. Destroy the client afterwards. */
+hsbn_result hsbn_client_abort(hsbn_client* client, const char* reason);
 
 /* The client's round statistics (see hsbn_stats); cheap, callable from any thread at any time.
  * INVALID_ARGUMENT if struct_size is smaller than the first version of hsbn_stats (one that

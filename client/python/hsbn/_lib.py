@@ -264,6 +264,8 @@ _p_void = ctypes.c_void_p
 _SIGNATURES = {
     "hsbn_result_string": (ctypes.c_char_p, [_c_int]),
     "hsbn_last_error": (ctypes.c_char_p, []),
+    "hsbn_last_error_reason": (_c_int, []),
+    "hsbn_reason_string": (ctypes.c_char_p, [_c_int]),
     "hsbn_abi_version": (_c_int, []),
     "hsbn_check_layout": (_c_int, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_int64, ctypes.c_int64]),
@@ -284,10 +286,17 @@ _SIGNATURES = {
     "hsbn_round_start": (_c_int, [_p_void, _c_int, _c_u32, _c_u64, _c_int, _c_i64, _c_i64, _p_dbl,
                                   _p_dbl, ctypes.POINTER(_p_void)]),
     "hsbn_round_wait": (_c_int, [_p_void, _p_i64, _p_dbl, _p_dbl]),
+    "hsbn_round_wait_for": (_c_int, [_p_void, _c_i64, ctypes.POINTER(_c_int), _p_i64, _p_dbl,
+                                     _p_dbl]),
+    "hsbn_client_abort": (_c_int, [_p_void, ctypes.c_char_p]),
     "hsbn_client_stats": (_c_int, [_p_void, ctypes.POINTER(CStats)]),
     "hsbn_client_global_stats": (_c_int, [_p_void, _c_u32, _c_u64, _c_i64, _p_i64, _p_dbl,
                                           _p_dbl]),
     "hsbn_client_global_stats_ready": (_c_int, [_p_void, _c_u32, _c_u64]),
+    "hsbn_client_global_stats_for": (_c_int, [_p_void, _c_u32, _c_u64, _c_i64, _c_i64,
+                                              ctypes.POINTER(_c_int), _p_i64, _p_dbl, _p_dbl]),
+    "hsbn_client_name_layers": (_c_int, [_p_void, ctypes.POINTER(_c_u32),
+                                         ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t]),
     "hsbn_client_reset_stats": (_c_int, [_p_void]),
     "hsbn_status_json": (_c_int, [_p_void, _c_int, ctypes.c_char_p, ctypes.c_size_t,
                                   ctypes.POINTER(ctypes.c_size_t)]),
@@ -343,6 +352,13 @@ def result_name(code):
 
 def last_error():
     return lib().hsbn_last_error().decode("utf-8", "replace")
+
+
+def last_error_reason():
+    """The reason of the last failed call on this thread, by name ("MEMBER_ABORTED"), or
+    "UNSPECIFIED"."""
+    handle = lib()
+    return handle.hsbn_reason_string(handle.hsbn_last_error_reason()).decode("ascii", "replace")
 
 
 # --- the BatchNorm kernels' C ABI (kernels/include/hsbn/bn_kernels_c.h) ------------------------

@@ -13,6 +13,8 @@ import json
 import math
 import multiprocessing.util
 import os
+import signal
+import sys
 import threading
 import time
 
@@ -313,6 +315,7 @@ class Client:
         self.group_nodes = group_nodes
         self.max_channels = info.max_channels
         self.aggregator_round_timeout_ms = info.round_timeout_ms
+        _watch_interrupts(self)
 
     @classmethod
     def from_env(cls, env=None, **overrides):
@@ -364,7 +367,7 @@ class Client:
         if self._handle is None:
             raise UnavailableError("UNAVAILABLE: this hsbn.Client is closed", UNAVAILABLE)
 
-    def _round(self, fn, what, op, seq, scope, count, a, b):
+    def _round(self, phase, what, op, seq, scope, count, a, b):
         self._check_open()
         try:
             scope_code = SCOPES[scope]
@@ -381,22 +384,52 @@ class Client:
         dp = ctypes.POINTER(ctypes.c_double)
         if scope == "renorm" and what == "forward":
             self._renorm_channels[int(op) & 0xFFFFFFFF] = channels
-        rc = fn(self._handle, int(op), int(seq), scope_code, channels, int(count),
-                a.ctypes.data_as(dp), b.ctypes.data_as(dp), ctypes.byref(out_count),
-                out_a.ctypes.data_as(dp), out_b.ctypes.data_as(dp))
+        rnd = ctypes.c_void_p()
+        rc = self._lib.hsbn_round_start(self._handle, phase, int(op), int(seq), scope_code,
+                                        channels, int(count), a.ctypes.data_as(dp),
+                                        b.ctypes.data_as(dp), ctypes.byref(rnd))
+        if rc == 0:
+            rc = self._wait(rnd, ctypes.byref(out_count), out_a.ctypes.data_as(dp),
+                            out_b.ctypes.data_as(dp))
         if rc != 0:
             raise error_for(rc, "%s round of %s (op=%d, seq=%d, scope %s, rank %d of job %r) "
                             "failed: %s" % (what, op_label(op), op, seq, scope, self.rank,
                                             self.job_id, _lib.last_error()))
         return out_count.value, out_a, out_b
 
+    def _wait(self, rnd, out_count, out_a, out_b):
+        """Waits for a started round in slices of _WAIT_SLICE_MS: between them the main thread
+        runs Python's signal handlers, so Ctrl-C raises KeyboardInterrupt here within a slice.
+        An exception in the wait aborts the client (the job's other ranks learn at once)."""
+        done = ctypes.c_int(0)
+        side = threading.current_thread() is not threading.main_thread()
+        if side:
+            with _waits_lock:
+                _side_waits[id(self)] = _side_waits.get(id(self), 0) + 1
+        try:
+            while True:
+                rc = self._lib.hsbn_round_wait_for(rnd, _WAIT_SLICE_MS, ctypes.byref(done),
+                                                   out_count, out_a, out_b)
+                if done.value:
+                    return rc
+        except BaseException as e:
+            self.abort("%s while waiting in a round" % type(e).__name__)
+            while not done.value:  # ends at once now; frees the round
+                self._lib.hsbn_round_wait_for(rnd, _WAIT_SLICE_MS, ctypes.byref(done),
+                                              out_count, out_a, out_b)
+            raise
+        finally:
+            if side:
+                with _waits_lock:
+                    _side_waits[id(self)] -= 1
+
     def forward(self, op, seq, scope, count, mean, m2):
         """Contributes (count, mean[C], m2[C]); returns the scope's (count, mean, m2)."""
-        return self._round(self._lib.hsbn_forward, "forward", op, seq, scope, count, mean, m2)
+        return self._round(_lib.PHASE_FORWARD, "forward", op, seq, scope, count, mean, m2)
 
     def backward(self, op, seq, scope, count, sum_dy, sum_dy_xmu):
         """Contributes (sum_dy[C], sum_dy_xmu[C]); returns the scope's (count, sums...)."""
-        return self._round(self._lib.hsbn_backward, "backward", op, seq, scope, count, sum_dy,
+        return self._round(_lib.PHASE_BACKWARD, "backward", op, seq, scope, count, sum_dy,
                            sum_dy_xmu)
 
     def global_stats(self, op, seq, channels=None):
@@ -418,13 +451,38 @@ class Client:
         m2 = np.empty_like(mean)
         count = ctypes.c_int64()
         dp = ctypes.POINTER(ctypes.c_double)
-        rc = self._lib.hsbn_client_global_stats(self._handle, op, int(seq), channels,
-                                                ctypes.byref(count), mean.ctypes.data_as(dp),
-                                                m2.ctypes.data_as(dp))
+        args = (ctypes.byref(count), mean.ctypes.data_as(dp), m2.ctypes.data_as(dp))
+        done = ctypes.c_int(0)
+        # In slices, as _wait: Ctrl-C raises here within a slice (and aborts the client).
+        try:
+            while True:
+                rc = self._lib.hsbn_client_global_stats_for(self._handle, op, int(seq), channels,
+                                                            _WAIT_SLICE_MS, ctypes.byref(done),
+                                                            *args)
+                if done.value:
+                    break
+        except BaseException as e:
+            self.abort("%s while waiting for global statistics" % type(e).__name__)
+            raise
         if rc != 0:
             raise error_for(rc, "global statistics of %s (op=%d, seq=%d, rank %d of job %r): %s"
                             % (op_label(op), op, seq, self.rank, self.job_id, _lib.last_error()))
         return count.value, mean, m2
+
+    def name_layers(self, names):
+        """Names layers for the aggregators' Status and divergence record ({op: name}); the
+        first name given for an op is kept (printable ASCII, at most 256 bytes). hsbn.torch
+        names its layers by itself ("model:layer")."""
+        self._check_open()
+        items = [(int(op) & 0xFFFFFFFF, str(name).encode("ascii", "replace"))
+                 for op, name in dict(names).items()]
+        if not items:
+            return
+        ops = (ctypes.c_uint32 * len(items))(*[op for op, _ in items])
+        strs = (ctypes.c_char_p * len(items))(*[n for _, n in items])
+        rc = self._lib.hsbn_client_name_layers(self._handle, ops, strs, len(items))
+        if rc != 0:
+            raise error_for(rc, "naming layers failed: %s" % _lib.last_error())
 
     def global_stats_ready(self, op, seq):
         """True when global_stats(op, seq) would return at once (its result or its failure has
@@ -432,6 +490,15 @@ class Client:
         self._check_open()
         return self._lib.hsbn_client_global_stats_ready(self._handle, int(op) & 0xFFFFFFFF,
                                                         int(seq)) == 1
+
+    def abort(self, reason=None):
+        """Gives up on the job (like NCCL's ncclCommAbort): this client's rounds in flight and
+        all later ones fail at once with RoundFailedError (ABORTED) and `reason`, and so do the
+        rounds of every other rank of the job, naming this rank and `reason`. Safe from any
+        thread, also while another waits in a round. Close the client afterwards."""
+        handle = self._handle
+        if handle is not None:
+            self._lib.hsbn_client_abort(handle, str(reason or "").encode(errors="replace"))
 
     def status(self, include_upstream=True):
         """The sidecar's status as a dict (protobuf JSON names: jobs, upstream, divergence with
@@ -580,6 +647,67 @@ class Client:
                 % (getattr(self, "job_id", None), getattr(self, "rank", None),
                    getattr(self, "world_size", None), getattr(self, "node_rank", None),
                    getattr(self, "address", None), state))
+
+
+_debug_on = None
+
+
+def debug(rank, what):
+    """With HSBN_DEBUG=INFO, writes "hsbn[rank R] what" to stderr (as libhsbn does)."""
+    global _debug_on
+    if _debug_on is None:
+        try:
+            _debug_on = _env.get("HSBN_DEBUG") == "INFO"
+        except Exception:
+            _debug_on = False
+    if _debug_on:
+        sys.stderr.write("hsbn[rank %s] %s\n" % (rank, what))
+        sys.stderr.flush()
+
+
+# Round waits return to Python this often, so that signal handlers run (Ctrl-C).
+_WAIT_SLICE_MS = 200
+# Clients with a round wait in progress on a thread other than the main one (torch's autograd
+# threads), by id: SIGINT aborts them, since only the main thread sees KeyboardInterrupt.
+_side_waits = {}
+_waits_lock = threading.RLock()  # the SIGINT handler and finalizers may run inside it
+_clients = {}  # id -> weakref of every live Client, for the SIGINT handler
+_interrupt_hooked = False
+
+
+def _watch_interrupts(client):
+    """Registers `client` with the SIGINT handler. The handler is installed once, from the
+    main thread, over Python's default one only (a program's own handler is left alone): it
+    aborts the clients whose rounds wait on other threads, then raises KeyboardInterrupt as
+    the default handler does."""
+    global _interrupt_hooked
+    import weakref
+    with _waits_lock:
+        _clients[id(client)] = weakref.ref(client)
+        weakref.finalize(client, _forget_client, id(client))
+        if _interrupt_hooked or threading.current_thread() is not threading.main_thread():
+            return
+        _interrupt_hooked = True
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _on_sigint)
+    except (ValueError, OSError):  # not the main interpreter
+        pass
+
+
+def _forget_client(key):
+    with _waits_lock:
+        _clients.pop(key, None)
+        _side_waits.pop(key, None)
+
+
+def _on_sigint(signum, frame):
+    with _waits_lock:
+        waiting = [_clients[k]() for k, n in _side_waits.items() if n > 0 and k in _clients]
+    for client in waiting:
+        if client is not None:
+            client.abort("interrupted (SIGINT) while a round waited on another thread")
+    signal.default_int_handler(signum, frame)
 
 
 _default = None

@@ -33,12 +33,15 @@ CODE_NAMES = {
 
 
 class HsbnError(RuntimeError):
-    """A failed hsbn call. `code` is the status code number, `code_name` its name."""
+    """A failed hsbn call. `code` is the status code number, `code_name` its name, `reason` why,
+    as a name ("MEMBER_ABORTED", "TIMED_OUT", ...: hsbn.h's hsbn_reason without its prefix;
+    "UNSPECIFIED" when not said). Branch on these, never on the message's text."""
 
-    def __init__(self, message, code=UNKNOWN):
+    def __init__(self, message, code=UNKNOWN, reason="UNSPECIFIED"):
         super().__init__(message)
         self.code = code
         self.code_name = CODE_NAMES.get(code, str(code))
+        self.reason = reason
 
 
 class ConfigurationError(HsbnError, ValueError):
@@ -80,7 +83,16 @@ _BY_CODE = {
 }
 
 
-def error_for(code, message):
-    """The exception for a C ABI result code and message."""
+def error_for(code, message, reason=None):
+    """The exception for a C ABI result code and message; `reason` None: the reason of the
+    library's last failed call on this thread (call this right after that call)."""
+    if reason is None:
+        from . import _lib
+        try:
+            reason = _lib.last_error_reason()
+        except Exception:  # the library is not loaded: nothing failed in it
+            reason = "UNSPECIFIED"
     cls = _BY_CODE.get(code, HsbnError)
-    return cls("%s: %s" % (CODE_NAMES.get(code, str(code)), message), code)
+    err = cls("%s: %s" % (CODE_NAMES.get(code, str(code)), message), code)
+    err.reason = reason
+    return err

@@ -200,8 +200,10 @@ def diagnose(model, batches, *, num_batches=None, forward=None, client=None,
                 try:
                     got[lv] = client.forward(lay.op, seq + slot, lv, n, mean, m2)
                 except HsbnError as e:
-                    raise type(e)("%s (hsbn.torch.diagnose, layer %r, batch %d)"
-                                  % (e, lay.name, batch_index[0]), e.code) from None
+                    err = type(e)("%s (hsbn.torch.diagnose, layer %r, batch %d)"
+                                  % (e, lay.name, batch_index[0]), e.code)
+                    err.reason = e.reason
+                    raise err from None
                 if timed:
                     times[lv].append(time.perf_counter() - t0)
             gn, gmean, gm2 = got["global"]

@@ -50,6 +50,7 @@ class _ClientBook:
         self.seqs = {}     # op -> itertools.count of its next seq
         self.checks = {}   # (check op, digest) -> None when passed, its LayerMismatchError if not
         self.auto = {}     # op -> the auto-scope policy given to the client (a dict)
+        self.named = set()  # ops whose layer name was sent to the aggregators
 
     def next_seq(self, op):
         counter = self.seqs.get(op)
@@ -119,15 +120,18 @@ class _LayerCheck:
             raise
         except HsbnError as e:
             hint = ""
-            if e.code == INVALID_ARGUMENT:
+            # By code and reason, never by text: only errors about the check's rounds.
+            if e.code == INVALID_ARGUMENT and e.reason == "INVALID_CONTRIBUTION":
                 hint = (" The ranks disagree on the check itself: some have global or shadow "
                         "layers in model %r where others have only node layers (its scope here "
                         "is %s)." % (self.model, self.scope))
-            elif e.code == DEADLINE_EXCEEDED:  # by code: the ranks the timeout names
+            elif e.code == DEADLINE_EXCEEDED and e.reason == "TIMED_OUT":  # ranks it names
                 hint = (" The ranks named did not run model %r in training mode: every rank "
                         "must convert and run the same models, under the same name=."
                         % self.model)
-            raise type(e)(str(e) + hint, e.code) from None
+            err = type(e)(str(e) + hint, e.code)
+            err.reason = e.reason
+            raise err from None
 
     def describe(self, i):
         if i < len(self.entries):
@@ -142,7 +146,11 @@ class _LayerCheck:
         count, sums, squares = self._round(
             client, book, [n & 0xFFFF, n >> 16] + self._digest_slots(self.digest))
         if self._all_equal(count, sums, squares):
+            _debug(client, "layer check of model %r: the %d rank(s) of the round have the same "
+                           "%d synchronized layer(s)" % (self.model, count, n))
             return
+        _debug(client, "layer check of model %r: the ranks' synchronized layers differ; "
+                       "finding where" % (self.model,))
         # Bisection over prefix lengths: "prefix p equal everywhere" holds for p = 0 and fails
         # for p = the longest list (bounded by the sum of the lengths). Every rank sees the
         # same sums, so all take the same steps.
@@ -198,6 +206,12 @@ class _LayerCheck:
                 client.node_rank * client.local_world_size + s
             out[rank] = chunk.rstrip(b"\0").decode("utf-8", "replace")
         return out
+
+
+def _debug(client, what):
+    """HSBN_DEBUG=INFO: one line on stderr, as the library writes its own."""
+    from .. import client as _client
+    _client.debug(getattr(client, "rank", "?"), what)
 
 
 def _ranges(ranks):

@@ -83,7 +83,9 @@ def _fail(e, what, scope, seq, round_name):
             "model and scope; a rank that did not call it, or called it with another model, "
             "shows as a missing or mismatched member of this round, key op=%d seq=%d)"
             % (round_name, what, scope, what, CALL_OP, seq))
-    return type(e)(str(e) + hint, e.code)
+    err = type(e)(str(e) + hint, e.code)
+    err.reason = e.reason
+    return err
 
 
 def _start(kind, model, scope, client, no_record=None):

@@ -295,7 +295,7 @@ class RenormFunction(torch.autograd.Function):
         grad_x = None
         if need_x:
             npd = _NUMPY_DTYPES[ops.stat_dtype(x)]
-            _, sums = exchange(client.backward, op, seq, "node", count, packed,
+            _, sums = exchange(client.backward, op, seq, "renorm", count, packed,
                                lambda total, a, b: [a.astype(npd), b.astype(npd)])
             grad_x = ops.backward_elemt(dy, x, (mean, invstd), w, sums, total)
         return (grad_x, grad_w, grad_b) + (None,) * 10

@@ -240,6 +240,7 @@ class SyncBatchNorm(_BatchNorm):
             client = self._client()
             book = _book(client)
             self._check_model(client, book)
+            self._name_for_status(client, book)
             self._warn_about_ddp()
             if self.scope == "auto":
                 self._prepare_auto(client, book)
@@ -294,6 +295,17 @@ class SyncBatchNorm(_BatchNorm):
                                     self.running_var if track else None, self.eps, factor,
                                     client, self.op, seq, self._renorm, recompute,
                                     getattr(self, "cuda_ops", None))
+
+    def _name_for_status(self, client, book):
+        """Tells the aggregators this layer's name once per client, so that their Status and
+        divergence record say "model:layer" instead of an op number."""
+        send = getattr(client, "name_layers", None)  # None: a client without aggregators
+        if send is None or self.layer_name is None or self.op in book.named:
+            return
+        book.named.add(self.op)
+        name = (self.layer_name if self.model_name is None
+                else "%s:%s" % (self.model_name, self.layer_name))
+        send({self.op: name})
 
     def _client(self):
         if self.client is not None:
