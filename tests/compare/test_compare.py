@@ -14,7 +14,7 @@ from conftest import COMPARE, REPO
 from hsbncmp import cli, data
 
 SCRIPT = os.path.join(COMPARE, "hsbn_compare.py")
-# Every mode this hsbn has (group and auto come with the group scope).
+# Every mode this hsbn has (group and auto come with the group scope, renorm with its own).
 MODES = [m for m in cli.ALL_MODES if cli._mode_available(m)]
 
 
@@ -85,7 +85,7 @@ def test_smoke_every_mode_both_tasks(tmp_path, native_parts):
     cmd = [sys.executable, SCRIPT, "--nodes", "2", "--workers-per-node", "2", "--steps", "3",
            "--seeds", "1", "--test-size", "48", "--evals", "2", "--out", str(out),
            "--modes", ",".join(MODES), "--group-nodes", "1", "--precise-items", "6",
-           "--no-progress"]
+           "--no-progress", "--renorm", "warmup=1,ramp=2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for name in ("results.md", "results.json", "runs.csv", "compare.png"):
@@ -118,6 +118,18 @@ def test_smoke_every_mode_both_tasks(tmp_path, native_parts):
     # every mode of both tasks
     assert len(rows) == 2 * len(MODES)
     assert "sync_running_stats" in md and "precise_bn" in md
+    if "renorm" in MODES:
+        # --renorm is recorded with the defaults it did not name; with warm-up 1, the calls
+        # after the first used global statistics.
+        assert res["config"]["renorm"]["warmup"] == 1 and res["config"]["renorm"]["ramp"] == 2
+        assert res["config"]["renorm"]["lag"] >= 1
+        for r in res["runs"]:
+            if r["mode"] == "renorm":
+                # 3 steps x 4 workers x the model's BatchNorm layers
+                assert r["renorm"]["calls"] > 0 and r["renorm"]["calls"] % 12 == 0
+                assert 0 < r["renorm"]["global_uses"] < r["renorm"]["calls"]
+                assert 0.0 <= r["renorm"]["wait_share"] <= 1.0
+        assert "of its forward calls had to wait" in md
 
 
 def test_a_tiny_sweep_pairs_seeds_and_writes_its_report(tmp_path, native_parts):
@@ -155,6 +167,47 @@ def test_t_interval_of_paired_differences():
     half = 4.303 * d.std(ddof=1) / np.sqrt(3)
     assert p["n"] == 3 and p["seeds"] == [0, 1, 2]
     assert abs(p["mean"] - d.mean()) < 1e-12 and abs(p["hi"] - (d.mean() + half)) < 1e-12
+
+
+def test_renorm_options_from_the_command_line():
+    if not cli._mode_available("renorm"):
+        pytest.skip("this hsbn has no renorm scope")
+    from hsbn.torch import _renorm
+    args = cli.parse_args(["--renorm", "warmup=5, ramp=50,r_max=2.5", "--modes", "renorm"])
+    assert args.renorm == dict(_renorm.DEFAULTS, warmup=5, ramp=50, r_max=2.5)
+    assert cli.parse_args(["--modes", "renorm"]).renorm == _renorm.DEFAULTS
+    for bad in ("warmup", "speed=3", "warmup=1.5", "r_max=0.5", "d_max=x"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--renorm", bad])
+
+
+def test_sweep_analysis_of_renorm_pairs_target_and_paired_sync_ratio():
+    """renorm − node, global − renorm, renorm − (node + 0.8 (global − node)) paired by seed;
+    the sync ratio renorm/node taken per seed, then averaged with its t-interval."""
+    from hsbncmp import sweep
+    acc = {"node": [0.60, 0.62, 0.64], "renorm": [0.68, 0.69, 0.70], "global": [0.70, 0.71, 0.72]}
+    sync = {"node": [10.0, 20.0, 40.0], "renorm": [11.0, 22.0, 48.0], "global": [30.0] * 3}
+    runs = []
+    for m in acc:
+        for s in range(3):
+            r = {"seed": s, "mode": m, "metric": acc[m][s], "metric_sync_stats": acc[m][s],
+                 "metric_precise_bn": acc[m][s], "sync_ms": sync[m][s], "step_ms": 50.0}
+            if m == "renorm":
+                r["renorm"] = {"calls": 100, "global_uses": 80, "waits": 5 * (s + 1),
+                               "wait_share": 0.05 * (s + 1), "wait_ms_per_step": 0.1}
+            runs.append(r)
+    cell = sweep.analyze([{"batch": 4, "skew": 0.8, "seeds": [0, 1, 2], "runs": runs}])[0]
+    p = cell["pairs"]
+    assert abs(p["renorm-node"]["mean"] - 0.07) < 1e-12
+    assert abs(p["global-renorm"]["mean"] - 0.02) < 1e-12
+    target = [n + 0.8 * (g - n) for n, g in zip(acc["node"], acc["global"])]
+    assert abs(p["renorm-target"]["mean"] - np.mean(np.subtract(acc["renorm"], target))) < 1e-12
+    ratio = cell["paired_sync_ratios"]["renorm/node"]
+    assert ratio["n"] == 3 and abs(ratio["mean"] - np.mean([1.1, 1.1, 1.2])) < 1e-12
+    assert ratio["lo"] < ratio["mean"] < ratio["hi"]
+    assert abs(cell["summary"]["renorm"]["wait_share"] - 0.1) < 1e-12
+    md = "\n".join(sweep.goals([cell], (4, 0.8)))
+    assert "renorm − target" in md and "paired by seed = 1.13" in md
 
 
 def test_check_fails_on_a_real_difference():

@@ -134,6 +134,9 @@ def run_job(spec, data, job=None, body=train_steps, barrier=True, **renorm):
     """body(layer, steps) of every rank on a thread of its own; a barrier before each step makes
     every global result of the previous steps arrive before it is asked for (no waits)."""
     world = len(data)
+    # The limits reference() assumes unless given: these tests' own, not the library defaults.
+    renorm.setdefault("renorm_r_max", 3.0)
+    renorm.setdefault("renorm_d_max", 5.0)
     job = job or StandInJob()
     op = hsbn.torch.next_op()
     gate = threading.Barrier(world) if barrier else None

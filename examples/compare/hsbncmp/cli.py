@@ -19,9 +19,9 @@ from . import data, models, report, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__)))))
-ALL_MODES = ["local", "node", "shadow", "group", "auto", "global", "reference"]
-DIST_MODES = ["local", "node", "shadow", "group", "auto", "global"]
-DEFAULT_MODES = ["local", "node", "group", "auto", "global", "reference"]
+ALL_MODES = ["local", "node", "shadow", "group", "auto", "renorm", "global", "reference"]
+DIST_MODES = ["local", "node", "shadow", "group", "auto", "renorm", "global"]
+DEFAULT_MODES = ["local", "node", "group", "auto", "renorm", "global", "reference"]
 # The simulated cross-node link of the default run, in ms each way (docs/COMPARISON.md says
 # why this value).
 LINK_DELAY_MS = 1
@@ -43,6 +43,8 @@ on the same items in the same order, with the same global SGD batch, in each mod
   group      statistics of a group of --group-nodes consecutive nodes (hsbn scope "group")
   auto       hsbn scope "auto": shadow for a warm-up, then per layer node (or group) where
              its statistics stayed close to the global ones, global where they did not
+  renorm     node statistics renormalized toward the job's global statistics of the
+             previous call, merged off the critical path (hsbn scope "renorm"; --renorm)
   global     statistics of the global batch (hsbn scope "global")
   reference  one process, plain BatchNorm over the concatenated global batch
 Gradients are averaged with DDP over gloo. `global` must match `reference` up to
@@ -109,6 +111,10 @@ def parse_args(argv=None):
                    help="classification with a torchvision classifier by name instead of the "
                         "small CNN (e.g. resnet18; randomly initialized, gray items repeated "
                         "to 3 channels; needs python3-torchvision; with --task cls)")
+    g.add_argument("--renorm", default=None, metavar="KEY=VALUE,...",
+                   help="options of the renorm mode, from %s (default: hsbn.torch's "
+                        "defaults, recorded in the results' config), e.g. "
+                        "warmup=5,ramp=50,r_max=3,d_max=5" % ",".join(RENORM_KEYS))
     g = p.add_argument_group("training budget")
     g.add_argument("--train-size", type=int, default=4800,
                    help="training items drawn from Fashion-MNIST's 60000 (default 4800)")
@@ -206,6 +212,10 @@ def parse_args(argv=None):
             models.torchvision_model(args.model)
         except models.UnknownModel as e:
             p.error(str(e))
+    try:
+        args.renorm = renorm_options(args.renorm)
+    except ValueError as e:
+        p.error("--renorm: %s" % e)
     if args.perturb_mean is not None:
         try:
             layer, k = args.perturb_mean.split(",")
@@ -215,9 +225,40 @@ def parse_args(argv=None):
     return args
 
 
+RENORM_KEYS = ("lag", "momentum", "warmup", "r_max", "d_max", "ramp")
+
+
+def renorm_options(text):
+    """"key=value,..." (None: none) -> every renorm option, hsbn.torch's defaults for the ones
+    not given; ValueError naming a bad one. An hsbn without the renorm scope gives {}."""
+    given = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in RENORM_KEYS:
+            raise ValueError("%r is not KEY=VALUE with KEY from %s" % (item, ", ".join(RENORM_KEYS)))
+        try:
+            given[key] = int(value) if key in ("lag", "warmup", "ramp") else float(value)
+        except ValueError:
+            raise ValueError("%s=%s is not a number%s" % (
+                key, value.strip(), " (an int)" if key in ("lag", "warmup", "ramp") else ""))
+    if not _mode_available("renorm"):
+        if given:
+            raise ValueError("this hsbn has no scope 'renorm'")
+        return {}
+    from hsbn.errors import ConfigurationError
+    from hsbn.torch import _renorm
+    try:
+        return _renorm.renorm_options(**given)
+    except ConfigurationError as e:
+        raise ValueError(str(e))
+
+
 def _mode_available(mode):
-    """group and auto need an hsbn with those scopes."""
-    if mode not in ("group", "auto"):
+    """group, auto and renorm need an hsbn with those scopes."""
+    if mode not in ("group", "auto", "renorm"):
         return True
     import hsbn.client
     return mode in hsbn.client.SCOPES
@@ -495,7 +536,8 @@ def make_cfg(args, tasks, seeds, batch, skew):
             "group_nodes": args.group_nodes if "group" in args.modes or "auto" in args.modes
             else 0,
             "link_delay_ms": args.link_delay_ms, "precise_items": args.precise_items,
-            "perturb_mean": args.perturb_mean, "model": args.model}
+            "perturb_mean": args.perturb_mean, "model": args.model,
+            "renorm": dict(args.renorm) if "renorm" in args.modes else None}
 
 
 def run_cell(args, cfg, d, pool, cache, label=""):

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import data
 
-MODE_ORDER = ["local", "node", "shadow", "group", "auto", "global", "reference"]
+MODE_ORDER = ["local", "node", "shadow", "group", "auto", "renorm", "global", "reference"]
 TASK_NAME = {"cls": "classification", "seg": "segmentation"}
 METRIC_NAME = {"cls": "test accuracy", "seg": "test mIoU"}
 
@@ -29,6 +29,7 @@ def norm_batch(mode, cfg):
     return {"local": b, "node": b * cfg["workers_per_node"], "shadow": b * cfg["workers_per_node"],
             "group": group, "auto": group if cfg.get("group_nodes", 0) > 1
             else b * cfg["workers_per_node"],
+            "renorm": b * cfg["workers_per_node"],
             "global": b * cfg["world"], "reference": b * cfg["world"],
             "reference-reversed": b * cfg["world"]}[mode]
 
@@ -36,6 +37,8 @@ def norm_batch(mode, cfg):
 def _norm_batch_text(mode, cfg):
     if mode == "auto":
         return "%d–%d" % (norm_batch("auto", cfg), norm_batch("global", cfg))
+    if mode == "renorm":
+        return "%d, toward %d" % (norm_batch("renorm", cfg), norm_batch("global", cfg))
     return "%d" % norm_batch(mode, cfg)
 
 
@@ -68,7 +71,30 @@ def summarize(runs, cfg):
                                              for r in rs])),
                 "norm_batch": norm_batch(mode, cfg),
             }
+            if mode == "renorm":
+                out[task][mode].update(renorm_summary(rs))
     return out
+
+
+def renorm_summary(runs):
+    """Over renorm runs: the mean share of forward calls that waited for global statistics,
+    and of those that used them (the others: warm-up)."""
+    rr = [r["renorm"] for r in runs if r.get("renorm")]
+    if not rr:
+        return {"wait_share": None, "global_use_share": None}
+    return {"wait_share": float(np.mean([x["wait_share"] for x in rr])),
+            "global_use_share": float(np.mean([x["global_uses"] / max(x["calls"], 1)
+                                               for x in rr]))}
+
+
+def renorm_line(cfg, share, uses):
+    """One sentence on the renorm mode's options and waits."""
+    opts = ", ".join("%s %g" % kv for kv in (cfg.get("renorm") or {}).items())
+    return ("renorm (%s): %s of its forward calls had to wait for the global statistics "
+            "(%s used them; the others were warm-up); its sync time includes those waits."
+            % (opts or "hsbn.torch's defaults",
+               "—" if share is None else "%.1f%%" % (100 * share),
+               "—" if uses is None else "%.0f%%" % (100 * uses)))
 
 
 def divergence_table(runs, cfg):
@@ -146,6 +172,12 @@ def markdown(summary, divergence, check, cfg, command, environment):
     lines.append("The reference row is one process over the global batch (its ms/step is not "
                  "comparable: one process does all the work, without DDP or hsbn).")
     lines.append("")
+    for t in cfg["tasks"]:
+        s = summary[t].get("renorm")
+        if s is not None:
+            lines.append("%s: %s" % (TASK_NAME[t].capitalize(), renorm_line(
+                cfg, s.get("wait_share"), s.get("global_use_share"))))
+            lines.append("")
     lines.append("The same models scored with other running statistics: the plain average of "
                  "every worker's (naive), pooled over the job by `hsbn.torch.sync_running_stats` "
                  "(law of total variance, weighted by samples seen), and recomputed by "
@@ -262,8 +294,8 @@ def plot(path, runs, summary, cfg):
 
     tasks = cfg["tasks"]
     colors = {"local": "tab:red", "node": "tab:orange", "shadow": "tab:olive",
-              "group": "tab:purple", "auto": "tab:green", "global": "tab:blue",
-              "reference": "black"}
+              "group": "tab:purple", "auto": "tab:green", "renorm": "tab:cyan",
+              "global": "tab:blue", "reference": "black"}
     styles = {"reference": ":", "shadow": "--"}  # shadow computes what node does: dashed on it
     fig, axes = plt.subplots(len(tasks), 3, figsize=(15, 4.2 * len(tasks)), squeeze=False)
     for i, task in enumerate(tasks):

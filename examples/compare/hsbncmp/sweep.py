@@ -18,8 +18,9 @@ from . import cli, data, report
 _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
          2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
          2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
-GOAL_SHARE = 0.8   # auto >= node + 0.8 * (global - node)
-GOAL_TIME = 0.6    # at <= 60% of global's sync time
+GOAL_SHARE = 0.8   # auto and renorm >= node + 0.8 * (global - node)
+GOAL_TIME = 0.6    # auto at <= 60% of global's sync time
+GOAL_RENORM_TIME = 1.2   # renorm at <= 1.2 x node's sync time, paired by seed
 SCORINGS = [("metric", "rank 0"), ("metric_sync_stats", "sync_running_stats"),
             ("metric_precise_bn", "precise_bn")]
 
@@ -69,19 +70,29 @@ def analyze(cells):
                 row[key] = {"mean": mean, "std": std}
             if m == "auto":
                 row["auto_global_share"] = _auto_share(rs)
+            if m == "renorm":
+                row.update(report.renorm_summary(rs))
             summary[m] = row
         pairs = {}
         acc = {m: _by_seed(runs, m) for m in modes}
         for a, b in (("global", "node"), ("global", "local"), ("global", "group"),
                      ("group", "node"), ("auto", "node"), ("global", "auto"),
-                     ("global", "reference")):
+                     ("renorm", "node"), ("global", "renorm"), ("global", "reference")):
             if a in acc and b in acc:
                 pairs["%s-%s" % (a, b)] = paired(acc[a], acc[b])
-        if all(m in acc for m in ("auto", "node", "global")):
+        if "renorm" in acc and "node" in acc:
+            # renorm's running statistics are global ones; node's pooled over the job
+            # (sync_running_stats) are the nearest node-trained model scored alike.
+            pooled = _by_seed(runs, "node", "metric_sync_stats")
+            if pooled:
+                pairs["renorm-node sync_running_stats"] = paired(acc["renorm"], pooled)
+        if "node" in acc and "global" in acc:
             target = {s: acc["node"][s] + GOAL_SHARE * (acc["global"][s] - acc["node"][s])
                       for s in acc["node"] if s in acc["global"]}
-            pairs["auto-target"] = paired(acc["auto"], target)
-        for m in ("local", "node", "group", "auto"):
+            for m in ("auto", "renorm"):
+                if m in acc:
+                    pairs["%s-target" % m] = paired(acc[m], target)
+        for m in ("local", "node", "group", "auto", "renorm"):
             for key, name in SCORINGS[1:]:
                 other = _by_seed(runs, m, key)
                 if m in acc and other:
@@ -96,10 +107,28 @@ def analyze(cells):
         sync = {m: summary[m]["sync_ms"]["mean"] for m in summary}
         ratios = {"%s/global" % m: sync[m] / sync["global"]
                   for m in ("node", "group", "auto") if m in sync and sync.get("global")}
+        ratios.update({"%s/global" % m: sync[m] / sync["global"]
+                       for m in ("renorm",) if m in sync and sync.get("global")})
+        paired_ratios = {}
+        if "renorm" in summary and "node" in summary:
+            paired_ratios["renorm/node"] = paired_ratio(_by_seed(runs, "renorm", "sync_ms"),
+                                                        _by_seed(runs, "node", "sync_ms"))
+            # The whole step: renorm's host-side work (r, d, the fetches) is outside sync.
+            paired_ratios["renorm/node step"] = paired_ratio(
+                _by_seed(runs, "renorm", "step_ms"), _by_seed(runs, "node", "step_ms"))
         out.append({"batch": cell["batch"], "skew": cell["skew"], "seeds": cell["seeds"],
                     "summary": summary, "pairs": pairs, "sync_ratios": ratios,
-                    "check": cell.get("check")})
+                    "paired_sync_ratios": paired_ratios, "check": cell.get("check")})
     return out
+
+
+def paired_ratio(a, b):
+    """Mean, std, 95% t-interval and n of the ratios a[s] / b[s] over the seeds both have
+    (dicts seed -> value): each seed's runs share the machine's load of their moment, so the
+    ratio per seed cancels what load moves in both."""
+    seeds = [s for s in sorted(set(a) & set(b)) if b[s] > 0]
+    one = {s: 0.0 for s in seeds}
+    return paired({s: a[s] / b[s] for s in seeds}, one)
 
 
 def _auto_share(runs):
@@ -123,22 +152,33 @@ def _ci(p):
                                             p["n"])
 
 
+def _ratio(p):
+    if p["n"] < 2:
+        return "%.2f (n=%d)" % (p["mean"], p["n"])
+    return "%.2f [%.2f, %.2f] (n=%d)" % (p["mean"], p["lo"], p["hi"], p["n"])
+
+
 def markdown(analysis, cfg, command, env, default_cell, wall):
     lines = ["# hsbn sync-scope sweep (classification)", ""]
     lines.append("Command: `%s`" % command)
     lines.append("")
     lines.append(
-        "Topology %d nodes × %d workers (a group = %d nodes), sidecar–root link delayed by %d "
+        "Topology %d nodes × %d workers%s, sidecar–root link delayed by %d "
         "ms each way, %d training items × %g epoch(s) per run (steps = items / global "
         "batch), test accuracy on %s test items. Seeds are paired: every mode of a seed "
         "starts from the same weights and sees the same items in the same order. Accuracies "
         "in %%, mean ± std over seeds; differences are paired by seed, mean [95%% t-interval]. "
         "Sync: ms per step blocked in hsbn rounds (mean over workers and steps). Measured on "
         "%s. Total wall time %d min."
-        % (cfg["nodes"], cfg["workers_per_node"], cfg["group_nodes"] or 1,
+        % (cfg["nodes"], cfg["workers_per_node"],
+           " (a group = %d nodes)" % cfg["group_nodes"] if cfg["group_nodes"] else "",
            cfg["link_delay_ms"], cfg["train_size"], cfg["epochs"], cfg.get("test_items", "all"),
            env["machine"], round(wall / 60)))
     lines.append("")
+    if cfg.get("renorm"):
+        lines.append("renorm's options: %s. Its sync time includes its waits for global "
+                     "statistics." % ", ".join("%s %g" % kv for kv in cfg["renorm"].items()))
+        lines.append("")
     for cell in analysis:
         s = cell["summary"]
         mark = " (default cell)" if (cell["batch"], cell["skew"]) == default_cell else ""
@@ -152,9 +192,13 @@ def markdown(analysis, cfg, command, env, default_cell, wall):
             if m not in s:
                 continue
             row = s[m]
+            note = ""
+            if row.get("auto_global_share") is not None:
+                note = " (%.0f%% of layers global)" % (100 * row["auto_global_share"])
+            elif row.get("wait_share") is not None:
+                note = " (%.1f%% of calls waited)" % (100 * row["wait_share"])
             lines.append("| %s | %s | %s | %s | %.1f ± %.1f | %.1f |" % (
-                m + ("" if row.get("auto_global_share") is None
-                     else " (%.0f%% of layers global)" % (100 * row["auto_global_share"])),
+                m + note,
                 report._fmt_metric(row["metric"]["mean"], row["metric"]["std"]),
                 report._fmt_metric(row["metric_sync_stats"]["mean"],
                                    row["metric_sync_stats"]["std"]),
@@ -169,11 +213,12 @@ def markdown(analysis, cfg, command, env, default_cell, wall):
         for k, p in cell["pairs"].items():
             if k == "precise closes":
                 continue
-            label = k
-            if k == "auto-target":
-                label = "auto − (node + %.1f × (global − node)) (goal ≥ 0)" % GOAL_SHARE
-            lines.append("| %s | %s |" % (label.replace("-", " − ", 1)
-                                          if k != "auto-target" else label, _ci(p)))
+            if k.endswith("-target"):
+                label = "%s − (node + %.1f × (global − node)) (goal ≥ 0)" % (
+                    k.split("-")[0], GOAL_SHARE)
+            else:
+                label = k.replace("-", " − ", 1)
+            lines.append("| %s | %s |" % (label, _ci(p)))
         if "precise closes" in cell["pairs"]:
             lines.append("| share of the global − node gap that precise_bn closes on node | "
                          "%s |" % ("%.0f%%" % (100 * cell["pairs"]["precise closes"]["share"])
@@ -184,6 +229,13 @@ def markdown(analysis, cfg, command, env, default_cell, wall):
             lines.append("Sync time relative to global: " + ", ".join(
                 "%s %.0f%%" % (k.split("/")[0], 100 * v)
                 for k, v in cell["sync_ratios"].items()) + ".")
+        for k, p in (cell.get("paired_sync_ratios") or {}).items():
+            lines.append("")
+            if k.endswith(" step"):
+                lines.append("Step time (ms/step) %s, paired by seed: %s." % (
+                    k[:-len(" step")], _ratio(p)))
+            else:
+                lines.append("Sync time %s, paired by seed: %s." % (k, _ratio(p)))
         if cell.get("check") is not None:
             lines.append("")
             lines.append("global vs reference check: **%s**" % (
@@ -224,6 +276,30 @@ def goals(analysis, default_cell):
                else " (the interval includes 0)",
                "%.0f%%" % (100 * ratio) if ratio is not None else "—", 100 * GOAL_TIME,
                "met" if time_ok else "missed"))
+    if "renorm-target" in p:
+        t = p["renorm-target"]
+        ratio = (cell.get("paired_sync_ratios") or {}).get("renorm/node")
+        acc = ("not assessed (the goal asks for ≥ 5 seeds)" if t["n"] < 5
+               else "met" if t["mean"] >= 0 else "missed")
+        time_ok = (ratio is not None and ratio["n"] >= 2
+                   and ratio["mean"] <= GOAL_RENORM_TIME)
+        wait = cell["summary"].get("renorm", {}).get("wait_share")
+        lines.append(
+            "- renorm ≥ node + %.1f × (global − node), paired over %d seeds: renorm − target = "
+            "%s points → **%s**%s; renorm's sync time / node's, paired by seed = %s (goal ≤ "
+            "%.1f) → **%s**; %s of renorm's forward calls waited for global statistics."
+            % (GOAL_SHARE, t["n"], _ci(t), acc,
+               "" if t["n"] < 2 or t["lo"] >= 0 or t["hi"] < 0
+               else " (the interval includes 0)",
+               _ratio(ratio) if ratio else "—", GOAL_RENORM_TIME,
+               "met" if time_ok else "missed",
+               "—" if wait is None else "%.1f%%" % (100 * wait)))
+    for c in analysis:
+        if c["skew"] == 0 and "renorm-node" in c["pairs"]:
+            rn = c["pairs"]["renorm-node"]
+            ok = rn["n"] >= 2 and rn["hi"] >= 0
+            lines.append("- without skew (batch %d), renorm not worse than node: renorm − node "
+                         "= %s → **%s**." % (c["batch"], _ci(rn), "met" if ok else "missed"))
     if "group-node" in p and "global-group" in p:
         gn, gg = p["group-node"], p["global-group"]
         rg, rn = r.get("group/global"), r.get("node/global")
@@ -255,18 +331,19 @@ def plot(out_dir, analysis, default_cell):
     import matplotlib.pyplot as plt
 
     colors = {"local": "tab:red", "node": "tab:orange", "group": "tab:purple",
-              "auto": "tab:green", "global": "tab:blue", "shadow": "tab:olive"}
+              "auto": "tab:green", "renorm": "tab:cyan", "global": "tab:blue",
+              "shadow": "tab:olive"}
     skews = sorted({c["skew"] for c in analysis})
     fig, axes = plt.subplots(1, len(skews), figsize=(6 * len(skews), 4.2), squeeze=False)
     for ax, skew in zip(axes[0], skews):
         cells = sorted([c for c in analysis if c["skew"] == skew], key=lambda c: c["batch"])
-        for i, m in enumerate(("local", "node", "group", "auto")):
+        for i, m in enumerate(("local", "node", "group", "auto", "renorm")):
             xs, ys, lo, hi = [], [], [], []
             for c in cells:
                 p = c["pairs"].get("global-%s" % m)
                 if not p or p["n"] == 0:
                     continue
-                xs.append(c["batch"] * (1 + 0.03 * (i - 1.5)))
+                xs.append(c["batch"] * (1 + 0.03 * (i - 2)))
                 ys.append(100 * p["mean"])
                 lo.append(100 * (p["mean"] - p["lo"]) if p["n"] > 1 else 0)
                 hi.append(100 * (p["hi"] - p["mean"]) if p["n"] > 1 else 0)
@@ -275,6 +352,8 @@ def plot(out_dir, analysis, default_cell):
                             label="global − %s" % m)
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
+        if len({c["batch"] for c in cells}) == 1:  # one batch: keep the offsets small
+            ax.set_xlim(cells[0]["batch"] / 1.5, cells[0]["batch"] * 1.5)
         ax.set_xticks(sorted({c["batch"] for c in cells}))
         ax.set_xticklabels([str(b) for b in sorted({c["batch"] for c in cells})])
         ax.set_xlabel("per-worker batch")

@@ -26,7 +26,7 @@ from . import data, models
 BN_EPS = 1e-5
 
 SCOPE = {"local": "local", "node": "node", "global": "global", "shadow": "shadow",
-         "group": "group", "auto": "auto"}
+         "group": "group", "auto": "auto", "renorm": "renorm"}
 
 
 # --- data --------------------------------------------------------------------------------------
@@ -239,8 +239,10 @@ def _pooled_evals(torch, dist, hsbn, cfg, model, task, plan, arrays, xs, ys, ran
 
 def _blocked_seconds(client):
     """Seconds this worker has spent blocked in hsbn rounds (forward and backward, every scope),
-    including waiting for the other members of each round: the client's own counter."""
-    return client.stats().total.blocked_seconds
+    including waiting for the other members of each round, and in renorm's waits for global
+    statistics (client.global_stats): the client's own counters."""
+    st = client.stats()
+    return st.total.blocked_seconds + st.global_stats.blocked_seconds
 
 
 def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, arrays, client,
@@ -252,8 +254,14 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
     model.load_state_dict({k: torch.from_numpy(v) for k, v in init.items()})
     # A name per run: its layers get round keys (and shadow divergence records at the root)
     # of their own, apart from the other runs' in this job.
+    options = {}
+    if mode == "renorm":
+        options = {"renorm_" + k: v for k, v in cfg["renorm"].items()}
     model = hsbn.torch.convert_sync_batchnorm(model, scope=SCOPE[mode], client=client,
-                                              name="%s-%s-seed%d" % (task, mode, seed))
+                                              name="%s-%s-seed%d" % (task, mode, seed),
+                                              **options)
+    if hasattr(hsbn.torch, "reset_sync_stats"):
+        hsbn.torch.reset_sync_stats()  # this run's renorm counts only
     ddp = DDP(model, broadcast_buffers=False)
     opt = torch.optim.SGD(ddp.parameters(), lr=_lr(cfg, task), momentum=0.9)
     steps = plan["steps"]
@@ -294,6 +302,19 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
                                                       rank, world, "rank0")))
         if rank == 0:
             _progress_tick(progress, job_index)
+    renorm = None
+    if mode == "renorm":
+        # Summed over the workers, read before the evaluations below make rounds: forward
+        # calls, those that used global statistics, those that had to wait for them, and the
+        # seconds spent fetching them.
+        st = hsbn.torch.sync_stats()
+        counts = torch.tensor([st.renorm_calls, st.renorm_global_uses, st.renorm_waits,
+                               st.renorm_wait_seconds], dtype=torch.float64)
+        dist.all_reduce(counts)
+        calls, uses, waits, secs = counts.tolist()
+        renorm = {"calls": int(calls), "global_uses": int(uses), "waits": int(waits),
+                  "wait_share": waits / calls if calls else 0.0,
+                  "wait_ms_per_step": 1e3 * secs / (world * steps)}
     xs_t, ys_t = arrays[task + "_test_x"], arrays[task + "_test_y"]
     final = _distributed_eval(torch, dist, model, task, xs_t, ys_t, rank, world, "rank0")
     final_avg = _distributed_eval(torch, dist, model, task, xs_t, ys_t, rank, world, "avg")
@@ -328,7 +349,7 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
         "step_ms": float(per_rank[:, 0].mean() * 1e3),
         "step_ms_max_rank": float(per_rank[:, 0].max() * 1e3),
         "sync_ms": float(per_rank[:, 1].mean() * 1e3),
-        "divergence": divergence,
+        "divergence": divergence, "renorm": renorm,
         "state": state_numpy(model),
         "first_step": first if mode in ("global", "node") else None,
     }

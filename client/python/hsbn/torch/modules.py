@@ -69,7 +69,7 @@ class SyncBatchNorm(_BatchNorm):
       auto_warmup, auto_max_mean_shift, auto_max_log_var_ratio, auto_recheck_every: scope="auto"'s
         policy (None: the client's defaults, HSBN_AUTO_* or 50 rounds, 0.05, 0.05, 0 = never).
       renorm_lag, renorm_momentum, renorm_warmup, renorm_r_max, renorm_d_max, renorm_ramp:
-        scope="renorm"'s options (None: the provisional defaults of hsbn.torch._renorm.DEFAULTS);
+        scope="renorm"'s options (None: the measured defaults of hsbn.torch._renorm.DEFAULTS);
         lag, warmup and ramp count this layer's training calls, not steps.
       client: the hsbn.Client to use; None uses hsbn.default_client(), created from the
         environment at the first synchronized forward.
