@@ -495,27 +495,10 @@ class Client::Impl {
             "one round"));
       }
       // One write in flight per stream: wait for the previous one to complete.
-      while (conn->write_in_flight && !conn->broken) {
-        if (absl::Status s = Aborted(); !s.ok()) {
-          Forget(*pending);
-          return s;
-        }
-        if (Clock::now() >= deadline) {
-          Forget(*pending);
-          return absl::DeadlineExceededError(absl::StrCat(
-              "round ", round(), ": could not send to the hsbn sidecar at ", options_.address,
-              " within ", RoundTimeout().count(), " ms"));
-        }
-        if (!conn->polling) {
-          conn->polling = true;
-          Poll(conn, deadline, [&] { return !conn->write_in_flight || conn->broken; });
-          conn->polling = false;
-          HandOff(*conn);
-        } else {
-          ++conn->waiters;
-          conn->write_cv.WaitWithDeadline(&rounds_mu_, AbslTime(deadline));
-          --conn->waiters;
-        }
+      if (absl::Status s = AwaitWriteSlot(conn, deadline, [&] { return "round " + round(); });
+          !s.ok()) {
+        Forget(*pending);
+        return s;
       }
       if (conn->broken) {  // our contribution was not sent
         Forget(*pending);
@@ -531,10 +514,7 @@ class Client::Impl {
       // contribution left: send it again on a new stream. When another thread polls, return
       // at once; that thread sees the completion, and a failure fails the round at its Wait.
       if (conn->polling) return pending;
-      conn->polling = true;
-      Poll(conn, deadline, [&] { return !conn->write_in_flight; });
-      conn->polling = false;
-      HandOff(*conn);
+      AwaitWrite(conn, deadline);
       if (!conn->write_in_flight && conn->write_failed) {
         Forget(*pending);
         if (attempt == 0) continue;
@@ -1075,10 +1055,34 @@ class Client::Impl {
     }
     const auto deadline = Clock::now() + RoundTimeout();
     absl::MutexLock lock(&rounds_mu_);
+    if (absl::Status s = AwaitWriteSlot(conn, deadline, [&] { return std::string(what); });
+        !s.ok()) {
+      return s;
+    }
+    if (conn->broken) {
+      return absl::UnavailableError(absl::StrCat("could not send ", what, ": the stream to the "
+                                                 "hsbn sidecar at ", options_.address,
+                                                 " broke; the next call reconnects"));
+    }
+    conn->write_in_flight = true;
+    conn->write_failed = false;
+    bytes_sent_.fetch_add(int64_t(frame->ByteSizeLong()), std::memory_order_relaxed);
+    conn->stream->Write(*frame, TagOf(kWrite));
+    if (!conn->polling) AwaitWrite(conn, deadline);
+    return absl::OkStatus();
+  }
+
+  // Waits until conn's write slot is free or the stream broke (OK), polling it if nobody else
+  // does; the client's abort, or DEADLINE_EXCEEDED naming what() at `deadline`.
+  template <typename What>
+  absl::Status AwaitWriteSlot(const std::shared_ptr<RoundStream>& conn,
+                              Clock::time_point deadline, What what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     while (conn->write_in_flight && !conn->broken) {
+      if (absl::Status s = Aborted(); !s.ok()) return s;
       if (Clock::now() >= deadline) {
         return absl::DeadlineExceededError(absl::StrCat(
-            "could not send ", what, " to the hsbn sidecar at ", options_.address, " within ",
+            what(), ": could not send to the hsbn sidecar at ", options_.address, " within ",
             RoundTimeout().count(), " ms"));
       }
       if (!conn->polling) {
@@ -1092,21 +1096,17 @@ class Client::Impl {
         --conn->waiters;
       }
     }
-    if (conn->broken) {
-      return absl::UnavailableError(absl::StrCat("could not send ", what, ": the stream to the "
-                                                 "hsbn sidecar at ", options_.address,
-                                                 " broke; the next call reconnects"));
-    }
-    conn->write_in_flight = true;
-    conn->write_failed = false;
-    bytes_sent_.fetch_add(int64_t(frame->ByteSizeLong()), std::memory_order_relaxed);
-    conn->stream->Write(*frame, TagOf(kWrite));
-    if (conn->polling) return absl::OkStatus();
+    return absl::OkStatus();
+  }
+
+  // Like a sync Write: sees the write just started complete (or the deadline pass), taking the
+  // poller role, which nobody holds.
+  void AwaitWrite(const std::shared_ptr<RoundStream>& conn, Clock::time_point deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     conn->polling = true;
     Poll(conn, deadline, [&] { return !conn->write_in_flight; });
     conn->polling = false;
     HandOff(*conn);
-    return absl::OkStatus();
   }
 
   // Handles the stream's ready events without blocking, unless another thread polls it.
