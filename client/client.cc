@@ -1379,7 +1379,7 @@ class Client::Impl {
     const std::pair<uint32_t, uint64_t> key{r->op(), r->seq()};
     Late late;
     if (r->code() != 0) {
-      late.status = wire::StatusFromCode(r->code(), r->message());
+      late.status = wire::StatusFromCode(r->code(), r->message(), r->reason());
     } else if (r->channels() < 1 ||
                int64_t(r->data().size()) != wire::PayloadBytes(r->channels()) || r->count() < 0) {
       late.status = absl::InternalError(absl::StrCat(

@@ -891,12 +891,6 @@ void Job::NameLayers(const v1::LayerNames& names, Actions* out) {
   }
 }
 
-std::string Job::LayerName(uint32_t op) const {
-  absl::MutexLock lock(&mu_);
-  auto it = names_.find(op);
-  return it == names_.end() ? std::string() : it->second;
-}
-
 void Job::ExpectLate(const RoundKey& key, uint32_t channels, Clock::time_point now) {
   absl::MutexLock lock(&mu_);
   ExpectLateLocked(key, channels, now);
@@ -938,7 +932,9 @@ void Job::ParentResult(const v1::Result& result, Actions* out) {
     const uint32_t channels = l->second.channels;
     late_.erase(l);
     if (result.code() != 0) {
-      DeliverLateLocked(key, nullptr, wire::StatusFromCode(result.code(), result.message()), out);
+      DeliverLateLocked(key, nullptr,
+                        wire::StatusFromCode(result.code(), result.message(), result.reason()),
+                        out);
       return;
     }
     if (result.channels() != channels ||

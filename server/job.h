@@ -205,8 +205,6 @@ class Job {
   static constexpr size_t kMaxNames = 4096;
   static constexpr size_t kMaxNameBytes = 256;
   void NameLayers(const v1::LayerNames& names, Actions* out);
-  // The name of `op`, or "" when none was given.
-  std::string LayerName(uint32_t op) const;
 
   // The parent's answer to a round this aggregator forwarded. For a renorm round (forwarded
   // after its node answer) it goes to every member as the round's late global result.
