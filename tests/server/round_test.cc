@@ -101,13 +101,20 @@ TEST(RoundCore, CheckFieldsRefusesEachFieldNamingIt) {
   auto [code, text] = refused(bad, rules);
   EXPECT_EQ(code, absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(text, "rank 1 (node 0, local rank 1) sent an invalid contribution to round op 3, "
-                  "seq 7, forward: field 'scope' is 9; expected node, global, shadow or group");
+                  "seq 7, forward: field 'scope' is 9; expected node, global, shadow, group or "
+                  "renorm");
   bad.scope = v1::SCOPE_GROUP;  // the segment carries no group rounds
   RoundRules segment = rules;
   segment.group_allowed = false;
   segment.transport_cap = 16;
-  EXPECT_NE(refused(bad, segment).second.find("expected node, global or shadow"),
+  EXPECT_NE(refused(bad, segment).second.find("expected node, global, shadow or renorm"),
             std::string::npos);
+  bad.scope = v1::SCOPE_RENORM;  // a forward scope only
+  RoundRules backward = rules;
+  backward.forward = false;
+  EXPECT_NE(refused(bad, backward).second.find("backward round is node scope"),
+            std::string::npos);
+  EXPECT_EQ(refused(bad, rules).first, absl::StatusCode::kOk);
   bad = c;
   bad.channels = 0;
   EXPECT_NE(refused(bad, rules).second.find("field 'channels' is 0"), std::string::npos);
