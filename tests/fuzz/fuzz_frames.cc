@@ -206,7 +206,18 @@ struct Harness final : MemberStreamHost {
     Actions a;
     absl::StatusOr<Registry::Joined> joined = registry_->Join(MakeJoin(in), &a);
     if (!joined.ok()) {
-      HSBN_FUZZ_CHECK(a.empty(), "a refused Join changed a job");
+      const v1::Reason why = hsbn::wire::ReasonOf(joined.status());
+      if (why == v1::REASON_LAYOUT || why == v1::REASON_GROUP_NODES) {
+        // A layout refusal reaches every member of the job (docs/PROTOCOL.md): it may fail
+        // the job's rounds, here and at the parent, and do nothing else.
+        HSBN_FUZZ_CHECK(a.forwards.empty() && a.node_states.empty() && a.names.empty(),
+                        "a refused Join forwarded a partial or a node state");
+        for (const auto& d : a.deliveries) {
+          HSBN_FUZZ_CHECK(d.result->code() != 0, "a refused Join delivered a result");
+        }
+      } else {
+        HSBN_FUZZ_CHECK(a.empty(), "a refused Join changed a job");
+      }
       return;
     }
     JobWatch& w = Watch(joined->job);

@@ -245,6 +245,8 @@ def shadow_divergence_by_name(nodes, timeout=30.0):
                                   for rows in div.values())) or time.monotonic() > deadline:
             root = _job_status(client.status(include_upstream=True).get("upstream", {}),
                                client.job_id) or {}
-            div["_root"] = {int(d["op"]): d.get("layer", "") for d in root.get("divergence", [])}
+            ops = {int(m.op) for m in model.modules() if getattr(m, "op", None) is not None}
+            div["_root"] = {int(d["op"]): d.get("layer", "") for d in root.get("divergence", [])
+                            if int(d["op"]) in ops}
             return div
         time.sleep(0.05)

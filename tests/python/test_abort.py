@@ -26,7 +26,10 @@ GIVE_UP_S = 120
 
 # Rank 0: joins, says so, then waits in a node round that rank 1 never joins.
 CHILD = textwrap.dedent("""
-    import sys
+    import signal, sys
+    # Python's own Ctrl-C handling, as in a terminal, even when this test runs with SIGINT
+    # ignored (a shell's background job inherits it ignored, and so would this child).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import numpy as np
     import hsbn
     client = hsbn.Client.from_env(round_timeout_ms=%d)
@@ -45,7 +48,8 @@ CHILD = textwrap.dedent("""
 # Rank 0 again, but its round waits on another thread (as on autograd's device threads) while
 # the main thread waits in Python: SIGINT's handler aborts the client, so that thread returns.
 SIDE = textwrap.dedent("""
-    import sys, threading
+    import signal, sys, threading
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in CHILD
     import numpy as np
     import hsbn
     client = hsbn.Client.from_env(round_timeout_ms=%d)

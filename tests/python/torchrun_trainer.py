@@ -34,7 +34,7 @@ def main(data_path, out_dir, scope):
         y = model(x)
         (y * torch.from_numpy(data["g_%d_%d" % (rank, s)])).sum().backward()
         for key, t in (("y", y), ("dx", x.grad), ("dw", bn.weight.grad), ("db", bn.bias.grad)):
-            out["%s_%d" % (key, s)] = t.detach().numpy()
+            out["%s_%d" % (key, s)] = t.detach().numpy().copy()  # grads are reused in place
     out["running_mean"] = bn.running_mean.numpy()
     out["running_var"] = bn.running_var.numpy()
     np.savez(os.path.join(out_dir, "rank%d.npz" % rank), **out)
