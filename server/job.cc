@@ -886,6 +886,13 @@ void Job::NameLayers(const v1::LayerNames& names, Actions* out) {
     if (names_.size() >= kMaxNames) break;
     if (n.name().empty() || n.name().size() > kMaxNameBytes || names_.count(n.op()) > 0) continue;
     if (wire::Printable(n.name(), kMaxNameBytes) != n.name()) continue;  // not printable ASCII
+    // Charged like shadow records (within a quarter of the budget): names never crowd out
+    // round data; past that they are dropped.
+    const int64_t bytes = int64_t(n.name().size()) + 64;
+    if (limits_.budget && !limits_.budget->TryChargeWithin(bytes, limits_.budget->limit() / 4)) {
+      break;
+    }
+    held_ += bytes;
     names_.emplace(n.op(), n.name());
     if (limits_.has_parent) out->names.push_back(n);
   }

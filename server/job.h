@@ -201,7 +201,8 @@ class Job {
   // Said again to a parent that the sidecar joins anew (a new stream, a restarted root).
   bool NodeDown(std::string* message) const;
   // Layer names from a member: the first name of each op is kept (kMaxNames per job, printable,
-  // at most kMaxNameBytes; others are dropped); with a parent, new ones go up (Actions::names).
+  // at most kMaxNameBytes, charged to the memory budget within a quarter of it; others are
+  // dropped); with a parent, new ones go up (Actions::names).
   static constexpr size_t kMaxNames = 4096;
   static constexpr size_t kMaxNameBytes = 256;
   void NameLayers(const v1::LayerNames& names, Actions* out);

@@ -982,6 +982,38 @@ TEST(Job, CountsWhoseSumOverflowsInt64FailNamingTheRoundAndTheMembers) {
   EXPECT_EQ(f.sinks[0]->results.back().code(), int(absl::StatusCode::kInvalidArgument));
 }
 
+TEST(Job, LayerNamesAreBoundedChargedAndReleasedAndTheFirstNameStays) {
+  auto budget = std::make_shared<MemoryBudget>(64 << 10);  // a quarter: 16 KiB of names
+  JobLimits limits;
+  limits.budget = budget;
+  {
+    Fixture f(1, 2, 0, /*parent=*/true, v1::MEMBER_KIND_WORKER, limits);
+    v1::LayerNames names;
+    auto add = [&](uint32_t op, const std::string& name) {
+      v1::LayerName* n = names.add_layers();
+      n->set_op(op);
+      n->set_name(name);
+    };
+    add(1, "net:bn1");
+    add(1, "a second name");                   // the first stays
+    add(2, std::string("bad\x01"));           // not printable: dropped
+    add(3, std::string(Job::kMaxNameBytes + 1, 'x'));  // too long: dropped
+    add(4, "");                                // empty: dropped
+    for (uint32_t op = 10; op < 10 + 200; ++op) add(op, std::string(200, 'n'));  // 52 KiB
+    Actions a;
+    f.job->NameLayers(names, &a);
+    ASSERT_FALSE(a.names.empty());
+    EXPECT_EQ(a.names[0].op(), 1u);
+    EXPECT_EQ(a.names[0].name(), "net:bn1");
+    for (const v1::LayerName& n : a.names) EXPECT_NE(n.op(), 2u) << "a bad name went up";
+    // The budget stopped the flood within its quarter.
+    EXPECT_LT(a.names.size(), 100u);
+    EXPECT_GT(budget->used(), 0);
+    EXPECT_LE(budget->used(), 16 << 10);
+  }
+  EXPECT_EQ(budget->used(), 0);  // released with the job
+}
+
 TEST(Job, MemoryBudgetRefusesTheOffenderAndReturnsToZeroWhenTheJobEnds) {
   auto budget = std::make_shared<MemoryBudget>(64 << 10);
   JobLimits limits;
