@@ -144,7 +144,22 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(ClusterOptions
     return absl::InvalidArgumentError(absl::StrCat("link_delay_ms must be within [0, 600000], got ",
                                                    options.link_delay_ms));
   }
-  if (options.link_delay_ms > 0) options.link_proxy = true;
+  if (options.link_delay_us < 0) options.link_delay_us = int64_t(options.link_delay_ms) * 1000;
+  if (options.link_delay_us > 600000000 || options.group_link_delay_us < 0 ||
+      options.group_link_delay_us > 600000000) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "link_delay_us and group_link_delay_us must be within [0, 600000000], got ",
+        options.link_delay_us, " and ", options.group_link_delay_us));
+  }
+  if (options.link_delay_us > 0 || options.group_link_delay_us > 0) options.link_proxy = true;
+  if (options.group_nodes < 0 || (options.group_nodes > 0 && options.nodes % options.group_nodes)) {
+    return absl::InvalidArgumentError(absl::StrCat("group_nodes (", options.group_nodes,
+                                                   ") must divide nodes (", options.nodes, ")"));
+  }
+  if (options.group_tier && (options.group_nodes < 1 || options.nodes < 2 || !options.root)) {
+    return absl::InvalidArgumentError(
+        "group_tier needs group_nodes >= 1, at least two nodes and a root");
+  }
   if (options.aggregator.empty()) options.aggregator = DefaultAggregatorPath();
   if (access(options.aggregator.c_str(), X_OK) != 0) {
     return absl::NotFoundError(absl::StrCat("hsbn-aggregator not found at '", options.aggregator,
@@ -175,10 +190,26 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(ClusterOptions
                                               c->options_.linkproxy,
                                               "'; build it or set HSBN_LINKPROXY"));
     }
+  }
+  if (c->options_.group_tier) {
+    const int groups = c->options_.nodes / c->options_.group_nodes;
+    c->groups_.resize(groups);
+    c->group_addresses_.resize(groups);
+    for (int g = 0; g < groups; ++g) {
+      if (absl::Status s = c->StartGroup(g, "127.0.0.1:0"); !s.ok()) return s;
+    }
+  }
+  if (c->options_.link_proxy && !c->root_address_.empty()) {
     c->proxies_.resize(c->options_.nodes);
     c->proxy_addresses_.resize(c->options_.nodes);
     for (int n = 0; n < c->options_.nodes; ++n) {
-      if (absl::Status s = c->StartLinkProxy(n); !s.ok()) return s;
+      const bool tier = c->options_.group_tier;
+      auto address = c->StartLinkProxy(
+          absl::StrCat("link", n),
+          tier ? c->group_addresses_[n / c->options_.group_nodes] : c->root_address_,
+          tier ? c->options_.group_link_delay_us : c->options_.link_delay_us, &c->proxies_[n]);
+      if (!address.ok()) return address.status();
+      c->proxy_addresses_[n] = *address;
     }
   }
   c->sidecars_.resize(c->options_.nodes);
@@ -225,21 +256,59 @@ absl::StatusOr<std::string> LocalCluster::WaitReady(const std::string& name,
   return absl::DeadlineExceededError(absl::StrCat("'", name, "' did not become ready in 20 s"));
 }
 
-absl::Status LocalCluster::StartLinkProxy(int node) {
-  const std::string name = absl::StrCat("link", node);
+absl::StatusOr<std::string> LocalCluster::StartLinkProxy(const std::string& name,
+                                                         const std::string& target,
+                                                         int64_t delay_us,
+                                                         std::unique_ptr<Subprocess>* out) {
   const std::string ready = absl::StrCat(options_.dir, "/", name, ".ready");
   std::remove(ready.c_str());
   std::vector<std::string> argv = {
-      options_.linkproxy, "--target=" + root_address_, "--listen=127.0.0.1:0",
-      absl::StrCat("--delay-ms=", options_.link_delay_ms),
+      options_.linkproxy, "--target=" + target, "--listen=127.0.0.1:0",
+      absl::StrCat("--delay-us=", delay_us),
       absl::StrCat("--control=", options_.dir, "/", name, ".control"), "--ready-file=" + ready};
   auto p = Subprocess::Spawn(argv, {}, absl::StrCat(options_.dir, "/", name, ".log"));
   if (!p.ok()) return p.status();
   auto address = WaitReady(name, ready, p->get());
   if (!address.ok()) return address.status();
-  proxies_[node] = std::move(*p);
-  proxy_addresses_[node] = *address;
+  *out = std::move(*p);
+  return *address;
+}
+
+absl::Status LocalCluster::StartGroup(int g, const std::string& listen) {
+  // The group aggregator's link to the root: through a proxy of its own when links are
+  // simulated (started once; a restarted group aggregator keeps it).
+  std::string upstream = root_address_;
+  if (options_.link_proxy) {
+    if (group_proxies_.empty()) {
+      group_proxies_.resize(groups_.size());
+      group_proxy_addresses_.resize(groups_.size());
+    }
+    if (!group_proxies_[g]) {
+      auto address = StartLinkProxy(absl::StrCat("grouplink", g), root_address_,
+                                    options_.link_delay_us, &group_proxies_[g]);
+      if (!address.ok()) return address.status();
+      group_proxy_addresses_[g] = *address;
+    }
+    upstream = group_proxy_addresses_[g];
+  }
+  std::vector<std::string> flags = {"--role=group", "--listen=" + listen,
+                                    "--upstream=" + upstream};
+  flags.insert(flags.end(), options_.group_flags.begin(), options_.group_flags.end());
+  std::string bound;
+  auto p = StartAggregator(absl::StrCat("group", g), std::move(flags), &bound);
+  if (!p.ok()) return p.status();
+  groups_[g] = std::move(*p);
+  group_addresses_[g] = bound;
   return absl::OkStatus();
+}
+
+absl::Status LocalCluster::RestartGroup(int g) {
+  if (g < 0 || g >= int(groups_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("this cluster has no group ", g));
+  }
+  const std::string address = group_addresses_[g];
+  groups_[g]->Stop();
+  return StartGroup(g, address);
 }
 
 absl::StatusOr<std::string> LocalCluster::LinkCommand(int node, const std::string& command) {
@@ -281,6 +350,8 @@ absl::Status LocalCluster::StartSidecar(int node) {
   std::vector<std::string> flags = {"--role=node", "--listen=" + sidecar_address(node)};
   if (!proxy_addresses_.empty()) {
     flags.push_back("--upstream=" + proxy_addresses_[node]);
+  } else if (!groups_.empty()) {
+    flags.push_back("--upstream=" + group_addresses_[node / options_.group_nodes]);
   } else if (!root_address_.empty()) {
     flags.push_back("--upstream=" + root_address_);
   }
@@ -312,13 +383,15 @@ absl::Status LocalCluster::RestartRoot() {
 std::map<std::string, std::string> LocalCluster::WorkerEnv(int rank,
                                                            const std::string& job_id) const {
   const int node = rank / options_.workers_per_node;
-  return {{"RANK", std::to_string(rank)},
+  std::map<std::string, std::string> env = {{"RANK", std::to_string(rank)},
           {"WORLD_SIZE", std::to_string(world_size())},
           {"LOCAL_RANK", std::to_string(rank % options_.workers_per_node)},
           {"LOCAL_WORLD_SIZE", std::to_string(options_.workers_per_node)},
           {"GROUP_RANK", std::to_string(node)},
           {"HSBN_JOB_ID", job_id},
           {"HSBN_ADDRESS", sidecar_address(node)}};
+  if (options_.group_nodes > 0) env["HSBN_GROUP_NODES"] = std::to_string(options_.group_nodes);
+  return env;
 }
 
 void LocalCluster::Stop() {
@@ -326,6 +399,12 @@ void LocalCluster::Stop() {
     if (s) s->Stop();
   }
   for (auto& p : proxies_) {
+    if (p) p->Stop();
+  }
+  for (auto& g : groups_) {
+    if (g) g->Stop();
+  }
+  for (auto& p : group_proxies_) {
     if (p) p->Stop();
   }
   if (root_) root_->Stop();

@@ -1,7 +1,8 @@
 // cluster/local_cluster.h — an hsbn topology of real processes on one machine.
 //
-// LocalCluster starts a root aggregator (when there is more than one node) and one sidecar per
-// simulated node, each a separate hsbn-aggregator process, waits until each is listening, and
+// LocalCluster starts a root aggregator (when there is more than one node), optionally one
+// group aggregator per group of nodes (group_tier), and one sidecar per simulated node, each a
+// separate hsbn-aggregator process, waits until each is listening, and
 // tells a worker process what environment it needs. The integration tests, the synthetic main
 // job and the benchmarks use it; hsbn.cluster.LocalCluster is its Python twin.
 //
@@ -67,6 +68,16 @@ struct ClusterOptions {
   bool link_proxy = false;
   int link_delay_ms = 0;
   std::string linkproxy;   // path of hsbn-linkproxy; "" = $HSBN_LINKPROXY or the build's
+  // Group tier: one group aggregator (--role=group) per `group_nodes` consecutive nodes, between
+  // their sidecars and the root; WorkerEnv sets HSBN_GROUP_NODES. With link_proxy, each node's
+  // sidecar reaches its group aggregator through a proxy delaying group_link_delay_us each way,
+  // and each group aggregator reaches the root through one delaying link_delay_us (or
+  // link_delay_ms) each way. Without a tier, link_delay_us is the sidecar <-> root delay.
+  bool group_tier = false;
+  int group_nodes = 0;              // HSBN_GROUP_NODES: 0 = none
+  int64_t link_delay_us = -1;       // -1: link_delay_ms * 1000
+  int64_t group_link_delay_us = 0;
+  std::vector<std::string> group_flags;  // given to the group aggregators only
 };
 
 class LocalCluster {
@@ -82,6 +93,10 @@ class LocalCluster {
   const std::string& root_address() const { return root_address_; }
   Subprocess* sidecar(int node) { return sidecars_.at(node).get(); }
   Subprocess* root() { return root_.get(); }
+  // The group tier (empty without one): group g serves nodes [g*K, g*K+K).
+  int groups() const { return int(groups_.size()); }
+  Subprocess* group(int g) { return groups_.at(g).get(); }
+  const std::string& group_address(int g) const { return group_addresses_.at(g); }
   // The node's link proxy, or nullptr when the cluster has none.
   Subprocess* link_proxy(int node) {
     return proxies_.empty() ? nullptr : proxies_.at(node).get();
@@ -97,6 +112,8 @@ class LocalCluster {
   // Stops (SIGTERM) and starts a node's sidecar again on the same address.
   absl::Status RestartSidecar(int node);
   absl::Status RestartRoot();
+  // Stops (SIGTERM) and starts group g's aggregator again on the same address.
+  absl::Status RestartGroup(int g);
   // Stops everything now (also done by the destructor).
   void Stop();
 
@@ -111,7 +128,11 @@ class LocalCluster {
                                                               std::vector<std::string> flags,
                                                               std::string* bound);
   absl::Status StartSidecar(int node);
-  absl::Status StartLinkProxy(int node);
+  absl::Status StartGroup(int g, const std::string& listen);
+  // A proxy named `name` to `target`, delaying `delay_us` each way; returns its address.
+  absl::StatusOr<std::string> StartLinkProxy(const std::string& name, const std::string& target,
+                                             int64_t delay_us,
+                                             std::unique_ptr<Subprocess>* out);
   // Waits for a ready file naming the bound address (written by aggregators and proxies).
   absl::StatusOr<std::string> WaitReady(const std::string& name, const std::string& ready,
                                         Subprocess* p);
@@ -123,6 +144,10 @@ class LocalCluster {
   std::vector<std::unique_ptr<Subprocess>> sidecars_;
   std::vector<std::unique_ptr<Subprocess>> proxies_;  // one per node, or none
   std::vector<std::string> proxy_addresses_;
+  std::vector<std::unique_ptr<Subprocess>> groups_;   // the group tier, or none
+  std::vector<std::string> group_addresses_;
+  std::vector<std::unique_ptr<Subprocess>> group_proxies_;  // group -> root links, or none
+  std::vector<std::string> group_proxy_addresses_;
 };
 
 }  // namespace hsbn::cluster

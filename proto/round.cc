@@ -9,8 +9,13 @@ std::string MemberNames::operator()(int32_t index) const {
   if (!nodes) {
     return absl::StrCat("rank ", Rank(index), " (node ", node_rank, ", local rank ", index, ")");
   }
-  const int64_t first = int64_t(index) * local_world_size;
-  return absl::StrCat("node ", index, " (ranks ", first, "-", first + local_world_size - 1, ")");
+  if (member_nodes > 1) {
+    const int64_t first = int64_t(index) * member_nodes;
+    return absl::StrCat("group ", index, " (nodes ", first, "-", first + member_nodes - 1, ")");
+  }
+  const int64_t node = int64_t(node_rank) + index;
+  const int64_t first = node * local_world_size;
+  return absl::StrCat("node ", node, " (ranks ", first, "-", first + local_world_size - 1, ")");
 }
 
 absl::Status InvalidContribution(const std::string& who, const std::string& round,

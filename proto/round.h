@@ -31,10 +31,12 @@ namespace hsbn::wire {
 // How an aggregator names the members of a job: the local ranks of one node (a sidecar) or the
 // nodes (the root). Cheap to copy; names are built only for messages.
 struct MemberNames {
-  bool nodes = false;             // members are nodes (at the root), else local ranks
-  int32_t node_rank = 0;          // the node whose local ranks these are
+  bool nodes = false;             // members are aggregators (nodes or groups), else local ranks
+  int32_t node_rank = 0;          // the node whose local ranks these are; with `nodes`, the
+                                  // first node this aggregator covers (a group aggregator's)
   int32_t local_world_size = 1;   // ranks per node
-  // "rank 5 (node 1, local rank 1)" or "node 1 (ranks 4-7)".
+  int32_t member_nodes = 1;       // with `nodes`: nodes per member (K: members are groups)
+  // "rank 5 (node 1, local rank 1)", "node 1 (ranks 4-7)" or "group 1 (nodes 2-3)".
   std::string operator()(int32_t index) const;
   // The global rank of a local rank, or -1 for nodes.
   int64_t Rank(int32_t index) const {

@@ -352,8 +352,9 @@ namespace {
 RegistryOptions MakeRegistryOptions(const AggregatorOptions& o, bool has_parent) {
   RegistryOptions r;
   r.id = o.id;
-  r.joins = o.role == AggregatorOptions::Role::kRoot ? v1::MEMBER_KIND_AGGREGATOR
-                                                      : v1::MEMBER_KIND_WORKER;
+  r.joins = o.role == AggregatorOptions::Role::kNode ? v1::MEMBER_KIND_WORKER
+                                                      : v1::MEMBER_KIND_AGGREGATOR;
+  r.group_tier = o.role == AggregatorOptions::Role::kGroup;
   r.max_jobs = o.max_jobs;
   r.max_world_size = o.max_world_size;
   r.attach_timeout = o.attach_timeout;
@@ -369,7 +370,7 @@ Aggregator::Aggregator(AggregatorOptions options)
     : options_(std::move(options)),
       started_(Clock::now()),
       registry_(MakeRegistryOptions(
-          options_, options_.role == AggregatorOptions::Role::kNode && !options_.upstream.empty())) {
+          options_, options_.role != AggregatorOptions::Role::kRoot && !options_.upstream.empty())) {
   writer_limits_.max_queued_bytes = options_.max_queued_bytes;
   writer_limits_.write_deadline = options_.write_deadline;
   writer_limits_.budget = registry_.budget();
@@ -377,7 +378,7 @@ Aggregator::Aggregator(AggregatorOptions options)
 
 void Aggregator::Start(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> cqs) {
   cqs_ = std::move(cqs);
-  if (options_.role == AggregatorOptions::Role::kNode && !options_.upstream.empty()) {
+  if (options_.role != AggregatorOptions::Role::kRoot && !options_.upstream.empty()) {
     std::shared_ptr<grpc::ChannelCredentials> credentials;
     const bool tls = !options_.upstream_ca_pem.empty();
     if (tls) {
@@ -397,6 +398,9 @@ void Aggregator::Start(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>>
     link.tls_name = options_.upstream_tls_name;
     link.writer = writer_limits_;
     link.metrics = options_.metrics.get();
+    if (options_.role == AggregatorOptions::Role::kGroup) {
+      link.self = absl::StrCat("group aggregator ", options_.id);
+    }
     parent_ = std::make_unique<ParentLink>(this, std::move(link), cqs_[0].get());
   }
   if (options_.role == AggregatorOptions::Role::kNode && options_.shm &&
@@ -461,7 +465,10 @@ void Aggregator::Shutdown(const std::string& why) {
   if (ticker_.joinable()) ticker_.join();
   // One status for every rank, whichever path its round takes (stream, shared memory, a Join).
   const absl::Status closing = absl::UnavailableError(absl::StrCat(
-      options_.role == AggregatorOptions::Role::kNode ? "sidecar " : "aggregator ", options_.id,
+      options_.role == AggregatorOptions::Role::kNode    ? "sidecar "
+      : options_.role == AggregatorOptions::Role::kGroup ? "group aggregator "
+                                                         : "aggregator ",
+      options_.id,
       " is shutting down (", why, "): the training step in flight is lost on every rank. "
       "Restart the job from its last checkpoint (torchrun --max-restarts does it)"));
   // Nothing is admitted any more before rounds fail: a rank whose round fails cannot join this
@@ -600,6 +607,15 @@ void Aggregator::Refused(const char* reason) {
   if (Metrics* m = options_.metrics.get()) m->Refused(reason);
 }
 
+const char* RoleName(AggregatorOptions::Role role) {
+  switch (role) {
+    case AggregatorOptions::Role::kNode: return "node";
+    case AggregatorOptions::Role::kGroup: return "group";
+    case AggregatorOptions::Role::kRoot: return "root";
+  }
+  return "node";
+}
+
 void Aggregator::Execute(Actions& actions, const std::string& job_id) {
   for (const std::string& line : actions.log) Log(LogLevel::kInfo, line);
   for (const std::string& line : actions.round_failures) {
@@ -730,6 +746,7 @@ grpc::Status Aggregator::Join(const v1::JoinRequest& req, v1::JoinResponse* resp
   resp->set_round_timeout_ms(options_.limits.round_timeout.count());
   resp->set_aggregator_id(options_.id);
   resp->set_accepts_batches(true);
+  resp->set_role(RoleName(options_.role));
   if (shm_ && req.kind() == v1::MEMBER_KIND_WORKER) {
     shm_->Joined(req, joined->index, resp);
   } else if (options_.role == AggregatorOptions::Role::kNode) {
@@ -791,7 +808,7 @@ grpc::Status Aggregator::AnswerStatus(const v1::StatusRequest& req, v1::StatusRe
   absl::StatusOr<std::vector<std::shared_ptr<Job>>> jobs = registry_.StatusJobs(req);
   if (!jobs.ok()) return wire::ToGrpc(jobs.status());
   resp->set_aggregator_id(options_.id);
-  resp->set_role(options_.role == AggregatorOptions::Role::kRoot ? "root" : "node");
+  resp->set_role(RoleName(options_.role));
   resp->set_uptime_s(std::chrono::duration<double>(Clock::now() - started_).count());
   for (auto& job : *jobs) {
     v1::JobStatus* js = resp->add_jobs();
@@ -807,7 +824,7 @@ void Aggregator::FillStatus(const std::string& job_id, v1::StatusResponse* resp)
   // memory.
   if (shm_) shm_->HarvestMetrics();
   resp->set_aggregator_id(options_.id);
-  resp->set_role(options_.role == AggregatorOptions::Role::kRoot ? "root" : "node");
+  resp->set_role(RoleName(options_.role));
   resp->set_uptime_s(std::chrono::duration<double>(Clock::now() - started_).count());
   for (auto& job : registry_.Jobs()) {
     if (job_id.empty() || job->id() == job_id) {

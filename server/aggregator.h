@@ -15,7 +15,9 @@
 //
 // In the node role (a sidecar) workers join it; rounds whose scope reaches above the node are
 // forwarded to the parent (--upstream) over one persistent stream shared by all jobs. In the
-// root role sidecars join it, one member per node.
+// group role the sidecars of one group of nodes per job join it; group rounds complete there,
+// wider ones are merged and forwarded to the root (--upstream). In the root role sidecars (or
+// group aggregators) join it, one member per node (group).
 //
 // Thread safety: all public methods are thread-safe.
 #ifndef HSBN_SERVER_AGGREGATOR_H_
@@ -54,10 +56,11 @@ class WatchedStream {
 };
 
 struct AggregatorOptions {
-  enum class Role { kNode, kRoot };
+  enum class Role { kNode, kGroup, kRoot };
   Role role = Role::kNode;
   std::string id = "hsbn-aggregator";
-  std::string upstream;  // parent address; node role only; empty: single-node jobs only
+  std::string upstream;  // parent address (node: optional, single-node jobs only without it;
+                         // group: required)
   JobLimits limits;
   int32_t max_jobs = 256;
   std::chrono::milliseconds tick{10};  // deadline check period
@@ -84,6 +87,9 @@ struct AggregatorOptions {
   int32_t shm_max_channels = 8192;                 // --shm-max-channels
   std::chrono::milliseconds shm_wait{30000};       // --shm-wait-ms
 };
+
+// "node", "group" or "root": the role's name in --role, Status and metrics.
+const char* RoleName(AggregatorOptions::Role role);
 
 class Aggregator final : public UpstreamListener, public ShmListener {
  public:

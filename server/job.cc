@@ -69,9 +69,10 @@ int64_t Job::CountNonFinite(const std::string& data, v1::Phase phase, Actions* o
 
 wire::MemberNames Job::Names() const {
   wire::MemberNames names;
-  names.nodes = layout_.member_kind != v1::MEMBER_KIND_WORKER;
-  names.node_rank = layout_.node_rank;
+  names.nodes = !layout_.workers();
+  names.node_rank = layout_.workers() ? layout_.node_rank : layout_.first_node();
   names.local_world_size = layout_.local_world_size;
+  names.member_nodes = std::max(1, layout_.member_nodes);
   return names;
 }
 
@@ -114,6 +115,22 @@ absl::Status Job::LayoutDiffers(const JobLayout& d, const std::string& who) cons
         layout_.group_nodes, "; every process of a job must set HSBN_GROUP_NODES (group_nodes) "
         "the same way"));
   }
+  if (d.member_nodes != layout_.member_nodes) {
+    auto kind = [](int32_t member_nodes) {
+      return member_nodes > 1 ? absl::StrCat("a group aggregator (", member_nodes, " nodes)")
+                              : std::string("a node's sidecar");
+    };
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": joins job '", id_, "' as ", kind(d.member_nodes), " but its first member joined "
+        "as ", kind(layout_.member_nodes), "; every node of a job reaches the root the same "
+        "way: all sidecars through group aggregators (their --upstream), or all directly"));
+  }
+  if (d.group != layout_.group) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, " belongs to group ", d.group, " (node_rank / HSBN_GROUP_NODES = ", d.group,
+        ") but this group aggregator serves group ", layout_.group, " of job '", id_,
+        "'; each node's sidecar must name its own group's aggregator as --upstream"));
+  }
   if (d.node_rank != layout_.node_rank) {
     return absl::InvalidArgumentError(absl::StrCat(
         who, ": node_rank (GROUP_RANK)=", d.node_rank, " but this aggregator serves node ",
@@ -147,7 +164,9 @@ absl::Status Job::AddMember(int32_t index, const SessionId& session,
   m.down.clear();  // a child aggregator's new session starts healthy; it says so if not
   if (reported_down_) {
     bool all_back = true;
-    for (const Member& other : members_) all_back = all_back && !other.gone;
+    for (const Member& other : members_) {
+      all_back = all_back && !other.gone && (&other == &m || other.down.empty());
+    }
     if (all_back) {
       reported_down_ = false;
       out->node_states.push_back(Actions::NodeState{true, ""});
@@ -214,10 +233,13 @@ void Job::MemberGone(int32_t index, const SessionId& session, bool left, Clock::
   // rounds until it rejoins, so the root need not wait for the deadline of rounds other nodes
   // open meanwhile.
   if (!left && !reported_down_ && limits_.has_parent &&
-      layout_.member_kind == v1::MEMBER_KIND_WORKER && layout_.num_nodes > 1) {
+      layout_.covered_nodes() < layout_.num_nodes) {
     reported_down_ = true;
     down_message_ =
-        m.aborted.empty()
+        !layout_.workers()
+            ? absl::StrCat(MemberName(index), " lost its link to group aggregator of group ",
+                           layout_.group)
+        : m.aborted.empty()
             ? absl::StrCat(MemberName(index),
                            " disconnected from its node's sidecar (its stream broke: the "
                            "process probably exited or was killed)")
@@ -257,16 +279,14 @@ void Job::EraseOpenLocked(std::map<RoundKey, Round>::iterator it) {
 }
 
 bool Job::ScopeReachesParent(v1::Scope scope) const {
-  // A group of one node is the node: its sidecar answers.
-  return scope != v1::SCOPE_NODE && !(scope == v1::SCOPE_GROUP && layout_.group_nodes == 1) &&
-         layout_.member_kind == v1::MEMBER_KIND_WORKER && layout_.num_nodes > 1;
+  // A group of one node is the node: its sidecar answers; a group aggregator answers its group.
+  return layout_.covered_nodes() < layout_.SpanOf(scope);
 }
 
 RoundKey Job::KeyOf(int32_t index, const v1::Contribution& c) const {
   RoundKey key{c.op(), c.seq(), c.phase()};
-  if (c.scope() == v1::SCOPE_GROUP && layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR &&
-      layout_.group_nodes > 0) {
-    key.group = index / layout_.group_nodes + 1;
+  if (c.scope() == v1::SCOPE_GROUP && layout_.keyed_groups()) {
+    key.group = index * std::max(1, layout_.member_nodes) / layout_.group_nodes + 1;
   }
   return key;
 }
@@ -314,8 +334,12 @@ absl::Status Job::ValidateLocked(int32_t index, const v1::Contribution& c, const
                                         "; thresholds are finite and >= 0, warm-up >= 0"));
     }
   }
-  if (layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR && c.scope() == v1::SCOPE_NODE) {
-    return bad("scope", "is node, which a root aggregator never reduces");
+  if (!layout_.workers() && c.scope() == v1::SCOPE_NODE) {
+    return bad("scope", "is node, which only a node's sidecar reduces");
+  }
+  if (!layout_.workers() && c.scope() == v1::SCOPE_GROUP &&
+      layout_.member_nodes >= layout_.group_nodes) {
+    return bad("scope", "is group, which the group aggregators reduce; it never reaches the root");
   }
   // NaN and Inf are data (they propagate to every member, as in torch's SyncBatchNorm) unless
   // the job is strict; the values check is the shared-memory path's too (round.h).
@@ -504,8 +528,7 @@ bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribu
   auto it = open_.find(key);
   Round* open = it == open_.end() ? nullptr : &it->second;
   absl::Status valid = ValidateLocked(index, c, open, out);
-  if (valid.ok() && open == nullptr && layout_.group_nodes > 0 &&
-      layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR) {
+  if (valid.ok() && open == nullptr && layout_.keyed_groups()) {
     // At the root a group round and a round of another scope under the same (op, seq, phase)
     // have different keys: catch the scope mismatch here rather than at the deadline.
     auto sibling = open_.lower_bound(RoundKey{key.op, key.seq, key.phase, 0});
@@ -530,8 +553,9 @@ bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribu
   if (open == nullptr) {
     int32_t lo = 0, hi = int32_t(members_.size());
     if (key.group > 0) {
-      lo = (key.group - 1) * layout_.group_nodes;
-      hi = lo + layout_.group_nodes;
+      const int32_t per_group = layout_.group_nodes / std::max(1, layout_.member_nodes);
+      lo = (key.group - 1) * per_group;
+      hi = lo + per_group;
     }
     if (absl::Status s = BlockedLocked(key, lo, hi); !s.ok()) {
       TellSenderLocked(index, session, key, s, out);
@@ -630,38 +654,43 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   wire::PackPayload(a, b, channels, result->mutable_data());
 
   const RoundKey key = round.key;
-  // Shadow and renorm rounds are answered with the node's statistics at once; the root's
-  // global result of a renorm round follows as a late result (DeliverLateLocked).
-  const bool answered_now = round.scope == v1::SCOPE_SHADOW || round.scope == v1::SCOPE_RENORM;
-  if (ScopeReachesParent(round.scope) && limits_.has_parent) {
+  const bool forwards = ScopeReachesParent(round.scope) && limits_.has_parent;
+  if (forwards) {
     out->forwards.push_back(Actions::Forward{key, round.scope, round.channels, count,
                                              std::make_shared<const std::string>(result->data()),
                                              round.decide});
-    if (!answered_now) {
-      round.forwarded = true;
-      // The root's own deadline for this round fires first (its round opened no later than
-      // ours was forwarded), and its error names the missing nodes and ranks; ours is only the
-      // backstop for a root that does not answer at all.
-      round.deadline = Clock::now() + wire::ForwardedBackstop(limits_.round_timeout);
-      return;
-    }
+  }
+  // At a sidecar, shadow and renorm rounds are answered with the node's statistics at once;
+  // the global result of a renorm round follows as a late result (DeliverLateLocked). Above
+  // the sidecars, a forwarded round waits for the parent's result: shadow rounds too, whose
+  // global statistics a group aggregator needs for its per-node record.
+  const bool answered_now = layout_.workers() && (round.scope == v1::SCOPE_SHADOW ||
+                                                  round.scope == v1::SCOPE_RENORM);
+  if (forwards && !answered_now) {
+    round.forwarded = true;
+    // The root's own deadline for this round fires first (its round opened no later than
+    // ours was forwarded), and its error names the missing nodes and ranks; ours is only the
+    // backstop for a parent that does not answer at all.
+    round.deadline = Clock::now() + wire::ForwardedBackstop(limits_.round_timeout);
+    return;
+  }
+  if (forwards) {
     result->set_scope(v1::SCOPE_NODE);  // answer with the node's statistics now
     if (round.scope == v1::SCOPE_RENORM) ExpectLateLocked(key, round.channels, Clock::now());
-  } else if (round.scope == v1::SCOPE_RENORM &&
-             layout_.member_kind == v1::MEMBER_KIND_WORKER) {
+  } else if (round.scope == v1::SCOPE_RENORM && layout_.workers()) {
     // A job of one node: the node's statistics are the job's; its clients keep this answer as
     // the round's global statistics too, so no late result is sent.
     result->set_scope(v1::SCOPE_NODE);
   } else {
     result->set_scope(round.scope);
   }
-  if (layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR &&
+  if (!forwards && !layout_.workers() &&
       (round.scope == v1::SCOPE_SHADOW || round.scope == v1::SCOPE_RENORM) &&
       round.key.phase == v1::PHASE_FORWARD) {
     RecordDivergenceLocked(round, *result, out);
   }
   if (round.decide) {
-    if (layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR) {
+    if (!layout_.workers()) {
       *result->mutable_decision() = DecideLocked(key.op, *round.decide);
       out->log.push_back(absl::StrCat(
           "job '", id_, "': auto scope of op ", key.op, " decided at seq ", key.seq, ": ",
@@ -676,8 +705,9 @@ void Job::CompleteLocked(Round& round, Actions* out) {
     }
   }
   std::shared_ptr<const v1::Result> shared = result;
-  // At the root, shadow partials are fire-and-forget: the nodes are not waiting.
-  if (!(layout_.member_kind == v1::MEMBER_KIND_AGGREGATOR && round.scope == v1::SCOPE_SHADOW)) {
+  // At the root, shadow partials of sidecars are fire-and-forget: the nodes are not waiting.
+  // Group aggregators get the global statistics back, for their per-node record.
+  if (!(!layout_.workers() && round.scope == v1::SCOPE_SHADOW && layout_.member_nodes <= 1)) {
     DeliverLocked(round, shared, out);
   }
   ++rounds_completed_;
@@ -738,21 +768,38 @@ void Job::RecordDivergenceLocked(const Round& round, const v1::Result& global, A
   const int32_t k = layout_.group_nodes;
   std::vector<double> sm(channels), sm2(channels);
   int64_t group_count = 0;
-  for (size_t node = 0; node < round.slots.size(); ++node) {
-    const Slot& slot = round.slots[node];
-    if (k > 0 && node % size_t(k) == 0) {
+  // Members are nodes first_node(), first_node() + 1, ...; or, at a root above group
+  // aggregators, whole groups (whose nodes each group aggregator records).
+  const int32_t span = std::max(1, layout_.member_nodes);
+  const int32_t first = layout_.first_node();
+  for (size_t i = 0; i < round.slots.size(); ++i) {
+    const Slot& slot = round.slots[i];
+    if (span > 1) {
+      if (slot.count == 0) continue;
+      wire::UnpackPayload(slot.data, channels, nm.data(), nm2.data());
+      const int32_t group = (first + int32_t(i) * span) / k;
+      for (Records* records : {&group_divergence_, &decide_window_}) {
+        if (DivergenceAcc* r = RecordLocked(*records, {op, group}, out)) {
+          r->Add(channels, slot.count, nm.data(), nm2.data(), global.count(), gm.data(),
+                 gm2.data());
+        }
+      }
+      continue;
+    }
+    const int32_t node = first + int32_t(i);
+    if (k > 0 && node % k == 0) {
       group_count = 0;
       std::fill(sm.begin(), sm.end(), 0.0);
       std::fill(sm2.begin(), sm2.end(), 0.0);
     }
     if (slot.count > 0) {
       wire::UnpackPayload(slot.data, channels, nm.data(), nm2.data());
-      if (DivergenceAcc* r = RecordLocked(divergence_, {op, int32_t(node)}, out)) {
+      if (DivergenceAcc* r = RecordLocked(divergence_, {op, node}, out)) {
         r->Add(channels, slot.count, nm.data(), nm2.data(), global.count(), gm.data(),
                gm2.data());
       }
       if (k == 0) {
-        if (DivergenceAcc* r = RecordLocked(decide_window_, {op, int32_t(node)}, out)) {
+        if (DivergenceAcc* r = RecordLocked(decide_window_, {op, node}, out)) {
           r->Add(channels, slot.count, nm.data(), nm2.data(), global.count(), gm.data(),
                  gm2.data());
         }
@@ -762,8 +809,8 @@ void Job::RecordDivergenceLocked(const Round& round, const v1::Result& global, A
                                           nm.data(), nm2.data(), channels);
       }
     }
-    if (k > 0 && node % size_t(k) == size_t(k) - 1 && group_count > 0) {
-      const int32_t group = int32_t(node) / k;
+    if (k > 0 && node % k == k - 1 && group_count > 0) {
+      const int32_t group = node / k;
       for (Records* records : {&group_divergence_, &decide_window_}) {
         if (DivergenceAcc* r = RecordLocked(*records, {op, group}, out)) {
           r->Add(channels, group_count, sm.data(), sm2.data(), global.count(), gm.data(),
@@ -830,11 +877,22 @@ absl::Status Job::BlockedLocked(const RoundKey& key, int32_t lo, int32_t hi) con
 void Job::ChildState(int32_t index, const v1::NodeState& state, Actions* out) {
   absl::MutexLock lock(&mu_);
   Member& m = members_.at(index);
+  // A group aggregator relays its group's state: down while a node of it is, back when none is.
+  const bool relays = limits_.has_parent && !layout_.workers() &&
+                      layout_.covered_nodes() < layout_.num_nodes;
   if (state.healthy()) {
     if (!m.down.empty()) {
       out->log.push_back(absl::StrCat("job '", id_, "': ", MemberName(index), " is back"));
     }
     m.down.clear();
+    if (relays && reported_down_) {
+      bool all_back = true;
+      for (const Member& other : members_) all_back = all_back && !other.gone && other.down.empty();
+      if (all_back) {
+        reported_down_ = false;
+        out->node_states.push_back(Actions::NodeState{true, ""});
+      }
+    }
     return;
   }
   m.down = state.message().empty() ? "a worker there disconnected"
@@ -849,6 +907,11 @@ void Job::ChildState(int32_t index, const v1::NodeState& state, Actions* out) {
       /*tell_parent=*/true, out);
   out->log.push_back(absl::StrCat("job '", id_, "': ", MemberName(index), " is down (", m.down,
                                   "); ", failed, " open round(s) failed"));
+  if (relays && !reported_down_) {
+    reported_down_ = true;
+    down_message_ = absl::StrCat(MemberName(index), " is down: ", m.down);
+    out->node_states.push_back(Actions::NodeState{false, down_message_});
+  }
 }
 
 void Job::ChildAbort(int32_t index, const v1::Abort& abort, Actions* out) {
@@ -858,9 +921,9 @@ void Job::ChildAbort(int32_t index, const v1::Abort& abort, Actions* out) {
                                         wire::Printable(abort.message(), 1024), abort.reason());
   // An abort does not say the round's scope: with groups it may be the node's group round.
   const RoundKey key{abort.op(), abort.seq(), abort.phase()};
-  if (layout_.group_nodes > 0) {
+  if (layout_.keyed_groups()) {
     const RoundKey group_key{abort.op(), abort.seq(), abort.phase(),
-                             index / layout_.group_nodes + 1};
+                             index * std::max(1, layout_.member_nodes) / layout_.group_nodes + 1};
     if (open_.count(group_key)) {
       FailRoundLocked(group_key, s, /*tell_parent=*/true, out);
       return;
@@ -948,10 +1011,10 @@ void Job::ParentResult(const v1::Result& result, Actions* out) {
         int64_t(result.data().size()) != wire::PayloadBytes(channels) || result.count() < 0) {
       DeliverLateLocked(key, nullptr,
                         absl::InternalError(absl::StrCat(
-                            "round ", Describe(key), " of job '", id_, "': the root aggregator "
+                            "round ", Describe(key), " of job '", id_, "': the parent aggregator "
                             "answered with a malformed result (", result.channels(),
                             " channels, ", result.data().size(), " bytes; expected ", channels,
-                            " channels); check that the root runs the same hsbn version")),
+                            " channels); check that it runs the same hsbn version")),
                         out);
       return;
     }
@@ -980,10 +1043,10 @@ void Job::ParentResult(const v1::Result& result, Actions* out) {
       result.count() < 0) {
     FailRoundLocked(key,
                     absl::InternalError(absl::StrCat(
-                        "round ", Describe(key), " of job '", id_, "': the root aggregator "
+                        "round ", Describe(key), " of job '", id_, "': the parent aggregator "
                         "answered with a malformed result (", result.channels(), " channels, ",
                         result.data().size(), " bytes; expected ", it->second.channels,
-                        " channels); check that the root runs the same hsbn version")),
+                        " channels); check that it runs the same hsbn version")),
                     /*tell_parent=*/false, out);
     return;
   }
@@ -992,7 +1055,13 @@ void Job::ParentResult(const v1::Result& result, Actions* out) {
   copy->clear_session();
   copy->set_scope(it->second.scope);  // what the members asked for, whatever the root says
   std::shared_ptr<const v1::Result> shared = copy;
-  DeliverLocked(it->second, shared, out);
+  if (it->second.scope == v1::SCOPE_SHADOW) {
+    // A group aggregator's shadow round: its sidecars were answered long ago; the global
+    // statistics are for the per-node record.
+    if (key.phase == v1::PHASE_FORWARD) RecordDivergenceLocked(it->second, *copy, out);
+  } else {
+    DeliverLocked(it->second, shared, out);
+  }
   ++rounds_completed_;
   out->outcomes.push_back(Actions::Outcome{it->second.scope, key.phase, absl::StatusCode::kOk,
                                            it->second.opened});
@@ -1031,9 +1100,10 @@ void Job::Expire(Clock::time_point now, Actions* out) {
       if (!round.slots[i].filled) {
         missing.push_back(MemberName(int32_t(i)));
         out->timed_out.push_back(
-            layout_.member_kind == v1::MEMBER_KIND_WORKER
+            layout_.workers()
                 ? absl::StrCat("rank ", layout_.node_rank * layout_.local_world_size + int32_t(i))
-                : absl::StrCat("node ", i));
+            : layout_.member_nodes > 1 ? absl::StrCat("group ", i)
+                                       : absl::StrCat("node ", layout_.first_node() + int32_t(i)));
       }
     }
     doomed.emplace_back(key, wire::TimedOut(ref, limits_.round_timeout, missing));
@@ -1106,6 +1176,8 @@ void Job::FillStatus(v1::JobStatus* s) const {
   s->set_rounds_completed(rounds_completed_);
   s->set_rounds_failed(rounds_failed_);
   s->set_group_nodes(layout_.group_nodes);
+  s->set_member_nodes(layout_.member_nodes);
+  if (layout_.group >= 0) s->set_group(layout_.group);
   auto fill = [&](const std::pair<uint32_t, int32_t>& k, const DivergenceAcc& acc,
                   v1::Divergence* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     d->set_op(k.first);

@@ -1,7 +1,7 @@
 // server/job.h — one job's membership and rounds at one aggregator, independent of gRPC.
 //
 // A Job holds the members expected at this aggregator (the local ranks of one node at a
-// sidecar, the nodes at the root) and the rounds in flight, keyed by (op, seq, phase). It
+// sidecar, the nodes of a group at a group aggregator, the nodes or groups at the root) and the rounds in flight, keyed by (op, seq, phase). It
 // validates every contribution, reduces complete rounds in member-index order (so every member
 // of a round gets bitwise the same result, run after run), fails rounds that miss their
 // deadline or lose a member, and remembers finished rounds for a while so that a late or
@@ -12,8 +12,9 @@
 // executes after the call returns, outside the job's lock. This keeps the protocol semantics
 // testable without sockets and keeps slow I/O out of the critical section.
 //
-// Nothing here hard-codes two levels: an aggregator with a parent forwards the rounds whose
-// scope reaches above its level; one without a parent answers them.
+// Nothing here hard-codes the number of levels: an aggregator with a parent forwards the rounds
+// whose scope spans more nodes than it covers (JobLayout::covered_nodes); one without a parent
+// answers them. Results of forwarded rounds come back down through every level.
 //
 // Memory: every byte of round data and kept results is charged to the process's MemoryBudget
 // (JobLimits::budget) while the job holds it, and released when it lets go or is destroyed.
@@ -23,6 +24,7 @@
 #ifndef HSBN_SERVER_JOB_H_
 #define HSBN_SERVER_JOB_H_
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -86,9 +88,34 @@ struct JobLayout {
   bool strict_finite = false;  // JoinRequest.strict_finite: non-finite values fail rounds
   uint64_t incarnation = 0;    // JoinRequest.incarnation: which run of the job
   int32_t group_nodes = 0;     // JoinRequest.group_nodes: nodes per group, 0: no groups
-  // Members expected here: local ranks at a sidecar, nodes at the root.
+  // Aggregator members: nodes each covers (1: sidecars; group_nodes: group aggregators).
+  int32_t member_nodes = 0;
+  // At a group aggregator: the group it serves for this job; -1 elsewhere.
+  int32_t group = -1;
+
+  bool workers() const { return member_kind == v1::MEMBER_KIND_WORKER; }
+  // The nodes this aggregator covers in the job: its node at a sidecar, its group's at a group
+  // aggregator, all at the root. A round spanning more is forwarded to the parent.
+  int32_t covered_nodes() const {
+    return workers() ? 1 : group >= 0 ? group_nodes : num_nodes;
+  }
+  int32_t first_node() const {
+    return workers() ? node_rank : group >= 0 ? group * group_nodes : 0;
+  }
+  // Members expected here: local ranks at a sidecar, nodes at a group aggregator or a flat
+  // root, groups at a root above group aggregators.
   int32_t expected_members() const {
-    return member_kind == v1::MEMBER_KIND_WORKER ? local_world_size : num_nodes;
+    return workers() ? local_world_size : covered_nodes() / std::max(1, member_nodes);
+  }
+  // Whether group rounds here are rounds of a part of the members, keyed by group (a root whose
+  // members are nodes, in a job with several groups).
+  bool keyed_groups() const {
+    return !workers() && group_nodes > 0 && member_nodes < group_nodes &&
+           covered_nodes() > group_nodes;
+  }
+  // The nodes a round of `scope` spans (node: 1, group: group_nodes, else every node).
+  int32_t SpanOf(v1::Scope scope) const {
+    return scope == v1::SCOPE_NODE ? 1 : scope == v1::SCOPE_GROUP ? group_nodes : num_nodes;
   }
 };
 

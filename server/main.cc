@@ -42,13 +42,17 @@ using hsbn::server::LogLevel;
 // --help: kIntro, then every flag of the table below by group, then kSignals.
 constexpr char kIntro[] = R"(hsbn-aggregator — the hsbn BatchNorm statistics aggregator.
 
-One binary, two roles. A node aggregator (sidecar) runs on every node; the node's trainer
+One binary, three roles. A node aggregator (sidecar) runs on every node; the node's trainer
 processes join it, and it reduces node-scope rounds itself. For global, shadow and renorm
-scope it forwards each node partial to the root over one persistent stream. A root aggregator joins the
-nodes. A job on a single node needs no root.
+scope it forwards each node partial to its parent over one persistent stream. A root
+aggregator joins the nodes. A job on a single node needs no root. Optionally a group
+aggregator between the sidecars and the root serves each group of HSBN_GROUP_NODES
+consecutive nodes (a rack): group rounds complete there, and it forwards one merged partial
+per group to the root (docs/DEPLOY.md, "Group tier").
 
 Usage:
-  hsbn-aggregator --role=node --listen=unix:/run/hsbn/hsbn.sock [--upstream=root-host:7070]
+  hsbn-aggregator --role=node --listen=unix:/run/hsbn/hsbn.sock [--upstream=PARENT:7070]
+  hsbn-aggregator --role=group --listen=0.0.0.0:7071 --upstream=root-host:7070
   hsbn-aggregator --role=root --listen=0.0.0.0:7070
 )";
 
@@ -243,13 +247,15 @@ constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
 
 // The table of flags: one place for names, defaults, ranges and --help.
 void AddFlags(FlagTable& f, Settings* s, AggregatorOptions* o) {
-  f.Choice("role", "", {"node", "root"}, &s->role, "Which role this process plays (required).");
+  f.Choice("role", "", {"node", "group", "root"}, &s->role,
+           "Which role this process plays (required).");
   f.Text("listen", "ADDR[,ADDR...]", &s->listen,
          "Where to listen: unix:/path/to.sock or host:port (port 0 picks a free port). "
-         "Default: unix:/tmp/hsbn.sock for node, 0.0.0.0:7070 for root.");
+         "Default: unix:/tmp/hsbn.sock for node, 0.0.0.0:7070 for root and group.");
   f.Text("upstream", "ADDR", &o->upstream,
-         "Node role: the root aggregator (host:port or unix:/path). Needed for global, "
-         "shadow and renorm scope in jobs that span several nodes.");
+         "Node role: the parent aggregator, the root or the node's group aggregator "
+         "(host:port or unix:/path); needed for group, global, shadow and renorm scope in "
+         "jobs that span several nodes. Group role (required): the root.");
   f.Text("id", "NAME", &o->id, "Name used in logs, errors and status. Default: role@hostname.");
   f.Text("ready-file", "PATH", &s->ready_file,
          "Once listening, write the bound addresses there, one per line (written atomically; "
@@ -290,9 +296,11 @@ void AddFlags(FlagTable& f, Settings* s, AggregatorOptions* o) {
         "counted and reported as suppressed.");
 
   f.Text("divergence-dir", "DIR", &o->divergence_dir,
-         "Root role: when a job ends, write its shadow-mode divergence record (per layer op, "
-         "with the layer's name when the workers gave it, and node, and per group for a job "
-         "with groups) to DIR/JOB.divergence.json, so it outlives the job. Default: off.");
+         "Root and group roles: when a job ends, write its shadow-mode divergence record (per "
+         "layer op, with the layer's name when the workers gave it, and node, and per group for "
+         "a job with groups) to DIR/JOB.divergence.json, so it outlives the job. Above group "
+         "aggregators the root records per group and each group aggregator per node. Default: "
+         "off.");
 
   f.group("Shared-memory node path (node role; docs/PROTOCOL.md)");
   f.Choice("shm", "", {"on", "off"}, &s->shm,
@@ -327,14 +335,15 @@ void AddFlags(FlagTable& f, Settings* s, AggregatorOptions* o) {
          "Require client certificates signed by this PEM CA (mutual TLS): connections without "
          "one are refused. Needs --tls-cert.");
   f.Text("upstream-ca", "FILE", &s->upstream_ca,
-         "Node role: connect to --upstream over TLS and accept only a certificate signed by "
+         "Node and group roles: connect to --upstream over TLS and accept only a certificate signed by "
          "this PEM CA.");
   f.Text("upstream-cert", "FILE", &s->upstream_cert,
-         "Node role: PEM client certificate for the upstream, for a root with --tls-client-ca "
+         "Node and group roles: PEM client certificate for the upstream, for a parent with "
+         "--tls-client-ca "
          "(with --upstream-key; needs --upstream-ca).");
   f.Text("upstream-key", "FILE", &s->upstream_key, "PEM private key of --upstream-cert.");
   f.Text("upstream-tls-name", "NAME", &o->upstream_tls_name,
-         "The name the root's certificate must carry, when it differs from the host in "
+         "The name the parent's certificate must carry, when it differs from the host in "
          "--upstream.");
 
   f.group("Job tokens");
@@ -472,10 +481,17 @@ int main(int argc, char** argv) {
   const std::string& role = settings.role;
   if (role == "node") {
     options.role = AggregatorOptions::Role::kNode;
+  } else if (role == "group") {
+    options.role = AggregatorOptions::Role::kGroup;
   } else if (role == "root") {
     options.role = AggregatorOptions::Role::kRoot;
   } else {
-    std::cerr << "hsbn-aggregator: --role must be node or root (see --help)\n";
+    std::cerr << "hsbn-aggregator: --role must be node, group or root (see --help)\n";
+    return 2;
+  }
+  if (options.role == AggregatorOptions::Role::kGroup && options.upstream.empty()) {
+    std::cerr << "hsbn-aggregator: --role=group needs --upstream=<root address>: a group "
+                 "aggregator forwards its groups' global rounds to the root\n";
     return 2;
   }
   if (app.count("--id") == 0) {
@@ -486,28 +502,27 @@ int main(int argc, char** argv) {
   // A flag of the other role would do nothing: say so instead of ignoring it.
   struct RoleFlag {
     const char* flag;
-    AggregatorOptions::Role role;
+    const char* roles;  // the roles it is for, as --help says them
     const char* why;
   };
-  const AggregatorOptions::Role kNodeRole = AggregatorOptions::Role::kNode;
   const RoleFlag kRoleFlags[] = {
-      {"--upstream", kNodeRole, "a root has no parent"},
-      {"--upstream-ca", kNodeRole, "a root has no parent"},
-      {"--upstream-cert", kNodeRole, "a root has no parent"},
-      {"--upstream-key", kNodeRole, "a root has no parent"},
-      {"--upstream-tls-name", kNodeRole, "a root has no parent"},
-      {"--shm", kNodeRole, "shared memory serves the trainers of one node"},
-      {"--shm-max-channels", kNodeRole, "shared memory serves the trainers of one node"},
-      {"--shm-ring", kNodeRole, "shared memory serves the trainers of one node"},
-      {"--shm-wait-ms", kNodeRole, "shared memory serves the trainers of one node"},
-      {"--divergence-dir", AggregatorOptions::Role::kRoot,
-       "the root computes shadow divergence; give it to the root's command line"},
+      {"--upstream", "node or group", "a root has no parent"},
+      {"--upstream-ca", "node or group", "a root has no parent"},
+      {"--upstream-cert", "node or group", "a root has no parent"},
+      {"--upstream-key", "node or group", "a root has no parent"},
+      {"--upstream-tls-name", "node or group", "a root has no parent"},
+      {"--shm", "node", "shared memory serves the trainers of one node"},
+      {"--shm-max-channels", "node", "shared memory serves the trainers of one node"},
+      {"--shm-ring", "node", "shared memory serves the trainers of one node"},
+      {"--shm-wait-ms", "node", "shared memory serves the trainers of one node"},
+      {"--divergence-dir", "root or group",
+       "shadow divergence is computed above the sidecars; give it to the root's (and the group "
+       "aggregators') command line"},
   };
   for (const RoleFlag& f : kRoleFlags) {
-    if (app.count(f.flag) == 0 || f.role == options.role) continue;
-    std::cerr << "hsbn-aggregator: " << f.flag << " is for --role="
-              << (f.role == kNodeRole ? "node" : "root") << " only (" << f.why
-              << "); remove it from this --role=" << role << " command line\n";
+    if (app.count(f.flag) == 0 || absl::StrContains(f.roles, role)) continue;
+    std::cerr << "hsbn-aggregator: " << f.flag << " is for --role=" << f.roles << " only ("
+              << f.why << "); remove it from this --role=" << role << " command line\n";
     return 2;
   }
   if (!options.upstream.empty()) {
@@ -530,7 +545,7 @@ int main(int argc, char** argv) {
   options.socket_mode = socket_mode;
   options.shm = settings.shm == "on";
   const std::string default_listen =
-      options.role == AggregatorOptions::Role::kRoot ? "0.0.0.0:7070" : "unix:/tmp/hsbn.sock";
+      options.role == AggregatorOptions::Role::kNode ? "unix:/tmp/hsbn.sock" : "0.0.0.0:7070";
   const std::string listen_flag = app.count("--listen") == 0 ? default_listen : settings.listen;
   std::vector<std::string> listen = absl::StrSplit(listen_flag, ',', absl::SkipEmpty());
   if (listen.empty()) {

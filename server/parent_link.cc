@@ -78,7 +78,7 @@ class ParentLink::ParentStream final : public StreamWriter<FrameTraits> {
     return true;
   }
   void OverflowLocked(Overflow which) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Log(LogLevel::kWarn, absl::StrCat("the stream to the root ", link_->address_, " has more "
+    Log(LogLevel::kWarn, absl::StrCat("the stream to the ", link_->Parent(), " ", link_->address_, " has more "
                                       "than ", which == Overflow::kQueue
                                           ? "--max-queued-bytes unsent"
                                           : "the memory budget's worth of unsent bytes",
@@ -210,6 +210,7 @@ class ParentLink::UnaryCall final {
 
 ParentLink::ParentLink(UpstreamListener* listener, Options options, grpc::CompletionQueue* cq)
     : listener_(listener),
+      self_(options.self),
       address_(std::move(options.address)),
       id_(std::move(options.id)),
       tls_(options.tls),
@@ -283,7 +284,7 @@ void ParentLink::CheckStalled(std::chrono::steady_clock::time_point now) {
     conn = published_;
   }
   if (conn && conn->Stalled(now)) {
-    Log(LogLevel::kWarn, absl::StrCat("a write to the root ", address_, " waited longer than "
+    Log(LogLevel::kWarn, absl::StrCat("a write to the ", Parent(), " ", address_, " waited longer than "
                                       "--write-deadline-ms; dropping the stream"));
     conn->Cancel();
   }
@@ -312,7 +313,7 @@ void ParentLink::Enqueue(Item item) {
   v1::ClientFrame* frame = FrameOf(item);
   SetSession(frame, session);
   if (!conn->Send(std::move(*frame))) {
-    FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
+    FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the ", Parent(), " ", address_,
                                                        " broke")));
   }
 }
@@ -344,9 +345,10 @@ void ParentLink::Forward(const std::string& job_id, const JobLayout& layout,
                          std::shared_ptr<const std::string> token, const Actions::Forward& f) {
   Item item = MakeItem(job_id, layout, std::move(token), f.key);
   Frame& frame = std::get<Frame>(item.what);
-  // A renorm partial wants its answer too: the root's global result goes to every worker.
+  // A renorm partial wants its answer too: the root's global result goes to every worker; and
+  // so does a group aggregator's shadow partial (the global statistics, for its record).
   frame.contribution = true;
-  frame.wants_answer = f.scope != v1::SCOPE_SHADOW;
+  frame.wants_answer = f.scope != v1::SCOPE_SHADOW || !layout.workers();
   v1::Contribution* c = frame.frame.mutable_contribution();
   c->set_op(f.key.op);
   c->set_seq(f.key.seq);
@@ -391,8 +393,8 @@ void ParentLink::NodeState(const std::string& job_id, const Actions::NodeState& 
 
 void ParentLink::Status(const v1::StatusRequest& request,
                         std::function<void(const grpc::Status&, const v1::StatusResponse&)> done) {
+  // The parent asks its own parent in turn (a group aggregator, the root): the whole tree.
   v1::StatusRequest req = request;
-  req.set_include_upstream(false);
   if (!StartUnary<v1::StatusRequest, v1::StatusResponse>(
           &v1::Aggregator::Stub::PrepareAsyncStatus, req, std::chrono::seconds(2), done)) {
     done(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the sidecar is shutting down"),
@@ -407,7 +409,7 @@ void ParentLink::FailItem(const Item& item, const absl::Status& status) {
   if (f == nullptr || !f->contribution) return;
   if (!f->wants_answer) {
     Log(LogLevel::kWarn, absl::StrCat("shadow partial for job '", item.job_id, "' round ",
-                                      Describe(f->key), " not sent to the root: ",
+                                      Describe(f->key), " not sent to the ", Parent(), ": ",
                                       status.ToString()));
     return;
   }
@@ -432,7 +434,9 @@ void ParentLink::StartJoin(const std::string& job_id, const Frame& item) {
   req.set_kind(v1::MEMBER_KIND_AGGREGATOR);
   req.set_world_size(item.layout.world_size);
   req.set_local_world_size(item.layout.local_world_size);
-  req.set_node_rank(item.layout.node_rank);
+  // A sidecar joins as its node; a group aggregator as its group, named by its first node.
+  req.set_node_rank(item.layout.first_node());
+  req.set_member_nodes(item.layout.workers() ? 1 : item.layout.covered_nodes());
   req.set_rank(-1);
   req.set_local_rank(-1);
   req.set_strict_finite(item.layout.strict_finite);
@@ -463,12 +467,16 @@ void ParentLink::Joined(const std::string& job_id, const JoinDoneItem& done) {
   SessionId session;
   if (!done.status.ok()) {
     status = wire::WithMessage(wire::FromGrpc(done.status),
-                               absl::StrCat("joining job '", job_id, "' at the root ", address_,
+                               absl::StrCat("joining job '", job_id, "' at the ", Parent(), " ", address_,
                                             " failed: ", done.status.error_message()));
   } else if (!SessionId::FromBytes(done.response.session(), &session)) {
-    status = absl::InternalError(absl::StrCat("the root ", address_, " answered Join for job '",
+    status = absl::InternalError(absl::StrCat("the ", Parent(), " ", address_, " answered Join for job '",
                                               job_id, "' without a valid session; check "
                                               "that it runs the same hsbn version"));
+  }
+  if (status.ok() && done.response.role() == "group") {
+    absl::MutexLock lock(&name_mu_);
+    parent_ = "group aggregator";
   }
   if (!status.ok()) {
     for (const Item& item : items) FailItem(item, status);
@@ -491,7 +499,7 @@ void ParentLink::Joined(const std::string& job_id, const JoinDoneItem& done) {
   }
   if (!conn_->Send(std::move(attach))) {
     for (const Item& item : items) {
-      FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
+      FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the ", Parent(), " ", address_,
                                                          " broke")));
     }
     return;
@@ -527,7 +535,7 @@ void ParentLink::SendJoined(Item& item, const SessionId& session) {
   if (frame == nullptr) return;
   SetSession(frame, session);
   if (!conn_->Send(std::move(*frame))) {
-    FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
+    FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the ", Parent(), " ", address_,
                                                        " broke")));
   }
 }
@@ -580,7 +588,7 @@ absl::Status ParentLink::Send(Item& item) {
   }
   if (conn_ && conn_->broken()) {
     Unpublish();
-    FailParked(absl::UnavailableError(absl::StrCat("the stream to the root ", address_,
+    FailParked(absl::UnavailableError(absl::StrCat("the stream to the ", Parent(), " ", address_,
                                                    " broke")));
     conn_->WaitDone(std::chrono::seconds(10));
     conn_.reset();
@@ -594,7 +602,7 @@ absl::Status ParentLink::Send(Item& item) {
     if (!channel_->WaitForConnected(std::chrono::system_clock::now() + kConnectTimeout)) {
       retry_after_ = std::chrono::steady_clock::now() + std::chrono::seconds(2);
       return last_connect_error_ = absl::UnavailableError(absl::StrCat(
-          "the root aggregator at ", address_, " did not answer within 5 s; is it running, and "
+          "the ", ParentLong(), " at ", address_, " did not answer within 5 s; is it running, and "
           "is --upstream right?",
           tls_ ? " This sidecar uses TLS: check that --upstream-ca signed the root's "
                  "certificate, that the certificate names the host in --upstream (or "
@@ -610,7 +618,7 @@ absl::Status ParentLink::Send(Item& item) {
     }
     conn->Start(conn, stub_.get(), cq_);
     conn_ = std::move(conn);
-    Log(LogLevel::kInfo, absl::StrCat("connected to the root aggregator at ", address_,
+    Log(LogLevel::kInfo, absl::StrCat("connected to the ", ParentLong(), " at ", address_,
                                       tls_ ? " (TLS)" : ""));
     if (metrics_) metrics_->SetUpstreamConnected(true);
   }
@@ -679,10 +687,10 @@ void ParentLink::ConnDone(const grpc::Status& status) {
     stopping = stopping_;
   }
   if (!stopping) {
-    Log(LogLevel::kWarn, absl::StrCat("lost the stream to the root aggregator at ", address_, ": ",
+    Log(LogLevel::kWarn, absl::StrCat("lost the stream to the ", ParentLong(), " at ", address_, ": ",
                                       status.error_message()));
     listener_->OnParentLost(absl::UnavailableError(absl::StrCat(
-        "this node's sidecar lost its link to the root aggregator at ", address_, " (",
+        self_, " lost its link to the ", ParentLong(), " at ", address_, " (",
         status.error_message(), "); global rounds in flight failed, later rounds reconnect")));
   }
   absl::MutexLock lock(&mu_);

@@ -63,6 +63,7 @@ class ParentLink {
     std::string tls_name;
     WriterLimits writer;        // bounds of the stream's write queue
     Metrics* metrics = nullptr;  // may be null
+    std::string self = "this node's sidecar";  // this aggregator, in errors
   };
   // `cq`: the aggregator's completion queue, drained by its event thread; it must outlive
   // Shutdown(). `listener` must outlive this link.
@@ -154,7 +155,20 @@ class ParentLink {
   void Deliver(const v1::Result& result) ABSL_LOCKS_EXCLUDED(jobs_mu_);
   void ConnDone(const grpc::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The parent, in errors and logs: "root", or "group aggregator" once a Join's answer said so.
+  std::string Parent() const ABSL_LOCKS_EXCLUDED(name_mu_) {
+    absl::MutexLock lock(&name_mu_);
+    return parent_;
+  }
+  std::string ParentLong() const {
+    std::string p = Parent();
+    return p == "root" ? "root aggregator" : p;
+  }
+
   UpstreamListener* const listener_;
+  const std::string self_;
+  mutable absl::Mutex name_mu_;
+  std::string parent_ ABSL_GUARDED_BY(name_mu_) = "root";
   const std::string address_;
   const std::string id_;
   const bool tls_;

@@ -1,5 +1,6 @@
 #include "registry.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -95,6 +96,32 @@ absl::Status Registry::CheckRequest(const v1::JoinRequest& req, const std::strin
   if (absl::Status s = wire::CheckGroupNodes(req.group_nodes(), num_nodes); !s.ok()) {
     return bad(std::string(s.message()));
   }
+  const int32_t member_nodes = std::max(1, req.member_nodes());
+  if (member_nodes > 1) {
+    if (options_.group_tier) {
+      return bad(absl::StrCat("a group aggregator (", member_nodes, " nodes) joined a group "
+                              "aggregator; group aggregators take node sidecars only, and their "
+                              "own --upstream is the root"));
+    }
+    if (member_nodes != req.group_nodes()) {
+      return wire::WithReason(
+          bad(absl::StrCat("a group aggregator covering ", member_nodes, " nodes joined, but "
+                           "the job's groups have HSBN_GROUP_NODES=", req.group_nodes(),
+                           " nodes; a group aggregator serves exactly one group")),
+          v1::REASON_GROUP_NODES);
+    }
+    if (req.node_rank() % member_nodes != 0) {
+      return bad(absl::StrCat("a group aggregator's node_rank must be the first node of its "
+                              "group (a multiple of ", member_nodes, "), not ", req.node_rank()));
+    }
+  }
+  if (options_.group_tier && req.group_nodes() <= 0) {
+    return wire::WithReason(
+        bad(absl::StrCat("this is group aggregator ", options_.id, ", but the job was launched "
+                         "without groups: set HSBN_GROUP_NODES on every worker, or point this "
+                         "node's sidecar (--upstream) at the root")),
+        v1::REASON_GROUP_NODES);
+  }
   return absl::OkStatus();
 }
 
@@ -112,15 +139,19 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
   if (req.kind() != options_.joins) {
     if (worker) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "aggregator ", options_.id, " is a root; workers join their node's sidecar "
-          "(--role=node), not the root. Check HSBN_ADDRESS"));
+          "aggregator ", options_.id, " is a ", options_.group_tier ? "group aggregator" : "root",
+          "; workers join their node's sidecar (--role=node), not the ",
+          options_.group_tier ? "group aggregator" : "root", ". Check HSBN_ADDRESS"));
     }
     return absl::FailedPreconditionError(absl::StrCat(
-        "aggregator ", options_.id, " is a node sidecar; only a root (--role=root) accepts "
-        "other aggregators. Check the sidecar's --upstream"));
+        "aggregator ", options_.id, " is a node sidecar; only a root (--role=root) or a group "
+        "aggregator (--role=group) accepts other aggregators. Check the sidecar's --upstream"));
   }
-  const std::string who = worker ? absl::StrCat("rank ", req.rank())
-                                 : absl::StrCat("the sidecar of node ", req.node_rank());
+  const std::string who =
+      worker                   ? absl::StrCat("rank ", req.rank())
+      : req.member_nodes() > 1 ? absl::StrCat("the group aggregator of nodes ", req.node_rank(),
+                                              "-", int64_t(req.node_rank()) + req.member_nodes() - 1)
+                               : absl::StrCat("the sidecar of node ", req.node_rank());
   if (absl::Status s = CheckJobId(req.job_id()); !s.ok()) {
     return wire::WithMessage(s, absl::StrCat(who, ": ", s.message()));
   }
@@ -147,7 +178,11 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
   layout.strict_finite = req.strict_finite();
   layout.group_nodes = req.group_nodes();
   layout.incarnation = req.incarnation();
-  const int32_t index = worker ? req.local_rank() : req.node_rank();
+  layout.member_nodes = worker ? 0 : std::max(1, req.member_nodes());
+  layout.group = options_.group_tier ? req.node_rank() / req.group_nodes() : -1;
+  const int32_t index = worker                ? req.local_rank()
+                        : options_.group_tier ? req.node_rank() % req.group_nodes()
+                                              : req.node_rank() / layout.member_nodes;
 
   Joined joined;
   joined.index = index;

@@ -33,6 +33,9 @@ namespace hsbn::server {
 struct RegistryOptions {
   std::string id = "hsbn-aggregator";   // this aggregator's name in errors
   v1::MemberKind joins = v1::MEMBER_KIND_WORKER;  // who joins here: workers (node), sidecars (root)
+  // A group aggregator (--role=group): sidecars join it, and each job's are the nodes of one
+  // group (node_rank / group_nodes), set by the first.
+  bool group_tier = false;
   int32_t max_jobs = 256;
   int32_t max_world_size = 16384;
   Clock::duration attach_timeout = std::chrono::seconds(60);

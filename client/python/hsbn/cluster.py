@@ -14,6 +14,11 @@ hsbn-linkproxy, which holds every chunk link_delay_ms in each direction: a simul
 link on one machine (node rounds never cross it; global and shadow rounds cross it up and
 down). link_command(node, "drop" | "stall" | "resume" | "delay MS" | ...) cuts, stalls or
 re-delays one node's link; link_stats(node) reads the proxy's counters.
+
+With group_tier=True (and group_nodes=K) a group aggregator (--role=group) sits between each K
+consecutive nodes' sidecars and the root: group rounds complete there and never reach the root.
+Then link_delay_us / link_delay_ms delay each group aggregator's link to the root, and
+group_link_delay_us each sidecar's link to its group aggregator.
 """
 
 import ast
@@ -153,13 +158,21 @@ class LocalCluster:
         hsbn-linkproxy, holding every chunk this many milliseconds in each direction, so a
         global round pays about 2 x link_delay_ms more than on loopback and a node round
         nothing (default None: sidecars connect to the root directly).
+      link_delay_us: the same in microseconds (give one of the two).
       link_proxy: put the proxies in place even without a delay (fault injection).
       linkproxy: path of hsbn-linkproxy (default: found as hsbn._lib.linkproxy_path() finds it).
+      group_nodes: HSBN_GROUP_NODES for the workers (worker_env sets it): nodes per group.
+      group_tier: start one group aggregator per group_nodes consecutive nodes, between their
+        sidecars and the root (needs group_nodes and a root). The delays then apply per level:
+        link_delay_* to each group aggregator's link to the root, group_link_delay_us to each
+        sidecar's link to its group aggregator.
+      group_link_delay_us: the sidecar <-> group aggregator delay, in microseconds.
     """
 
     def __init__(self, nodes=2, workers_per_node=4, job_id=None, round_timeout_ms=None,
                  root=True, aggregator=None, workdir=None, startup_timeout=30.0,
-                 link_delay_ms=None, link_proxy=False, linkproxy=None):
+                 link_delay_ms=None, link_proxy=False, linkproxy=None, link_delay_us=None,
+                 group_nodes=None, group_tier=False, group_link_delay_us=None):
         if _bootstrapping():
             raise ClusterError("a LocalCluster was created while a worker process was importing "
                                "the main module: " + _GUARD_HINT % "the script")
@@ -169,6 +182,24 @@ class LocalCluster:
                 isinstance(link_delay_ms, int) and 0 <= link_delay_ms <= 600000):
             raise ValueError("link_delay_ms must be an int within [0, 600000], got %r"
                              % (link_delay_ms,))
+        for name, value in (("link_delay_us", link_delay_us),
+                            ("group_link_delay_us", group_link_delay_us)):
+            if value is not None and not (
+                    isinstance(value, int) and not isinstance(value, bool)
+                    and 0 <= value <= 600000000):
+                raise ValueError("%s must be an int within [0, 600000000], got %r"
+                                 % (name, value))
+        if link_delay_ms is not None and link_delay_us is not None:
+            raise ValueError("give link_delay_ms or link_delay_us, not both")
+        if group_nodes is not None and not (
+                isinstance(group_nodes, int) and group_nodes >= 1 and nodes % group_nodes == 0):
+            raise ValueError("group_nodes must be a positive int that divides nodes=%d, got %r"
+                             % (nodes, group_nodes))
+        if group_tier and (group_nodes is None or nodes < 2 or not root):
+            raise ValueError("group_tier=True needs group_nodes, at least two nodes and a root")
+        if group_link_delay_us is not None and not group_tier:
+            raise ValueError("group_link_delay_us is the delay to a group aggregator: it needs "
+                             "group_tier=True")
         self.nodes = int(nodes)
         self.workers_per_node = int(workers_per_node)
         self.world_size = self.nodes * self.workers_per_node
@@ -180,9 +211,18 @@ class LocalCluster:
         self._own_workdir = workdir is None
         self._startup_timeout = startup_timeout
         self.link_delay_ms = link_delay_ms
-        self._link_proxy = bool(link_proxy) or link_delay_ms is not None
+        self.link_delay_us = (link_delay_us if link_delay_us is not None
+                              else (link_delay_ms or 0) * 1000)
+        self.group_nodes = group_nodes
+        self.group_tier = bool(group_tier)
+        self.group_link_delay_us = group_link_delay_us or 0
+        self._link_proxy = (bool(link_proxy) or link_delay_ms is not None
+                            or link_delay_us is not None or group_link_delay_us is not None)
         self._linkproxy = linkproxy
         self.root = None
+        self.groups = []        # the group aggregators (group_tier)
+        self.group_proxies = []  # their links to the root
+        self.group_addresses = []
         self.proxies = []
         self.sidecars = []
         self.root_address = None
@@ -208,18 +248,41 @@ class LocalCluster:
                 self.root.start()
                 self.root.wait_ready(deadline)
                 self.root_address = self.root.addresses[0]
+            def proxy(name, target, delay_us):
+                p = _Aggregator(name, [
+                    self._linkproxy or _lib.linkproxy_path(), "--target=" + target, "--listen=127.0.0.1:0",
+                    "--delay-us=%d" % delay_us,
+                    "--control=" + os.path.join(self._workdir, name + ".control")],
+                    self._workdir, id_flag=False)
+                p.start()
+                return p
+
             upstreams = [self.root_address] * self.nodes
+            if self.group_tier:
+                for g in range(self.nodes // self.group_nodes):
+                    up = self.root_address
+                    if self._link_proxy:
+                        self.group_proxies.append(
+                            proxy("grouplink%d" % g, self.root_address, self.link_delay_us))
+                        self.group_proxies[-1].wait_ready(deadline)
+                        up = self.group_proxies[-1].addresses[0]
+                    self.groups.append(_Aggregator("group%d" % g, [
+                        binary, "--role=group", "--listen=127.0.0.1:0", "--upstream=" + up]
+                        + common, self._workdir))
+                    self.groups[-1].start()
+                for agg in self.groups:
+                    agg.wait_ready(deadline)
+                    self.group_addresses.append(agg.addresses[0])
+                upstreams = [self.group_addresses[n // self.group_nodes]
+                             for n in range(self.nodes)]
             if self._link_proxy and self.root_address:
-                proxy_binary = self._linkproxy or _lib.linkproxy_path()
                 for n in range(self.nodes):
-                    self.proxies.append(_Aggregator("link%d" % n, [
-                        proxy_binary, "--target=" + self.root_address, "--listen=127.0.0.1:0",
-                        "--delay-ms=%d" % (self.link_delay_ms or 0),
-                        "--control=" + self._control_path(n)], self._workdir, id_flag=False))
-                    self.proxies[-1].start()
-                for n, proxy in enumerate(self.proxies):
-                    proxy.wait_ready(deadline)
-                    upstreams[n] = proxy.addresses[0]
+                    self.proxies.append(proxy(
+                        "link%d" % n, upstreams[n],
+                        self.group_link_delay_us if self.group_tier else self.link_delay_us))
+                for n, p in enumerate(self.proxies):
+                    p.wait_ready(deadline)
+                    upstreams[n] = p.addresses[0]
             for n in range(self.nodes):
                 sock = os.path.join(self._workdir, "node%d.sock" % n)
                 args = [binary, "--role=node", "--listen=unix:" + sock] + common
@@ -237,7 +300,8 @@ class LocalCluster:
         return self
 
     def stop(self):
-        for agg in self.sidecars + self.proxies + ([self.root] if self.root else []):
+        for agg in (self.sidecars + self.proxies + self.groups + self.group_proxies
+                    + ([self.root] if self.root else [])):
             agg.stop()
         if self._own_workdir and self._workdir and os.path.isdir(self._workdir):
             shutil.rmtree(self._workdir, ignore_errors=True)
@@ -276,6 +340,8 @@ class LocalCluster:
             "HSBN_JOB_ID": job_id or self.job_id,
             "HSBN_ADDRESS": self.node_addresses[node],
         })
+        if self.group_nodes is not None:
+            env["HSBN_GROUP_NODES"] = str(self.group_nodes)
         return env
 
     def run(self, fn, *args, timeout=None, job_id=None):
@@ -348,7 +414,8 @@ class LocalCluster:
 
     def logs(self):
         """The aggregators' and link proxies' output so far, by id (for diagnosing a failure)."""
-        aggs = ([self.root] if self.root else []) + self.sidecars + self.proxies
+        aggs = (([self.root] if self.root else []) + self.groups + self.sidecars + self.proxies
+                + self.group_proxies)
         return {a.name: a.log_tail(100000) for a in aggs}
 
     # --- the simulated link and restarts (fault injection) ---------------------------------------
@@ -397,7 +464,8 @@ class LocalCluster:
 
     def pids(self):
         """The process ids of the running aggregators and link proxies, by id."""
-        procs = ([self.root] if self.root else []) + self.sidecars + self.proxies
+        procs = (([self.root] if self.root else []) + self.groups + self.sidecars + self.proxies
+                 + self.group_proxies)
         return {p.name: p.proc.pid for p in procs if p.proc is not None and p.proc.poll() is None}
 
     def restart_sidecar(self, node):
@@ -405,6 +473,18 @@ class LocalCluster:
         again on the same socket."""
         agg = self.sidecars[node]
         agg.stop()
+        agg.start()
+        agg.wait_ready(time.monotonic() + self._startup_timeout)
+
+    def restart_group(self, group):
+        """Stops group `group`'s aggregator (SIGTERM; nothing if it already died) and starts it
+        again on the same address, so its sidecars reconnect to it."""
+        if not 0 <= group < len(self.groups):
+            raise ValueError("this LocalCluster has no group aggregator %d" % group)
+        agg = self.groups[group]
+        agg.stop()
+        agg.args = [a if not a.startswith("--listen=") else "--listen=" + self.group_addresses[group]
+                    for a in agg.args]
         agg.start()
         agg.wait_ready(time.monotonic() + self._startup_timeout)
 
