@@ -3,6 +3,7 @@
 // bench (bench/soak) and by LocalCluster's simulated cross-node latency (link_delay_ms).
 #include <signal.h>
 #include <stdio.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -44,6 +45,7 @@ bool Flag(const char* arg, const char* name, std::string* value) {
   return true;
 }
 
+// A delay flag in ms; `out` gets it in µs.
 bool Ms(const std::string& flag, const std::string& v, int64_t* out) {
   char* end = nullptr;
   const long long x = std::strtoll(v.c_str(), &end, 10);
@@ -52,7 +54,7 @@ bool Ms(const std::string& flag, const std::string& v, int64_t* out) {
                  flag.c_str(), v.c_str());
     return false;
   }
-  *out = x;
+  *out = x * 1000;
   return true;
 }
 
@@ -73,12 +75,12 @@ int main(int argc, char** argv) {
     } else if (Flag(a, "--listen", &v)) {
       opt.listen = v;
     } else if (Flag(a, "--delay-ms", &v)) {
-      if (!Ms("--delay-ms", v, &opt.delay_up_ms)) return 2;
-      opt.delay_down_ms = opt.delay_up_ms;
+      if (!Ms("--delay-ms", v, &opt.delay_up_us)) return 2;
+      opt.delay_down_us = opt.delay_up_us;
     } else if (Flag(a, "--delay-up-ms", &v)) {
-      if (!Ms("--delay-up-ms", v, &opt.delay_up_ms)) return 2;
+      if (!Ms("--delay-up-ms", v, &opt.delay_up_us)) return 2;
     } else if (Flag(a, "--delay-down-ms", &v)) {
-      if (!Ms("--delay-down-ms", v, &opt.delay_down_ms)) return 2;
+      if (!Ms("--delay-down-ms", v, &opt.delay_down_us)) return 2;
     } else if (Flag(a, "--control", &v)) {
       control = v;
     } else if (Flag(a, "--ready-file", &v)) {
@@ -92,9 +94,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "hsbn-linkproxy: --target is required\n\n%s", kUsage);
     return 2;
   }
+  // The loop sleeps until the next held chunk is due (ppoll, ns timeout); the default 50 us
+  // timer slack would let a 100 us delay last up to 150 us.
+  prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
   signal(SIGPIPE, SIG_IGN);
   struct sigaction sa {};
-  sa.sa_handler = OnSignal;  // no SA_RESTART: poll() returns, and the loop checks g_stop
+  sa.sa_handler = OnSignal;  // no SA_RESTART: ppoll() returns, and the loop checks g_stop
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
   std::string error;
