@@ -18,6 +18,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -374,6 +375,88 @@ TEST(LinkProxy, DueTimesAndWaitsAreInMicroseconds) {
   WaitTimespec(0, &ts);
   EXPECT_EQ(ts.tv_sec, 0);
   EXPECT_EQ(ts.tv_nsec, 0);
+}
+
+// hsbn-linkproxy's flags (main.cc parses them with ParseFlags).
+Flags Parse(std::vector<std::string> args) {
+  Flags f;
+  std::string e;
+  args.insert(args.begin(), "--target=127.0.0.1:9");
+  EXPECT_TRUE(ParseFlags(args, &f, &e)) << e;
+  return f;
+}
+
+std::string ParseError(const std::vector<std::string>& args) {
+  Flags f;
+  std::string e;
+  EXPECT_FALSE(ParseFlags(args, &f, &e));
+  return e;
+}
+
+TEST(LinkProxyFlags, DelaysInMillisecondsOrMicroseconds) {
+  Flags f = Parse({});
+  EXPECT_EQ(f.options.target, "127.0.0.1:9");
+  EXPECT_EQ(f.options.delay_up_us, 0);
+  EXPECT_EQ(f.control, "-");
+  f = Parse({"--delay-ms=5"});
+  EXPECT_EQ(f.options.delay_up_us, 5000);
+  EXPECT_EQ(f.options.delay_down_us, 5000);
+  f = Parse({"--delay-up-ms=3", "--delay-down-ms=600000"});
+  EXPECT_EQ(f.options.delay_up_us, 3000);
+  EXPECT_EQ(f.options.delay_down_us, kMaxDelayUs);
+  f = Parse({"--delay-ms=5", "--delay-up-ms=3"});  // one unit: the later flag wins, as before
+  EXPECT_EQ(f.options.delay_up_us, 3000);
+  EXPECT_EQ(f.options.delay_down_us, 5000);
+  f = Parse({"--delay-us=100"});
+  EXPECT_EQ(f.options.delay_up_us, 100);
+  EXPECT_EQ(f.options.delay_down_us, 100);
+  f = Parse({"--delay-up-us=100", "--delay-down-us=600000000"});
+  EXPECT_EQ(f.options.delay_up_us, 100);
+  EXPECT_EQ(f.options.delay_down_us, 600000000);
+  // Different units for different directions are fine.
+  f = Parse({"--delay-up-us=100", "--delay-down-ms=1"});
+  EXPECT_EQ(f.options.delay_up_us, 100);
+  EXPECT_EQ(f.options.delay_down_us, 1000);
+  f = Parse({"--listen=127.0.0.1:0", "--control=/tmp/x", "--ready-file=/tmp/r"});
+  EXPECT_EQ(f.options.listen, "127.0.0.1:0");
+  EXPECT_EQ(f.control, "/tmp/x");
+  EXPECT_EQ(f.ready, "/tmp/r");
+  Flags help;
+  std::string e;
+  EXPECT_TRUE(ParseFlags({"--help"}, &help, &e));  // no --target needed
+  EXPECT_TRUE(help.help);
+}
+
+TEST(LinkProxyFlags, BadDelaysAreRefusedNamingTheFlags) {
+  const std::string t = "--target=127.0.0.1:9";
+  struct Case {
+    std::vector<std::string> args;
+    std::vector<std::string> named;  // the error names each
+  };
+  const std::vector<Case> cases = {
+      {{t, "--delay-ms=-4"}, {"--delay-ms", "600000"}},
+      {{t, "--delay-ms=600001"}, {"--delay-ms", "[0, 600000]"}},
+      {{t, "--delay-up-ms=1.5"}, {"--delay-up-ms"}},
+      {{t, "--delay-down-ms="}, {"--delay-down-ms"}},
+      {{t, "--delay-us=600000001"}, {"--delay-us", "[0, 600000000]"}},
+      {{t, "--delay-up-us=-1"}, {"--delay-up-us"}},
+      {{t, "--delay-down-us=1e3"}, {"--delay-down-us"}},
+      {{t, "--delay-down-us=99999999999"}, {"--delay-down-us"}},
+      // Both spellings for one direction, in either order.
+      {{t, "--delay-ms=1", "--delay-us=100"}, {"--delay-ms", "--delay-us", "up"}},
+      {{t, "--delay-up-us=100", "--delay-up-ms=1"}, {"--delay-up-ms", "--delay-up-us", "up"}},
+      {{t, "--delay-down-ms=1", "--delay-us=100"}, {"--delay-down-ms", "--delay-us", "down"}},
+      {{t, "--delay-ms=1", "--delay-down-us=100"}, {"--delay-ms", "--delay-down-us", "down"}},
+      {{"--delay-ms=1"}, {"--target"}},
+      {{t, "--delay-seconds=1"}, {"--delay-seconds"}},
+      {{t, "--delay-ms"}, {"--delay-ms"}},
+  };
+  for (const Case& c : cases) {
+    std::string args;
+    for (const std::string& a : c.args) args += a + " ";
+    const std::string e = ParseError(c.args);
+    for (const std::string& n : c.named) EXPECT_NE(e.find(n), std::string::npos) << args << e;
+  }
 }
 
 TEST(LinkProxy, AnUnreachableTargetResetsTheClient) {

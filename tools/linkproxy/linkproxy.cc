@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstring>
 #include <sstream>
+#include <tuple>
 
 namespace hsbn::linkproxy {
 namespace {
@@ -101,6 +102,67 @@ const timespec* WaitTimespec(int64_t wait_us, timespec* ts) {
   ts->tv_sec = static_cast<time_t>(wait_us / 1000000);
   ts->tv_nsec = static_cast<long>(wait_us % 1000000) * 1000;
   return ts;
+}
+
+bool ParseFlags(const std::vector<std::string>& args, Flags* flags, std::string* error) {
+  // For each direction, the last flag that set it in each unit: giving both units is an error.
+  std::string up_ms, up_us, down_ms, down_us;
+  for (const std::string& a : args) {
+    if (a == "--help" || a == "-h") {
+      flags->help = true;
+      return true;
+    }
+    const size_t eq = a.find('=');
+    const std::string name = a.substr(0, eq);
+    const std::string v = eq == std::string::npos ? "" : a.substr(eq + 1);
+    const bool has_value = eq != std::string::npos;
+    if (has_value && name == "--target") {
+      flags->options.target = v;
+    } else if (has_value && name == "--listen") {
+      flags->options.listen = v;
+    } else if (has_value && name == "--control") {
+      flags->control = v;
+    } else if (has_value && name == "--ready-file") {
+      flags->ready = v;
+    } else if (has_value && (name == "--delay-ms" || name == "--delay-up-ms" ||
+                             name == "--delay-down-ms" || name == "--delay-us" ||
+                             name == "--delay-up-us" || name == "--delay-down-us")) {
+      const bool us = name.compare(name.size() - 3, 3, "-us") == 0;
+      const int64_t max = us ? kMaxDelayUs : kMaxDelayMs;
+      int64_t x = 0;
+      if (!ParseCount(v, max, &x)) {
+        *error = name + " must be an integer in [0, " + std::to_string(max) + "], got '" + v + "'";
+        return false;
+      }
+      const int64_t x_us = us ? x : x * 1000;
+      const bool up = name.find("-down-") == std::string::npos;
+      const bool down = name.find("-up-") == std::string::npos;
+      if (up) {
+        flags->options.delay_up_us = x_us;
+        (us ? up_us : up_ms) = name;
+      }
+      if (down) {
+        flags->options.delay_down_us = x_us;
+        (us ? down_us : down_ms) = name;
+      }
+    } else {
+      *error = "unknown argument '" + a + "'";
+      return false;
+    }
+  }
+  for (const auto& [dir, ms, us] : {std::make_tuple("up", &up_ms, &up_us),
+                                    std::make_tuple("down", &down_ms, &down_us)}) {
+    if (!ms->empty() && !us->empty()) {
+      *error = *ms + " and " + *us + " both set the " + dir +
+               " delay; give each direction in one unit";
+      return false;
+    }
+  }
+  if (flags->options.target.empty()) {
+    *error = "--target is required";
+    return false;
+  }
+  return true;
 }
 
 bool SplitHostPort(const std::string& s, std::string* host, std::string* port) {

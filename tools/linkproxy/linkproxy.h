@@ -138,6 +138,19 @@ int64_t WaitUs(int64_t now_us, int64_t wake_us, int timeout_ms);
 // A wait in µs as ppoll()'s timeout: nullptr (forever) for -1, else `ts` filled in.
 const timespec* WaitTimespec(int64_t wait_us, timespec* ts);
 
+// hsbn-linkproxy's command line (main.cc), parsed and checked.
+struct Flags {
+  Options options;
+  std::string control = "-";  // --control: a Unix socket path, or "-" for stdin/stdout
+  std::string ready;          // --ready-file
+  bool help = false;          // --help or -h: print the usage and exit
+};
+// Parses `args` (argv without argv[0]) into `flags`. A delay may be given in ms (--delay-ms,
+// --delay-up-ms, --delay-down-ms: [0, kMaxDelayMs]) or µs (--delay-us, --delay-up-us,
+// --delay-down-us: [0, kMaxDelayUs]), but not both for one direction. On a bad argument
+// returns false with `error` naming the flag(s) (without a program prefix).
+bool ParseFlags(const std::vector<std::string>& args, Flags* flags, std::string* error);
+
 }  // namespace hsbn::linkproxy
 
 #endif  // HSBN_TOOLS_LINKPROXY_LINKPROXY_H_
