@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -17,6 +18,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -95,7 +97,7 @@ class ProxyFixture {
     dir_ = mkdtemp(tmpl.data());
     Options o;
     o.target = "127.0.0.1:" + std::to_string(target_port);
-    o.delay_up_ms = o.delay_down_ms = delay_ms;
+    o.delay_up_us = o.delay_down_us = delay_ms * 1000;
     std::string error;
     proxy_ = LinkProxy::Create(o, &error);
     EXPECT_TRUE(proxy_) << error;
@@ -286,6 +288,8 @@ TEST(LinkProxy, DelayHoldsEveryChunkAtLeastTheDelayInEachDirection) {
   EXPECT_GE(std::stoll(st.at("up_held_min_us")), 40000);
   EXPECT_GE(std::stoll(st.at("down_held_min_us")), 25000);
   EXPECT_EQ(st.at("delay_up_ms"), "40");
+  EXPECT_EQ(st.at("delay_up_us"), "40000");
+  EXPECT_EQ(st.at("delay_down_us"), "25000");
   // stats-reset zeroes traffic, keeps the delay.
   EXPECT_EQ(proxy.Command("stats-reset"), "ok stats-reset");
   EXPECT_EQ(proxy.Stats().at("up_held_min_us"), "-1");
@@ -293,6 +297,166 @@ TEST(LinkProxy, DelayHoldsEveryChunkAtLeastTheDelayInEachDirection) {
   close(client);
   close(server);
   close(listener);
+}
+
+// delay-us takes microseconds. A lower bound only (the machine may be loaded): every round trip
+// through a proxy holding each chunk 2000 us each way takes at least 4 ms. That a 100 us delay
+// is ~100 us and not a whole millisecond (the loop's ppoll() timeout is a timespec) is a ratio
+// over many round trips, for a benchmark, not a test; the wait arithmetic is tested below.
+TEST(LinkProxy, DelayUsHoldsEveryChunkItsMicrosecondsEachWay) {
+  int port = 0;
+  const int listener = Listen(&port);
+  ProxyFixture proxy(port);
+  EXPECT_EQ(proxy.Command("delay-us 2000"), "ok delay-us up=2000 down=2000");
+  const int client = Connect(proxy.address());
+  const int server = Accept(listener);
+  for (int i = 0; i < 5; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    SendAll(client, "ping");
+    EXPECT_EQ(RecvN(server, 4), "ping");
+    SendAll(server, "pong");
+    EXPECT_EQ(RecvN(client, 4), "pong");
+    const auto took = std::chrono::steady_clock::now() - start;
+    EXPECT_GE(std::chrono::duration_cast<std::chrono::microseconds>(took).count(), 4000) << i;
+  }
+  auto st = proxy.Stats();
+  EXPECT_EQ(st.at("delay_up_us"), "2000");
+  EXPECT_EQ(st.at("delay_down_us"), "2000");
+  EXPECT_EQ(st.at("delay_up_ms"), "2");  // whole ms, rounded down, for older readers
+  EXPECT_GE(std::stoll(st.at("up_held_min_us")), 2000);
+  EXPECT_GE(std::stoll(st.at("down_held_min_us")), 2000);
+  // A sub-millisecond delay, different per direction, is applied, not rounded down to 0.
+  EXPECT_EQ(proxy.Command("delay-us 300 700"), "ok delay-us up=300 down=700");
+  EXPECT_EQ(proxy.Command("stats-reset"), "ok stats-reset");
+  for (int i = 0; i < 5; ++i) {
+    SendAll(client, "p");
+    EXPECT_EQ(RecvN(server, 1), "p");
+    SendAll(server, "q");
+    EXPECT_EQ(RecvN(client, 1), "q");
+  }
+  st = proxy.Stats();
+  EXPECT_EQ(st.at("delay_up_ms"), "0");
+  EXPECT_EQ(st.at("delay_down_us"), "700");
+  EXPECT_EQ(st.at("up_chunks"), "5");
+  EXPECT_GE(std::stoll(st.at("up_held_min_us")), 300);
+  EXPECT_GE(std::stoll(st.at("down_held_min_us")), 700);
+  // `delay` keeps meaning milliseconds.
+  EXPECT_EQ(proxy.Command("delay 3"), "ok delay up=3 down=3");
+  EXPECT_EQ(proxy.Stats().at("delay_down_us"), "3000");
+  close(client);
+  close(server);
+  close(listener);
+}
+
+TEST(LinkProxy, DueTimesAndWaitsAreInMicroseconds) {
+  EXPECT_EQ(DueUs(1000, 100, 0), 1100);
+  EXPECT_EQ(DueUs(1000, 0, 0), 1000);
+  EXPECT_EQ(DueUs(1000, 100, 5000), 5000);  // never before the chunk read before it
+  EXPECT_EQ(DueUs(1000, kMaxDelayUs, 0), 1000 + kMaxDelayUs);
+  // Nothing held: wait for the caller's timeout, or forever.
+  EXPECT_EQ(WaitUs(1000, -1, -1), -1);
+  EXPECT_EQ(WaitUs(1000, -1, 5), 5000);
+  EXPECT_EQ(WaitUs(1000, -1, 0), 0);
+  // A chunk due in 100 us: wait 100 us, not a whole millisecond.
+  EXPECT_EQ(WaitUs(1000, 1100, -1), 100);
+  EXPECT_EQ(WaitUs(1000, 1100, 5), 100);
+  EXPECT_EQ(WaitUs(1000, 1001, -1), 1);
+  EXPECT_EQ(WaitUs(1000, 1000, -1), 0);  // due now, or overdue: do not wait
+  EXPECT_EQ(WaitUs(1000, 900, 5), 0);
+  EXPECT_EQ(WaitUs(1000, 11000, 2), 2000);  // the caller's timeout comes first
+  timespec ts{};
+  EXPECT_EQ(WaitTimespec(-1, &ts), nullptr);
+  ASSERT_EQ(WaitTimespec(100, &ts), &ts);
+  EXPECT_EQ(ts.tv_sec, 0);
+  EXPECT_EQ(ts.tv_nsec, 100000);
+  WaitTimespec(2500001, &ts);
+  EXPECT_EQ(ts.tv_sec, 2);
+  EXPECT_EQ(ts.tv_nsec, 500001000);
+  WaitTimespec(0, &ts);
+  EXPECT_EQ(ts.tv_sec, 0);
+  EXPECT_EQ(ts.tv_nsec, 0);
+}
+
+// hsbn-linkproxy's flags (main.cc parses them with ParseFlags).
+Flags Parse(std::vector<std::string> args) {
+  Flags f;
+  std::string e;
+  args.insert(args.begin(), "--target=127.0.0.1:9");
+  EXPECT_TRUE(ParseFlags(args, &f, &e)) << e;
+  return f;
+}
+
+std::string ParseError(const std::vector<std::string>& args) {
+  Flags f;
+  std::string e;
+  EXPECT_FALSE(ParseFlags(args, &f, &e));
+  return e;
+}
+
+TEST(LinkProxyFlags, DelaysInMillisecondsOrMicroseconds) {
+  Flags f = Parse({});
+  EXPECT_EQ(f.options.target, "127.0.0.1:9");
+  EXPECT_EQ(f.options.delay_up_us, 0);
+  EXPECT_EQ(f.control, "-");
+  f = Parse({"--delay-ms=5"});
+  EXPECT_EQ(f.options.delay_up_us, 5000);
+  EXPECT_EQ(f.options.delay_down_us, 5000);
+  f = Parse({"--delay-up-ms=3", "--delay-down-ms=600000"});
+  EXPECT_EQ(f.options.delay_up_us, 3000);
+  EXPECT_EQ(f.options.delay_down_us, kMaxDelayUs);
+  f = Parse({"--delay-ms=5", "--delay-up-ms=3"});  // one unit: the later flag wins, as before
+  EXPECT_EQ(f.options.delay_up_us, 3000);
+  EXPECT_EQ(f.options.delay_down_us, 5000);
+  f = Parse({"--delay-us=100"});
+  EXPECT_EQ(f.options.delay_up_us, 100);
+  EXPECT_EQ(f.options.delay_down_us, 100);
+  f = Parse({"--delay-up-us=100", "--delay-down-us=600000000"});
+  EXPECT_EQ(f.options.delay_up_us, 100);
+  EXPECT_EQ(f.options.delay_down_us, 600000000);
+  // Different units for different directions are fine.
+  f = Parse({"--delay-up-us=100", "--delay-down-ms=1"});
+  EXPECT_EQ(f.options.delay_up_us, 100);
+  EXPECT_EQ(f.options.delay_down_us, 1000);
+  f = Parse({"--listen=127.0.0.1:0", "--control=/tmp/x", "--ready-file=/tmp/r"});
+  EXPECT_EQ(f.options.listen, "127.0.0.1:0");
+  EXPECT_EQ(f.control, "/tmp/x");
+  EXPECT_EQ(f.ready, "/tmp/r");
+  Flags help;
+  std::string e;
+  EXPECT_TRUE(ParseFlags({"--help"}, &help, &e));  // no --target needed
+  EXPECT_TRUE(help.help);
+}
+
+TEST(LinkProxyFlags, BadDelaysAreRefusedNamingTheFlags) {
+  const std::string t = "--target=127.0.0.1:9";
+  struct Case {
+    std::vector<std::string> args;
+    std::vector<std::string> named;  // the error names each
+  };
+  const std::vector<Case> cases = {
+      {{t, "--delay-ms=-4"}, {"--delay-ms", "600000"}},
+      {{t, "--delay-ms=600001"}, {"--delay-ms", "[0, 600000]"}},
+      {{t, "--delay-up-ms=1.5"}, {"--delay-up-ms"}},
+      {{t, "--delay-down-ms="}, {"--delay-down-ms"}},
+      {{t, "--delay-us=600000001"}, {"--delay-us", "[0, 600000000]"}},
+      {{t, "--delay-up-us=-1"}, {"--delay-up-us"}},
+      {{t, "--delay-down-us=1e3"}, {"--delay-down-us"}},
+      {{t, "--delay-down-us=99999999999"}, {"--delay-down-us"}},
+      // Both spellings for one direction, in either order.
+      {{t, "--delay-ms=1", "--delay-us=100"}, {"--delay-ms", "--delay-us", "up"}},
+      {{t, "--delay-up-us=100", "--delay-up-ms=1"}, {"--delay-up-ms", "--delay-up-us", "up"}},
+      {{t, "--delay-down-ms=1", "--delay-us=100"}, {"--delay-down-ms", "--delay-us", "down"}},
+      {{t, "--delay-ms=1", "--delay-down-us=100"}, {"--delay-ms", "--delay-down-us", "down"}},
+      {{"--delay-ms=1"}, {"--target"}},
+      {{t, "--delay-seconds=1"}, {"--delay-seconds"}},
+      {{t, "--delay-ms"}, {"--delay-ms"}},
+  };
+  for (const Case& c : cases) {
+    std::string args;
+    for (const std::string& a : c.args) args += a + " ";
+    const std::string e = ParseError(c.args);
+    for (const std::string& n : c.named) EXPECT_NE(e.find(n), std::string::npos) << args << e;
+  }
 }
 
 TEST(LinkProxy, AnUnreachableTargetResetsTheClient) {
@@ -311,13 +475,20 @@ TEST(LinkProxy, BadCommandsAreAnsweredWithAnErrorAndChangeNothing) {
   int port = 0;
   const int listener = Listen(&port);
   ProxyFixture proxy(port);
-  for (const char* bad : {"delay", "delay -5", "delay 10x", "delay 700000", "delay 1 2 3",
-                          "stall now", "bogus", ""}) {
+  for (const char* bad : {"delay", "delay -5", "delay 10x", "delay 700000", "delay 600001",
+                          "delay 1 2 3", "delay-us", "delay-us -1", "delay-us 600000001",
+                          "delay-us 1 2 3", "delay-us 1.5", "delay-ms 1", "stall now", "bogus",
+                          ""}) {
     EXPECT_EQ(proxy.Command(bad).rfind("error ", 0), 0u) << bad;
   }
   const auto st = proxy.Stats();
   EXPECT_EQ(st.at("mode"), "forward");
   EXPECT_EQ(st.at("delay_up_ms"), "0");
+  EXPECT_EQ(st.at("delay_up_us"), "0");
+  // The largest delays are taken.
+  EXPECT_EQ(proxy.Command("delay 600000"), "ok delay up=600000 down=600000");
+  EXPECT_EQ(proxy.Command("delay-us 600000000 0"), "ok delay-us up=600000000 down=0");
+  EXPECT_EQ(proxy.Command("delay-us 0"), "ok delay-us up=0 down=0");
   close(listener);
 }
 
@@ -330,7 +501,11 @@ TEST(LinkProxy, CreateRefusesBadOptionsNamingThem) {
   EXPECT_FALSE(LinkProxy::Create(o, &error));
   EXPECT_NE(error.find("host:port"), std::string::npos) << error;
   o.target = "127.0.0.1:1";
-  o.delay_up_ms = -1;
+  o.delay_up_us = -1;
+  EXPECT_FALSE(LinkProxy::Create(o, &error));
+  EXPECT_NE(error.find("delay"), std::string::npos) << error;
+  o.delay_up_us = 0;
+  o.delay_down_us = kMaxDelayUs + 1;
   EXPECT_FALSE(LinkProxy::Create(o, &error));
   EXPECT_NE(error.find("delay"), std::string::npos) << error;
 }

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstring>
 #include <sstream>
+#include <tuple>
 
 namespace hsbn::linkproxy {
 namespace {
@@ -21,8 +22,8 @@ namespace {
 constexpr size_t kReadSize = 64 * 1024;
 constexpr size_t kMaxControlLine = 4096;
 
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+int64_t NowUs() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
@@ -63,12 +64,15 @@ std::vector<std::string> Words(const std::string& line) {
   return w;
 }
 
-bool ParseMs(const std::string& s, int64_t* ms) {
-  if (s.empty() || s.size() > 9) return false;
+// A non-negative decimal integer of at most 10 digits (no sign, no space) in [0, max].
+bool ParseCount(const std::string& s, int64_t max, int64_t* out) {
+  if (s.empty() || s.size() > 10) return false;
   for (char ch : s) {
     if (ch < '0' || ch > '9') return false;
   }
-  *ms = std::stoll(s);
+  const int64_t x = std::stoll(s);
+  if (x > max) return false;
+  *out = x;
   return true;
 }
 
@@ -79,6 +83,87 @@ void AddHeld(DirectionStats& d, int64_t us) {
 }
 
 }  // namespace
+
+int64_t DueUs(int64_t read_us, int64_t delay_us, int64_t previous_due_us) {
+  return std::max(read_us + delay_us, previous_due_us);
+}
+
+int64_t WaitUs(int64_t now_us, int64_t wake_us, int timeout_ms) {
+  int64_t wait = timeout_ms < 0 ? -1 : int64_t{timeout_ms} * 1000;
+  if (wake_us >= 0) {
+    const int64_t until_due = std::max<int64_t>(0, wake_us - now_us);
+    wait = wait < 0 ? until_due : std::min(wait, until_due);
+  }
+  return wait;
+}
+
+const timespec* WaitTimespec(int64_t wait_us, timespec* ts) {
+  if (wait_us < 0) return nullptr;
+  ts->tv_sec = static_cast<time_t>(wait_us / 1000000);
+  ts->tv_nsec = static_cast<long>(wait_us % 1000000) * 1000;
+  return ts;
+}
+
+bool ParseFlags(const std::vector<std::string>& args, Flags* flags, std::string* error) {
+  // For each direction, the last flag that set it in each unit: giving both units is an error.
+  std::string up_ms, up_us, down_ms, down_us;
+  for (const std::string& a : args) {
+    if (a == "--help" || a == "-h") {
+      flags->help = true;
+      return true;
+    }
+    const size_t eq = a.find('=');
+    const std::string name = a.substr(0, eq);
+    const std::string v = eq == std::string::npos ? "" : a.substr(eq + 1);
+    const bool has_value = eq != std::string::npos;
+    if (has_value && name == "--target") {
+      flags->options.target = v;
+    } else if (has_value && name == "--listen") {
+      flags->options.listen = v;
+    } else if (has_value && name == "--control") {
+      flags->control = v;
+    } else if (has_value && name == "--ready-file") {
+      flags->ready = v;
+    } else if (has_value && (name == "--delay-ms" || name == "--delay-up-ms" ||
+                             name == "--delay-down-ms" || name == "--delay-us" ||
+                             name == "--delay-up-us" || name == "--delay-down-us")) {
+      const bool us = name.compare(name.size() - 3, 3, "-us") == 0;
+      const int64_t max = us ? kMaxDelayUs : kMaxDelayMs;
+      int64_t x = 0;
+      if (!ParseCount(v, max, &x)) {
+        *error = name + " must be an integer in [0, " + std::to_string(max) + "], got '" + v + "'";
+        return false;
+      }
+      const int64_t x_us = us ? x : x * 1000;
+      const bool up = name.find("-down-") == std::string::npos;
+      const bool down = name.find("-up-") == std::string::npos;
+      if (up) {
+        flags->options.delay_up_us = x_us;
+        (us ? up_us : up_ms) = name;
+      }
+      if (down) {
+        flags->options.delay_down_us = x_us;
+        (us ? down_us : down_ms) = name;
+      }
+    } else {
+      *error = "unknown argument '" + a + "'";
+      return false;
+    }
+  }
+  for (const auto& [dir, ms, us] : {std::make_tuple("up", &up_ms, &up_us),
+                                    std::make_tuple("down", &down_ms, &down_us)}) {
+    if (!ms->empty() && !us->empty()) {
+      *error = *ms + " and " + *us + " both set the " + dir +
+               " delay; give each direction in one unit";
+      return false;
+    }
+  }
+  if (flags->options.target.empty()) {
+    *error = "--target is required";
+    return false;
+  }
+  return true;
+}
 
 bool SplitHostPort(const std::string& s, std::string* host, std::string* port) {
   const size_t colon = s.rfind(':');
@@ -95,8 +180,8 @@ bool SplitHostPort(const std::string& s, std::string* host, std::string* port) {
 }
 
 struct LinkProxy::Chunk {
-  int64_t read_ns;
-  int64_t release_ns;
+  int64_t read_us;  // steady_clock
+  int64_t due_us;   // DueUs(): when it may be written on
   std::string data;
   size_t off = 0;
   bool started = false;
@@ -105,9 +190,9 @@ struct LinkProxy::Chunk {
 struct LinkProxy::Direction {
   std::deque<Chunk> q;
   int64_t queued = 0;
-  int64_t last_release_ns = 0;  // chunks leave in the order they came, whatever the delay
-  bool eof = false;             // the source sent FIN
-  bool shut = false;            // the FIN was passed on
+  int64_t last_due_us = 0;  // chunks leave in the order they came, whatever the delay
+  bool eof = false;         // the source sent FIN
+  bool shut = false;        // the FIN was passed on
 };
 
 struct LinkProxy::Conn {
@@ -139,14 +224,14 @@ std::unique_ptr<LinkProxy> LinkProxy::Create(const Options& options, std::string
     *error = "--target '" + options.target + "' is not host:port";
     return nullptr;
   }
-  if (options.delay_up_ms < 0 || options.delay_down_ms < 0 || options.delay_up_ms > 600000 ||
-      options.delay_down_ms > 600000) {
-    *error = "delays must be within [0, 600000] ms";
+  if (options.delay_up_us < 0 || options.delay_down_us < 0 ||
+      options.delay_up_us > kMaxDelayUs || options.delay_down_us > kMaxDelayUs) {
+    *error = "delays must be within [0, " + std::to_string(kMaxDelayUs) + "] us";
     return nullptr;
   }
   std::unique_ptr<LinkProxy> p(new LinkProxy(options));
-  p->stats_.delay_up_ms = options.delay_up_ms;
-  p->stats_.delay_down_ms = options.delay_down_ms;
+  p->stats_.delay_up_us = options.delay_up_us;
+  p->stats_.delay_down_us = options.delay_down_us;
   addrinfo* ai = nullptr;
   if (!Resolve(options.listen, true, &ai, error)) return nullptr;
   for (addrinfo* a = ai; a != nullptr; a = a->ai_next) {
@@ -229,8 +314,12 @@ const char* LinkProxy::Help() {
          "                     and DOWN ms (default UP) in the down direction before writing it\n"
          "                     on; each chunk is timestamped when read, so the delay adds\n"
          "                     latency without serializing throughput; order is kept\n"
-         "  stats              mode, connection counts and per-direction traffic: bytes,\n"
-         "                     chunks, and the min/max/sum of how long chunks were held (us)\n"
+         "  delay-us UP [DOWN] the same in microseconds (the wait is sub-millisecond: 100 is\n"
+         "                     ~100 us, not rounded to a millisecond)\n"
+         "  stats              mode, connection counts, the delays (delay_up_ms/delay_down_ms\n"
+         "                     rounded down to whole ms; delay_up_us/delay_down_us exact) and\n"
+         "                     per-direction traffic: bytes, chunks, and the min/max/sum of\n"
+         "                     how long chunks were held (us)\n"
          "  stats-reset        zero the traffic counters (bytes, chunks, held)\n"
          "  quit               close everything and exit\n";
 }
@@ -238,8 +327,9 @@ const char* LinkProxy::Help() {
 std::string LinkProxy::FormatStats(const Stats& s) {
   std::ostringstream o;
   o << "mode=" << s.mode << " open=" << s.open << " accepted=" << s.accepted
-    << " refused=" << s.refused << " reset=" << s.reset << " delay_up_ms=" << s.delay_up_ms
-    << " delay_down_ms=" << s.delay_down_ms;
+    << " refused=" << s.refused << " reset=" << s.reset
+    << " delay_up_ms=" << s.delay_up_us / 1000 << " delay_down_ms=" << s.delay_down_us / 1000
+    << " delay_up_us=" << s.delay_up_us << " delay_down_us=" << s.delay_down_us;
   for (const auto& [name, d] : {std::make_pair("up", &s.up), std::make_pair("down", &s.down)}) {
     o << " " << name << "_bytes=" << d->bytes << " " << name << "_chunks=" << d->chunks << " "
       << name << "_held_min_us=" << d->held_min_us << " " << name
@@ -280,14 +370,18 @@ std::string LinkProxy::Command(const std::string& line) {
     mode_ = "stall";
     return "ok stall";
   }
-  if (cmd == "delay" && (w.size() == 2 || w.size() == 3)) {
+  if ((cmd == "delay" || cmd == "delay-us") && (w.size() == 2 || w.size() == 3)) {
+    const bool us = cmd == "delay-us";
+    const int64_t max = us ? kMaxDelayUs : kMaxDelayMs;
     int64_t up = 0, down = 0;
-    if (!ParseMs(w[1], &up) || !ParseMs(w.back(), &down) || up > 600000 || down > 600000) {
-      return "error delay takes one or two integers of milliseconds in [0, 600000]";
+    if (!ParseCount(w[1], max, &up) || !ParseCount(w.back(), max, &down)) {
+      return "error " + cmd + " takes one or two integers of " +
+             (us ? "microseconds" : "milliseconds") + " in [0, " + std::to_string(max) + "]";
     }
-    stats_.delay_up_ms = up;
-    stats_.delay_down_ms = down;
-    return "ok delay up=" + std::to_string(up) + " down=" + std::to_string(down);
+    const int64_t scale = us ? 1 : 1000;
+    stats_.delay_up_us = up * scale;
+    stats_.delay_down_us = down * scale;
+    return "ok " + cmd + " up=" + std::to_string(up) + " down=" + std::to_string(down);
   }
   if (cmd == "stats" && w.size() == 1) return "ok " + FormatStats(GetStats());
   if (cmd == "stats-reset" && w.size() == 1) {
@@ -301,7 +395,8 @@ std::string LinkProxy::Command(const std::string& line) {
   }
   if (cmd == "help") return "ok see --help";
   return "error unknown command or arguments: '" + line.substr(0, 100) +
-         "' (forward, resume, drop, reset, stall, delay UP [DOWN], stats, stats-reset, quit)";
+         "' (forward, resume, drop, reset, stall, delay UP [DOWN], delay-us UP [DOWN], stats, "
+         "stats-reset, quit)";
 }
 
 void LinkProxy::Accept() {
@@ -382,10 +477,9 @@ void LinkProxy::ReadInto(Conn& c, bool up) {
     return;
   }
   ch.data.resize(static_cast<size_t>(n));
-  ch.read_ns = NowNs();
-  const int64_t delay_ms = up ? stats_.delay_up_ms : stats_.delay_down_ms;
-  ch.release_ns = std::max(ch.read_ns + delay_ms * 1000000, d.last_release_ns);
-  d.last_release_ns = ch.release_ns;
+  ch.read_us = NowUs();
+  ch.due_us = DueUs(ch.read_us, up ? stats_.delay_up_us : stats_.delay_down_us, d.last_due_us);
+  d.last_due_us = ch.due_us;
   d.queued += n;
   d.q.push_back(std::move(ch));
 }
@@ -396,11 +490,11 @@ void LinkProxy::WriteFrom(Conn& c, bool up) {
   const int dst = up ? c.server : c.client;
   while (!c.dead && !d.q.empty()) {
     Chunk& ch = d.q.front();
-    const int64_t now = NowNs();
-    if (ch.release_ns > now) return;
+    const int64_t now = NowUs();
+    if (ch.due_us > now) return;
     if (!ch.started) {
       ch.started = true;
-      AddHeld(st, (now - ch.read_ns) / 1000);
+      AddHeld(st, now - ch.read_us);
     }
     const ssize_t n = send(dst, ch.data.data() + ch.off, ch.data.size() - ch.off, MSG_NOSIGNAL);
     if (n < 0) {
@@ -477,13 +571,13 @@ bool LinkProxy::Step(int timeout_ms) {
     fds.push_back({controls_[i]->in_fd, POLLIN, 0});
     tags.push_back({kControl, i});
   }
-  const int64_t now = NowNs();
-  int64_t wake_ns = -1;
+  const int64_t now = NowUs();
+  int64_t wake_us = -1;  // when the earliest held chunk is due
   auto want_write = [&](const Direction& d) {
     if (d.q.empty()) return false;
-    if (d.q.front().release_ns <= now) return true;
-    const int64_t wait = d.q.front().release_ns - now;
-    wake_ns = wake_ns < 0 ? wait : std::min(wake_ns, wait);
+    const int64_t due = d.q.front().due_us;
+    if (due <= now) return true;
+    wake_us = wake_us < 0 ? due : std::min(wake_us, due);
     return false;
   };
   if (!stalled) {
@@ -506,12 +600,11 @@ bool LinkProxy::Step(int timeout_ms) {
       tags.push_back({kServer, i});
     }
   }
-  int timeout = timeout_ms;
-  if (wake_ns >= 0) {
-    const int wake_ms = static_cast<int>((wake_ns + 999999) / 1000000);
-    timeout = timeout < 0 ? wake_ms : std::min(timeout, wake_ms);
-  }
-  const int rc = poll(fds.data(), fds.size(), timeout);
+  // ppoll, not poll: its timeout is a timespec, so the loop wakes when a chunk is due to the
+  // microsecond (poll's whole milliseconds would hold a 100 us delay up to 1 ms).
+  timespec ts{};
+  const int rc =
+      ppoll(fds.data(), fds.size(), WaitTimespec(WaitUs(now, wake_us, timeout_ms), &ts), nullptr);
   if (rc < 0 && errno != EINTR) return false;
   for (size_t k = 0; rc > 0 && k < fds.size(); ++k) {
     const short ev = fds[k].revents;

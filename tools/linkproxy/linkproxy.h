@@ -10,13 +10,21 @@
 //   delay U [D]  hold each chunk read in the up direction (client -> target) U ms and in the
 //             down direction D ms (default U) before writing it on; chunks are timestamped
 //             when read, so the delay adds latency without serializing throughput
+//   delay-us U [D]  the same in microseconds
 //   stats     one line of key=value counters; stats-reset zeroes the traffic counters
 //
-// Everything runs on the thread that calls Run(): a single poll() loop over the listener,
+// Everything runs on the thread that calls Run(): a single ppoll() loop over the listener,
 // the control channel and every connection. Not thread-safe; Command() may be called between
 // iterations (tests) or arrives on the control socket / stdin.
+//
+// Delays and due times are kept in microseconds of steady_clock, and the loop sleeps until the
+// next chunk is due with ppoll()'s nanosecond timeout, so a 100 µs delay is ~100 µs (plus the
+// kernel's wake-up latency and the thread's timer slack: hsbn-linkproxy sets its slack to 1 ns;
+// a thread left at the default 50 µs may wake up to 50 µs late), never rounded to whole ms.
 #ifndef HSBN_TOOLS_LINKPROXY_LINKPROXY_H_
 #define HSBN_TOOLS_LINKPROXY_LINKPROXY_H_
+
+#include <time.h>
 
 #include <cstdint>
 #include <deque>
@@ -25,6 +33,10 @@
 #include <vector>
 
 namespace hsbn::linkproxy {
+
+// The longest delay, in each unit: 10 minutes.
+constexpr int64_t kMaxDelayMs = 600000;
+constexpr int64_t kMaxDelayUs = kMaxDelayMs * 1000;
 
 // Counters of one direction of the link, over every connection since start or stats-reset.
 struct DirectionStats {
@@ -42,16 +54,16 @@ struct Stats {
   int64_t accepted = 0;     // connections accepted and forwarded
   int64_t refused = 0;      // connections reset at once (drop mode, or the target refused)
   int64_t reset = 0;        // open connections reset by drop/reset
-  int64_t delay_up_ms = 0;
-  int64_t delay_down_ms = 0;
+  int64_t delay_up_us = 0;  // the delays now (stats also shows them in whole ms)
+  int64_t delay_down_us = 0;
   DirectionStats up, down;  // up: client -> target
 };
 
 struct Options {
   std::string listen = "127.0.0.1:0";  // host:port
   std::string target;                  // host:port
-  int64_t delay_up_ms = 0;
-  int64_t delay_down_ms = 0;
+  int64_t delay_up_us = 0;             // [0, kMaxDelayUs]
+  int64_t delay_down_us = 0;
   // Reading stops on a side whose other direction holds this many bytes not yet written.
   int64_t max_queued_bytes = 8 << 20;
 };
@@ -73,8 +85,8 @@ class LinkProxy {
   // Runs one command line; returns the answer line (without newline): "ok ..." or "error ...".
   std::string Command(const std::string& line);
 
-  // One iteration of the loop: waits up to `timeout_ms` (-1: until something happens) and
-  // handles what is ready. Returns false once `quit` was received.
+  // One iteration of the loop: waits up to `timeout_ms` (-1: until something happens, or the
+  // next held chunk is due) and handles what is ready. Returns false once `quit` was received.
   bool Step(int timeout_ms);
   // Steps until `quit`, or until stdin (when a control fd) reaches EOF.
   void Run();
@@ -113,6 +125,31 @@ class LinkProxy {
 
 // "host:port" -> parts; false if malformed.
 bool SplitHostPort(const std::string& s, std::string* host, std::string* port);
+
+// When a chunk read at `read_us` (steady_clock, µs) on a direction with `delay_us` may be
+// written on: `delay_us` after its read, but never before the chunk read before it
+// (`previous_due_us`), so a delay lowered while chunks are held keeps their order.
+int64_t DueUs(int64_t read_us, int64_t delay_us, int64_t previous_due_us);
+
+// How long the loop may wait at `now_us`: until `wake_us` (the earliest due chunk; -1: none),
+// and at most `timeout_ms` (-1: no limit). -1 (forever) or a wait in µs, 0 if already due.
+int64_t WaitUs(int64_t now_us, int64_t wake_us, int timeout_ms);
+
+// A wait in µs as ppoll()'s timeout: nullptr (forever) for -1, else `ts` filled in.
+const timespec* WaitTimespec(int64_t wait_us, timespec* ts);
+
+// hsbn-linkproxy's command line (main.cc), parsed and checked.
+struct Flags {
+  Options options;
+  std::string control = "-";  // --control: a Unix socket path, or "-" for stdin/stdout
+  std::string ready;          // --ready-file
+  bool help = false;          // --help or -h: print the usage and exit
+};
+// Parses `args` (argv without argv[0]) into `flags`. A delay may be given in ms (--delay-ms,
+// --delay-up-ms, --delay-down-ms: [0, kMaxDelayMs]) or µs (--delay-us, --delay-up-us,
+// --delay-down-us: [0, kMaxDelayUs]), but not both for one direction. On a bad argument
+// returns false with `error` naming the flag(s) (without a program prefix).
+bool ParseFlags(const std::vector<std::string>& args, Flags* flags, std::string* error);
 
 }  // namespace hsbn::linkproxy
 
