@@ -604,11 +604,13 @@ absl::Status ParentLink::Send(Item& item) {
       return last_connect_error_ = absl::UnavailableError(absl::StrCat(
           "the ", ParentLong(), " at ", address_, " did not answer within 5 s; is it running, and "
           "is --upstream right?",
-          tls_ ? " This sidecar uses TLS: check that --upstream-ca signed the root's "
-                 "certificate, that the certificate names the host in --upstream (or "
-                 "--upstream-tls-name), and, if the root has --tls-client-ca, that this sidecar "
-                 "has --upstream-cert and --upstream-key signed by that CA"
-               : " If the root uses TLS (--tls-cert), give this sidecar --upstream-ca"));
+          tls_ ? absl::StrCat(" This aggregator uses TLS: check that --upstream-ca signed the ",
+                              Parent(), "'s certificate, that the certificate names the host in "
+                              "--upstream (or --upstream-tls-name), and, if the ", Parent(),
+                              " has --tls-client-ca, that this aggregator has --upstream-cert "
+                              "and --upstream-key signed by that CA")
+               : absl::StrCat(" If the ", Parent(), " uses TLS (--tls-cert), give this "
+                              "aggregator --upstream-ca")));
     }
     last_connect_error_ = absl::OkStatus();
     auto conn = std::make_shared<ParentStream>(this);
