@@ -940,6 +940,10 @@ void Job::ChildAbort(int32_t index, const v1::Abort& abort, Actions* out) {
     out->outcomes.push_back(
         Actions::Outcome{v1::SCOPE_UNSPECIFIED, key.phase, s.code(), Clock::time_point{}});
     FinishLocked(key, Finished{s, nullptr, {}});  // later partials of this round get the error
+    // A group aggregator: the round may be a global one that other groups' nodes are waiting
+    // for at the root (its scope is unknown here; a key names one round per job, so telling
+    // the root about a group round only leaves a tombstone nothing asks for).
+    if (limits_.has_parent && !layout_.workers()) out->aborts.push_back(Actions::Abort{key, s});
   }
 }
 

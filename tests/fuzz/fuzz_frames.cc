@@ -1,7 +1,7 @@
 // tests/fuzz/fuzz_frames.cc — what an aggregator does with the bytes clients send it.
 //
-// A Registry (server/registry.h) in the node role (with or without a root above) or the root
-// role, with or without tokens, a small memory budget and few jobs, fed a sequence of:
+// A Registry (server/registry.h) in the node role (with or without a root above), the group
+// role (sidecars join it; with or without a root above) or the root role, with or without tokens, a small memory budget and few jobs, fed a sequence of:
 //   - Join requests, parsed from raw bytes or built from arbitrary fields;
 //   - ClientFrames on one of three streams, parsed from raw bytes (batches included) or built,
 //     each handed to that stream's server::MemberStream (member_stream.h), the policy the
@@ -199,6 +199,12 @@ struct Harness final : MemberStreamHost {
     if (t == 2) r.set_token("secret-any");
     if (t == 3) r.set_token(in.ConsumeRandomLengthString(16));
     r.set_strict_finite(in.ConsumeProbability<float>() < 0.2f);
+    // Groups, and what an aggregator member covers (a group aggregator: K nodes).
+    if (in.ConsumeBool()) r.set_group_nodes(in.ConsumeIntegralInRange<int>(0, nodes));
+    if (in.ConsumeBool()) {
+      r.set_member_nodes(in.ConsumeBool() ? r.group_nodes() : in.ConsumeIntegralInRange<int>(-1, 4));
+      if (r.member_nodes() > 1) r.set_node_rank(node - node % r.member_nodes());
+    }
     return r;
   }
 
@@ -483,6 +489,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   h.root = in.ConsumeBool();
   o.joins = h.root ? v1::MEMBER_KIND_AGGREGATOR : v1::MEMBER_KIND_WORKER;
   h.has_parent = !h.root && in.ConsumeBool();
+  // A group aggregator: sidecars join it, and it has a root above it or not.
+  o.group_tier = h.root && in.ConsumeBool();
+  if (o.group_tier) h.has_parent = in.ConsumeBool();
   o.limits.has_parent = h.has_parent;
   o.max_jobs = in.ConsumeIntegralInRange<int>(1, 3);
   o.max_world_size = in.ConsumeIntegralInRange<int>(1, 12);

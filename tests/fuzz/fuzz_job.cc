@@ -1,7 +1,8 @@
 // tests/fuzz/fuzz_job.cc — the aggregator's request path without sockets.
 //
 // One Job (server/job.h) with a layout and limits taken from the input (a node's sidecar with
-// or without a root above it, or the root; strict or not; a small MemoryBudget, few open
+// or without a root above it, a group aggregator with or without a root, or the root above
+// sidecars or above group aggregators; strict or not; a small MemoryBudget, few open
 // rounds, few kept tombstones), then a sequence of the calls the aggregator makes on it, with
 // arbitrary fields, from several members, as the input says: AddMember (new sessions and
 // reconnects), Attach (current or stale sessions), Contribute, ChildAbort and ChildState (at
@@ -17,6 +18,7 @@
 // back at zero when the job is destroyed.
 #include <fuzzer/FuzzedDataProvider.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -99,8 +101,8 @@ struct Harness {
   // group-scope round is its own (docs/PROTOCOL.md, "Group scope").
   RoundKey KeyOf(int member, const v1::Contribution& c) const {
     RoundKey key{c.op(), c.seq(), c.phase()};
-    if (c.scope() == v1::SCOPE_GROUP && !worker() && layout.group_nodes > 0) {
-      key.group = member / layout.group_nodes + 1;
+    if (c.scope() == v1::SCOPE_GROUP && layout.keyed_groups()) {
+      key.group = member * std::max(1, layout.member_nodes) / layout.group_nodes + 1;
     }
     return key;
   }
@@ -222,7 +224,7 @@ struct Harness {
           break;
         }
         case 7: {  // from a child aggregator (root) / from the parent (sidecar)
-          if (!worker()) {
+          if (!worker() && (!limits.has_parent || in.ConsumeBool())) {
             v1::Abort abort;
             abort.set_op(in.ConsumeIntegralInRange<uint32_t>(0, 3));
             abort.set_seq(in.ConsumeIntegralInRange<uint64_t>(0, 3));
@@ -237,7 +239,7 @@ struct Harness {
           break;
         }
         case 8: {
-          if (!worker()) {
+          if (!worker() && (!limits.has_parent || in.ConsumeBool())) {
             v1::NodeState state;
             state.set_healthy(in.ConsumeBool());
             state.set_message(in.ConsumeRandomLengthString(64));
@@ -304,6 +306,27 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     h.layout.group_nodes = divisors[in.ConsumeIntegralInRange<size_t>(0, divisors.size() - 1)];
   }
   h.limits.has_parent = !root && in.ConsumeBool();
+  // Above the sidecars, a tree with a group tier (docs/PROTOCOL.md, "Group tier"): this job at
+  // a group aggregator (its members the nodes of group `layout.group`, a root above it or not),
+  // or at a root whose members are group aggregators of K nodes each.
+  if (root && in.ConsumeIntegralInRange<int>(0, 2) > 0 && in.remaining_bytes() > 0) {
+    const int k = in.ConsumeIntegralInRange<int>(1, 3);
+    if (in.ConsumeBool()) {  // a group aggregator: `group` members are the group's nodes
+      const int groups = in.ConsumeIntegralInRange<int>(1, 3);
+      h.layout.group_nodes = group;
+      h.layout.num_nodes = group * groups;
+      h.layout.member_nodes = 1;
+      h.layout.group = in.ConsumeIntegralInRange<int>(0, groups - 1);
+      h.limits.has_parent = in.ConsumeBool();
+    } else {  // a root above group aggregators: `group` members of k nodes each
+      h.layout.group_nodes = k;
+      h.layout.num_nodes = group * k;
+      h.layout.member_nodes = k;
+    }
+    h.layout.world_size = h.layout.local_world_size * h.layout.num_nodes;
+  } else if (root) {
+    h.layout.member_nodes = 1;
+  }
   h.limits.round_timeout = std::chrono::milliseconds(in.ConsumeIntegralInRange<int>(1, 1000));
   h.limits.max_channels = in.ConsumeIntegralInRange<int>(1, 8);
   h.limits.max_open_rounds = in.ConsumeIntegralInRange<int>(1, 8);
@@ -315,7 +338,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   h.budget = std::make_shared<MemoryBudget>(in.ConsumeIntegralInRange<int64_t>(0, 8192));
   h.limits.budget = h.budget;
   h.job = std::make_unique<Job>("fuzz-job", h.layout, h.limits);
-  h.ledger = std::make_unique<RoundLedger>(group, keeps_all, root ? h.layout.group_nodes : 0);
+  h.ledger = std::make_unique<RoundLedger>(
+      group, keeps_all,
+      h.layout.keyed_groups() ? h.layout.group_nodes / std::max(1, h.layout.member_nodes) : 0);
   h.model.resize(group);
   h.sessions.resize(group);
   for (int i = 0; i < group; ++i) h.sinks.push_back(std::make_shared<NullSink>(i));

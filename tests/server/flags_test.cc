@@ -68,7 +68,7 @@ TEST(Flags, BadValuesAreRefusedWithStatus2NamingTheFlag) {
   TempDir dir;
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--role=nod"}, "--role"},
-      {{}, "--role must be node or root"},
+      {{}, "--role must be node, group or root"},
       {{"--role=node", "--max-jobs=0"}, "--max-jobs"},
       {{"--role=node", "--max-jobs=12abc"}, "--max-jobs"},
       {{"--role=node", "--max-jobs=0x10"}, "--max-jobs"},  // decimal only
@@ -88,7 +88,9 @@ TEST(Flags, BadValuesAreRefusedWithStatus2NamingTheFlag) {
       {{"--role=node", "--allow-insecure-token-file=maybe"}, "--allow-insecure-token-file"},
       {{"--role=node", "--no-such-flag=1"}, "--no-such-flag"},
       {{"--role=node", "stray"}, "stray"},
-      {{"--role=root", "--upstream=x:1"}, "--upstream is for --role=node only"},
+      {{"--role=root", "--upstream=x:1"}, "--upstream is for --role=node or group only"},
+      {{"--role=group"}, "--role=group needs --upstream=<root address>"},
+      {{"--role=group", "--upstream=x:1", "--shm=off"}, "--shm is for --role=node only"},
       // Addresses are checked before anything listens or connects (issue 26).
       {{"--role=root", "--listen=127.0.0.1:99999"},
        "--listen=127.0.0.1:99999: the port must be a number from 0 to 65535"},
@@ -108,10 +110,10 @@ TEST(Flags, BadValuesAreRefusedWithStatus2NamingTheFlag) {
       {{"--role=node", "--metrics-listen=9464"}, "--metrics-listen=9464 has no port"},
       {{"--role=node", "--metrics-listen=unix:/tmp/m.sock"}, "--metrics-listen takes HOST:PORT"},
       // Flags of the other role would do nothing.
-      {{"--role=node", "--divergence-dir=/tmp"}, "--divergence-dir is for --role=root only"},
+      {{"--role=node", "--divergence-dir=/tmp"}, "--divergence-dir is for --role=root or group only"},
       {{"--role=root", "--shm=off"}, "--shm is for --role=node only"},
       {{"--role=root", "--shm-ring=4"}, "--shm-ring is for --role=node only"},
-      {{"--role=root", "--upstream-ca=ca.pem"}, "--upstream-ca is for --role=node only"},
+      {{"--role=root", "--upstream-ca=ca.pem"}, "--upstream-ca is for --role=node or group only"},
   };
   for (const auto& [flags, part] : cases) {
     auto [code, log] = RunAggregatorToExit(dir.path(), "bad", flags);

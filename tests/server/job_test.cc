@@ -28,8 +28,11 @@ class RecordingSink : public ResultSink {
 struct Fixture {
   explicit Fixture(int lws, int nodes = 1, int node = 0, bool parent = false,
                    v1::MemberKind kind = v1::MEMBER_KIND_WORKER, JobLimits limits = {},
-                   bool strict = false, int group_nodes = 0) {
+                   bool strict = false, int group_nodes = 0, int member_nodes = 0,
+                   int group = -1) {
     layout.member_kind = kind;
+    layout.member_nodes = member_nodes;
+    layout.group = group;
     layout.strict_finite = strict;
     layout.group_nodes = group_nodes;
     layout.local_world_size = lws;
@@ -1111,6 +1114,112 @@ TEST(Job, DroppableWhenNoMemberAttachedForTheAttachTimeout) {
   EXPECT_FALSE(job.Droppable(t0 + std::chrono::hours(5), std::chrono::seconds(60)));
   job.MemberGone(0, S(1), /*left=*/false, t0, &a);
   EXPECT_TRUE(job.Droppable(t0, std::chrono::seconds(60)));  // every member gone
+}
+
+
+// A group aggregator (docs/PROTOCOL.md, "Group tier"): group 1 of a job of 4 nodes in groups of
+// 2; its members are nodes 2 and 3.
+TEST(GroupTier, GroupAggregatorCompletesGroupRoundsAndForwardsOneMergedPartialOfWiderOnes) {
+  Fixture f(1, 4, 0, /*parent=*/true, v1::MEMBER_KIND_AGGREGATOR, {}, false, /*group_nodes=*/2,
+            /*member_nodes=*/1, /*group=*/1);
+  ASSERT_EQ(f.layout.expected_members(), 2);
+  EXPECT_EQ(f.job->MemberName(0), "node 2 (ranks 2-2)");
+  // A group round completes here: both nodes answered, nothing goes up.
+  Actions a = f.Send(0, Fwd(1, 0, 2, {1.0}, {2.0}, v1::SCOPE_GROUP));
+  a = f.Send(1, Fwd(1, 0, 2, {3.0}, {2.0}, v1::SCOPE_GROUP));
+  EXPECT_TRUE(a.forwards.empty());
+  for (auto& s : f.sinks) {
+    ASSERT_EQ(s->results.size(), 1u);
+    EXPECT_EQ(s->results[0].scope(), v1::SCOPE_GROUP);
+    EXPECT_EQ(s->results[0].count(), 4);
+    EXPECT_EQ(A(s->results[0])[0], 2.0);
+    EXPECT_EQ(B(s->results[0])[0], 8.0);  // 2 + 2 + (3 - 1)^2 * 2 * 2 / 4
+  }
+  // A global round: one merged partial goes up, and the nodes wait for the root's answer.
+  f.Send(0, Fwd(1, 1, 2, {1.0}, {2.0}, v1::SCOPE_GLOBAL));
+  a = f.Send(1, Fwd(1, 1, 2, {3.0}, {2.0}, v1::SCOPE_GLOBAL));
+  ASSERT_EQ(a.forwards.size(), 1u);
+  EXPECT_EQ(a.forwards[0].count, 4);
+  EXPECT_EQ(a.forwards[0].scope, v1::SCOPE_GLOBAL);
+  EXPECT_EQ(f.sinks[0]->results.size(), 1u);
+  v1::Result root;
+  root.set_op(1);
+  root.set_seq(1);
+  root.set_phase(v1::PHASE_FORWARD);
+  root.set_channels(1);
+  root.set_count(8);
+  std::vector<double> gm = {5.0}, gm2 = {40.0};
+  wire::PackPayload(gm.data(), gm2.data(), 1, root.mutable_data());
+  Actions up;
+  f.job->ParentResult(root, &up);
+  f.Deliver(up);
+  for (auto& s : f.sinks) {
+    ASSERT_EQ(s->results.size(), 2u);
+    EXPECT_EQ(s->results[1].count(), 8);
+    EXPECT_EQ(s->results[1].scope(), v1::SCOPE_GLOBAL);
+  }
+  // A shadow round: the sidecars answered their workers already; the merged partial goes up
+  // and the root's global statistics come back for the per-node record, delivered to nobody.
+  f.Send(0, Fwd(2, 0, 2, {1.0}, {2.0}, v1::SCOPE_SHADOW));
+  a = f.Send(1, Fwd(2, 0, 2, {3.0}, {2.0}, v1::SCOPE_SHADOW));
+  ASSERT_EQ(a.forwards.size(), 1u);
+  EXPECT_TRUE(a.deliveries.empty());
+  root.set_op(2);
+  root.set_seq(0);
+  Actions back;
+  f.job->ParentResult(root, &back);
+  EXPECT_TRUE(back.deliveries.empty());
+  v1::JobStatus st;
+  f.job->FillStatus(&st);
+  EXPECT_EQ(st.group(), 1);
+  ASSERT_EQ(st.divergence_size(), 2);
+  EXPECT_EQ(st.divergence(0).node(), 2);
+  EXPECT_EQ(st.divergence(1).node(), 3);
+  // Node 2 at mean 1 against the job's 5, variance 5: shift 4 / sqrt(5 + 1e-5).
+  EXPECT_NEAR(st.divergence(0).mean_shift_avg(), 4.0 / std::sqrt(5.0 + 1e-5), 1e-12);
+  ASSERT_EQ(st.group_divergence_size(), 1);
+  EXPECT_EQ(st.group_divergence(0).node(), 1);
+  EXPECT_NEAR(st.group_divergence(0).mean_shift_avg(), 3.0 / std::sqrt(5.0 + 1e-5), 1e-12);
+  // A node that goes down takes the group down at the root; back when it is back.
+  v1::NodeState down;
+  down.set_healthy(false);
+  down.set_message("rank 2 disconnected");
+  Actions d;
+  f.job->ChildState(0, down, &d);
+  ASSERT_EQ(d.node_states.size(), 1u);
+  EXPECT_FALSE(d.node_states[0].healthy);
+  EXPECT_NE(d.node_states[0].message.find("node 2"), std::string::npos);
+  v1::NodeState healthy;
+  healthy.set_healthy(true);
+  Actions h;
+  f.job->ChildState(0, healthy, &h);
+  ASSERT_EQ(h.node_states.size(), 1u);
+  EXPECT_TRUE(h.node_states[0].healthy);
+}
+
+TEST(GroupTier, RootAboveGroupAggregatorsRefusesGroupRoundsAndRecordsShadowPerGroup) {
+  Fixture f(1, 4, 0, /*parent=*/false, v1::MEMBER_KIND_AGGREGATOR, {}, false, /*group_nodes=*/2,
+            /*member_nodes=*/2);
+  ASSERT_EQ(f.layout.expected_members(), 2);
+  EXPECT_EQ(f.job->MemberName(1), "group 1 (nodes 2-3)");
+  f.Send(0, Fwd(1, 0, 4, {2.0}, {8.0}, v1::SCOPE_GROUP));
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[0]->results[0].code(), int(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(f.sinks[0]->results[0].message().find("group aggregators reduce"), std::string::npos);
+  // Shadow: every group aggregator gets the global statistics back.
+  f.Send(0, Fwd(2, 0, 4, {2.0}, {8.0}, v1::SCOPE_SHADOW));
+  f.Send(1, Fwd(2, 0, 4, {8.0}, {8.0}, v1::SCOPE_SHADOW));
+  for (auto& s : f.sinks) {
+    ASSERT_EQ(s->results.size(), size_t(&s == &f.sinks[0] ? 2 : 1));
+    EXPECT_EQ(s->results.back().count(), 8);
+    EXPECT_EQ(A(s->results.back())[0], 5.0);
+  }
+  v1::JobStatus st;
+  f.job->FillStatus(&st);
+  EXPECT_EQ(st.member_nodes(), 2);
+  EXPECT_EQ(st.divergence_size(), 0);
+  ASSERT_EQ(st.group_divergence_size(), 2);
+  EXPECT_EQ(st.group_divergence(1).node(), 1);
 }
 
 }  // namespace
