@@ -284,7 +284,7 @@ absl::Status LocalCluster::StartGroup(int g, const std::string& listen) {
       group_proxy_addresses_.resize(groups_.size());
     }
     if (!group_proxies_[g]) {
-      auto address = StartLinkProxy(absl::StrCat("grouplink", g), root_address_,
+      auto address = StartLinkProxy(absl::StrCat("link-group", g), root_address_,
                                     options_.link_delay_us, &group_proxies_[g]);
       if (!address.ok()) return address.status();
       group_proxy_addresses_[g] = *address;

@@ -27,6 +27,7 @@ Prints a table of faults x outcomes, and writes it (--out, JSON plus a .md table
 
   bench/soak/faults.py --repeats 5 --out bench/soak/results/faults.json
   bench/soak/faults.py --repeats 1 --hold 1          # the test suite's short mode
+  bench/soak/faults.py --group-tier --nodes 4 --workers-per-node 1   # through a group tier
 """
 
 import argparse
@@ -42,7 +43,7 @@ import soaklib
 
 # A failure's message names its cause: a rank, a node, the root or sidecar or link, or the
 # deadline (checked together with its status code).
-CAUSE = re.compile(r"rank \d+|node \d+|root|sidecar|aggregator|upstream|link|deadline|"
+CAUSE = re.compile(r"rank \d+|node \d+|group \d+|root|sidecar|aggregator|upstream|link|deadline|"
                    r"connect|stream|shutting down|restart", re.I)
 GOOD_CODES = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "NOT_FOUND", "ALREADY_EXISTS",
               "FAILED_PRECONDITION", "CANCELLED", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"}
@@ -52,6 +53,8 @@ STALE = "already completed with a different contribution"
 
 FAULTS = ["worker-kill", "worker-stop", "sidecar-kill", "sidecar-stop", "root-kill",
           "root-stop", "link-drop", "link-stall", "link-delay"]
+# With --group-tier: a group aggregator killed (and restarted) or stopped.
+TIER_FAULTS = ["group-kill", "group-stop"]
 
 
 class Job:
@@ -82,7 +85,10 @@ class FaultRun:
         for node in range(self.cluster.nodes):
             for lr in range(self.cluster.workers_per_node):
                 w = soaklib.Worker(self.worker_bin, self.cluster, job.name, node, steps=0,
-                                   layers=3, channels=8, local_ranks=[lr],
+                                   layers=4 if self.cluster.groups else 3, channels=8,
+                                   local_ranks=[lr],
+                                   scopes=("node,global,shadow,group" if self.cluster.groups
+                                           else "node,global,shadow"),
                                    incarnation=job.incarnation, progress_every=2,
                                    round_timeout_ms=0, connect_timeout_ms=5000)
                 w.rank = node * self.cluster.workers_per_node + lr
@@ -192,10 +198,13 @@ def inject(run, cluster, fault, rng, hold):
             except ProcessLookupError:
                 pass
         return what, time.monotonic(), extra
-    if fault.startswith("sidecar") or fault.startswith("root"):
+    if fault.startswith(("sidecar", "root", "group")):
         node = rng.randrange(cluster.nodes)
-        name = "root" if fault.startswith("root") else "node%d" % node
-        agg = cluster.root if name == "root" else cluster.sidecars[node]
+        group = rng.randrange(len(cluster.groups)) if cluster.groups else 0
+        name = ("root" if fault.startswith("root") else
+                "group%d" % group if fault.startswith("group") else "node%d" % node)
+        agg = (cluster.root if name == "root" else
+               cluster.groups[group] if fault.startswith("group") else cluster.sidecars[node])
         what = "%s (pid %d)" % (name, agg.proc.pid)
         if fault.endswith("kill"):
             agg.proc.send_signal(signal.SIGKILL)
@@ -203,6 +212,8 @@ def inject(run, cluster, fault, rng, hold):
             run.pump(seconds=hold)
             if name == "root":
                 cluster.restart_root()
+            elif fault.startswith("group"):
+                cluster.restart_group(group)
             else:
                 cluster.restart_sidecar(node)
         else:
@@ -237,8 +248,13 @@ def inject(run, cluster, fault, rng, hold):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3, help="times each fault is injected")
-    p.add_argument("--faults", default=",".join(FAULTS), help="comma list, of: " +
-                   ", ".join(FAULTS))
+    p.add_argument("--faults", default=None, help="comma list, of: " +
+                   ", ".join(FAULTS + TIER_FAULTS) + " (default: all that apply)")
+    p.add_argument("--group-tier", action="store_true",
+                   help="a group aggregator per --group-nodes nodes between the sidecars and the "
+                   "root (the link faults then cut a sidecar's link to its group aggregator); "
+                   "the workers run group rounds too")
+    p.add_argument("--group-nodes", type=int, default=2, help="nodes per group (--group-tier)")
     p.add_argument("--hold", type=float, default=5.0,
                    help="seconds each fault lasts (longer than the round timeout, so stops and "
                    "stalls fail rounds)")
@@ -255,16 +271,23 @@ def main(argv=None):
     soaklib.add_binary_args(p)
     args = p.parse_args(argv)
     worker_bin, agg_bin, proxy_bin = soaklib.binaries(args)
-    faults = [f for f in args.faults.split(",") if f]
+    known = FAULTS + (TIER_FAULTS if args.group_tier else [])
+    faults = [f for f in (args.faults or ",".join(known)).split(",") if f]
     for f in faults:
-        if f not in FAULTS:
-            p.error("unknown fault %r" % f)
+        if f not in known:
+            p.error("unknown fault %r%s" % (f, "" if f not in TIER_FAULTS else
+                                            " (it needs --group-tier)"))
+    if args.group_tier and (args.nodes % args.group_nodes or args.nodes // args.group_nodes < 2):
+        p.error("--group-tier needs at least two groups: --nodes a multiple of --group-nodes")
     rng = random.Random(args.seed)
     injections = []
     soaklib.exit_on_sigterm()
     with soaklib.LocalCluster(nodes=args.nodes, workers_per_node=args.workers_per_node,
                               aggregator=agg_bin, linkproxy=proxy_bin, link_proxy=True,
-                              round_timeout_ms=args.round_timeout_ms) as cluster:
+                              round_timeout_ms=args.round_timeout_ms,
+                              group_tier=args.group_tier,
+                              group_nodes=args.group_nodes if args.group_tier else None
+                              ) as cluster:
         run = FaultRun(args, cluster, worker_bin)
         try:
             end, fds_home, base_fds, rss_first = run_faults(args, cluster, run, faults, rng,

@@ -22,7 +22,7 @@
 //   hsbn-soak-worker --address=ADDR --job=ID --nodes=N --local-world=K --node-rank=I
 //       [--local-ranks=0,1] [--steps=S] [--layers=L] [--channels=C] [--scopes=node,global,shadow]
 //       [--incarnation=I] [--churn=K] [--progress-every=P] [--round-timeout-ms=T]
-//       [--connect-timeout-ms=T]
+//       [--connect-timeout-ms=T] [--group-nodes=K]   (K: nodes per group, for scope group)
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -84,6 +84,7 @@ struct Contribution {
 struct Layout {
   int nodes, local_world, channels;
   uint64_t incarnation;
+  int group_nodes = 0;  // --group-nodes: nodes per group (group scope), 0: none
 };
 
 Contribution Make(const Layout& l, int rank, uint32_t op, uint64_t seq, Phase phase) {
@@ -112,7 +113,11 @@ Contribution Expected(const Layout& l, int my_rank, uint32_t op, uint64_t seq, P
   std::vector<int> ranks;
   const int node = my_rank / l.local_world;
   for (int r = 0; r < l.nodes * l.local_world; ++r) {
-    if (scope == Scope::kGlobal || r / l.local_world == node) ranks.push_back(r);
+    const int r_node = r / l.local_world;
+    const bool same_group = l.group_nodes > 0 && r_node / l.group_nodes == node / l.group_nodes;
+    if (scope == Scope::kGlobal || r_node == node || (scope == Scope::kGroup && same_group)) {
+      ranks.push_back(r);
+    }
   }
   std::vector<Contribution> cs;
   for (int r : ranks) cs.push_back(Make(l, r, op, seq, phase));
@@ -184,6 +189,7 @@ int RunRank(const Config& cfg, int local_rank) {
       o.round_timeout = std::chrono::milliseconds(cfg.round_timeout_ms);
       o.connect_timeout = std::chrono::milliseconds(cfg.connect_timeout_ms);
       o.incarnation = l.incarnation;  // the run number a restarting launcher gives (faults.py)
+      o.group_nodes = l.group_nodes;
       auto c = Client::Connect(o);
       if (!c.ok()) {
         Emit(absl::StrCat("FAIL ", job, " ", rank, " - ", step, " join - ",
@@ -283,6 +289,7 @@ int Main(int argc, char** argv) {
   cfg.layout.channels = std::atoi(Flag(argc, argv, "channels", "8").c_str());
   cfg.layout.incarnation = std::strtoull(Flag(argc, argv, "incarnation", "0").c_str(), nullptr, 10);
   cfg.node_rank = std::atoi(Flag(argc, argv, "node-rank", "0").c_str());
+  cfg.layout.group_nodes = std::atoi(Flag(argc, argv, "group-nodes", "0").c_str());
   cfg.steps = std::atoll(Flag(argc, argv, "steps", "0").c_str());
   cfg.layers = std::atoi(Flag(argc, argv, "layers", "3").c_str());
   cfg.churn = std::atoll(Flag(argc, argv, "churn", "0").c_str());
@@ -304,7 +311,8 @@ int Main(int argc, char** argv) {
   }
   if (cfg.address.empty() || cfg.layout.nodes < 1 || cfg.layout.local_world < 1 ||
       cfg.layout.channels < 1 || cfg.layers < 1 || cfg.scopes.empty() || cfg.steps < 0 ||
-      cfg.churn < 0 || cfg.round_timeout_ms < 0 || cfg.connect_timeout_ms < 0) {
+      cfg.churn < 0 || cfg.round_timeout_ms < 0 || cfg.connect_timeout_ms < 0 ||
+      cfg.layout.group_nodes < 0) {
     std::fprintf(stderr, "hsbn-soak-worker: bad flags (see --help)\n");
     return 1;
   }

@@ -123,6 +123,8 @@ class Worker:
                      "--churn=%d" % churn, "--progress-every=%d" % progress_every,
                      "--round-timeout-ms=%d" % round_timeout_ms,
                      "--connect-timeout-ms=%d" % connect_timeout_ms]
+        if getattr(cluster, "group_nodes", None):
+            self.args.append("--group-nodes=%d" % cluster.group_nodes)
         self.expected_death = None  # why we killed it, when we did
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)

@@ -263,7 +263,7 @@ class LocalCluster:
                     up = self.root_address
                     if self._link_proxy:
                         self.group_proxies.append(
-                            proxy("grouplink%d" % g, self.root_address, self.link_delay_us))
+                            proxy("link-group%d" % g, self.root_address, self.link_delay_us))
                         self.group_proxies[-1].wait_ready(deadline)
                         up = self.group_proxies[-1].addresses[0]
                     self.groups.append(_Aggregator("group%d" % g, [

@@ -25,6 +25,9 @@ DEFAULT_MODES = ["local", "node", "group", "auto", "renorm", "global", "referenc
 # The simulated cross-node link of the default run, in ms each way (docs/COMPARISON.md says
 # why this value).
 LINK_DELAY_MS = 1
+# One rack hop, sidecar <-> group aggregator: TCP and gRPC framing through a top-of-rack switch
+# (docs/COMPARISON.md, "Group tier", says why 100 us).
+GROUP_LINK_DELAY_US = 100
 DEFAULT_LR = {"cls": 0.05, "seg": 0.05}
 CHECK_FACTOR = 10.0
 # What a run keeps for the check only (arrays), not written to results.json.
@@ -92,8 +95,16 @@ def parse_args(argv=None):
                    help="nodes per group for the group mode, and auto's alternative to "
                         "global (default 2; must divide --nodes)")
     g.add_argument("--link-delay-ms", type=int, default=None,
-                   help="simulated sidecar-root link delay in ms each way (default %d; 0 = "
-                        "loopback)" % LINK_DELAY_MS)
+                   help="simulated cross-node link delay in ms each way: sidecar-root, or with "
+                        "the group tier group aggregator-root (default %d; 0 = loopback)"
+                        % LINK_DELAY_MS)
+    g.add_argument("--group-tier", choices=["on", "off"], default=None,
+                   help="group and auto modes: a group aggregator per --group-nodes nodes "
+                        "between their sidecars and the root, so group rounds never reach the "
+                        "root (default on where hsbn has it)")
+    g.add_argument("--group-link-delay-us", type=int, default=GROUP_LINK_DELAY_US,
+                   help="with the group tier: the sidecar-group aggregator link delay in us "
+                        "each way, one rack hop (default %d)" % GROUP_LINK_DELAY_US)
     g.add_argument("--batch", type=int, default=4,
                    help="images (mosaics) per worker per step (default 4); the global batch is "
                         "nodes x workers-per-node x batch")
@@ -188,6 +199,15 @@ def parse_args(argv=None):
         p.error("--link-delay-ms must be >= 0")
     elif args.link_delay_ms and not _cluster_has_link_delay():
         p.error("--link-delay-ms: this hsbn's LocalCluster has no simulated link")
+    if args.group_tier is None:
+        args.group_tier = "on" if _cluster_has("group_tier") else "off"
+    elif args.group_tier == "on" and not _cluster_has("group_tier"):
+        p.error("--group-tier on: this hsbn's LocalCluster has no group tier")
+    if args.group_tier == "on" and args.nodes // args.group_nodes < 2 and (
+            "group" in args.modes or "auto" in args.modes):
+        args.group_tier = "off"  # one group is the whole job: no tier between
+    if not 0 <= args.group_link_delay_us <= 600000000:
+        p.error("--group-link-delay-us must be within [0, 600000000]")
     try:
         args.sweep_batches = [int(v) for v in args.sweep_batches.split(",") if v.strip()]
         args.sweep_skews = [float(v) for v in args.sweep_skews.split(",") if v.strip()]
@@ -265,9 +285,13 @@ def _mode_available(mode):
 
 
 def _cluster_has_link_delay():
+    return _cluster_has("link_delay_ms")
+
+
+def _cluster_has(parameter):
     import inspect
     import hsbn.cluster
-    return "link_delay_ms" in inspect.signature(hsbn.cluster.LocalCluster).parameters
+    return parameter in inspect.signature(hsbn.cluster.LocalCluster).parameters
 
 
 # --- progress ----------------------------------------------------------------------------------
@@ -536,6 +560,9 @@ def make_cfg(args, tasks, seeds, batch, skew):
             "group_nodes": args.group_nodes if "group" in args.modes or "auto" in args.modes
             else 0,
             "link_delay_ms": args.link_delay_ms, "precise_items": args.precise_items,
+            "group_tier": args.group_tier == "on" and ("group" in args.modes
+                                                       or "auto" in args.modes),
+            "group_link_delay_us": args.group_link_delay_us,
             "perturb_mean": args.perturb_mean, "model": args.model,
             "renorm": dict(args.renorm) if "renorm" in args.modes else None}
 
@@ -574,12 +601,18 @@ def run_cell(args, cfg, d, pool, cache, label=""):
         labels = ["%s%s seed %d %s" % (label, report.TASK_NAME[t], s, m)
                   for t, s, m in dist_jobs]
         totals = [plans[(t, s)]["steps"] for t, s, m in dist_jobs]
-        print("hsbn_compare: %d distributed runs in a LocalCluster (a root, %d sidecars, "
-              "%d workers, link delay %d ms each way)"
-              % (len(dist_jobs), cfg["nodes"], cfg["world"], cfg["link_delay_ms"]))
+        tier = cfg.get("group_tier")
+        print("hsbn_compare: %d distributed runs in a LocalCluster (a root, %s%d sidecars, "
+              "%d workers, link delay %d ms each way%s)"
+              % (len(dist_jobs), "%d group aggregators, " % (cfg["nodes"] // cfg["group_nodes"])
+                 if tier else "", cfg["nodes"], cfg["world"], cfg["link_delay_ms"],
+                 ", sidecar-group %d us" % cfg["group_link_delay_us"] if tier else ""))
         kwargs = {}
         if cfg["link_delay_ms"]:
             kwargs["link_delay_ms"] = cfg["link_delay_ms"]
+        if tier:
+            kwargs.update(group_tier=True, group_nodes=cfg["group_nodes"],
+                          group_link_delay_us=cfg["group_link_delay_us"])
         with hsbn.cluster.LocalCluster(nodes=cfg["nodes"],
                                        workers_per_node=cfg["workers_per_node"],
                                        round_timeout_ms=args.round_timeout_ms,

@@ -136,13 +136,17 @@ def markdown(summary, divergence, check, cfg, command, environment):
         "over seeds in %%, scored with rank 0's running statistics (what a checkpoint saved by "
         "rank 0 holds). Times: mean over workers of the wall time of one training step "
         "(forward, backward, optimizer) and of the time spent in hsbn rounds within it, with "
-        "the sidecar–root link delayed by %d ms each way%s; measured on %s."
+        "the %s link delayed by %d ms each way%s; measured on %s."
         % (cfg["nodes"], cfg["workers_per_node"], cfg["batch"], cfg["world"] * cfg["batch"],
            ", ".join("%s %d steps" % (TASK_NAME[t], cfg["steps"][t]) for t in cfg["tasks"]),
            ", ".join(str(s) for s in cfg["seeds"]), cfg["skew"],
            " / ".join("%s %s" % (TASK_NAME[t], METRIC_NAME[t]) for t in cfg["tasks"]),
+           "group aggregator–root" if cfg.get("group_tier") else "sidecar–root",
            cfg.get("link_delay_ms", 0),
-           "; groups of %d nodes" % cfg["group_nodes"] if cfg.get("group_nodes") else "",
+           ("; groups of %d nodes" % cfg["group_nodes"] if cfg.get("group_nodes") else "")
+           + ("; each group reduced by its own group aggregator (--role=group), its sidecars' "
+              "links to it delayed by %d µs each way" % cfg["group_link_delay_us"]
+              if cfg.get("group_tier") else ""),
            environment["machine"]))
     if cfg.get("model"):
         lines.append("")

@@ -163,7 +163,7 @@ def markdown(analysis, cfg, command, env, default_cell, wall):
     lines.append("Command: `%s`" % command)
     lines.append("")
     lines.append(
-        "Topology %d nodes × %d workers%s, sidecar–root link delayed by %d "
+        "Topology %d nodes × %d workers%s, %s link delayed by %d "
         "ms each way, %d training items × %g epoch(s) per run (steps = items / global "
         "batch), test accuracy on %s test items. Seeds are paired: every mode of a seed "
         "starts from the same weights and sees the same items in the same order. Accuracies "
@@ -172,6 +172,8 @@ def markdown(analysis, cfg, command, env, default_cell, wall):
         "%s. Total wall time %d min."
         % (cfg["nodes"], cfg["workers_per_node"],
            " (a group = %d nodes)" % cfg["group_nodes"] if cfg["group_nodes"] else "",
+           "sidecar–group aggregator link delayed by %d µs each way, group aggregator–root"
+           % cfg["group_link_delay_us"] if cfg.get("group_tier") else "sidecar–root",
            cfg["link_delay_ms"], cfg["train_size"], cfg["epochs"], cfg.get("test_items", "all"),
            env["machine"], round(wall / 60)))
     lines.append("")

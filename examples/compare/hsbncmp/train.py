@@ -334,8 +334,16 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
                                                       else str(vv)) for kk, vv in v.items()})
                      for k, v in hsbn.torch.auto_decisions(model).items()}
     divergence = None
-    if mode == "shadow" and rank == 0:
-        divergence = _shadow_divergence(model, client, steps, hsbn)
+    if mode == "shadow":
+        # With a group tier each group aggregator holds its own nodes' record: every rank
+        # reads its chain, rank 0 merges them.
+        mine = _shadow_divergence(model, client, steps, hsbn)
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        if rank == 0:
+            merged = {(int(e.get("op", 0)), int(e.get("node", 0))): e
+                      for rows in every for e in rows}
+            divergence = sorted(merged.values(), key=lambda e: (e["index"], int(e.get("node", 0))))
     dist.barrier()
     if rank != 0:
         return None
@@ -356,8 +364,8 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
 
 
 def _shadow_divergence(model, client, steps, hsbn):
-    """The root's per-layer record of how far each node's statistics were from the global ones
-    during the shadow run, once it has seen every forward round (the root computes it off the
+    """The per-layer record of how far each node's statistics were from the global ones during
+    the shadow run (the root's; with a group tier, this rank's group aggregator's), once it has seen every forward round (the root computes it off the
     critical path), or whatever it has after 20 s."""
     layers = [(name, m.op) for name, m in model.named_modules()
               if isinstance(m, hsbn.torch.SyncBatchNorm)]
@@ -366,10 +374,16 @@ def _shadow_divergence(model, client, steps, hsbn):
     deadline = time.monotonic() + 20.0
     while True:
         st = client.status(include_upstream=True)
-        jobs = (st.get("upstream") or {}).get("jobs", [])
-        job = next((j for j in jobs if j.get("jobId") == client.job_id), {})
-        entries = [d for d in job.get("divergence", []) if int(d.get("op", 0)) in ops]
-        done = (len(entries) >= len(ops) * client.num_nodes
+        # Every level above the sidecar: the root, or a group aggregator (its group's nodes)
+        # and the root (groups only).
+        entries, level, expected = [], st.get("upstream") or {}, client.num_nodes
+        while level:
+            job = next((j for j in level.get("jobs", []) if j.get("jobId") == client.job_id), {})
+            if level.get("role") == "group":
+                expected = int(job.get("groupNodes", client.num_nodes))
+            entries += [d for d in job.get("divergence", []) if int(d.get("op", 0)) in ops]
+            level = level.get("upstream") or {}
+        done = (len(entries) >= len(ops) * expected
                 and all(int(d.get("rounds", 0)) >= steps for d in entries))
         if done or time.monotonic() > deadline:
             out = []

@@ -66,7 +66,9 @@ def divergence(module, groups=False):
     "mean_shift_max", "var_ratio_avg", "log_var_ratio_abs_avg"} (docs/PROTOCOL.md, "Scopes").
     groups=True: the same per group of a job with groups ("group" instead of "node"). Empty
     when no layer runs in shadow scope or the root has not seen a shadow round yet. The root can
-    also keep the record after the job ends (hsbn-aggregator --divergence-dir)."""
+    also keep the record after the job ends (hsbn-aggregator --divergence-dir). With a group
+    tier (docs/DEPLOY.md, "Group tier") the root records per group and each group aggregator
+    per node: a rank sees the nodes of its own group (and every group)."""
     client = model_client(module)
     if client is None:
         return {}
@@ -76,22 +78,28 @@ def divergence(module, groups=False):
             names[int(m.op)] = m.layer_name or qualified or type(m).__name__
     status = client.status(include_upstream=True)
     out = {}
-    for job in (status.get("upstream") or {}).get("jobs", []):
-        if job.get("jobId") != client.job_id:
-            continue
-        unit = "group" if groups else "node"
-        for d in job.get("groupDivergence" if groups else "divergence", []):
-            op = int(d.get("op", 0))
-            if op not in names:
+    unit = "group" if groups else "node"
+    seen = {}  # (op, unit index) -> row: the level nearest the root wins
+    level = status.get("upstream") or {}
+    while level:
+        for job in level.get("jobs", []):
+            if job.get("jobId") != client.job_id:
                 continue
-            out.setdefault(names[op], []).append({
-                unit: int(d.get("node", 0)),
-                "rounds": int(d.get("rounds", 0)),
-                "mean_shift_avg": float(d.get("meanShiftAvg", 0.0)),
-                "mean_shift_max": float(d.get("meanShiftMax", 0.0)),
-                "var_ratio_avg": float(d.get("varRatioAvg", 0.0)),
-                "log_var_ratio_abs_avg": float(d.get("logVarRatioAbsAvg", 0.0)),
-            })
+            for d in job.get("groupDivergence" if groups else "divergence", []):
+                op = int(d.get("op", 0))
+                if op not in names:
+                    continue
+                seen[(op, int(d.get("node", 0)))] = {
+                    unit: int(d.get("node", 0)),
+                    "rounds": int(d.get("rounds", 0)),
+                    "mean_shift_avg": float(d.get("meanShiftAvg", 0.0)),
+                    "mean_shift_max": float(d.get("meanShiftMax", 0.0)),
+                    "var_ratio_avg": float(d.get("varRatioAvg", 0.0)),
+                    "log_var_ratio_abs_avg": float(d.get("logVarRatioAbsAvg", 0.0)),
+                }
+        level = level.get("upstream") or {}
+    for (op, _), row in sorted(seen.items()):
+        out.setdefault(names[op], []).append(row)
     for rows in out.values():
         rows.sort(key=lambda r: r["group" if groups else "node"])
     return out
