@@ -67,6 +67,11 @@ def query_status(address, job_id=None, token=None, include_upstream=False, timeo
         size = needed.value
 
 
+def first_node(job):
+    """The first node a group aggregator's job covers (proto3 JSON leaves out zeros)."""
+    return int(job.get("group", 0)) * int(job.get("groupNodes", 0))
+
+
 def _fmt_status(st, indent=""):
     lines = ["%saggregator %s  role %s  up %.0f s  jobs %d"
              % (indent, st.get("aggregatorId", "?"), st.get("role", "?"),
@@ -79,9 +84,19 @@ def _fmt_status(st, indent=""):
                      % (indent, job.get("jobId"), job.get("worldSize"), job.get("numNodes"),
                         connected, job.get("groupSize"), job.get("openRounds"),
                         job.get("roundsCompleted"), job.get("roundsFailed")))
+        if st.get("role") == "group":
+            lines.append("%s    serves group %s (nodes %d-%d)"
+                         % (indent, job.get("group", 0), first_node(job),
+                            first_node(job) + int(job.get("groupNodes", 1)) - 1))
         for m in members:
-            what = "rank %s" % m.get("rank") if int(m.get("rank", -1)) >= 0 else \
-                "node %s" % m.get("index")
+            index = int(m.get("index", 0))
+            if int(m.get("rank", -1)) >= 0:
+                what = "rank %s" % m.get("rank")
+            elif int(job.get("memberNodes", 1)) > 1:  # a root above group aggregators
+                what = "group %d" % index
+            else:
+                what = "node %d" % (first_node(job) + index if st.get("role") == "group"
+                                    else index)
             state = "connected" if m.get("connected") else "gone"
             down = ("  down: %s" % m["down"]) if m.get("down") else ""
             lines.append("%s    %-8s %-9s contributions %s%s"
@@ -121,12 +136,13 @@ def status_main(argv):
         description="Show an hsbn aggregator's jobs, members, rounds and shadow divergence, "
                     "without joining a job.")
     p.add_argument("--address",
-                   help="sidecar or root: unix:/path.sock or host:port (default: $HSBN_ADDRESS "
+                   help="sidecar, group aggregator or root: unix:/path.sock or host:port (default: $HSBN_ADDRESS "
                         "or unix:/tmp/hsbn.sock)")
     p.add_argument("--job", help="one job's status (default: every job it shows you)")
     p.add_argument("--json", action="store_true", help="print the Status RPC's answer as JSON")
     p.add_argument("--upstream", action="store_true",
-                   help="a sidecar also asks its root, shown under 'upstream'")
+                   help="a sidecar also asks its parent, and a group aggregator its root: "
+                        "the tree, each parent under 'upstream'")
     p.add_argument("--token", help="the job's token (prefer --token-file: a command line is "
                                    "visible to other users)")
     p.add_argument("--token-file", help="file holding the job's token")
