@@ -4,9 +4,14 @@
 // rounds never reach the root; the failure semantics per level; the refusals at Join. Run on
 // both node transports (the "grpc:" copy of this binary's tests).
 #include <signal.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <random>
 #include <string>
@@ -404,6 +409,38 @@ TEST(GroupTier, JoinsThatDoNotFitTheTreeAreRefusedNamingBothNumbers) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_TRUE(Has(s, "a node's sidecar") && Has(s, "a group aggregator (2 nodes)"))
       << s.error_message();
+}
+
+// Tokens per level: every aggregator of the tree reads the same token file; the group
+// aggregator presents its sidecars' job token at the root. A Join with a wrong token is refused
+// at the group aggregator, before anything of the job exists there.
+TEST(GroupTier, TheJobTokenReachesTheRootThroughTheGroupAggregators) {
+  char dir[] = "/tmp/hsbn-tier-tokens-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string tokens = std::string(dir) + "/tokens";
+  {
+    std::ofstream f(tokens);
+    f << "tjob token-of-tjob\n";
+  }
+  ASSERT_EQ(chmod(tokens.c_str(), 0600), 0);
+  auto c = StartTier(4, 1, 2, {"--token-file=" + tokens});
+  ASSERT_TRUE(c);
+  std::vector<std::unique_ptr<Client>> job;
+  for (int r = 0; r < 4; ++r) {
+    ClientOptions o = testing::RankOptions(*c, r, "tjob");
+    o.group_nodes = 2;
+    o.token = "token-of-tjob";
+    auto client = Client::Connect(o);
+    ASSERT_TRUE(client.ok()) << client.status();
+    job.push_back(std::move(*client));
+  }
+  const std::vector<Out> global = Round(*c, job, 1, 0, Scope::kGlobal);
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(global[r].count, 4 * kValues);
+  RawJoin stranger(c->group_address(0));
+  grpc::Status s = stranger.Join("tjob", 0, 1, 2);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+  std::remove(tokens.c_str());
+  rmdir(dir);
 }
 
 }  // namespace
