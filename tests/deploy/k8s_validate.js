@@ -1,17 +1,22 @@
 #!/usr/bin/env node
-// Renders the shared root (deploy/k8s/root), every overlay under deploy/k8s/overlays and every
-// example under deploy/k8s/examples with `kubectl kustomize` (offline) and checks each object
-// against the Kubernetes OpenAPI schemas shipped in the npm package kubernetes-models (and
-// @kubernetes-models/prometheus-operator for ServiceMonitor/PodMonitor), rejecting unknown
-// fields as well as wrong types. Kubeflow's PyTorchJob and JobSet have no npm models: their own
+// Renders the shared root (deploy/k8s/root), the group tier (deploy/k8s/group), every overlay
+// under deploy/k8s/overlays and every example under deploy/k8s/examples with `kubectl
+// kustomize` (offline) and checks each object against the Kubernetes OpenAPI schemas shipped
+// in the npm package kubernetes-models (and @kubernetes-models/prometheus-operator for
+// ServiceMonitor/PodMonitor), rejecting unknown fields as well as wrong types. Kubeflow's PyTorchJob and JobSet have no npm models: their own
 // fields are checked against the structure below (written from their CRDs: kubeflow.org/v1,
 // jobset.x-k8s.io/v1alpha2), their pod and Job templates against kubernetes-models. Then it
 // checks what hsbn needs of the objects: the sidecar and the trainer share a memory-backed
 // emptyDir holding the socket that HSBN_ADDRESS names, aggregator flags are in
-// deploy/aggregator-flags.txt, every $(VAR) resolves, every sidecar --upstream names a Service
-// that selects a root (in the render or in the shared root's), the root has its own
-// kustomization (never a job's), a PodDisruptionBudget, a PriorityClass, anti-affinity to
-// trainers and probes, and every sidecar has a liveness probe.
+// deploy/aggregator-flags.txt for the container's role, every $(VAR) resolves, every sidecar
+// --upstream names a Service that selects a root or a group aggregator (in the render or in the
+// shared root's or group tier's), the root and the group aggregators have their own
+// kustomizations (never a job's), a PodDisruptionBudget, a PriorityClass, anti-affinity to
+// trainers and probes, every sidecar has a liveness probe. The group tier (deploy/k8s/group):
+// each group aggregator is pinned to its rack and names the root; a job whose sidecars name
+// group aggregators goes through them all, sets HSBN_GROUP_NODES (K, a divisor of its nodes)
+// on every trainer, gives each group of K consecutive node ranks one aggregator of its own, and
+// places the group's nodes in that aggregator's rack.
 //
 //   node k8s_validate.js DEPLOY_K8S_DIR              validate; exit 1 on any error
 //   node k8s_validate.js --self-test DEPLOY_K8S_DIR  break copies on purpose; each must fail
@@ -65,12 +70,15 @@ const CRDS = {
         template: { k8s: "IoK8sApiBatchV1JobTemplateSpec" } } } } } } } },
 };
 
+// flag -> the roles it may be given with (deploy/aggregator-flags.txt: flag, status, roles).
 function loadFlagContract(k8sDir) {
   const file = path.join(k8sDir, "..", "aggregator-flags.txt");
-  const flags = new Set();
+  const flags = new Map();
   for (const line of fs.readFileSync(file, "utf8").split("\n")) {
     const t = line.replace(/#.*/, "").trim();
-    if (t) flags.add(t.split(/\s+/)[0]);
+    if (!t) continue;
+    const [flag, , roles] = t.split(/\s+/);
+    flags.set(flag, new Set((roles || "").split(",")));
   }
   return flags;
 }
@@ -172,18 +180,52 @@ function flagsOf(container) {
 
 const isAggregator = (c) => (c.args || []).some((a) => a.startsWith("--role="));
 const envValue = (c, name) => { const e = (c.env || []).find((x) => x.name === name); return e && e.value; };
+const roleOf = (tpl) => { const c = tpl.spec.containers.find(isAggregator); return c && flagsOf(c)["--role"]; };
+const ROLE_NAME = { root: "root", group: "group aggregator" };
+
+// Where a pod template is pinned: its first required nodeAffinity term's "In" expression.
+function placement(tpl) {
+  const terms = ((((tpl.spec.affinity || {}).nodeAffinity || {}).requiredDuringSchedulingIgnoredDuringExecution || {}).nodeSelectorTerms) || [];
+  const e = terms.length === 1 && (terms[0].matchExpressions || []).find((x) => x.operator === "In" && (x.values || []).length);
+  return e ? `${e.key} In [${[...e.values].sort().join(", ")}]` : null;
+}
 
 function resolveEnv(c, s) {
   return s.replace(/\$\(([A-Za-z_][A-Za-z0-9_]*)\)/g, (m, v) => (envValue(c, v) !== undefined ? envValue(c, v) : m));
 }
 
-function hsbnErrors(objs, contract, shared, isRoot) {
+// One training job: the trainer objects whose trainers take HSBN_JOB_ID from the same literal,
+// Secret key or ConfigMap key (a tier job is a Job per group), else each object alone (a
+// fieldRef, such as the Job's uid, differs between objects).
+function trainingJobKey(obj) {
+  for (const tpl of podTemplates(obj)) {
+    for (const c of tpl.spec.containers) {
+      const e = (c.env || []).find((x) => x.name === "HSBN_JOB_ID");
+      if (!e) continue;
+      if (e.value !== undefined) return `HSBN_JOB_ID=${e.value}`;
+      const ref = e.valueFrom && (e.valueFrom.secretKeyRef || e.valueFrom.configMapKeyRef);
+      if (ref) return `HSBN_JOB_ID from ${e.valueFrom.secretKeyRef ? "Secret" : "ConfigMap"} ${ref.name} key ${ref.key}`;
+    }
+  }
+  return `${obj.kind}/${obj.metadata.name}`;
+}
+
+function hsbnErrors(objs, contract, shared, isShared) {
   const errors = [];
   const services = objs.filter((o) => o.kind === "Service");
   const templates = objs.flatMap((o) => podTemplates(o).map((t) => [o, t]));
-  // Sidecars may point at the shared root's Service, deployed by its own kustomization.
+  // Sidecars may point at the shared root's or group tier's Services, deployed by their own
+  // kustomizations (and the group aggregators at the root's).
   const upstreamServices = services.concat(shared.filter((o) => o.kind === "Service"));
   const upstreamTemplates = templates.concat(shared.flatMap((o) => podTemplates(o).map((t) => [o, t])));
+  const parentOf = (svc) => upstreamTemplates.filter(([, t]) => matches(svc.spec.selector, t.metadata.labels) && roleOf(t));
+  // Nodes per training job, and what the tier checks need of each trainer object.
+  const jobs = new Map();
+  for (const obj of objs.filter((o) => TRAINER_KINDS.includes(o.kind))) {
+    const key = trainingJobKey(obj);
+    if (!jobs.has(key)) jobs.set(key, { nodes: 0, members: [] });
+    jobs.get(key).nodes += nodesOf(obj);
+  }
   for (const [obj, tpl] of templates) {
     const where = `${obj.kind}/${obj.metadata.name}`;
     const spec = tpl.spec;
@@ -200,28 +242,39 @@ function hsbnErrors(objs, contract, shared, isRoot) {
       if (!isAggregator(c)) continue;
       const flags = flagsOf(c);
       for (const a of c.args) if (!/^--[a-z0-9-]+=/.test(a)) errors.push(`${cw}: aggregator argument "${a}" is not --flag=value`);
-      for (const f of Object.keys(flags)) if (!contract.has(f)) errors.push(`${cw}: ${f} is not in the aggregator's flag contract (deploy/aggregator-flags.txt)`);
-      if (!["node", "root"].includes(flags["--role"])) errors.push(`${cw}: --role must be node or root`);
+      const role = flags["--role"];
+      if (!["node", "group", "root"].includes(role)) errors.push(`${cw}: --role must be node, group or root`);
+      for (const f of Object.keys(flags)) {
+        if (!contract.has(f)) errors.push(`${cw}: ${f} is not in the aggregator's flag contract (deploy/aggregator-flags.txt)`);
+        else if (role && !contract.get(f).has(role)) errors.push(`${cw}: ${f} is not for --role=${role} (deploy/aggregator-flags.txt: ${[...contract.get(f)].join(",")})`);
+      }
       if (!flags["--listen"]) errors.push(`${cw}: --listen is missing`);
       if (!(c.securityContext && c.securityContext.readOnlyRootFilesystem === true)) errors.push(`${cw}: aggregator must run with readOnlyRootFilesystem: true`);
-      if (flags["--role"] === "root") {
-        if (!isRoot) errors.push(`${cw}: a root in a job's manifests; the shared root belongs in deploy/k8s/root, so that deleting a job never deletes it`);
-        for (const probe of ["startupProbe", "readinessProbe", "livenessProbe"]) if (!c[probe]) errors.push(`${cw}: the root needs a ${probe}`);
+      if (role === "root" || role === "group") {
+        // The root and the group aggregators serve every job: apart from them, hard to evict.
+        const what = ROLE_NAME[role];
+        if (!isShared) errors.push(`${cw}: a ${what} in a job's manifests; it belongs in deploy/k8s/${role}, so that deleting a job never deletes it`);
+        for (const probe of ["startupProbe", "readinessProbe", "livenessProbe"]) if (!c[probe]) errors.push(`${cw}: the ${what} needs a ${probe}`);
         const pc = objs.find((o) => o.kind === "PriorityClass" && o.metadata.name === spec.priorityClassName);
-        if (!pc) errors.push(`${where}: the root needs a priorityClassName naming a PriorityClass of its kustomization (has ${JSON.stringify(spec.priorityClassName)})`);
-        if (!objs.some((o) => o.kind === "PodDisruptionBudget" && matches(o.spec.selector.matchLabels, tpl.metadata.labels))) errors.push(`${where}: no PodDisruptionBudget selects the root`);
+        if (!pc) errors.push(`${where}: the ${what} needs a priorityClassName naming a PriorityClass of its kustomization (has ${JSON.stringify(spec.priorityClassName)})`);
+        if (!objs.some((o) => o.kind === "PodDisruptionBudget" && matches(o.spec.selector.matchLabels, tpl.metadata.labels))) errors.push(`${where}: no PodDisruptionBudget selects the ${what}`);
         const anti = (((spec.affinity || {}).podAntiAffinity || {}).preferredDuringSchedulingIgnoredDuringExecution || []).map((w) => w.podAffinityTerm)
           .concat(((spec.affinity || {}).podAntiAffinity || {}).requiredDuringSchedulingIgnoredDuringExecution || []);
-        if (!anti.some((t) => t.topologyKey === "kubernetes.io/hostname" && (t.labelSelector.matchLabels || {})["app.kubernetes.io/component"] === "trainer")) errors.push(`${where}: the root needs pod anti-affinity to trainer pods (app.kubernetes.io/component: trainer, per host)`);
+        if (!anti.some((t) => t.topologyKey === "kubernetes.io/hostname" && (t.labelSelector.matchLabels || {})["app.kubernetes.io/component"] === "trainer")) errors.push(`${where}: the ${what} needs pod anti-affinity to trainer pods (app.kubernetes.io/component: trainer, per host)`);
+      }
+      if (role === "group") {
+        if (!placement(tpl)) errors.push(`${where}: a group aggregator must be pinned to its rack: a required nodeAffinity with one term, "In" the rack's value of a topology label`);
+        if (!flags["--upstream"]) errors.push(`${cw}: a group aggregator needs --upstream=ROOT:PORT (it forwards its groups' global rounds to the root)`);
       }
       if (flags["--upstream"] !== undefined) {
         const [host, port] = flags["--upstream"].split(":");
         const svc = upstreamServices.find((s) => s.metadata.name === host);
-        if (!svc) { errors.push(`${cw}: --upstream=${flags["--upstream"]}: no Service named ${host} in this render or the shared root's`); continue; }
+        if (!svc) { errors.push(`${cw}: --upstream=${flags["--upstream"]}: no Service named ${host} in this render or the shared root's or group tier's`); continue; }
         if (!svc.spec.ports.some((p) => String(p.port) === port)) errors.push(`${cw}: Service ${host} has no port ${port}`);
-        const roots = upstreamTemplates.filter(([, t]) => matches(svc.spec.selector, t.metadata.labels)
-          && t.spec.containers.some((x) => flagsOf(x)["--role"] === "root"));
-        if (!roots.length) errors.push(`${cw}: Service ${host} selects no pod running --role=root`);
+        const parents = new Set(parentOf(svc).map(([, t]) => roleOf(t)));
+        const want = role === "group" ? ["root"] : ["root", "group"];
+        if (!want.some((r) => parents.has(r))) errors.push(`${cw}: Service ${host} selects no pod running ${want.map((r) => `--role=${r}`).join(" or ")}`);
+        if (parents.size > 1) errors.push(`${cw}: Service ${host} selects pods of several roles (${[...parents].join(", ")})`);
       }
     }
     if (!TRAINER_KINDS.includes(obj.kind)) continue;
@@ -238,8 +291,16 @@ function hsbnErrors(objs, contract, shared, isRoot) {
     const vol = mount && (spec.volumes || []).find((v) => v.name === mount.name);
     if (!vol) errors.push(`${where}: sidecar socket directory ${sockDir} is not a mounted volume`);
     else if (!(vol.emptyDir && vol.emptyDir.medium === "Memory")) errors.push(`${where}: volume ${vol.name} holding the socket must be an emptyDir with medium: Memory`);
-    const nodes = nodesOf(obj);
+    const job = jobs.get(trainingJobKey(obj));
+    const nodes = job.nodes;
     if (nodes > 1 && flagsOf(sidecar)["--upstream"] === undefined) errors.push(`${where}: a multi-node job needs --upstream on its sidecar`);
+    // What the tier checks need: which parent the sidecar names, and which nodes these pods are.
+    const upHost = (flagsOf(sidecar)["--upstream"] || "").split(":")[0];
+    const upSvc = upstreamServices.find((s) => s.metadata.name === upHost);
+    const parent = upSvc && parentOf(upSvc)[0];
+    const trainer = spec.containers.find((c) => envValue(c, "HSBN_ADDRESS") !== undefined) || spec.containers[0];
+    job.members.push({ where, tpl, trainer, svc: upHost, parent: parent && { role: roleOf(parent[1]), tpl: parent[1] },
+      count: nodesOf(obj), first: Number(envValue(trainer, "FIRST_NODE_RANK") || 0) });
     for (const c of spec.containers) {
       if (!(c.volumeMounts || []).some((m) => mount && m.name === mount.name && m.mountPath === sockDir)) errors.push(`${where}: container ${c.name} does not mount the socket volume at ${sockDir}`);
       if (envValue(c, "HSBN_ADDRESS") !== listen) errors.push(`${where}: container ${c.name}: HSBN_ADDRESS=${envValue(c, "HSBN_ADDRESS")} but the sidecar listens on ${listen}`);
@@ -249,7 +310,7 @@ function hsbnErrors(objs, contract, shared, isRoot) {
     }
     if (obj.kind === "PyTorchJob" && !spec.containers.some((c) => c.name === "pytorch")) errors.push(`${where}: the PyTorchJob's trainer container must be named pytorch (the operator sets its variables there)`);
   }
-  for (const svc of services) {
+  for (const [key, job] of jobs) errors.push(...tierErrors(key, job));  for (const svc of services) {
     const sel = svc.spec.selector || {};
     const podLabels = (t) => ({ ...(t.metadata.labels || {}), "batch.kubernetes.io/job-name": undefined });
     const match = templates.some(([o, t]) => Object.entries(sel).every(([k, v]) =>
@@ -259,21 +320,71 @@ function hsbnErrors(objs, contract, shared, isRoot) {
   return errors;
 }
 
-// What is rendered: the shared root, the overlays (root-* ones are roots too), the examples.
+// The group tier's rules for one training job whose sidecars name group aggregators: all of
+// them do (the root refuses a mix), every trainer sets HSBN_GROUP_NODES=K, K divides the nodes,
+// the trainer objects' node ranks (FIRST_NODE_RANK + index, 0 without it) tile 0..nodes-1 with
+// each object inside one group, each group has one aggregator and each aggregator one group of
+// the job, and a group's nodes are pinned where its aggregator is.
+function tierErrors(key, job) {
+  const errors = [];
+  const tier = job.members.filter((m) => m.parent && m.parent.role === "group");
+  if (!tier.length || job.nodes < 2) return errors;
+  for (const m of job.members) {
+    if (!m.parent || m.parent.role !== "group") errors.push(`${m.where}: its sidecars name ${m.svc || "no upstream"}, but other sidecars of the job (${key}) name group aggregators: either every sidecar of a job goes through a group aggregator or none (the root refuses the mix)`);
+  }
+  const ks = new Set();
+  for (const m of tier) {
+    const k = envValue(m.trainer, "HSBN_GROUP_NODES");
+    if (k === undefined) errors.push(`${m.where}: container ${m.trainer.name}: HSBN_GROUP_NODES is not set, but its sidecar's upstream ${m.svc} is a group aggregator (every worker needs K, the nodes per group)`);
+    else ks.add(k);
+  }
+  if (ks.size > 1) errors.push(`${key}: HSBN_GROUP_NODES differs between its trainers (${[...ks].join(", ")}); it is one number per job`);
+  if (ks.size !== 1) return errors;
+  const k = Number([...ks][0]);
+  if (!Number.isInteger(k) || k < 1) { errors.push(`${key}: HSBN_GROUP_NODES=${[...ks][0]} is not a positive integer`); return errors; }
+  if (job.nodes % k) errors.push(`${key}: HSBN_GROUP_NODES=${k} does not divide the job's ${job.nodes} nodes`);
+  const sorted = [...tier].sort((a, b) => a.first - b.first);
+  let next = 0;
+  const svcOfGroup = new Map(), groupOfSvc = new Map();
+  for (const m of sorted) {
+    const last = m.first + m.count - 1;
+    if (m.first !== next) errors.push(`${m.where}: its nodes ${m.first}..${last} ${m.first < next ? "overlap" : "leave a gap after"} the nodes before (0..${next - 1}); FIRST_NODE_RANK must tile the job's nodes`);
+    next = Math.max(next, last + 1);
+    const g = Math.floor(m.first / k);
+    if (Math.floor(last / k) !== g) errors.push(`${m.where}: its nodes ${m.first}..${last} span groups ${g}..${Math.floor(last / k)} of HSBN_GROUP_NODES=${k}, but its pods name one group aggregator: one Job (pod template) per group`);
+    if (svcOfGroup.has(g) && svcOfGroup.get(g) !== m.svc) errors.push(`${m.where}: group ${g}'s nodes name two group aggregators (${svcOfGroup.get(g)}, ${m.svc})`);
+    svcOfGroup.set(g, m.svc);
+    if (groupOfSvc.has(m.svc) && groupOfSvc.get(m.svc) !== g) errors.push(`${m.where}: group aggregator ${m.svc} would serve groups ${groupOfSvc.get(m.svc)} and ${g} of job ${key}; it serves one group per job`);
+    groupOfSvc.set(m.svc, g);
+    const mine = placement(m.tpl), theirs = placement(m.parent.tpl);
+    if (mine !== theirs) errors.push(`${m.where}: its nodes are placed by ${mine || "no required nodeAffinity"}, its group aggregator ${m.svc} by ${theirs}: a group's nodes and its aggregator belong in one rack`);
+  }
+  if (next !== job.nodes) errors.push(`${key}: node ranks 0..${next - 1}, but the job has ${job.nodes} nodes`);
+  return errors;
+}
+
+// What is rendered: the shared root and group tier, the overlays (root-* and group-* ones are
+// those too), the examples.
 function targets(k8sDir) {
   const list = (d) => fs.existsSync(path.join(k8sDir, d)) ? fs.readdirSync(path.join(k8sDir, d)).sort().map((x) => `${d}/${x}`) : [];
-  return ["root", ...list("overlays"), ...list("examples")];
+  return ["root", "group", ...list("overlays"), ...list("examples")];
 }
 const isRootTarget = (t) => t === "root" || /^overlays\/root/.test(t);
+const isGroupTarget = (t) => t === "group" || /^overlays\/group/.test(t);
 
 function validateTree(k8sDir, only) {
   const contract = loadFlagContract(k8sDir);
-  const shared = render(path.join(k8sDir, "root"));
+  // The shared parents; one that does not render is reported as its own target.
+  const renderOrNone = (d) => { try { return render(path.join(k8sDir, d)); } catch (e) { return []; } };
+  const root = renderOrNone("root");
+  const group = renderOrNone("group");
   const report = [];
   for (const t of only || targets(k8sDir)) {
     let objs;
     try { objs = render(path.join(k8sDir, t)); } catch (e) { report.push({ target: t, errors: [`kustomize failed: ${(e.stderr || e.message).toString().split("\n")[0]}`], count: 0 }); continue; }
-    const errors = objs.flatMap(schemaErrors).concat(hsbnErrors(objs, contract, isRootTarget(t) ? [] : shared, isRootTarget(t)));
+    // A root has no parent; a group aggregator's is the root; a job's sidecars either.
+    const shared = isRootTarget(t) ? [] : isGroupTarget(t) ? root : root.concat(group);
+    const errors = objs.flatMap(schemaErrors).concat(hsbnErrors(objs, contract, shared, isRootTarget(t) || isGroupTarget(t)));
     report.push({ target: t, errors, count: objs.length, kinds: objs.map((x) => `${x.kind}/${x.metadata.name}`) });
   }
   return report;
@@ -286,6 +397,8 @@ const SOURCE_MUTATIONS = [
   ["overlays/multi-node", "base/trainer-job.yaml", "imagePullPolicy: IfNotPresent", "imagePullPolice: IfNotPresent", "unknown field /spec/template/spec/initContainers/0/imagePullPolice"],
   ["root", "root/root.yaml", "containerPort: 7070", "containerPort: grpc-port", '/ports/0/containerPort type {"type":"integer"}'],
   ["overlays/multi-node", "overlays/multi-node/kustomization.yaml", "  - train-headless-service.yaml", "  - train-headless-svc.yaml", "kustomize failed"],
+  ["group", "group/rack-b/kustomization.yaml", "nameSuffix: -rack-b", "nameSuffix: -rack-a", "kustomize failed"],
+  ["overlays/multi-node-tier", "overlays/multi-node-tier/group-1/kustomization.yaml", "value: \"2\"", "value: \"1\"", "overlap"],
   ["examples/pytorchjob", "examples/pytorchjob/pytorchjob.yaml", "  nprocPerNode: \"8\"", "  nprocPerNode: 8", "/nprocPerNode must be string, not integer"],
 ];
 const find = (objs, kind, name) => objs.find((o) => o.kind === kind && o.metadata.name === name);
@@ -295,6 +408,10 @@ const trainer = (b) => job(b).containers[0];
 const root = (b) => find(b.root, "Deployment", "hsbn-root").spec.template;
 const ptj = (b) => find(b.pytorchjob, "PyTorchJob", "hsbn-train").spec;
 const jset = (b) => find(b.jobset, "JobSet", "hsbn-train").spec;
+const grp = (b) => find(b.group, "Deployment", "hsbn-group-rack-a").spec.template;
+const tier = (b, g) => find(b.tier, "Job", `hsbn-train-g${g}`).spec.template.spec;
+const setUpstream = (c, to) => { c.args = c.args.map((a) => a.startsWith("--upstream=") ? `--upstream=${to}` : a); };
+const setEnv = (c, name, value) => { c.env.find((e) => e.name === name).value = value; };
 const OBJECT_MUTATIONS = [
   ["volumeMount without mountPath", (b) => { sidecar(b).volumeMounts[0] = { name: "hsbn-run" }; }, '"missingProperty":"mountPath"'],
   ["socket volume on disk", (b) => { delete job(b).volumes.find((v) => v.name === "hsbn-run").emptyDir.medium; }, "medium: Memory"],
@@ -324,12 +441,35 @@ const OBJECT_MUTATIONS = [
   ["JobSet pods without the trainer label", (b) => { delete jset(b).replicatedJobs[0].template.spec.template.metadata.labels["app.kubernetes.io/component"]; }, "must carry app.kubernetes.io/component: trainer"],
   ["JobSet nnodes != pods", (b) => { jset(b).replicatedJobs[0].replicas = 2; }, "--nnodes=2 but the job runs 4"],
   ["ServiceMonitor typo", (b) => { find(b.rootSecure, "ServiceMonitor", "hsbn-root").spec.endpoints[0].prot = "metrics"; }, "unknown field /spec/endpoints/0/prot"],
+  ["a flag of another role", (b) => { root(b).spec.containers[0].args.push("--upstream-ca=/etc/hsbn/tls/ca.crt"); }, "--upstream-ca is not for --role=root"],
+  ["an unknown role", (b) => { setUpstream(sidecar(b), "hsbn-root:7070"); sidecar(b).args[0] = "--role=rack"; }, "--role must be node, group or root"],
+  ["group aggregator without a PodDisruptionBudget", (b) => { b.group = b.group.filter((o) => o.kind !== "PodDisruptionBudget"); }, "no PodDisruptionBudget selects the group aggregator"],
+  ["group aggregator without a PriorityClass", (b) => { b.group = b.group.filter((o) => o.kind !== "PriorityClass"); }, "the group aggregator needs a priorityClassName"],
+  ["group aggregator without readiness probe", (b) => { delete grp(b).spec.containers[0].readinessProbe; }, "the group aggregator needs a readinessProbe"],
+  ["group aggregator next to trainers", (b) => { delete grp(b).spec.affinity.podAntiAffinity; }, "the group aggregator needs pod anti-affinity"],
+  ["group aggregator not pinned to a rack", (b) => { delete grp(b).spec.affinity.nodeAffinity; }, "must be pinned to its rack"],
+  ["group aggregator without upstream", (b) => { const c = grp(b).spec.containers[0]; c.args = c.args.filter((a) => !a.startsWith("--upstream=")); }, "a group aggregator needs --upstream"],
+  ["group aggregator under another group aggregator", (b) => { setUpstream(grp(b).spec.containers[0], "hsbn-group-rack-b:7070"); }, "selects no pod running --role=root"],
+  ["group aggregator inside a job's manifests", (b) => { b.tier.push(JSON.parse(JSON.stringify(find(b.group, "Deployment", "hsbn-group-rack-a")))); }, "a group aggregator in a job's manifests"],
+  ["group Service selects nothing", (b) => { grp(b).metadata.labels["app.kubernetes.io/instance"] = "elsewhere"; }, "selects no pod running --role=root or --role=group"],
+  ["tier trainer without HSBN_GROUP_NODES", (b) => { const c = tier(b, 1).containers[0]; c.env = c.env.filter((e) => e.name !== "HSBN_GROUP_NODES"); }, "HSBN_GROUP_NODES is not set"],
+  ["tier trainers disagree on K", (b) => { setEnv(tier(b, 1).containers[0], "HSBN_GROUP_NODES", "4"); }, "HSBN_GROUP_NODES differs"],
+  ["K does not divide the nodes", (b) => { for (const g of [0, 1]) setEnv(tier(b, g).containers[0], "HSBN_GROUP_NODES", "3"); }, "HSBN_GROUP_NODES=3 does not divide the job's 4 nodes"],
+  ["one Job spans two groups", (b) => { for (const g of [0, 1]) setEnv(tier(b, g).containers[0], "HSBN_GROUP_NODES", "1"); }, "span groups 0..1"],
+  ["two groups at one group aggregator", (b) => { setUpstream(tier(b, 1).initContainers[0], "hsbn-group-rack-a:7070"); }, "serves one group per job"],
+  ["a group's nodes in another rack", (b) => { tier(b, 1).affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].values = ["rack-a"]; }, "belong in one rack"],
+  ["a group's nodes not pinned", (b) => { delete tier(b, 0).affinity; }, "placed by no required nodeAffinity"],
+  ["a tier job's sidecar at the root", (b) => { setUpstream(tier(b, 1).initContainers[0], "hsbn-root:7070"); }, "or none (the root refuses the mix)"],
+  ["tier node ranks leave a gap", (b) => { setEnv(tier(b, 1).containers[0], "FIRST_NODE_RANK", "4"); }, "leave a gap"],
+  ["tier nnodes != pods", (b) => { const j = find(b.tier, "Job", "hsbn-train-g1"); j.spec.completions = j.spec.parallelism = 4; }, "--nnodes=4 but the job runs 6"],
 ];
 
 function bundleErrors(b, contract) {
   const errs = (objs, shared, isRoot) => objs.flatMap(schemaErrors).concat(hsbnErrors(objs, contract, shared, isRoot));
-  return [...errs(b.root, [], true), ...errs(b.rootSecure, [], true), ...errs(b.job, b.root, false),
-    ...errs(b.pytorchjob, b.root, false), ...errs(b.jobset, b.root, false)];
+  const parents = b.root.concat(b.group);
+  return [...errs(b.root, [], true), ...errs(b.rootSecure, [], true), ...errs(b.group, b.root, true),
+    ...errs(b.job, parents, false), ...errs(b.tier, parents, false),
+    ...errs(b.pytorchjob, parents, false), ...errs(b.jobset, parents, false)];
 }
 
 function selfTest(k8sDir) {
@@ -341,6 +481,7 @@ function selfTest(k8sDir) {
   };
   const contract = loadFlagContract(k8sDir);
   const clean = { root: render(path.join(k8sDir, "root")), rootSecure: render(path.join(k8sDir, "overlays", "root-secure")),
+    group: render(path.join(k8sDir, "group")), tier: render(path.join(k8sDir, "overlays", "multi-node-tier")),
     job: render(path.join(k8sDir, "overlays", "multi-node")), pytorchjob: render(path.join(k8sDir, "examples", "pytorchjob")),
     jobset: render(path.join(k8sDir, "examples", "jobset")) };
   const cleanErrors = bundleErrors(clean, contract);

@@ -73,8 +73,9 @@ def filter_allows(text):
 
 
 def contract_flags():
-    return {l.split("#", 1)[0].split()[0] for l in FLAG_CONTRACT.read_text().splitlines()
-            if l.split("#", 1)[0].strip()}
+    """{flag: the roles it may be given with}, from deploy/aggregator-flags.txt."""
+    fields = [l.split("#", 1)[0].split() for l in FLAG_CONTRACT.read_text().splitlines()]
+    return {f[0]: set(f[2].split(",")) for f in fields if f}
 
 
 def parse(text):
@@ -130,10 +131,18 @@ def structure_errors(name, text):
         if a.startswith("--"):
             f, _, v = a.partition("=")
             flags[f] = v
-            if f not in allowed:
-                errors.append(f"{name}: {f} is not in the aggregator's flag contract")
-    if flags.get("--role") not in ("node", "root"):
-        errors.append(f"{name}: --role must be node or root")
+    role = flags.get("--role")
+    if role not in ("node", "group", "root"):
+        errors.append(f"{name}: --role must be node, group or root")
+    for f in flags:
+        if f not in allowed:
+            errors.append(f"{name}: {f} is not in the aggregator's flag contract")
+        elif role and role not in allowed[f]:
+            errors.append(f"{name}: {f} is not for --role={role} (deploy/aggregator-flags.txt: "
+                          f"{','.join(sorted(allowed[f]))})")
+    # A group aggregator forwards to the root: its unit must name one (an empty one is refused).
+    if role == "group" and not flags.get("--upstream"):
+        errors.append(f"{name}: a group aggregator needs --upstream (its root)")
     for f in ("--listen", "--ready-file"):
         v = flags.get(f, "")
         if f == "--listen" and not v.startswith("unix:"):
@@ -173,6 +182,10 @@ class SystemdUnitsTest(unittest.TestCase):
             self.assertEqual(structure_errors(name, text), [])
         self.assertIn("hsbn-sidecar.service", names)
         self.assertIn("hsbn-root.service", names)
+        self.assertIn("hsbn-group.service", names)
+        for unit in ("hsbn-root", "hsbn-sidecar", "hsbn-group"):
+            self.assertTrue(any(n.startswith(f"{unit}.service+tls") for n in names), names)
+        self.assertTrue(any(n.startswith("hsbn-group.service+token") for n in names), names)
         self.assertTrue(any("+tls" in n for n in names), names)
 
     @unittest.skipUnless(ANALYZE, "systemd-analyze is not installed (Debian package systemd)")
@@ -206,6 +219,19 @@ class SystemdUnitsTest(unittest.TestCase):
             with self.subTest(mutation=new or old):
                 self.assertIn(old, sidecar)
                 errors = structure_errors("broken", sidecar.replace(old, new))
+                self.assertTrue(any(expect in e for e in errors), errors)
+        group = (UNITS / "hsbn-group.service").read_text()
+        root = (UNITS / "hsbn-root.service").read_text()
+        for text, old, new, expect in [
+            (group, "--upstream=${HSBN_UPSTREAM} ", "", "needs --upstream"),
+            (group, "--role=group", "--role=rack", "--role must be node, group or root"),
+            (group, "$HSBN_ARGS", "--shm=off $HSBN_ARGS", "not in the aggregator's flag contract"),
+            (root, "--id=root", "--id=root --upstream-ca=/etc/hsbn/ca.crt", "--upstream-ca is not for --role=root"),
+            (group, "--ready-file=/run/hsbn-group/ready", "--ready-file=/run/hsbn-root/ready", "not in the runtime directory"),
+        ]:
+            with self.subTest(mutation=new or old):
+                self.assertIn(old, text)
+                errors = structure_errors("broken", text.replace(old, new))
                 self.assertTrue(any(expect in e for e in errors), errors)
 
     @unittest.skipUnless(ANALYZE, "systemd-analyze is not installed (Debian package systemd)")

@@ -22,11 +22,13 @@ TRAINER_KEYS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 
 
 def contract_flags():
-    flags = set()
+    """{flag: the roles it may be given with}, from deploy/aggregator-flags.txt."""
+    flags = {}
     for line in FLAG_CONTRACT.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
-            flags.add(line.split()[0])
+            flag, _, roles = line.split()
+            flags[flag] = set(roles.split(","))
     return flags
 
 
@@ -107,8 +109,11 @@ class SlurmLauncherTest(unittest.TestCase):
     def assert_flags_in_contract(self):
         allowed = contract_flags()
         for name, agg in self.aggregators().items():
+            role = next(a.split("=", 1)[1] for a in agg["argv"] if a.startswith("--role="))
             for a in agg["argv"]:
-                self.assertIn(a.split("=", 1)[0], allowed, f"aggregator {name}: {a}")
+                flag = a.split("=", 1)[0]
+                self.assertIn(flag, allowed, f"aggregator {name}: {a}")
+                self.assertIn(role, allowed[flag], f"aggregator {name}: {a} is not for --role={role}")
 
     def test_two_nodes_start_root_on_first_node_one_sidecar_per_node_and_torchrun_env(self):
         nodes, gpus = ["node-a", "node-b"], 2
@@ -201,6 +206,108 @@ class SlurmLauncherTest(unittest.TestCase):
         self.assertEqual(self.trainers(), {})
         self.assert_all_stopped()
 
+    def test_group_tier_starts_a_group_aggregator_on_the_first_node_of_each_group(self):
+        nodes, gpus = ["node-a", "node-b", "node-c", "node-d"], 2
+        proc = self.launch(nodes, gpus, {"HSBN_GROUP_TIER": "1", "HSBN_GROUP_NODES": "2"})
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+
+        aggs = self.aggregators()
+        self.assertEqual(sorted(aggs), ["group-0", "group-1", "node-0", "node-1", "node-2", "node-3", "root"])
+        self.assertEqual(aggs["root"]["argv"], ["--role=root", "--listen=0.0.0.0:7070", "--id=root",
+                                                f"--ready-file={self.run_dir(0)}/root.ready"])
+        for g, first in ((0, 0), (1, 2)):
+            self.assertEqual(aggs[f"group-{g}"]["argv"], [
+                "--role=group", "--listen=0.0.0.0:7071", "--upstream=node-a:7070", f"--id=group-{g}",
+                f"--ready-file={self.run_dir(first)}/group.ready"])
+            self.assertEqual(aggs[f"group-{g}"]["node"], nodes[first])
+        for i, node in enumerate(nodes):
+            self.assertEqual(aggs[f"node-{i}"]["argv"], [
+                "--role=node", f"--listen=unix:{self.run_dir(i)}/hsbn.sock",
+                f"--upstream={nodes[i // 2 * 2]}:7071", f"--id=node-{i}", f"--ready-file={self.run_dir(i)}/ready"])
+        self.assert_flags_in_contract()
+        self.assert_all_stopped()
+
+        trainers = self.trainers()
+        self.assertEqual(sorted(trainers), list(range(8)))
+        for rank, rec in trainers.items():
+            # HSBN_GROUP_TIER and HSBN_GROUP_PORT are the launcher's; HSBN_GROUP_NODES is the trainers'.
+            self.assertEqual(self.trainer_view(rec), self.expected_trainer_env(rank, nodes, gpus, HSBN_GROUP_NODES="2"))
+            self.assertTrue(rec["sidecar_ready"])
+
+        steps = self.sruns()
+        self.assertEqual(sorted(steps), ["hsbn-group-0", "hsbn-group-1", "hsbn-root", "hsbn-sidecar", "hsbn-train"])
+        for g, host in ((0, "node-a"), (1, "node-c")):
+            step = steps[f"hsbn-group-{g}"]
+            self.assertEqual((step["--nodelist"], step["--ntasks"], step["--nodes"]), (host, "1", "1"))
+            self.assertTrue(step["--overlap"])
+            self.assertEqual(step["--kill-on-bad-exit"], "0")
+
+    def test_group_tier_optional_settings_become_the_group_aggregators_flags(self):
+        nodes, gpus = ["node-a", "node-b"], 1
+        proc = self.launch(nodes, gpus, {
+            "HSBN_GROUP_TIER": "1", "HSBN_GROUP_NODES": "2", "HSBN_GROUP_PORT": "7171",
+            "HSBN_ROOT_PORT": "7170", "HSBN_TLS_CERT": "/etc/hsbn/agg.crt", "HSBN_TLS_KEY": "/etc/hsbn/agg.key",
+            "HSBN_TLS_CLIENT_CA": "/etc/hsbn/ca.crt", "HSBN_UPSTREAM_CA": "/etc/hsbn/ca.crt",
+            "HSBN_UPSTREAM_CERT": "/etc/hsbn/node.crt", "HSBN_UPSTREAM_KEY": "/etc/hsbn/node.key",
+            "HSBN_ROOT_TOKEN_FILE": "/etc/hsbn/all-tokens", "HSBN_METRICS_PORT": "9090",
+            "HSBN_AGGREGATOR_ARGS": "--round-timeout-ms=60000", "HSBN_GROUP_ARGS": "--max-jobs=8",
+            "HSBN_ROOT_ARGS": "--max-jobs=4"})
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        aggs = self.aggregators()
+        self.assertEqual(aggs["group-0"]["argv"], [
+            "--role=group", "--listen=0.0.0.0:7171", "--upstream=node-a:7170", "--id=group-0",
+            f"--ready-file={self.run_dir(0)}/group.ready",
+            "--tls-cert=/etc/hsbn/agg.crt", "--tls-key=/etc/hsbn/agg.key", "--tls-client-ca=/etc/hsbn/ca.crt",
+            "--upstream-ca=/etc/hsbn/ca.crt", "--upstream-cert=/etc/hsbn/node.crt",
+            "--upstream-key=/etc/hsbn/node.key", "--token-file=/etc/hsbn/all-tokens",
+            "--metrics-listen=0.0.0.0:9092", "--round-timeout-ms=60000", "--max-jobs=8"])
+        self.assertEqual(aggs["root"]["argv"][-2:], ["--round-timeout-ms=60000", "--max-jobs=4"])
+        self.assertIn("--upstream=node-a:7171", aggs["node-1"]["argv"])
+        self.assert_flags_in_contract()
+        for rank, rec in self.trainers().items():
+            self.assertEqual(self.trainer_view(rec), self.expected_trainer_env(rank, nodes, gpus, HSBN_GROUP_NODES="2"))
+
+    def test_without_the_tier_group_nodes_reach_the_trainers_and_sidecars_use_the_root(self):
+        # Group scope without the tier: the root serves the groups, the launcher starts nothing more.
+        nodes, gpus = ["node-a", "node-b"], 1
+        proc = self.launch(nodes, gpus, {"HSBN_GROUP_NODES": "1"})
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        aggs = self.aggregators()
+        self.assertEqual(sorted(aggs), ["node-0", "node-1", "root"])
+        self.assertIn("--upstream=node-a:7070", aggs["node-1"]["argv"])
+        for rank, rec in self.trainers().items():
+            self.assertEqual(self.trainer_view(rec), self.expected_trainer_env(rank, nodes, gpus, HSBN_GROUP_NODES="1"))
+
+    def test_group_tier_on_one_node_starts_no_tier(self):
+        proc = self.launch(["solo"], 1, {"HSBN_GROUP_TIER": "1", "HSBN_GROUP_NODES": "1"})
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertEqual(sorted(self.aggregators()), ["node-0"])
+        self.assertEqual(sorted(self.sruns()), ["hsbn-sidecar", "hsbn-train"])
+
+    def test_group_tier_settings_that_do_not_fit_are_refused_before_anything_starts(self):
+        nodes = ["node-a", "node-b", "node-c", "node-d"]
+        for env, expect in [
+            ({"HSBN_GROUP_TIER": "1"}, "HSBN_GROUP_TIER=1 needs HSBN_GROUP_NODES"),
+            ({"HSBN_GROUP_TIER": "1", "HSBN_GROUP_NODES": "0"}, "HSBN_GROUP_TIER=1 needs HSBN_GROUP_NODES"),
+            ({"HSBN_GROUP_TIER": "1", "HSBN_GROUP_NODES": "3"}, "HSBN_GROUP_NODES=3 does not divide the allocation's 4 nodes"),
+            ({"HSBN_GROUP_TIER": "yes", "HSBN_GROUP_NODES": "2"}, "HSBN_GROUP_TIER must be 0 or 1"),
+        ]:
+            with self.subTest(env=env):
+                proc = self.launch(nodes, 1, env)
+                self.assertEqual(proc.returncode, 2, proc.stderr)
+                self.assertIn(expect, proc.stderr)
+                self.assertEqual(self.aggregators(), {})
+                self.assertFalse((self.out / "srun.log").exists())
+
+    def test_trainers_on_a_group_aggregators_node_wait_for_it(self):
+        proc = self.launch(["node-a", "node-b", "node-c", "node-d"], 1,
+                           {"HSBN_GROUP_TIER": "1", "HSBN_GROUP_NODES": "2", "FAKE_AGGREGATOR_NEVER_READY": "group-1",
+                            "HSBN_READY_TIMEOUT": "1"})
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertIn("rank 2: the group aggregator on", proc.stderr)
+        self.assertNotIn(2, self.trainers())
+        self.assert_all_stopped()
+
     @unittest.skipUnless(os.access(REAL_AGGREGATOR, os.X_OK), f"{REAL_AGGREGATOR} is not built")
     def test_real_aggregator_serves_each_nodes_socket_and_stops_on_sigterm(self):
         port = str(20000 + os.getpid() % 20000)
@@ -216,6 +323,27 @@ class SlurmLauncherTest(unittest.TestCase):
         self.assertEqual(proc.returncode, 0, proc.stderr)
         self.assertEqual(sorted(p.name for p in self.out.glob("served.*")), [f"served.{r}" for r in range(4)])
         for who in ("root", "node-0", "node-1"):
+            self.assertIn(f"[{who}] stopped", proc.stderr)
+
+    @unittest.skipUnless(os.access(REAL_AGGREGATOR, os.X_OK), f"{REAL_AGGREGATOR} is not built")
+    def test_real_aggregator_group_tier_starts_serves_and_stops_on_sigterm(self):
+        # Two nodes in one group: the root, the group aggregator below it and two sidecars below
+        # that, all real processes on this machine (the group's first node is "localhost").
+        port = 20000 + os.getpid() % 20000
+        check = ('test -S "${HSBN_ADDRESS#unix:}" && test "$HSBN_GROUP_NODES" = 2 && '
+                 'touch "$HSBN_TEST_OUT/served.$RANK"')
+        env = {"PATH": f"{HERE / 'fake-bin'}:{os.environ['PATH']}", "HOME": self.tmp.name,
+               "TMPDIR": str(self.run_base), "SLURM_JOB_ID": "4244", "SLURM_JOB_NODELIST": "localhost,127.0.0.1",
+               "HSBN_AGGREGATOR": REAL_AGGREGATOR, "HSBN_GPUS_PER_NODE": "1", "HSBN_ROOT_PORT": str(port),
+               "HSBN_GROUP_PORT": str(port + 1), "HSBN_GROUP_TIER": "1", "HSBN_GROUP_NODES": "2",
+               "HSBN_TEST_OUT": str(self.out)}
+        proc = subprocess.run([str(LAUNCHER), "--", "bash", "-c", check], env=env,
+                              capture_output=True, text=True, timeout=60)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertEqual(sorted(p.name for p in self.out.glob("served.*")), ["served.0", "served.1"])
+        ready = pathlib.Path(f"{self.run_base}/hsbn-4244-0/group.ready").read_text()
+        self.assertIn(f":{port + 1}", ready)
+        for who in ("root", "group-0", "node-0", "node-1"):
             self.assertIn(f"[{who}] stopped", proc.stderr)
 
     def test_outside_an_allocation_it_refuses_to_start(self):
