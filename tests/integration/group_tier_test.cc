@@ -60,11 +60,7 @@ std::vector<std::unique_ptr<Client>> ConnectJob(LocalCluster& c, const std::stri
   return out;
 }
 
-void OnEveryRank(int ranks, const std::function<void(int)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r) threads.emplace_back(fn, r);
-  for (auto& t : threads) t.join();
-}
+using testing::OnEveryRank;
 
 bool SameBits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 

@@ -31,12 +31,7 @@ std::vector<std::unique_ptr<Client>> ConnectAll(LocalCluster& c, const std::stri
   return out;
 }
 
-// Runs fn(rank) on one thread per rank.
-void OnEveryRank(int ranks, const std::function<void(int)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r) threads.emplace_back(fn, r);
-  for (auto& t : threads) t.join();
-}
+using testing::OnEveryRank;
 
 TEST(Scopes, GroupRoundsReduceEachGroupOfNodesAndTheGroupSizeMustDivideTheNodes) {
   auto c = testing::StartCluster(4, 1);

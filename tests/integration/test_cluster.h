@@ -4,8 +4,10 @@
 #define HSBN_TESTS_INTEGRATION_TEST_CLUSTER_H_
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -48,6 +50,14 @@ inline std::unique_ptr<Client> ConnectRank(const cluster::LocalCluster& c, int r
   auto client = Client::Connect(RankOptions(c, rank, job, round_timeout));
   EXPECT_TRUE(client.ok()) << client.status();
   return client.ok() ? std::move(*client) : nullptr;
+}
+
+// Runs fn(rank) for ranks 0..ranks-1, each on a thread of its own (rounds block), and joins
+// them.
+inline void OnEveryRank(int ranks, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) threads.emplace_back(fn, r);
+  for (auto& t : threads) t.join();
 }
 
 }  // namespace hsbn::testing

@@ -42,16 +42,15 @@ def test_group_rounds_stay_in_the_tier_and_global_rounds_cross_both_levels():
             _rounds(clients, "global", 0, 1)  # every level has joined
             for node in range(4):
                 c.link_command(node, "stats-reset")
-            ups = [p.name for p in c.group_proxies]
-            before = {name: _proxy_stats(c, name) for name in ups}
+            before = [c.group_link_stats(g) for g in range(2)]
             out = _rounds(clients, "group", 10, 5)
             for (r, i), (count, mean, _) in out.items():
                 # group g = nodes 2g, 2g+1 holding means 2g and 2g+1
                 assert count == 4
                 np.testing.assert_array_equal(mean, [2 * (r // 2) + 0.5, 2.0])
-            for name in ups:  # nothing but a keepalive ping crossed to the root
-                after = _proxy_stats(c, name)
-                assert after["up_chunks"] - before[name]["up_chunks"] < 3, name
+            for g in range(2):  # nothing but a keepalive ping crossed to the root
+                after = c.group_link_stats(g)
+                assert after["up_chunks"] - before[g]["up_chunks"] < 3, g
             for node in range(4):
                 st = c.link_stats(node)
                 # each group round crossed the node's link to its group aggregator, held >= 200 us
@@ -60,9 +59,9 @@ def test_group_rounds_stay_in_the_tier_and_global_rounds_cross_both_levels():
             for (r, i), (count, mean, _) in out.items():
                 assert count == 8
                 np.testing.assert_array_equal(mean, [1.5, 2.0])
-            for name in ups:
-                after = _proxy_stats(c, name)
-                assert after["up_chunks"] - before[name]["up_chunks"] >= 3, name
+            for g in range(2):
+                after = c.group_link_stats(g)
+                assert after["up_chunks"] - before[g]["up_chunks"] >= 3, g
                 assert after["up_held_min_us"] >= 3000, after
 
             # The tree, from a rank's sidecar up: node, group, root.
@@ -78,23 +77,6 @@ def test_group_rounds_stay_in_the_tier_and_global_rounds_cross_both_levels():
         finally:
             for cl in clients:
                 cl.close()
-
-
-def _proxy_stats(c, name):
-    import socket
-    import os
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(30)
-        s.connect(os.path.join(c.workdir, name + ".control"))
-        s.sendall(b"stats\n")
-        answer = b""
-        while not answer.endswith(b"\n"):
-            part = s.recv(4096)
-            if not part:
-                break
-            answer += part
-    words = answer.decode().split()[1:]
-    return {k: (v if k == "mode" else int(v)) for k, _, v in (w.partition("=") for w in words)}
 
 
 @pytest.mark.parametrize("kwargs, text", [

@@ -252,7 +252,7 @@ class LocalCluster:
                 p = _Aggregator(name, [
                     self._linkproxy or _lib.linkproxy_path(), "--target=" + target, "--listen=127.0.0.1:0",
                     "--delay-us=%d" % delay_us,
-                    "--control=" + os.path.join(self._workdir, name + ".control")],
+                    "--control=" + self._control_path(name)],
                     self._workdir, id_flag=False)
                 p.start()
                 return p
@@ -425,21 +425,35 @@ class LocalCluster:
         """The folder of the sockets, ready files and logs."""
         return self._workdir
 
-    def _control_path(self, node):
-        return os.path.join(self._workdir, "link%d.control" % node)
+    def _control_path(self, name):
+        return os.path.join(self._workdir, name + ".control")
 
     def link_command(self, node, command, timeout=30.0):
         """Sends one command line to node `node`'s link proxy (`hsbn-linkproxy --help`: drop,
-        reset, stall, resume, delay UP [DOWN], stats, stats-reset) and returns its answer
-        without the leading "ok". An "error ..." answer raises ClusterError."""
+        reset, stall, resume, delay UP [DOWN], delay-us UP [DOWN], stats, stats-reset) and
+        returns its answer without the leading "ok". An "error ..." answer raises ClusterError.
+        With the group tier, a node's link is the one to its group aggregator."""
         if not self.proxies:
             raise ClusterError("this LocalCluster has no link proxies (link_delay_ms or "
                                "link_proxy=True)")
         if not 0 <= node < self.nodes:
             raise ValueError("no node %d in this cluster" % node)
+        return self._proxy_command("link%d" % node, command, timeout)
+
+    def group_link_command(self, group, command, timeout=30.0):
+        """The same for group aggregator `group`'s link to the root (group_tier with a delay
+        or link_proxy=True)."""
+        if not self.group_proxies:
+            raise ClusterError("this LocalCluster has no group tier links (group_tier=True with "
+                               "a delay or link_proxy=True)")
+        if not 0 <= group < len(self.group_proxies):
+            raise ValueError("no group %d in this cluster" % group)
+        return self._proxy_command("link-group%d" % group, command, timeout)
+
+    def _proxy_command(self, name, command, timeout):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
-            s.connect(self._control_path(node))
+            s.connect(self._control_path(name))
             s.sendall(command.encode() + b"\n")
             answer = b""
             while not answer.endswith(b"\n"):
@@ -449,18 +463,26 @@ class LocalCluster:
                 answer += part
         answer = answer.decode().strip()
         if not answer.startswith("ok"):
-            raise ClusterError("link proxy %d: %s" % (node, answer or "no answer"))
+            raise ClusterError("link proxy %s: %s" % (name, answer or "no answer"))
         return answer[3:]
+
+    @staticmethod
+    def _stats(answer):
+        stats = {}
+        for word in answer.split():
+            key, _, value = word.partition("=")
+            stats[key] = value if key == "mode" else int(value)
+        return stats
 
     def link_stats(self, node):
         """Node `node`'s link proxy counters: mode, open, accepted, refused, reset, delays, and
         per direction (up: sidecar -> root; down) bytes, chunks and held_min/max/sum_us, the
         time each chunk was held before it was written on."""
-        stats = {}
-        for word in self.link_command(node, "stats").split():
-            key, _, value = word.partition("=")
-            stats[key] = value if key == "mode" else int(value)
-        return stats
+        return self._stats(self.link_command(node, "stats"))
+
+    def group_link_stats(self, group):
+        """The same counters for group aggregator `group`'s link to the root."""
+        return self._stats(self.group_link_command(group, "stats"))
 
     def pids(self):
         """The process ids of the running aggregators and link proxies, by id."""
