@@ -834,7 +834,12 @@ class Client::Impl {
       }
       if (!conn.polling) HandOff(conn);  // a hand-off meant for us may have raced our result
     }
-    // Done: nobody else touches p now.
+    // Done: nobody else touches p now. A round that failed after this client aborted failed
+    // because of the abort (its Abort frame may have reached the sidecar before the round's
+    // contribution, which the sidecar then no longer knows): the caller gets the abort.
+    if (!p.answer.status.ok()) {
+      if (absl::Status aborted = Aborted(); !aborted.ok()) return aborted;
+    }
     return client_internal::DeliverAnswer(p.answer, p.channels, out_count, out_a, out_b);
   }
 
