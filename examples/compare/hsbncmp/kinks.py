@@ -3,8 +3,8 @@ max-pool (which element of the window wins?) take. The gradient is discontinuous
 input within round-off of a ReLU's 0, or two near-equal elements of a max-pool window, can
 land on either side in float32, and the gradient then flows differently. Behind BatchNorm,
 whose backward couples every item of a channel, one such flip moves every gradient upstream
-of it by about 1/sqrt(elements of that layer) (ResNet-18 on 28x28 items: ~5e-3), which is
-not round-off of the arithmetic but a different branch of the same function.
+of it (ResNet-18 on 28x28 items: by 2e-3 to 8e-3 of the whole gradient), which is not
+round-off of the arithmetic but a different branch of the same function.
 
 `Kinks` records the decisions of one forward pass (in call order) and, with `replay`, forces
 recorded ones onto another pass, so that the check can compute the float64 gradient on the
@@ -110,6 +110,8 @@ class Kinks(TorchFunctionMode):
 def concat(records):
     """One record of the whole batch from per-worker records of the same model (each worker's
     part of the batch, in rank order): every call's decisions concatenated along the batch."""
+    if len({len(r) for r in records}) > 1:
+        raise ValueError("the workers' forward passes took different numbers of kinks")
     out = []
     for calls in zip(*records):
         kinds = {k for k, _ in calls}
