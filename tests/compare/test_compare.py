@@ -229,6 +229,77 @@ def test_check_fails_on_a_real_difference():
         assert not check["pass"]
 
 
+def test_check_measures_gradients_on_the_runs_branch():
+    """A gradient on another branch of a kink (a ReLU flipped by round-off) is measured
+    against the float64 gradient on that branch, and passes when the flipped decisions lie
+    within round-off of the kink; a flip far from it fails however close the gradient."""
+    stats = {0: (np.zeros(2), np.ones(2))}
+    truth = {"stats": stats, "grads": {"w": np.ones(4)}, "running": {"r": np.ones(2)},
+             "grads_on_branch": {"global": {"w": np.array([1.0, 1.0, 1.0, 1.5])},
+                                 "reference": {"w": np.ones(4)}},
+             "kink_flips": {"global": {"count": 1, "margin": 2e-7},
+                            "reference": {"count": 0, "margin": 0.0}}}
+
+    def run(mode, grad):
+        return {"task": "cls", "seed": 0, "mode": mode, "state": {"w": np.ones(4)},
+                "loss": [1.0], "first_step": {"stats": stats, "grads": {"w": grad},
+                                              "running": {"r": np.ones(2)}},
+                "first_step_f64": truth}
+    ref = run("reference", np.ones(4) + 1e-7)
+    flipped = run("global", np.array([1.0, 1.0, 1.0, 1.5]) + 2e-7)
+    check = cli.global_reference_check([ref, flipped], ["cls"], [0])
+    row = check["rows"][0]
+    assert check["pass"] and row["grads_gap"] < 1e-6 and row["kink_flips"] == 1
+    truth["kink_flips"]["global"]["margin"] = 10 * cli.KINK_MARGIN
+    check = cli.global_reference_check([ref, flipped], ["cls"], [0])
+    assert not check["pass"] and check["rows"][0]["grads_gap"] < 1e-6
+    # The branch's own float64 gradient, not float64's: a wrong gradient still fails.
+    truth["kink_flips"]["global"]["margin"] = 2e-7
+    check = cli.global_reference_check([ref, run("global", np.ones(4))], ["cls"], [0])
+    assert not check["pass"]
+
+
+def test_kinks_record_replay_and_flips():
+    """kinks.Kinks records a forward pass's ReLU and max-pool decisions; replaying its own
+    record changes nothing; replaying a record with one ReLU decision flipped routes the
+    gradient the other way, and kinks.flips finds it with the float64 input's distance from
+    0 in units of the channel's RMS."""
+    import torch
+    import torch.nn as nn
+    from hsbncmp import kinks
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.BatchNorm2d(2), nn.ReLU(inplace=True),
+                        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(2 * 4 * 4, 3)).double()
+    x = torch.randn(4, 1, 8, 8, dtype=torch.float64)
+
+    def step(replay=None, keep=False):
+        net.zero_grad()
+        with kinks.Kinks(replay=replay, keep_inputs=keep) as k:
+            out = net(x)
+        out.square().sum().backward()
+        return k, [p.grad.clone() for p in net.parameters()]
+    own, g = step(keep=True)
+    assert [kind for kind, _ in own.decisions] == ["relu", "maxpool"]
+    assert kinks.flips(own.decisions, own) == {"count": 0, "margin": 0.0}
+    _, g_again = step(replay=own.decisions)
+    assert all(torch.equal(a, b) for a, b in zip(g, g_again))
+    flipped = [(kind, d.copy()) for kind, d in own.decisions]
+    relu_in, scale = own.inputs[0]
+    # A ReLU input that wins its max-pool window (the others get no gradient).
+    i = (0, 0) + np.unravel_index(int(own.decisions[1][1][0, 0, 0, 0]), relu_in.shape[2:])
+    flipped[0][1][i] = not flipped[0][1][i]
+    f = kinks.flips(flipped, own)
+    assert f["count"] == 1
+    assert abs(f["margin"] - abs(relu_in[i]) / np.broadcast_to(scale, relu_in.shape)[i]) < 1e-12
+    _, g_flipped = step(replay=flipped)
+    assert not torch.equal(g[0], g_flipped[0])
+    # A max-pool window won by another element: flips measures how far below the maximum.
+    moved = [(kind, d.copy()) for kind, d in own.decisions]
+    moved[1][1][0, 0, 0, 0] += 1 if moved[1][1][0, 0, 0, 0] % 8 == 0 else -1
+    assert kinks.flips(moved, own)["count"] == 1 and kinks.flips(moved, own)["margin"] > 0
+    assert kinks.concat([own.decisions[:1], own.decisions[:1]])[0][1].shape[0] == 8
+
+
 def test_a_perturbed_statistic_fails_the_main_jobs_check(tmp_path, native_parts):
     """A wrong merged mean in one layer at global's first step (a hundredth of a standard
     deviation) fails the check end to end: exit status 1, FAIL in results.md."""

@@ -238,19 +238,23 @@ def markdown(summary, divergence, check, cfg, command, environment):
         lines.append("")
         lines.append("| task | seed | statistics: global (reference, tolerance) | gradients: "
                      "global (reference, tolerance) | running statistics: global (reference, "
-                     "tolerance) | node, for scale: statistics / gradients | final weights, "
+                     "tolerance) | kinks flipped: global (reference), global's largest "
+                     "margin | node, for scale: statistics / gradients | final weights, "
                      "global vs reference | max loss gap | result |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
         def trio(c, a):
             return "%.1e (%.1e, %.1e)" % (c[a + "_gap"], c[a + "_ref"], c[a + "_tolerance"])
         for c in check["rows"]:
             node = ("%.1e / %.1e" % (c["stats_node"], c["grads_node"])
                     if c.get("stats_node") is not None else "—")
-            lines.append("| %s | %s | %s | %s | %s | %s | %.1e | %.1e | %s |"
+            kinks = ("%d (%s), %.1e" % (c["kink_flips"], "—" if c.get("kink_flips_ref") is None
+                                        else c["kink_flips_ref"], c["kink_margin"])
+                     if c.get("kink_flips") is not None else "—")
+            lines.append("| %s | %s | %s | %s | %s | %s | %s | %.1e | %.1e | %s |"
                          % (TASK_NAME[c["task"]], c["seed"], trio(c, "stats"),
-                            trio(c, "grads"), trio(c, "running"), node, c["weight_gap"],
-                            c["loss_gap"], "PASS" if c["pass"] else "FAIL"))
+                            trio(c, "grads"), trio(c, "running"), kinks, node,
+                            c["weight_gap"], c["loss_gap"], "PASS" if c["pass"] else "FAIL"))
         lines.append("")
         lines.append("**%s**" % ("PASS: global matches reference" if check["pass"]
                                  else "FAIL: global does not match reference — a bug"))

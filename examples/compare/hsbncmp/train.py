@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from . import data, models
+from . import data, kinks, models
 
 
 # The global vs reference check compares the first step (each BatchNorm layer's statistics,
@@ -285,7 +285,14 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
         # Sync time: what the step spent blocked in hsbn rounds (read outside the timed step).
         s0 = _blocked_seconds(client)
         t0 = time.perf_counter()
-        loss = F.cross_entropy(ddp(x), y)
+        if step == 0 and mode == "global":
+            # The branch of the first step's forward pass (its ReLU and max-pool decisions),
+            # for the check: its float64 gradient is computed on the same branch.
+            with kinks.Kinks() as k:
+                out = ddp(x)
+        else:
+            out = ddp(x)
+        loss = F.cross_entropy(out, y)
         opt.zero_grad()
         loss.backward()
         if step == 0:
@@ -297,6 +304,10 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
         losses[step] = loss.item()
         if step == 0:
             first["running"] = _running(model)
+            if mode == "global":
+                every = [None] * world
+                dist.all_gather_object(every, k.decisions)
+                first["kinks"] = kinks.concat(every)  # the global batch, in rank order
         if step + 1 in points:
             curve.append((step + 1, _distributed_eval(torch, dist, model, task, xs_c, ys_c,
                                                       rank, world, "rank0")))
@@ -398,11 +409,13 @@ def _shadow_divergence(model, client, steps, hsbn):
 
 # --- the one-process reference -----------------------------------------------------------------
 
-def reference_run(cfg, task, seed, label, order, init, plan, cache, progress, job_index):
+def reference_run(cfg, task, seed, label, order, init, plan, cache, global_kinks, progress,
+                  job_index):
     """One process, plain torch BatchNorm over the global batch: the workers' batches
     concatenated in rank order (order="forward"), or in reverse rank order (order="reversed":
     the same mathematics, a different floating-point summation order, which measures round-off
-    noise)."""
+    noise). `global_kinks`: the kink decisions of global's first step (or None), for the
+    float64 gradient on global's branch (see first_step_float64)."""
     import torch
     import torch.nn.functional as F
 
@@ -426,7 +439,13 @@ def reference_run(cfg, task, seed, label, order, init, plan, cache, progress, jo
             g["lr"] = _lr(cfg, task) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
         hooks = _input_stats_hooks(torch, model, first["stats"]) if step == 0 else []
         t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x), y)
+        if step == 0 and order == "forward":
+            with kinks.Kinks() as k:  # this run's branch, as in _distributed_run
+                out = model(x)
+            own_kinks = k.decisions
+        else:
+            out = model(x)
+        loss = F.cross_entropy(out, y)
         opt.zero_grad()
         loss.backward()
         if step == 0:
@@ -452,28 +471,50 @@ def reference_run(cfg, task, seed, label, order, init, plan, cache, progress, jo
         "step_ms": float(step_s[warm:].mean() * 1e3), "step_ms_max_rank": None,
         "sync_ms": 0.0, "divergence": None,
         "state": state_numpy(model),
-        "first_step": first, "first_step_f64": first_step_float64(cfg, task, init, plan, arrays),
+        "first_step": first,
+        "first_step_f64": first_step_float64(
+            cfg, task, init, plan, arrays,
+            {"reference": own_kinks, "global": global_kinks} if order == "forward" else {}),
     }
 
 
-def first_step_float64(cfg, task, init, plan, arrays):
+def first_step_float64(cfg, task, init, plan, arrays, branches=None):
     """The reference's first step in float64 (weights, inputs and arithmetic): each BatchNorm
     layer's batch statistics, every parameter's gradient and the running statistics after the
     step. The truth the check measures global and the float32 reference against: neither has
-    float64's round-off, and a wrong statistic is far from both."""
+    float64's round-off, and a wrong statistic is far from both.
+
+    `branches` ({label: kink decisions of that run's first step, or None}): for each, the
+    float64 gradient on that run's branch (kinks.Kinks replays its ReLU and max-pool
+    decisions; "grads_on_branch") and where its decisions differ from float64's own, with the
+    largest float64 distance from the kink among them ("kink_flips"; see kinks.flips)."""
     import torch
     import torch.nn.functional as F
 
-    model = models.build(task, cfg.get("model")).double()
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in init.items()})
     world = cfg["nodes"] * cfg["workers_per_node"]
     x, y = batch(torch, task, plan, arrays, 0, list(range(world)))
-    first = {"stats": {}}
-    hooks = _input_stats_hooks(torch, model, first["stats"])
-    loss = F.cross_entropy(model(x.double()), y)
-    loss.backward()
-    for h in hooks:
-        h.remove()
-    first["grads"] = _grads(model)
-    first["running"] = _running(model)
+
+    def step(replay=None, record=False):
+        model = models.build(task, cfg.get("model")).double()
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in init.items()})
+        stats = {}
+        hooks = _input_stats_hooks(torch, model, stats) if replay is None else []
+        with kinks.Kinks(replay=replay, keep_inputs=record) as k:
+            out = model(x.double())
+        F.cross_entropy(out, y).backward()
+        for h in hooks:
+            h.remove()
+        return model, stats, k
+
+    model, stats, own = step(record=True)
+    first = {"stats": stats, "grads": _grads(model), "running": _running(model),
+             "grads_on_branch": {}, "kink_flips": {}}
+    for label, decisions in (branches or {}).items():
+        if decisions is None:
+            continue
+        flips = kinks.flips(decisions, own)
+        first["kink_flips"][label] = flips
+        # On float64's own branch the replay is float64's gradient itself.
+        first["grads_on_branch"][label] = (_grads(step(replay=decisions)[0]) if flips["count"]
+                                           else first["grads"])
     return first
