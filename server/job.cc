@@ -774,8 +774,8 @@ void Job::RecordDivergenceLocked(const Round& round, const v1::Result& global, A
   const int32_t first = layout_.first_node();
   for (size_t i = 0; i < round.slots.size(); ++i) {
     const Slot& slot = round.slots[i];
-    if (span > 1) {
-      if (slot.count == 0) continue;
+    if (span > 1) {  // the Registry admits such members only with groups of `span` nodes
+      if (slot.count == 0 || k <= 0) continue;
       wire::UnpackPayload(slot.data, channels, nm.data(), nm2.data());
       const int32_t group = (first + int32_t(i) * span) / k;
       for (Records* records : {&group_divergence_, &decide_window_}) {
