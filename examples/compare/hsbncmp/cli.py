@@ -65,7 +65,9 @@ Tasks (Fashion-MNIST from Debian's dataset-fashion-mnist):
 Each node's workers see class-skewed data (--skew): every class has a home node (classes
 split into contiguous blocks over the nodes), so node statistics differ from global ones;
 with --skew 0 the nodes see the same distribution. The sidecars reach the root through a
-simulated cross-node link (--link-delay-ms each way).
+simulated cross-node link (--link-delay-ms each way); with the group and auto modes, through a
+group aggregator per --group-nodes nodes (--group-tier, 100 us from its sidecars), where group
+rounds complete.
 
 The test metric is scored three ways: with rank 0's running statistics (what a checkpoint
 saved by rank 0 holds), after hsbn.torch.sync_running_stats (running statistics pooled over
