@@ -45,20 +45,7 @@ std::unique_ptr<LocalCluster> StartTier(int nodes, int per_node, int group_nodes
   return c.ok() ? std::move(*c) : nullptr;
 }
 
-std::vector<std::unique_ptr<Client>> ConnectJob(LocalCluster& c, const std::string& job,
-                                                int group_nodes, AutoPolicy policy = {},
-                                                std::chrono::milliseconds timeout = {}) {
-  std::vector<std::unique_ptr<Client>> out;
-  for (int r = 0; r < c.world_size(); ++r) {
-    ClientOptions o = testing::RankOptions(c, r, job, timeout);
-    o.group_nodes = group_nodes;
-    o.auto_policy = policy;
-    auto client = Client::Connect(o);
-    EXPECT_TRUE(client.ok()) << client.status();
-    out.push_back(client.ok() ? std::move(*client) : nullptr);
-  }
-  return out;
-}
+using testing::ConnectJob;
 
 using testing::OnEveryRank;
 

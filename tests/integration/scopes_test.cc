@@ -17,19 +17,7 @@ namespace {
 
 using cluster::LocalCluster;
 
-std::vector<std::unique_ptr<Client>> ConnectAll(LocalCluster& c, const std::string& job,
-                                                int group_nodes, AutoPolicy policy = {}) {
-  std::vector<std::unique_ptr<Client>> out;
-  for (int r = 0; r < c.world_size(); ++r) {
-    ClientOptions o = testing::RankOptions(c, r, job);
-    o.group_nodes = group_nodes;
-    o.auto_policy = policy;
-    auto client = Client::Connect(o);
-    EXPECT_TRUE(client.ok()) << client.status();
-    out.push_back(client.ok() ? std::move(*client) : nullptr);
-  }
-  return out;
-}
+using testing::ConnectJob;
 
 using testing::OnEveryRank;
 
@@ -44,7 +32,7 @@ TEST(Scopes, GroupRoundsReduceEachGroupOfNodesAndTheGroupSizeMustDivideTheNodes)
   EXPECT_NE(refused.status().message().find("HSBN_GROUP_NODES=3"), std::string::npos);
   EXPECT_NE(refused.status().message().find("4 nodes"), std::string::npos);
 
-  auto clients = ConnectAll(*c, "groups", 2);
+  auto clients = ConnectJob(*c, "groups", 2);
   for (auto& cl : clients) ASSERT_TRUE(cl);
   // Rank r holds one value, r: groups {0, 1} and {2, 3} have means 0.5 and 2.5.
   std::vector<double> mean(4), m2(4);
@@ -64,7 +52,7 @@ TEST(Scopes, GroupRoundsReduceEachGroupOfNodesAndTheGroupSizeMustDivideTheNodes)
 TEST(Scopes, GroupRoundsOverNodesOfSeveralWorkersMergeEachGroupsWorkersForwardAndBackward) {
   auto c = testing::StartCluster(4, 2);
   ASSERT_TRUE(c);
-  auto clients = ConnectAll(*c, "groups-4x2", 2);
+  auto clients = ConnectJob(*c, "groups-4x2", 2);
   for (auto& cl : clients) ASSERT_TRUE(cl);
   // Rank r holds one value, r: groups are ranks 0-3 (mean 1.5) and 4-7 (mean 5.5), m2 5 each.
   std::vector<double> mean(8), m2(8), sum(8), sum_xmu(8);
@@ -92,7 +80,7 @@ TEST(Scopes, AutoScopeDecidesPerOpAtTheRootAndEveryRankGetsTheSameDecision) {
   ASSERT_TRUE(c);
   AutoPolicy policy;
   policy.warmup_rounds = 3;
-  auto clients = ConnectAll(*c, "auto", 0, policy);
+  auto clients = ConnectJob(*c, "auto", 0, policy);
   for (auto& cl : clients) ASSERT_TRUE(cl);
   // op 1: node r's data is {10r - 1, 10r + 1} (nodes far apart); op 2: {-1, 1} everywhere.
   OnEveryRank(2, [&](int r) {
@@ -135,7 +123,7 @@ TEST(Scopes, AutoScopeRechecksBySamplingAndDecidesAgainWhenTheDataChanges) {
   AutoPolicy policy;
   policy.warmup_rounds = 2;
   policy.recheck_every = 2;
-  auto clients = ConnectAll(*c, "auto-recheck", 0, policy);
+  auto clients = ConnectJob(*c, "auto-recheck", 0, policy);
   for (auto& cl : clients) ASSERT_TRUE(cl);
   // seq 0-1: warm-up (nodes agree) -> seq 2 decides node; samples at seq 4 and 6 (nodes now
   // far apart) -> seq 8 decides global.
@@ -168,7 +156,7 @@ TEST(Scopes, AutoScopeRefusesToRunAheadOfItsDecisionAndRestoresSavedDecisions) {
   ASSERT_TRUE(c);
   AutoPolicy policy;
   policy.warmup_rounds = 1;
-  auto clients = ConnectAll(*c, "auto-ahead", 0, policy);
+  auto clients = ConnectJob(*c, "auto-ahead", 0, policy);
   for (auto& cl : clients) ASSERT_TRUE(cl);
   double a = 1, b = 0;
   // Rank 0 starts the decision round (seq 1) and, without waiting for it, seq 2.

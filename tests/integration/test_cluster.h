@@ -52,6 +52,23 @@ inline std::unique_ptr<Client> ConnectRank(const cluster::LocalCluster& c, int r
   return client.ok() ? std::move(*client) : nullptr;
 }
 
+// Connects every rank of `c` to job `job` with the given group size, auto policy and round
+// timeout; a failure is a test failure (and a null entry).
+inline std::vector<std::unique_ptr<Client>> ConnectJob(
+    const cluster::LocalCluster& c, const std::string& job, int group_nodes,
+    AutoPolicy policy = {}, std::chrono::milliseconds round_timeout = {}) {
+  std::vector<std::unique_ptr<Client>> out;
+  for (int r = 0; r < c.world_size(); ++r) {
+    ClientOptions o = RankOptions(c, r, job, round_timeout);
+    o.group_nodes = group_nodes;
+    o.auto_policy = policy;
+    auto client = Client::Connect(o);
+    EXPECT_TRUE(client.ok()) << client.status();
+    out.push_back(client.ok() ? std::move(*client) : nullptr);
+  }
+  return out;
+}
+
 // Runs fn(rank) for ranks 0..ranks-1, each on a thread of its own (rounds block), and joins
 // them.
 inline void OnEveryRank(int ranks, const std::function<void(int)>& fn) {
