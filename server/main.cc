@@ -2,6 +2,7 @@
 #include <malloc.h>
 #include <netdb.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -428,6 +429,20 @@ bool PrepareUnixSocket(const std::string& path) {
 
 }  // namespace
 
+// Every member stream holds a connection, one fd at this end: a root of N nodes (or a group
+// aggregator of K) needs N + ~20 fds, and the soft limit is often 1024. Raises the soft limit
+// to the hard one (the administrator's ceiling) and returns it.
+static rlim_t RaiseOpenFileLimit() {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return 0;
+  if (lim.rlim_cur < lim.rlim_max) {
+    rlimit raised = lim;
+    raised.rlim_cur = lim.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
+  }
+  return lim.rlim_cur;
+}
+
 int main(int argc, char** argv) {
   // Signals are handled by sigwait at the end of main. Block them first, before anything (gRPC
   // credentials, the server) can start a thread, so that every thread inherits the mask: a
@@ -639,6 +654,8 @@ int main(int argc, char** argv) {
     }
   }
 
+  const rlim_t open_files = RaiseOpenFileLimit();
+
   // Job tokens.
   const std::string& token_file = settings.token_file;
   const bool allow_insecure = settings.allow_insecure_token_file;
@@ -778,7 +795,11 @@ int main(int argc, char** argv) {
                                                                   : " (TCP: mutual TLS)"),
                    options.upstream.empty() ? "" : ", root at " + options.upstream,
                    options.upstream_ca_pem.empty() ? "" : " (TLS)",
-                   metrics_line.empty() ? "" : ", " + metrics_line));
+                   metrics_line.empty() ? "" : ", " + metrics_line,
+                   open_files == RLIM_INFINITY
+                       ? std::string()
+                       : absl::StrCat("; open files: at most ", uint64_t(open_files),
+                                      " (one per member connection; docs/DEPLOY.md, Limits)")));
   const std::string& ready = settings.ready_file;
   if (!ready.empty()) {
     const std::string tmp = ready + ".tmp";
