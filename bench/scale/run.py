@@ -237,7 +237,7 @@ def run_config(args, binary, nodes, tree, threads, workdir):
     partials = rounds_in * nodes
     rss, hwm, fds = sampler.peak
     return {
-        "binary": binary, "nodes": nodes, "tree": tree, "group_nodes": k,
+        "nodes": nodes, "tree": tree, "group_nodes": k,
         "event_threads": threads, "generators": args.generators,
         "offered_partials_per_s": args.partials_per_s, "offered_steps_per_s": steps_per_s,
         "window_s": window_s, "rounds_in_window": rounds_in, "node_partials": partials,
@@ -256,20 +256,24 @@ def run_config(args, binary, nodes, tree, threads, workdir):
     }
 
 
-def markdown(rows, args):
+def markdown(rows):
     out = ["| binary | nodes | tree | event threads | offered steps/s | sustained steps/s | "
-           "root CPU us/partial | node partials per root CPU-s | root CPU ms/step | "
-           "round p50 us | round p99 us | root RSS MiB | root fds |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "schedule behind, max ms | root CPU us/partial | node partials per root CPU-s | "
+           "root CPU ms/step | group aggregators' CPU us/partial | round p50 us | round p99 us | "
+           "root RSS MiB | root fds |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append("| %s | %d | %s | %d | %.3f | %.3f | %.1f | %.0f | %.1f | %.0f | %.0f | "
-                   "%.0f | %d |" % (
+        group = ("%.1f" % (r["group_cpu_s"] / r["node_partials"] * 1e6)
+                 if r["group_nodes"] and r["node_partials"] else "")
+        out.append("| %s | %d | %s | %d | %.3f | %.3f | %.0f | %.1f | %.0f | %.1f | %s | %.0f | "
+                   "%.0f | %.0f | %d |" % (
                        r["label"], r["nodes"],
                        r["tree"] + (" (K=%d)" % r["group_nodes"] if r["group_nodes"] else ""),
                        r["event_threads"], r["offered_steps_per_s"], r["sustained_steps_per_s"],
-                       r["root_cpu_us_per_partial"], r["partials_per_root_cpu_s"],
-                       r["root_cpu_ms_per_step"], r["round_p50_us"], r["round_p99_us"],
-                       r["root_rss_peak_bytes"] / 2**20, r["root_fds_peak"]))
+                       r["behind_max_ms"], r["root_cpu_us_per_partial"],
+                       r["partials_per_root_cpu_s"], r["root_cpu_ms_per_step"], group,
+                       r["round_p50_us"], r["round_p99_us"], r["root_rss_peak_bytes"] / 2**20,
+                       r["root_fds_peak"]))
     return "\n".join(out) + "\n"
 
 
@@ -298,7 +302,13 @@ def main():
     p.add_argument("--json")
     p.add_argument("--markdown")
     p.add_argument("--keep", action="store_true", help="keep logs in the temporary folder")
+    p.add_argument("--render", metavar="JSON",
+                   help="print the Markdown table of an earlier run's --json and exit")
     args = p.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            print(markdown(json.load(f)["rows"]), end="")
+        return
     if args.quick:
         args.nodes, args.trees, args.event_threads, args.steps = "16", "flat,tier", "1", 2
     args.scale_bin = os.path.join(args.build_dir, "bench", "scale", "bench_hsbn_scale")
@@ -336,14 +346,17 @@ def main():
                           r["offered_steps_per_s"], r["round_p50_us"], r["round_p99_us"]),
                       flush=True)
     shutil.rmtree(workdir, ignore_errors=True)
-    table = markdown(rows, args)
+    table = markdown(rows)
     print()
     print(table)
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(),
                "loadavg_end": os.getloadavg()}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "argv": sys.argv[1:], "rows": rows}, f, indent=1)
+            params = {k: getattr(args, k) for k in ("nodes", "trees", "event_threads",
+                                                     "partials_per_s", "group_size", "generators",
+                                                     "warmup_steps", "steps", "repeat")}
+            json.dump({"machine": machine, "params": params, "rows": rows}, f, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table)
