@@ -516,6 +516,7 @@ void Aggregator::CheckStreams(Clock::time_point now) {
 }
 
 void Aggregator::TickLoop() {
+  pthread_setname_np(pthread_self(), "hsbn-tick");  // top -H, perf, gdb
   Clock::time_point next_check = Clock::now();
   absl::MutexLock lock(&tick_mu_);
   while (!stopping_) {

@@ -1,5 +1,7 @@
 #include "parent_link.h"
 
+#include <pthread.h>
+
 #include <chrono>
 #include <optional>
 
@@ -639,6 +641,7 @@ absl::Status ParentLink::Send(Item& item) {
 }
 
 void ParentLink::WriterLoop() {
+  pthread_setname_np(pthread_self(), "hsbn-uplink");  // top -H, perf, gdb
   for (;;) {
     std::optional<Item> next;
     {

@@ -1,6 +1,7 @@
 #include "shm_transport.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -298,6 +299,7 @@ void ShmTransport::ReleaseLocked(NodeJob& job, const std::string& why) {
 }
 
 void ShmTransport::Loop() {
+  pthread_setname_np(pthread_self(), "hsbn-shm");  // top -H, perf, gdb
   epoll_event events[64];
   for (;;) {
     const int n = epoll_wait(epoll_fd_, events, 64, 100);
