@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 ROUNDS_PER_STEP = 106
 TICK = os.sysconf("SC_CLK_TCK")
@@ -96,6 +97,13 @@ class Aggregator:
             time.sleep(0.02)
         raise RuntimeError("%s was not ready within %d s" % (self.name, timeout))
 
+    def metrics_url(self):
+        with open(self.ready) as f:
+            for line in f:
+                if line.startswith("metrics="):
+                    return line.strip()[len("metrics="):] + "/metrics"
+        raise RuntimeError("%s has no metrics line in its ready file" % self.name)
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -107,22 +115,59 @@ class Aggregator:
         self.log.close()
 
 
-class Sampler(threading.Thread):
-    """Samples the CPU seconds of some processes every 20 ms, with monotonic timestamps."""
+def scrape(url):
+    """The root's /metrics: {name: value summed over its label sets}."""
+    out = {}
+    with urllib.request.urlopen(url, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+    return out
 
-    def __init__(self, pids):
+
+class Sampler(threading.Thread):
+    """Samples the CPU seconds of some processes every 20 ms, with monotonic timestamps, and the
+    root's metrics (when given) every 0.5 s: the peak of its memory budget's use and the message
+    counters."""
+
+    def __init__(self, pids, metrics_url=None):
         super().__init__(daemon=True)
         self.pids = pids
+        self.metrics_url = metrics_url
         self.samples = []  # (t_ns, [cpu_s per pid])
+        self.metrics = []  # (t_ns, {name: value})
         self.peak = (0, 0, 0)
+        self.memory_used_peak = 0
         self.stop_event = threading.Event()
 
     def run(self):
+        i = 0
         while not self.stop_event.is_set():
             self.samples.append((time.monotonic_ns(), [cpu_seconds(p) for p in self.pids]))
             rss, hwm, fds = rss_and_fds(self.pids[0])
             self.peak = (max(self.peak[0], rss), max(self.peak[1], hwm), max(self.peak[2], fds))
+            if self.metrics_url and i % 25 == 0:
+                try:
+                    m = scrape(self.metrics_url)
+                    self.metrics.append((time.monotonic_ns(), m))
+                    self.memory_used_peak = max(self.memory_used_peak,
+                                                m.get("hsbn_memory_used_bytes", 0))
+                except OSError:
+                    pass
+            i += 1
             self.stop_event.wait(0.02)
+
+    def metric_delta(self, name, t0_ns, t1_ns):
+        """Growth of a counter between the samples nearest to two times (None without them)."""
+        inside = [(t, m.get(name, 0.0)) for t, m in self.metrics if t0_ns <= t <= t1_ns]
+        if len(inside) < 2:
+            return None
+        return (inside[-1][1] - inside[0][1]), (inside[-1][0] - inside[0][0]) / 1e9
 
     def cpu_at(self, t_ns, i):
         """CPU seconds of pid i at time t_ns, interpolated between samples."""
@@ -155,9 +200,11 @@ def run_config(args, binary, nodes, tree, threads, workdir):
     aggs, gens = [], []
     try:
         root = Aggregator("root", [binary, "--role=root", "--listen=127.0.0.1:0",
-                                   "--event-threads=%d" % threads, "--log-level=warn"], wd)
+                                   "--event-threads=%d" % threads, "--log-level=warn"]
+                          + (["--metrics-listen=127.0.0.1:0"] if args.metrics else []), wd)
         aggs.append(root)
         root_addr = root.address()
+        metrics_url = root.metrics_url() if args.metrics else None
         addresses = [root_addr]
         if k:
             groups = []
@@ -185,7 +232,7 @@ def run_config(args, binary, nodes, tree, threads, workdir):
                 g.wait(30)
                 raise RuntimeError("generator %d did not get ready: %s" % (
                     i, open(os.path.join(wd, "gen%d.err" % i)).read()))
-        sampler = Sampler([a.proc.pid for a in aggs])
+        sampler = Sampler([a.proc.pid for a in aggs], metrics_url)
         sampler.start()
         t0 = time.monotonic_ns() + 200_000_000
         for g in gens:
@@ -236,7 +283,7 @@ def run_config(args, binary, nodes, tree, threads, workdir):
     group_cpu = sum(sampler.cpu_at(w1, i) - sampler.cpu_at(w0, i) for i in range(1, len(aggs)))
     partials = rounds_in * nodes
     rss, hwm, fds = sampler.peak
-    return {
+    out = {
         "nodes": nodes, "tree": tree, "group_nodes": k,
         "event_threads": threads, "generators": args.generators,
         "offered_partials_per_s": args.partials_per_s, "offered_steps_per_s": steps_per_s,
@@ -254,6 +301,15 @@ def run_config(args, binary, nodes, tree, threads, workdir):
         "node_rtt_p99_us": max(o["node_rtt_p99_us"] for o in outs),
         "root_rss_peak_bytes": hwm, "root_fds_peak": fds,
     }
+    if args.metrics:
+        out["root_memory_budget_used_peak_bytes"] = sampler.memory_used_peak
+        for name, key in (("hsbn_received_messages_total", "root_messages_in_per_node_partial"),
+                          ("hsbn_sent_messages_total", "root_messages_out_per_node_partial")):
+            d = sampler.metric_delta(name, w0, w1)
+            rounds_d = sampler.metric_delta("hsbn_rounds_total", w0, w1)
+            if d and rounds_d and rounds_d[0] > 0:
+                out[key] = d[0] / (rounds_d[0] * nodes)
+    return out
 
 
 def markdown(rows):
@@ -295,6 +351,9 @@ def main():
     p.add_argument("--warmup-steps", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeat", type=int, default=1, help="runs of every configuration")
+    p.add_argument("--metrics", action="store_true",
+                   help="also scrape the root's /metrics every 0.5 s: the peak use of its memory "
+                   "budget and messages per node partial (the scrapes cost the root some CPU)")
     p.add_argument("--quick", action="store_true",
                    help="seconds: 16 nodes, both trees, 1 event thread, 2 steps; numbers are noise")
     p.add_argument("--check", action="store_true",
