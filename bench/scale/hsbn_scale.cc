@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -200,7 +201,9 @@ int Main(const Args& args) {
     switch (tag->kind) {
       case Tag::kStart:
         if (!ok) {
-          if (failure.empty()) failure = "node " + std::to_string(n->index) + ": stream did not start";
+          if (failure.empty()) {
+            failure = "node " + std::to_string(n->index) + ": stream did not start";
+          }
           return;
         }
         n->started = true;
@@ -232,6 +235,12 @@ int Main(const Args& args) {
         if (n->in.has_result()) results.push_back(&n->in.result());
         for (const v1::Result& r : n->in.batch().results()) results.push_back(&r);
         for (const v1::Result* r : results) {
+          if (rows.empty()) {  // nothing was sent yet: no result is due
+            if (failure.empty()) {
+              failure = "node " + std::to_string(n->index) + ": early result: " + r->message();
+            }
+            continue;
+          }
           const int layer = cur_round < num_layers ? cur_round : rounds_per_step - 1 - cur_round;
           const v1::Phase phase = cur_round < num_layers ? v1::PHASE_FORWARD : v1::PHASE_BACKWARD;
           if (r->op() != uint32_t(layer) || r->seq() != uint64_t(cur_step) || r->phase() != phase ||
