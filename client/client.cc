@@ -247,6 +247,7 @@ class PendingRound {
   bool decide = false;         // auto scope's decision round
   int64_t channels = 0;
   std::shared_ptr<RoundStream> conn;  // the stream it was sent on (gRPC rounds)
+  uint64_t generation = 0;  // the connection (RoundStream::generation) it started on
   // Shared-memory rounds: the channel and the slot it was posted in (conn is null).
   std::shared_ptr<client_internal::ShmChannel> shm;
   client_internal::ShmRound shm_round;
@@ -294,6 +295,8 @@ class Client::Impl {
   using Clock = std::chrono::steady_clock;
   // How long a round's Start waits for the node's transport before leaving it to its Wait.
   static constexpr std::chrono::milliseconds kDecisionWait{500};
+  // How long a broken stream's final status is waited for before reconnecting.
+  static constexpr std::chrono::milliseconds kFinishWait{1000};
 
   explicit Impl(ClientOptions options) : options_(std::move(options)) {
     grpc::ChannelArguments args;
@@ -400,13 +403,14 @@ class Client::Impl {
     const Key key{op, seq, int(phase)};
     const auto deadline = Clock::now() + RoundTimeout();
     // The round's record, whichever transport carries it.
-    auto make_pending = [&] {
+    auto make_pending = [&](const RoundStream& via) {
       auto pending = std::make_shared<PendingRound>();
       pending->op = op;
       pending->seq = seq;
       pending->phase = phase;
       pending->scope = scope;
       pending->channels = channels;
+      pending->generation = via.generation;
       return pending;
     };
 
@@ -418,6 +422,14 @@ class Client::Impl {
       std::string session;
       {
         absl::MutexLock lock(&mu_);
+        // A sidecar that stopped politely said so: this call fails with its words, and the
+        // next one rejoins (the process that follows it on the address, if any).
+        if (absl::Status stopping = StoppingLocked(); !stopping.ok()) {
+          Debug(absl::StrCat("the sidecar is stopping: ", stopping.message()));
+          conn_.reset();
+          shm_.reset();
+          return stopping;
+        }
         // A sidecar that closed the shared-memory socket is gone (restarted): rejoin, as for a
         // broken stream, which nobody reads while rounds travel through shared memory.
         if (!conn_ || conn_->broken || (shm_ && !shm_->AliveRecently())) {
@@ -438,7 +450,7 @@ class Client::Impl {
           // thread, as tests do), the round is sent at its Wait instead.
           absl::Status s = shm->Await(std::min(deadline, Clock::now() + kDecisionWait));
           if (s.code() == absl::StatusCode::kDeadlineExceeded) {
-            auto pending = make_pending();
+            auto pending = make_pending(*conn);
             pending->shm = std::move(shm);
             pending->deferred_count = count;
             pending->deferred.assign(a, a + channels);
@@ -459,7 +471,7 @@ class Client::Impl {
           if (!r.ok()) return r.status();
           bytes_sent_.fetch_add(wire::PayloadBytes(std::min<int64_t>(channels, shm->max_channels())),
                                 std::memory_order_relaxed);
-          auto pending = make_pending();
+          auto pending = make_pending(*conn);
           pending->shm = std::move(shm);
           pending->shm_round = *r;
           // Late global results come on the stream, which shared-memory rounds never read:
@@ -470,7 +482,7 @@ class Client::Impl {
         }
       }
       build_frame(session);
-      auto pending = make_pending();
+      auto pending = make_pending(*conn);
       pending->decide = decide;
       pending->conn = conn;
       absl::ReleasableMutexLock lk(&rounds_mu_);
@@ -636,7 +648,19 @@ class Client::Impl {
     }
     Record(p.scope, p.phase, s.ok(), !p.counted, blocked);
     p.counted = true;
+    if (wire::ReasonOf(s) == v1::REASON_SHUTTING_DOWN) ForgetStoppedSidecar(p.generation);
     return s;
+  }
+
+  // A round of connection `generation` failed because its sidecar is stopping, which its
+  // caller now knows: while that is still the connection, the next call rejoins instead of
+  // naming the stop again.
+  void ForgetStoppedSidecar(uint64_t generation) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (conn_ != nullptr && conn_->generation == generation) {
+      shm_.reset();
+      conn_.reset();
+    }
   }
 
   // Adds one blocked call to the stats; count_round: also count its round as completed (ok) or
@@ -1433,6 +1457,30 @@ class Client::Impl {
     }
   }
 
+  // Non-OK (reason SHUTTING_DOWN) when the sidecar invalidated its segment, or ended the
+  // stream, because it is stopping.
+  absl::Status StoppingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (shm_ != nullptr) {
+      if (absl::Status s = shm_->Stopping(); !s.ok()) return s;
+    }
+    if (conn_ != nullptr && conn_->broken) {
+      absl::MutexLock lock(&rounds_mu_);
+      // A broken stream's final status is on its way (or here): read it, briefly, so that a
+      // polite stop is named by the sidecar's own status instead of being guessed at.
+      if (!conn_->finished && !conn_->polling) {
+        conn_->polling = true;
+        const std::shared_ptr<RoundStream> conn = conn_;
+        Poll(conn, Clock::now() + kFinishWait, [&] { return conn->finished; });
+        conn->polling = false;
+        HandOff(*conn);
+      }
+      if (!conn_->finished) return absl::OkStatus();
+      absl::Status s = wire::FromGrpc(conn_->final_status);
+      if (wire::ReasonOf(s) == v1::REASON_SHUTTING_DOWN) return s;
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status ConnectLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     // A broken stream is dropped here; rounds still in flight on it keep it alive until their
     // waits have seen them fail (or their results, read before the break).
@@ -1482,6 +1530,8 @@ class Client::Impl {
       // process on the address, as a new connection would.
       const auto code = s.error_code();
       if (code != grpc::StatusCode::UNAVAILABLE && code != grpc::StatusCode::CANCELLED) break;
+      // Said in words: the refusal names the stopping process and what to do.
+      if (wire::ReasonOf(wire::FromGrpc(s)) == v1::REASON_SHUTTING_DOWN) break;
       if (channel_->GetState(false) == GRPC_CHANNEL_READY &&
           !channel_->WaitForStateChange(GRPC_CHANNEL_READY, deadline)) {
         break;

@@ -76,10 +76,17 @@ const std::vector<Var>& Vars() {
       Layout("GROUP_RANK", 0, "the node's index in the job (torchrun sets it)"),
       With(Of("HSBN_JOB_ID", Type::kText, "",
               "the job's id, the same on every worker and unique among the jobs sharing a "
-              "sidecar; unset: torchrun's TORCHELASTIC_RUN_ID (its --rdzv_id) unless \"none\""),
+              "sidecar; unset: torchrun's TORCHELASTIC_RUN_ID (its --rdzv_id) unless \"none\", "
+              "else torchrun-MASTER_ADDR-MASTER_PORT (the rendezvous store's address, which every "
+              "rank of a job shares and no concurrent job can bind)"),
            "TORCHELASTIC_RUN_ID", /*required=*/true),
       Of("TORCHELASTIC_RUN_ID", Type::kText, "",
          "torchrun's run id (--rdzv_id): the job id when HSBN_JOB_ID is unset; \"none\" is no id"),
+      Of("MASTER_ADDR", Type::kText, "",
+         "the job's rendezvous host (torchrun sets it): with MASTER_PORT, the job id when neither "
+         "HSBN_JOB_ID nor a TORCHELASTIC_RUN_ID other than \"none\" is set"),
+      Of("MASTER_PORT", Type::kText, "",
+         "the job's rendezvous port (torchrun sets it); see MASTER_ADDR"),
       Of("HSBN_ADDRESS", Type::kAddress, "unix:/tmp/hsbn.sock",
          "the node's sidecar: unix:PATH, unix-abstract:NAME or HOST:PORT"),
       IntVar("HSBN_ROUND_TIMEOUT_MS", 0, kInt32Max, "0",
@@ -128,8 +135,9 @@ const std::vector<Var>& Vars() {
       PythonOnly(Of("HSBN_LIBRARY", Type::kPath, "",
                     "Python: the libhsbn.so to load (unset: the wheel's, then the build tree's)")),
       PythonOnly(Of("HSBN_AGGREGATOR", Type::kPath, "",
-                    "Python: the hsbn-aggregator binary that LocalCluster and `hsbn "
-                    "hsbn-aggregator` run (unset: the wheel's, then the build tree's)")),
+                    "Python: the hsbn-aggregator binary that LocalCluster, `hsbn run` and the "
+                    "wheel's `hsbn-aggregator` command run (unset: the wheel's, then the build "
+                    "tree's)")),
       PythonOnly(Choice("HSBN_TORCH_CPU_OPS", "torch|kernels", "torch",
                         "Python: the arithmetic of synchronized layers on CPU tensors")),
       PythonOnly(Choice("HSBN_TORCH_CUDA_OPS", "torch|kernels", "torch",
@@ -256,9 +264,15 @@ absl::StatusOr<std::string> Resolve(const Source& source, absl::string_view name
   }
   if (v->required) {
     if (std::strcmp(v->name, "HSBN_JOB_ID") == 0) {
+      // Plain torchrun (no --rdzv_id): its store's host and port are the same on every rank of
+      // the job, and no two live jobs can have bound the same port on the same host.
+      std::optional<std::string> host = source.Get("MASTER_ADDR");
+      std::optional<std::string> port = source.Get("MASTER_PORT");
+      if (host && port) return Check(*v, absl::StrCat("torchrun-", *host, "-", *port));
       return absl::InvalidArgumentError(
-          "HSBN_JOB_ID is not set (nor torchrun's TORCHELASTIC_RUN_ID): give every process of "
-          "the job the same HSBN_JOB_ID, unique among the jobs sharing a sidecar");
+          "HSBN_JOB_ID is not set (nor torchrun's TORCHELASTIC_RUN_ID, nor MASTER_ADDR and "
+          "MASTER_PORT): give every process of the job the same HSBN_JOB_ID, unique among the "
+          "jobs sharing a sidecar (hsbn run sets one)");
     }
     return absl::InvalidArgumentError(absl::StrCat(
         v->name, " is not set. Launch the trainer with torchrun, or set RANK, WORLD_SIZE, "

@@ -161,6 +161,21 @@ bool ShmChannel::Alive() const {
   return alive;
 }
 
+absl::Status ShmChannel::Stopping() const {
+  if (!segment_ || __atomic_load_n(&segment_->header()->dead, __ATOMIC_ACQUIRE) == 0) {
+    return absl::OkStatus();
+  }
+  const shm::Header* h = segment_->header();
+  if (__atomic_load_n(&h->dead_reason, __ATOMIC_ACQUIRE) != v1::REASON_SHUTTING_DOWN) {
+    return absl::OkStatus();
+  }
+  char text[shm::kTextBytes + 1];
+  std::memcpy(text, h->dead_text, shm::kTextBytes);
+  text[shm::kTextBytes] = '\0';
+  return wire::WithReason(absl::UnavailableError(wire::Printable(text, shm::kTextBytes)),
+                          v1::REASON_SHUTTING_DOWN);
+}
+
 bool ShmChannel::AliveRecently() const {
   if (segment_ && __atomic_load_n(&segment_->header()->dead, __ATOMIC_ACQUIRE) != 0) return false;
   if (gone_.load(std::memory_order_acquire)) return false;

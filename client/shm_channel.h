@@ -77,6 +77,10 @@ class ShmChannel {
   // poll() is most of a round's cost. A round posted meanwhile into a dead sidecar's segment
   // fails at its Wait, which checks Alive() before it sleeps.
   bool AliveRecently() const;
+  // Non-OK (UNAVAILABLE, reason SHUTTING_DOWN, the sidecar's own words) once the sidecar
+  // invalidated the segment because it is stopping; OK otherwise, also after other
+  // invalidations (a dropped or replaced job), which the next call rejoins past.
+  absl::Status Stopping() const;
   static constexpr std::chrono::milliseconds kAlivePoll{20};
   // True while the round's contribution is still posted (its caller's own timeout passed: it
   // may be waited for again).

@@ -246,9 +246,11 @@ absl::Status Segment::Blocked(const Key* key, const ReduceOptions& o) const {
     char text[kTextBytes + 1];
     std::memcpy(text, h->dead_text, kTextBytes);
     text[kTextBytes] = '\0';
-    return absl::UnavailableError(absl::StrCat(
-        "the node's sidecar invalidated the shared-memory segment of job '", o.job_id, "' (",
-        wire::Printable(text, kTextBytes), "); rounds in flight failed. The next call rejoins"));
+    return wire::WithReason(
+        absl::UnavailableError(absl::StrCat(
+            "the node's sidecar invalidated the shared-memory segment of job '", o.job_id, "' (",
+            wire::Printable(text, kTextBytes), "); rounds in flight failed. The next call rejoins")),
+        static_cast<v1::Reason>(Load(reinterpret_cast<uint32_t*>(&h->dead_reason))));
   }
   if (const uint32_t code = Load(reinterpret_cast<uint32_t*>(&h->refused_code)); code != 0) {
     char text[kSlotTextBytes + 1];
@@ -558,11 +560,12 @@ void Segment::Revive(int32_t rank) {
   __atomic_fetch_add(&header()->epoch, 1, __ATOMIC_SEQ_CST);
 }
 
-void Segment::Kill(const std::string& why) {
+void Segment::Kill(const std::string& why, int32_t reason) {
   Header* h = header();
   const size_t n = std::min(why.size(), kTextBytes - 1);
   std::memcpy(h->dead_text, why.data(), n);
   h->dead_text[n] = '\0';
+  Store(reinterpret_cast<uint32_t*>(&h->dead_reason), uint32_t(reason));
   Store(&h->dead, 1);
   __atomic_fetch_add(&h->epoch, 1, __ATOMIC_SEQ_CST);
   WakeAll();

@@ -132,6 +132,7 @@ struct Header {
   int32_t refused_code;
   int32_t refused_reason;
   char refused_text[kSlotTextBytes];
+  int32_t dead_reason;  // with dead: a v1::Reason (SHUTTING_DOWN: the sidecar is stopping)
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header too large");
 
@@ -236,7 +237,8 @@ class Segment {
   void Revive(int32_t rank);                   // a rejoined rank: empty ring, not gone
   // Every round of the job fails with `status` from now on (a layout refusal); wakes sleepers.
   void Refuse(const absl::Status& status);
-  void Kill(const std::string& why);           // invalidates the segment; wakes every sleeper
+  // Invalidates the segment for `why` (a v1::Reason in `reason`); wakes every sleeper.
+  void Kill(const std::string& why, int32_t reason = 0);
   // Takes the queue's ready entries (validated; malformed ones are dropped and counted).
   std::vector<QueueEntry> TakeQueue(int* malformed);
   // Writes an answer into every rank's slot that posted `key` (claimed ones: the sidecar's

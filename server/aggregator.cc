@@ -82,6 +82,7 @@ class Outbox final : public MemberSink, public WatchedStream, public StreamWrite
     ctx_->TryCancel();
     return true;
   }
+  void End(const absl::Status& status) override { Terminate(status); }
 
  protected:
   bool StartWriteLocked(const v1::ServerFrame& frame) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -464,13 +465,14 @@ void Aggregator::Shutdown(const std::string& why) {
   }
   if (ticker_.joinable()) ticker_.join();
   // One status for every rank, whichever path its round takes (stream, shared memory, a Join).
-  const absl::Status closing = absl::UnavailableError(absl::StrCat(
+  const absl::Status closing = wire::WithReason(absl::UnavailableError(absl::StrCat(
       options_.role == AggregatorOptions::Role::kNode    ? "sidecar "
       : options_.role == AggregatorOptions::Role::kGroup ? "group aggregator "
                                                          : "aggregator ",
       options_.id,
       " is shutting down (", why, "): the training step in flight is lost on every rank. "
-      "Restart the job from its last checkpoint (torchrun --max-restarts does it)"));
+      "Restart the job from its last checkpoint (torchrun --max-restarts does it)")),
+      v1::REASON_SHUTTING_DOWN);
   // Nothing is admitted any more before rounds fail: a rank whose round fails cannot join this
   // process again, so all ranks of a node meet at the next process on this address.
   std::vector<std::shared_ptr<Job>> jobs = registry_.Close(closing);
@@ -482,6 +484,16 @@ void Aggregator::Shutdown(const std::string& why) {
     actions.aborts.clear();
     Execute(actions, job->id());
   }
+  // Every stream ends with the same status, so a member that was between rounds reads the
+  // reason (and the words) in its stream's final status, not a bare CANCELLED.
+  std::vector<std::shared_ptr<WatchedStream>> streams;
+  {
+    absl::MutexLock lock(&watch_mu_);
+    for (auto& weak : watched_) {
+      if (auto s = weak.lock()) streams.push_back(std::move(s));
+    }
+  }
+  for (auto& s : streams) s->End(closing);
   if (parent_) parent_->Shutdown();
 }
 

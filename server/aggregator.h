@@ -53,6 +53,8 @@ class WatchedStream {
   virtual ~WatchedStream() = default;
   // Ends the stream if a write has waited past the write deadline; true if it did.
   virtual bool CancelIfStalled(Clock::time_point now) = 0;
+  // Ends the stream with `status` once the write in flight (if any) completed.
+  virtual void End(const absl::Status& status) = 0;
 };
 
 struct AggregatorOptions {

@@ -694,9 +694,12 @@ void ParentLink::ConnDone(const grpc::Status& status) {
   if (!stopping) {
     Log(LogLevel::kWarn, absl::StrCat("lost the stream to the ", ParentLong(), " at ", address_, ": ",
                                       status.error_message()));
-    listener_->OnParentLost(absl::UnavailableError(absl::StrCat(
-        self_, " lost its link to the ", ParentLong(), " at ", address_, " (",
-        status.error_message(), "); global rounds in flight failed, later rounds reconnect")));
+    // A parent that stops politely says so in the stream's status: its reason travels on.
+    listener_->OnParentLost(wire::WithReason(
+        absl::UnavailableError(absl::StrCat(
+            self_, " lost its link to the ", ParentLong(), " at ", address_, " (",
+            status.error_message(), "); global rounds in flight failed, later rounds reconnect")),
+        wire::ReasonOf(wire::FromGrpc(status))));
   }
   absl::MutexLock lock(&mu_);
   --live_conns_;

@@ -98,7 +98,7 @@ void ShmTransport::Shutdown(const std::string& why) {
     if (stopped_) return;
     stopped_ = true;
     for (auto& [id, job] : jobs_) {
-      if (job.segment) job.segment->Kill(why);
+      if (job.segment) job.segment->Kill(why, v1::REASON_SHUTTING_DOWN);
     }
   }
   if (wake_fd_ >= 0) {

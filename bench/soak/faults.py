@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Fault injection under load: while jobs run rounds (node, global and shadow, forward and
-backward, every result checked by hsbn-soak-worker), kill (-9), stop (SIGSTOP/SIGCONT) and
-restart workers, sidecars and the root, and cut, stall or delay a sidecar's link to the root
-through its hsbn-linkproxy. Asserts, per fault:
+backward, every result checked by hsbn-soak-worker), kill (-9), stop (SIGSTOP/SIGCONT),
+terminate (SIGTERM) and restart workers, sidecars and the root, and cut, stall or delay a
+sidecar's link to the root through its hsbn-linkproxy. Asserts, per fault:
 
   - no wrong result is ever returned (a worker checks every result against the direct
     computation; a result from a round of an earlier incarnation of the job is wrong too);
@@ -51,10 +51,12 @@ GOOD_CODES = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "NOT_FOUND", "ALREA
 # incarnation's rounds, still held by an aggregator: named, and counted apart (docs/RELIABILITY.md).
 STALE = "already completed with a different contribution"
 
-FAULTS = ["worker-kill", "worker-stop", "sidecar-kill", "sidecar-stop", "root-kill",
-          "root-stop", "link-drop", "link-stall", "link-delay"]
-# With --group-tier: a group aggregator killed (and restarted) or stopped.
-TIER_FAULTS = ["group-kill", "group-stop"]
+# -kill: SIGKILL, then a restart; -stop: SIGSTOP, then SIGCONT; -term: a polite stop (SIGTERM,
+# as a pod roll or `systemctl restart` sends), then a restart.
+FAULTS = ["worker-kill", "worker-stop", "sidecar-kill", "sidecar-stop", "sidecar-term",
+          "root-kill", "root-stop", "root-term", "link-drop", "link-stall", "link-delay"]
+# With --group-tier: a group aggregator killed (and restarted), stopped or terminated.
+TIER_FAULTS = ["group-kill", "group-stop", "group-term"]
 
 
 class Job:
@@ -206,8 +208,8 @@ def inject(run, cluster, fault, rng, hold):
         agg = (cluster.root if name == "root" else
                cluster.groups[group] if fault.startswith("group") else cluster.sidecars[node])
         what = "%s (pid %d)" % (name, agg.proc.pid)
-        if fault.endswith("kill"):
-            agg.proc.send_signal(signal.SIGKILL)
+        if fault.endswith(("kill", "term")):
+            agg.proc.send_signal(signal.SIGKILL if fault.endswith("kill") else signal.SIGTERM)
             agg.proc.wait()
             run.pump(seconds=hold)
             if name == "root":

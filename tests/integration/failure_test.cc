@@ -517,11 +517,51 @@ TEST(Failures, RestartedSidecarFailsRoundsInFlightAndClientsReconnect) {
   std::vector<double> a(4), b(4);
   absl::Status s = job[0]->Wait(**pending, nullptr, a.data(), b.data());
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_EQ(wire::ReasonOf(s), v1::REASON_SHUTTING_DOWN) << s;
+  ASSERT_TRUE(c->RestartSidecar(0).ok());
+  // Rank 1 was between rounds: its next call names the stop (once), as rank 0's round did.
+  int64_t n = 0;
+  s = job[1]->Forward(0, 1, Scope::kNode, 4, 2, in.a.data(), in.b.data(), &n, a.data(),
+                      b.data());
+  EXPECT_EQ(wire::ReasonOf(s), v1::REASON_SHUTTING_DOWN) << s;
+  std::vector<std::vector<double>> means;
+  auto again = Round(job, 0, 2, {Good(1.0), Good(5.0)}, &means);
+  EXPECT_TRUE(again[0].ok()) << again[0];
+  EXPECT_TRUE(again[1].ok()) << again[1];
+  ASSERT_EQ(means[1].size(), 4u);
+  EXPECT_EQ(means[1][0], 3.0);
+}
+
+// A polite stop (SIGTERM) while the ranks compute between rounds, the usual moment: each rank's
+// next call fails at once with the sidecar's own words and reason SHUTTING_DOWN (through the
+// segment it invalidated, or the refused Join on the stream transport), never with a bare
+// CANCELLED after the connect timeout; once a new process is there, the call after rejoins.
+TEST(Failures, SidecarStoppedBetweenRoundsIsNamedOnEveryRank) {
+  auto c = StartCluster(1, 2);
+  ASSERT_TRUE(c);
+  auto job = ConnectAll(*c, "stop-between");
+  ASSERT_TRUE(job[0] && job[1]);
+  auto ok = Round(job, 0, 0, {Good(1.0), Good(3.0)});
+  ASSERT_TRUE(ok[0].ok() && ok[1].ok()) << ok[0] << " " << ok[1];
+  EXPECT_EQ(c->sidecar(0)->Stop(), 0);  // returns once the process exited
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    Contribution in = Good(1.0);
+    std::vector<double> a(4), b(4);
+    int64_t n = 0;
+    absl::Status s = job[size_t(r)]->Forward(0, 1, Scope::kNode, 4, 2, in.a.data(), in.b.data(),
+                                             &n, a.data(), b.data());
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_EQ(wire::ReasonOf(s), v1::REASON_SHUTTING_DOWN) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "sidecar node0 is shutting down (SIGTERM)")) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "Restart the job from its last checkpoint")) << s;
+  }
   ASSERT_TRUE(c->RestartSidecar(0).ok());
   std::vector<std::vector<double>> means;
   auto again = Round(job, 0, 2, {Good(1.0), Good(5.0)}, &means);
   EXPECT_TRUE(again[0].ok()) << again[0];
   EXPECT_TRUE(again[1].ok()) << again[1];
+  ASSERT_EQ(means[1].size(), 4u);
   EXPECT_EQ(means[1][0], 3.0);
 }
 
@@ -933,7 +973,8 @@ TEST(CApi, ForwardRoundAndErrors) {
 
 TEST(ClientOptions, FromEnvNamesWhatIsWrong) {
   for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                        "HSBN_JOB_ID", "TORCHELASTIC_RUN_ID", "HSBN_ADDRESS"}) {
+                        "HSBN_JOB_ID", "TORCHELASTIC_RUN_ID", "HSBN_ADDRESS", "MASTER_ADDR",
+                        "MASTER_PORT"}) {
     unsetenv(v);
   }
   auto o = ClientOptions::FromEnv();
@@ -949,6 +990,14 @@ TEST(ClientOptions, FromEnvNamesWhatIsWrong) {
   setenv("TORCHELASTIC_RUN_ID", "none", 1);  // torchrun without --rdzv_id: not a job id
   o = ClientOptions::FromEnv();
   EXPECT_NE(o.status().message().find("HSBN_JOB_ID"), std::string::npos) << o.status();
+  // Plain torchrun: the rendezvous store's address names the job.
+  setenv("MASTER_ADDR", "10.1.2.3", 1);
+  setenv("MASTER_PORT", "29500", 1);
+  o = ClientOptions::FromEnv();
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->job_id, "torchrun-10.1.2.3-29500");
+  unsetenv("MASTER_ADDR");
+  unsetenv("MASTER_PORT");
   unsetenv("TORCHELASTIC_RUN_ID");
   setenv("HSBN_JOB_ID", "j", 1);
   o = ClientOptions::FromEnv();

@@ -96,6 +96,12 @@ def test_fallbacks_and_defaults(tmp_path):
     assert hsbn.env.get("HSBN_JOB_ID", {"TORCHELASTIC_RUN_ID": "r1"}) == "r1"
     with pytest.raises(hsbn.ConfigurationError, match="HSBN_JOB_ID is not set"):
         hsbn.env.get("HSBN_JOB_ID", {"TORCHELASTIC_RUN_ID": "none"})
+    # plain torchrun (no --rdzv_id): the rendezvous store's address, shared by the job's ranks
+    plain = {"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "node7", "MASTER_PORT": "29500"}
+    assert hsbn.env.get("HSBN_JOB_ID", plain) == "torchrun-node7-29500"
+    assert hsbn.env.get("HSBN_JOB_ID", dict(plain, TORCHELASTIC_RUN_ID="r2")) == "r2"
+    with pytest.raises(hsbn.ConfigurationError, match="HSBN_JOB_ID is not set"):
+        hsbn.env.get("HSBN_JOB_ID", {"MASTER_ADDR": "node7"})
     token = tmp_path / "token"
     token.write_text(" abc \n")
     assert hsbn.env.get("HSBN_TOKEN", {"HSBN_TOKEN_FILE": str(token)}) == "abc"

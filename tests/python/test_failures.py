@@ -91,3 +91,59 @@ def test_a_round_after_a_peer_died_fails_at_once_naming_it(pool):
         assert value["is_hsbn"] and "rank 3" in value["message"], (rank, value)
         assert value["seconds"] < 10.0, "rank %d waited %.1f s: %s" % (
             rank, value["seconds"], value["message"])
+
+
+def test_a_sidecar_stopped_between_rounds_is_named_on_every_rank(transport_env):
+    # The usual moment of a pod roll or `systemctl restart`: the ranks compute between rounds.
+    # Each rank's next call raises UnavailableError with the sidecar's own words and reason
+    # SHUTTING_DOWN at once: with a 60 s connect timeout, a call that waited for a new process
+    # instead would end with another message (and a minute later).
+    import threading
+
+    import numpy as np
+
+    import hsbn
+
+    with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=2, root=False) as c:
+        clients = [hsbn.Client.from_env(dict(c.worker_env(r), HSBN_CONNECT_TIMEOUT_MS="60000"))
+                   for r in range(2)]
+        try:
+            def rounds(seq):
+                out = [None, None]
+
+                def one(r):
+                    try:
+                        out[r] = clients[r].forward(1, seq, "node", 4, np.full(2, r + 1.0),
+                                                    np.ones(2))
+                    except hsbn.HsbnError as e:
+                        out[r] = e
+                threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                return out
+
+            first = rounds(0)
+            assert all(not isinstance(o, Exception) for o in first), first
+            assert first[0][1][0] == 1.5  # the node's mean
+            assert clients[0].stats().transport == transport_env
+            assert c.stop_sidecar(0) == 0
+            took = []
+            for r in range(2):
+                t0 = time.monotonic()
+                with pytest.raises(hsbn.UnavailableError) as info:
+                    clients[r].forward(1, 1, "node", 4, np.ones(2), np.ones(2))
+                took.append(time.monotonic() - t0)
+                assert info.value.reason == "SHUTTING_DOWN", info.value
+                assert "sidecar node0 is shutting down (SIGTERM)" in str(info.value)
+                assert "Restart the job from its last checkpoint" in str(info.value)
+            print("between-rounds stop named after %s s" % ["%.3f" % t for t in took])
+            # A new process on the address: the call after the failure rejoins it.
+            c.restart_sidecar(0)
+            again = rounds(2)
+            assert all(not isinstance(o, Exception) for o in again), again
+            assert again[1][1][0] == 1.5
+        finally:
+            for client in clients:
+                client.close()

@@ -37,6 +37,7 @@ def test_a_join_with_another_layout_says_layout(cluster):
 
 def test_the_library_names_every_reason():
     lib = hsbn._lib.lib()
-    names = [lib.hsbn_reason_string(i).decode() for i in range(18)]
+    names = [lib.hsbn_reason_string(i).decode() for i in range(19)]
     assert names[0] == "UNSPECIFIED" and names[3] == "MEMBER_ABORTED"
-    assert names[17] == "CLIENT_ABORTED" and lib.hsbn_reason_string(999) == b"UNSPECIFIED"
+    assert names[17] == "CLIENT_ABORTED" and names[18] == "SHUTTING_DOWN"
+    assert lib.hsbn_reason_string(999) == b"UNSPECIFIED"

@@ -67,7 +67,9 @@ typedef enum hsbn_reason {
   HSBN_REASON_JOB_ID = 14,              /* an empty, too long or unprintable job id */
   HSBN_REASON_QUEUE_BYTES = 15,         /* the stream's reader fell --max-queued-bytes behind */
   HSBN_REASON_MEMORY_BUDGET = 16,       /* the aggregator's memory budget is exhausted */
-  HSBN_REASON_CLIENT_ABORTED = 17       /* this client was aborted (hsbn_client_abort) */
+  HSBN_REASON_CLIENT_ABORTED = 17,      /* this client was aborted (hsbn_client_abort) */
+  HSBN_REASON_SHUTTING_DOWN = 18        /* the sidecar, group aggregator or root is stopping
+                                           (SIGTERM, SIGINT): restart the job */
 } hsbn_reason;
 
 typedef enum hsbn_scope {

@@ -490,6 +490,13 @@ class LocalCluster:
                  + self.group_proxies)
         return {p.name: p.proc.pid for p in procs if p.proc is not None and p.proc.poll() is None}
 
+    def stop_sidecar(self, node):
+        """Stops node `node`'s sidecar politely (SIGTERM) and returns once it exited (its exit
+        status); restart_sidecar starts it again."""
+        agg = self.sidecars[node]
+        agg.stop()
+        return agg.proc.returncode
+
     def restart_sidecar(self, node):
         """Stops node `node`'s sidecar (SIGTERM; nothing if it already died) and starts it
         again on the same socket."""
