@@ -23,8 +23,14 @@ if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""
   if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
   export DEBIAN_FRONTEND=noninteractive
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # Another apt (unattended-upgrades on a fresh cloud machine) may hold the dpkg lock: wait for
+  # it, up to 10 minutes, instead of failing at once.
+  lock=(-o DPkg::Lock::Timeout=600)
+  if command -v fuser >/dev/null && fuser /var/lib/dpkg/lock-frontend >/dev/null 2>&1; then
+    echo "setup: another apt or dpkg is running; waiting for its lock (up to 10 minutes)"
+  fi
+  $SUDO apt-get "${lock[@]}" update -qq
+  $SUDO apt-get "${lock[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 # nvcc is optional; Debian machines with the CUDA toolkit often have it outside PATH.

@@ -29,6 +29,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "aggregator.h"
+#include "grpc/support/log.h"
 #include "grpcpp/grpcpp.h"
 #include "log.h"
 #include "wire.h"
@@ -555,6 +556,14 @@ int main(int argc, char** argv) {
   }
   hsbn::server::SetLogLevel(level);
   hsbn::server::SetLogName(options.id);
+  // gRPC's own lines (a failed bind prints ~600 characters before our error that names the
+  // fix) go through our log at debug level, unless the user asked gRPC for them directly.
+  if (std::getenv("GRPC_VERBOSITY") == nullptr && std::getenv("GRPC_TRACE") == nullptr) {
+    gpr_set_log_function([](gpr_log_func_args* a) {
+      hsbn::server::Log(LogLevel::kDebug, absl::StrCat("grpc: ", a->message, " (", a->file, ":",
+                                                       a->line, ")"));
+    });
+  }
   hsbn::server::SetLogRateLimit(settings.log_lines_per_second);
 
   options.socket_mode = socket_mode;

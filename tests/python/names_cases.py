@@ -19,7 +19,8 @@ def build_net(variant="same", rank=0):
       renamed: rank 1 calls the second layer block_norm;
       wider:   rank 2's block_bn has 6 channels;
       extra:   rank 3 has a fourth layer, tail_bn;
-      scoped:  rank 0 synchronizes head_bn per node (see scopes_for)."""
+      scoped:  rank 0 synchronizes head_bn per node (see scopes_for);
+      nodeonly: rank 0 synchronizes every layer per node (see scopes_for)."""
     wide = 6 if variant == "wider" and rank == 2 else 4
     block = "block_norm" if variant == "renamed" and rank == 1 else "block_bn"
     layers = [("conv1", torch.nn.Conv2d(3, 4, 1)), ("stem_bn", torch.nn.BatchNorm2d(4)),
@@ -32,6 +33,8 @@ def build_net(variant="same", rank=0):
 
 
 def scopes_for(variant, rank):
+    if variant == "nodeonly" and rank == 0:
+        return {"stem_bn": "node", "block_bn": "node", "head_bn": "node"}
     return {"head_bn": "node"} if variant == "scoped" and rank == 0 else None
 
 
@@ -49,6 +52,9 @@ def mismatch_forward(variant, name):
     except hsbn.torch.LayerMismatchError as e:
         return {"raised": type(e).__name__, "message": str(e), "position": e.position,
                 "layers": e.layers, "model": e.model, "t0": t0, "t1": time.monotonic()}
+    except hsbn.HsbnError as e:
+        return {"raised": type(e).__name__, "message": str(e), "reason": e.reason, "t0": t0,
+                "t1": time.monotonic()}
     return {"raised": None, "t0": t0, "t1": time.monotonic()}
 
 

@@ -43,3 +43,11 @@ def test_a_reader_that_went_away_ends_hsbn_without_a_traceback():
             os.close(w)
         assert p.returncode == 141, (args, p.stderr)
         assert p.stderr == "", (args, p.stderr)
+
+
+def test_version_names_the_commit_of_the_binaries():
+    p = hsbn("--version", capture_output=True)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("hsbn "), p.stdout
+    assert lines[1].startswith("hsbn-aggregator ") and "(commit " in lines[1], p.stdout

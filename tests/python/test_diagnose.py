@@ -54,6 +54,9 @@ def test_skewed_nodes_and_a_small_batch_say_yes_and_global(pool, tmp_path):
     assert first["cost_ms_per_step"]["global"] == pytest.approx(2 * r["round_ms"]["global"])
     assert r["smells"] == []
     assert "VERDICT: YES" in r["text"] and "'1', trained in node scope" in r["text"]
+    # The batch column shows what the layer normalizes with as trained: its node's 16 values.
+    row = next(line for line in r["text"].splitlines() if line.startswith("1 "))
+    assert row.split()[1:3] == ["node", "16"], row
     # The saved report renders without the job: text, JSON and a picture.
     path = tmp_path / "report.json"
     path.write_text(json.dumps({k: v for k, v in r.items()

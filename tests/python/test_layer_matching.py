@@ -70,6 +70,23 @@ def test_an_architecture_mismatch_fails_on_every_rank_at_once_naming_the_layers(
     assert latency < ROUND_TIMEOUT_MS / 1000.0 / 3
 
 
+def test_ranks_that_disagree_on_the_check_itself_are_told_in_words_which_layers(pool):
+    # Rank 0 converted every layer with node scope, the others with global: the check's own
+    # round has ranks of one node in node and global scope, which the aggregator refuses.
+    results = pool.call(names_cases.mismatch_forward, [("nodeonly", "check-scope")] * 4,
+                        timeout=120)
+    for rank, r in enumerate(results):
+        assert r["raised"] == "InvalidArgumentError" and r["reason"] == "INVALID_CONTRIBUTION", r
+        msg = r["message"]
+        assert msg.startswith("hsbn: the layer check of model 'check-scope' failed. The ranks "
+                              "disagree on the check itself"), msg
+        assert "seq" not in msg and "op " not in msg, msg  # no internal round numbers
+        here = ("this rank has only node-scope layers" if rank == 0 else
+                "this rank's layers with a scope wider than node: 'stem_bn', 'block_bn', "
+                "'head_bn'")
+        assert here in msg, (rank, msg)
+
+
 def test_the_same_model_on_every_rank_passes_the_check_and_trains(pool):
     results = pool.call(names_cases.mismatch_forward, [("same", "matching")] * 4, timeout=120)
     assert all(r["raised"] is None for r in results), results
@@ -197,5 +214,7 @@ def test_a_first_step_error_that_is_not_about_layers_carries_no_layer_hint(tmp_p
         finally:
             client.close()
     assert info.value.code == hsbn.errors.FAILED_PRECONDITION, info.value
+    assert isinstance(info.value, hsbn.FailedPreconditionError), type(info.value)
+    assert not isinstance(info.value, hsbn.InvalidArgumentError), type(info.value)
     assert "--upstream" in str(info.value)
     assert "did not run model" not in str(info.value), str(info.value)

@@ -13,7 +13,8 @@ import importlib
 from .client import (Client, ClientStats, RoundStats, default_client, set_default_client,
                      SCOPES)
 from .errors import (HsbnError, ConfigurationError, UnavailableError, DeadlineExceededError,
-                     RoundFailedError, InvalidArgumentError, ResourceExhaustedError)
+                     RoundFailedError, InvalidArgumentError, FailedPreconditionError,
+                     ResourceExhaustedError)
 from ._lib import NativeNotFoundError, library_path, aggregator_path
 
 __version__ = "0.1.0"
@@ -21,7 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Client", "ClientStats", "RoundStats", "default_client", "set_default_client", "SCOPES",
     "HsbnError", "ConfigurationError", "UnavailableError", "DeadlineExceededError", "RoundFailedError",
-    "InvalidArgumentError", "ResourceExhaustedError", "NativeNotFoundError", "library_path",
+    "InvalidArgumentError", "FailedPreconditionError", "ResourceExhaustedError", "NativeNotFoundError", "library_path",
     "aggregator_path", "include_dir", "torch", "cluster",
 ]
 

@@ -12,6 +12,7 @@ import argparse
 import ctypes
 import json
 import os
+import subprocess
 import sys
 
 from . import _lib
@@ -146,7 +147,8 @@ def status_main(argv):
     p.add_argument("--token", help="the job's token (prefer --token-file: a command line is "
                                    "visible to other users)")
     p.add_argument("--token-file", help="file holding the job's token")
-    p.add_argument("--timeout-ms", type=int, default=5000)
+    p.add_argument("--timeout-ms", type=int, default=5000,
+                   help="how long to wait for the aggregator's answer, in ms (default 5000)")
     p.add_argument("--tls-ca", help="PEM CA of a root with --tls-cert (TCP addresses)")
     p.add_argument("--tls-cert", help="PEM client certificate for a root with --tls-client-ca")
     p.add_argument("--tls-key", help="PEM key of --tls-cert")
@@ -217,6 +219,20 @@ _USAGE = ("usage: hsbn [info]               the native parts in use (as python -
           "       hsbn --version")
 
 
+def _version():
+    """The package's version, and the commit its aggregator binary was built from (the wheel
+    ships the aggregator and the library from one build)."""
+    from . import __version__, _lib
+    print("hsbn %s" % __version__)
+    try:
+        out = subprocess.run([_lib.aggregator_path(), "--version"], capture_output=True,
+                             text=True, timeout=30, check=False).stdout.strip()
+    except (_lib.NativeNotFoundError, OSError, subprocess.TimeoutExpired) as e:
+        out = "hsbn-aggregator: not found (%s)" % e
+    print(out or "hsbn-aggregator: --version printed nothing")
+    return 0
+
+
 def main(argv=None):
     """`hsbn [info | status ... | env ...]`. A reader that goes away (`hsbn | head -1`) ends it
     quietly, with status 141 as a process that SIGPIPE ended, not with a BrokenPipeError
@@ -245,9 +261,7 @@ def _main(argv):
         from . import __main__ as info
         return info.main()
     if argv == ["--version"]:
-        from . import __version__
-        print("hsbn %s" % __version__)
-        return 0
+        return _version()
     if argv in (["-h"], ["--help"]):
         print(_USAGE)
         return 0

@@ -98,8 +98,12 @@ class DoctorReport:
         head += " %-13s %-9s %s" % ("running sprd", "explains", "use (ms/step)")
         lines.append(head)
         for e in d["layers"]:
+            # What the layer normalizes with as trained: its scope's count where the doctor
+            # measured that level (node, group, global), else the rank's own batch.
+            trained = e["counts"].get(e["training_scope"])
             row = "%-28s %-8s %-7s" % (_cut(e["name"], 28), e["training_scope"],
-                                       _fmt_count(e["counts"].get("local_mean")))
+                                       _fmt_count(e["counts"].get("local_mean")
+                                                  if trained is None else trained))
             for lv in levels[:-1]:
                 dv = e["divergence"].get(lv)
                 row += " %-15s" % ("—" if dv is None else "%.3f/%.3f" % (dv["mean_shift"],
@@ -112,8 +116,9 @@ class DoctorReport:
                                    "" if cost is None else " (%.2f)" % cost)
             lines.append(row)
         lines.append("")
-        lines.append("batch: values per channel a rank normalizes with (samples x positions), "
-                     "mean over ranks and batches; shift/logvar: the level's distance from the "
+        lines.append("batch: values per channel a layer normalizes with as trained (samples x "
+                     "positions: its rank's own for local, its node's for node, ...), mean over "
+                     "ranks and batches; shift/logvar: the level's distance from the "
                      "job's statistics; running sprd: spread of the running mean (in running "
                      "std) and of log running var across ranks.")
         rt = d["round_ms"]

@@ -67,6 +67,12 @@ class InvalidArgumentError(HsbnError, ValueError):
     """The aggregator rejected a contribution or a join as malformed or inconsistent."""
 
 
+class FailedPreconditionError(HsbnError):
+    """The deployment cannot serve the call as set up (FAILED_PRECONDITION): e.g. a global round
+    at a sidecar without a root (--upstream), a Status that needs tokens. The message names
+    what to change; retrying the same call does not help."""
+
+
 class ResourceExhaustedError(HsbnError):
     """An aggregator limit (channels, open rounds, jobs, message size) was reached."""
 
@@ -77,7 +83,7 @@ _BY_CODE = {
     ABORTED: RoundFailedError,
     CANCELLED: RoundFailedError,
     INVALID_ARGUMENT: InvalidArgumentError,
-    FAILED_PRECONDITION: InvalidArgumentError,
+    FAILED_PRECONDITION: FailedPreconditionError,
     OUT_OF_RANGE: InvalidArgumentError,
     RESOURCE_EXHAUSTED: ResourceExhaustedError,
 }

@@ -119,17 +119,27 @@ class _LayerCheck:
         except ConfigurationError:
             raise
         except HsbnError as e:
-            hint = ""
             # By code and reason, never by text: only errors about the check's rounds.
             if e.code == INVALID_ARGUMENT and e.reason == "INVALID_CONTRIBUTION":
-                hint = (" The ranks disagree on the check itself: some have global or shadow "
-                        "layers in model %r where others have only node layers (its scope here "
-                        "is %s)." % (self.model, self.scope))
+                # The aggregator's words name the check's internal round, which says nothing
+                # to a user: say what differs, and which layers make the difference here.
+                wide = [name for name, _, scope, _ in self.entries if scope != "node"]
+                here = ("this rank's layers with a scope wider than node: %s%s"
+                        % (", ".join(repr(n) for n in wide[:5]),
+                           " and %d more" % (len(wide) - 5) if len(wide) > 5 else "")
+                        if wide else "this rank has only node-scope layers")
+                msg = ("hsbn: the layer check of model %r failed. The ranks disagree on the "
+                       "check itself: some have layers of a scope wider than node (global, "
+                       "group, shadow, auto, renorm) in this model where others have only node "
+                       "layers (%s). Convert the model with the same scopes on every rank."
+                       % (self.model, here))
             elif e.code == DEADLINE_EXCEEDED and e.reason == "TIMED_OUT":  # ranks it names
-                hint = (" The ranks named did not run model %r in training mode: every rank "
-                        "must convert and run the same models, under the same name=."
-                        % self.model)
-            err = type(e)(str(e) + hint, e.code)
+                msg = ("%s. The ranks named did not run model %r in training mode: every rank "
+                       "must convert and run the same models, under the same name=."
+                       % (str(e).rstrip(". "), self.model))
+            else:
+                raise
+            err = type(e)(msg, e.code)
             err.reason = e.reason
             raise err from None
 
