@@ -1441,9 +1441,13 @@ class Client::Impl {
   // conn's stream is finished: every round still in flight on it fails. rounds_mu_ held.
   void FailRounds(RoundStream& conn) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
     const std::string why = conn.final_status.error_message();
-    const absl::Status lost = absl::UnavailableError(absl::StrCat(
-        "the stream to the hsbn sidecar at ", options_.address, " broke (",
-        why.empty() ? "closed" : why, "); rounds in flight were lost. The next call reconnects"));
+    // The sidecar's reason (a polite stop says SHUTTING_DOWN) travels with the failure.
+    const absl::Status lost = wire::WithReason(
+        absl::UnavailableError(absl::StrCat(
+            "the stream to the hsbn sidecar at ", options_.address, " broke (",
+            why.empty() ? "closed" : why, "); rounds in flight were lost. The next call "
+            "reconnects")),
+        wire::ReasonOf(wire::FromGrpc(conn.final_status)));
     for (auto it = pending_.begin(); it != pending_.end();) {
       PendingRound& p = *it->second;
       if (p.conn.get() != &conn) {

@@ -17,6 +17,7 @@
 #include "hsbn/hsbn.h"
 #include "local_cluster.h"
 #include "test_cluster.h"
+#include "wire.h"
 
 namespace hsbn {
 namespace {
@@ -328,8 +329,9 @@ TEST(ClientConcurrency, WaitTimesOutWhileAnotherThreadReads) {
 }
 
 // The sidecar restarts while two threads of rank 0 wait (one reading, one sleeping): both get
-// UNAVAILABLE, long before the round timeout, and later rounds of both members succeed on new
-// streams (joined again).
+// UNAVAILABLE (reason SHUTTING_DOWN), long before the round timeout; rank 1, between rounds,
+// is told at its next call; later rounds of both members succeed on new streams (joined
+// again).
 TEST(ClientConcurrency, StreamBreaksWhileTwoThreadsWaitBothFailAndLaterRoundsSucceed) {
   auto c = StartCluster(2);
   ASSERT_TRUE(c);
@@ -349,8 +351,34 @@ TEST(ClientConcurrency, StreamBreaksWhileTwoThreadsWaitBothFailAndLaterRoundsSuc
   w1.thread.join();
   EXPECT_EQ(w0.status.code(), absl::StatusCode::kUnavailable) << w0.status;
   EXPECT_EQ(w1.status.code(), absl::StatusCode::kUnavailable) << w1.status;
+  // Named as a stop (once: the next call rejoins).
+  EXPECT_EQ(wire::ReasonOf(w0.status), v1::REASON_SHUTTING_DOWN) << w0.status;
+  EXPECT_EQ(wire::ReasonOf(w1.status), v1::REASON_SHUTTING_DOWN) << w1.status;
   EXPECT_LT(w0.returned - restarted, milliseconds(10000));
   EXPECT_LT(w1.returned - restarted, milliseconds(10000));
+  // Rank 1 was between rounds: on the stream its next call names the stop, once. On shared
+  // memory it never mapped the segment (it ran no round), so nothing tells it of the stop and
+  // it joins the new process at once; either way its round then completes.
+  {
+    Input in = MakeInput(1, 9, 0);
+    auto q = r1->Start(Phase::kForward, 9, 0, Scope::kNode, kChannels, 2, in.mean.data(),
+                       in.m2.data());
+    if (!q.ok()) {
+      EXPECT_EQ(wire::ReasonOf(q.status()), v1::REASON_SHUTTING_DOWN) << q.status();
+      q = r1->Start(Phase::kForward, 9, 0, Scope::kNode, kChannels, 2, in.mean.data(),
+                    in.m2.data());
+    }
+    ASSERT_TRUE(q.ok()) << q.status();
+    auto p = StartRound(*r0, 0, 9, 0);
+    ASSERT_TRUE(p);
+    double mean[kChannels], m2[kChannels];
+    int64_t n = 0;
+    // Rank 1's first: a round started before its node's transport was decided is sent at its
+    // Wait.
+    ASSERT_TRUE(r1->Wait(**q, &n, mean, m2).ok());
+    ASSERT_TRUE(r0->Wait(*p, &n, mean, m2).ok());
+    EXPECT_EQ(CheckMerged(9, 0, n, mean), "");
+  }
   for (uint64_t seq = 1; seq <= 3; ++seq) {
     SCOPED_TRACE(seq);
     auto a = StartRound(*r0, 0, 9, seq);

@@ -132,8 +132,10 @@ def test_console_scripts_run_an_aggregator_a_round_and_status_from_the_venv_alon
         info = W.run([os.path.join(venv["bin"], "hsbn")], env, work).stdout
         assert "libhsbn.so       %s" % os.path.join(venv["native"], "libhsbn.so") in info
         assert "hsbn-aggregator  %s" % os.path.join(venv["native"], "hsbn-aggregator") in info
-        assert W.run([os.path.join(venv["bin"], "hsbn"), "--version"], env, work).stdout \
-            == "hsbn 0.1.0\n"
+        version = W.run([os.path.join(venv["bin"], "hsbn"), "--version"], env, work).stdout
+        # The package's version, and the commit of the aggregator the wheel ships.
+        assert re.fullmatch(r"hsbn 0\.1\.0\nhsbn-aggregator 0\.1\.0 \(commit \S+\)\n",
+                            version), version
     finally:
         W.stop(agg)
     assert agg.returncode == 0
