@@ -5,6 +5,7 @@
                             read with its Status RPC without joining any job
   hsbn env [--markdown]     the environment variables hsbn reads and their values here
   hsbn doctor REPORT.json   render a report hsbn.torch.diagnose saved (text, --json, --plot)
+  hsbn run [...] train.py   torchrun, with the job's sidecar (and root) started around it
   hsbn-aggregator ARGS...   the hsbn-aggregator binary this package carries (or HSBN_AGGREGATOR)
 """
 
@@ -214,6 +215,7 @@ _USAGE = ("usage: hsbn [info]               the native parts in use (as python -
           "       hsbn status [--help] ...  an aggregator's status, without joining a job\n"
           "       hsbn env [--markdown]     the environment variables hsbn reads\n"
           "       hsbn doctor REPORT.json   render a saved hsbn.torch.diagnose report\n"
+          "       hsbn run [--help] ...     torchrun, with the job's sidecar and root around it\n"
           "       hsbn --version")
 
 
@@ -238,6 +240,9 @@ def _main(argv):
         return status_main(argv[1:])
     if argv and argv[0] == "env":
         return env_main(argv[1:])
+    if argv and argv[0] == "run":
+        from .launch import main as run_main   # torchrun with the aggregators it needs
+        return run_main(argv[1:])
     if argv and argv[0] == "doctor":
         from .doctor import main as doctor_main   # renders hsbn.torch.diagnose's saved report
         return doctor_main(argv[1:])
