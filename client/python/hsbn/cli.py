@@ -7,6 +7,7 @@
   hsbn doctor REPORT.json   render a report hsbn.torch.diagnose saved (text, --json, --plot)
   hsbn run [...] train.py   torchrun, with the job's sidecar (and root) started around it
   hsbn-aggregator ARGS...   the hsbn-aggregator binary this package carries (or HSBN_AGGREGATOR)
+  hsbn-linkproxy ARGS...    the hsbn-linkproxy binary (a simulated link; or HSBN_LINKPROXY)
 """
 
 import argparse
@@ -266,14 +267,25 @@ def _main(argv):
     return 2
 
 
-def aggregator_main():
-    """`hsbn-aggregator ARGS...`: runs the aggregator binary in this process's place."""
+def _exec_native(name, locate):
+    """Runs the native binary `locate()` finds in this process's place (exit 127 when none)."""
     try:
-        path = _lib.aggregator_path()
+        path = locate()
     except _lib.NativeNotFoundError as e:
-        print("hsbn-aggregator: %s" % e, file=sys.stderr)
+        print("%s: %s" % (name, e), file=sys.stderr)
         return 127
     os.execv(path, [path] + sys.argv[1:])
+
+
+def aggregator_main():
+    """`hsbn-aggregator ARGS...`: runs the aggregator binary in this process's place."""
+    return _exec_native("hsbn-aggregator", _lib.aggregator_path)
+
+
+def linkproxy_main():
+    """`hsbn-linkproxy ARGS...`: runs the link proxy binary (tools/linkproxy) in this process's
+    place."""
+    return _exec_native("hsbn-linkproxy", _lib.linkproxy_path)
 
 
 if __name__ == "__main__":
