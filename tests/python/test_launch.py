@@ -20,6 +20,7 @@ from torch.distributed.run import get_args_parser
 
 import hsbn.cluster
 from hsbn import launch
+from hsbn._procs import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "quickstart",
@@ -299,3 +300,45 @@ def test_bad_arguments_exit_2_and_help_documents_the_options(tmp_path):
                    "--start-root auto|yes|no", "--root-listen ADDR", "--job-id ID",
                    "--aggregator-arg FLAG", "--redirects 1 --tee 1", "HSBN_ADDRESS"):
         assert option in h.stdout, option
+
+
+def test_two_nodes_one_command_each_node_0_starts_the_root(tmp_path):
+    """The multi-node path itself, both nodes on this machine: each node's `hsbn run` starts
+    its sidecar with the root as upstream, node 0's also the root."""
+    root_port, master_port = free_port(), free_port()
+    common = ["--root", "127.0.0.1:%d" % root_port, "--root-listen", "127.0.0.1:%d" % root_port,
+              "--job-id", "two-nodes-%d" % root_port, "--nnodes", "2",
+              "--master_addr", "127.0.0.1", "--master_port", str(master_port),
+              "--nproc_per_node", "2"]
+    procs = []
+    for node in range(2):
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "hsbn", "run"] + common + ["--node_rank", str(node), TRAIN,
+                                                                "--steps", "2"],
+            cwd=str(tmp_path), env=clean_env(), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=300))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err
+    (out0, err0), (out1, err1) = outs
+    assert re.search(r"^hsbn run: root     pid \d+  listening on 127\.0\.0\.1:%d " % root_port,
+                     err0, re.M), err0
+    assert "root     pid" not in err1
+    assert "root at 127.0.0.1:%d" % root_port in err1
+    got = ranks_means(out0 + out1)
+    assert sorted(got) == [0, 1, 2, 3], out0 + out1
+    want = expected_mean([0, 1, 2, 3])
+    for rank, (world, node, mean) in got.items():
+        assert (world, node) == (4, rank // 2)
+        assert mean == pytest.approx(want, abs=2e-6), (rank, mean, want)
+    for err in (err0, err1):
+        assert "hsbn run: job id two-nodes-%d (--job-id)" % root_port in err
+        assert_all_gone(err)
