@@ -164,7 +164,8 @@ def test_a_failing_script_fails_hsbn_run_with_torchruns_status(tmp_path):
     shutil.rmtree(workdir)
 
 
-def test_sigterm_to_hsbn_run_reaches_torchrun_and_everything_is_torn_down(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_hsbn_run_reaches_torchrun_and_everything_is_torn_down(tmp_path, sig):
     script = tmp_path / "waits.py"
     script.write_text("import os, signal\nprint('waiting pid %d' % os.getpid(), flush=True)\n"
                       "signal.pause()\n")
@@ -180,15 +181,15 @@ def test_sigterm_to_hsbn_run_reaches_torchrun_and_everything_is_torn_down(tmp_pa
             if len(workers) == 2:
                 break
         assert len(workers) == 2, proc.communicate(timeout=60)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, sig))
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    # torch 1.13's torchrun ends with 1 after it stopped its workers on SIGTERM.
+    # torch 1.13's torchrun ends with 1 after it stopped its workers on a signal.
     assert proc.returncode not in (0, None), err
-    assert "hsbn run: passed SIGTERM on to torchrun" in err, err
+    assert "hsbn run: passed %s on to torchrun" % sig in err, err
     workdir = assert_all_gone(err)
     for pid in workers:
         with pytest.raises(ProcessLookupError):
