@@ -538,9 +538,12 @@ def _prefix_lines(stream, prefix):
 
 def main(argv):
     """`hsbn run ...`: returns the exit status."""
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        sys.stderr.write(HELP)
+        return 2
+    if argv[0] in ("-h", "--help"):
         sys.stdout.write(HELP)
-        return 0 if argv else 2
+        return 0
     try:
         import torch
         from torch.distributed.run import get_args_parser
