@@ -49,10 +49,11 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--scope", default="global", help="local, node or global (default global)")
     args = p.parse_args()
-    cuda = torch.cuda.is_available()
+    # A GPU per worker when there are enough, else the CPU (every rank must choose the same).
+    local_rank = int(os.environ["LOCAL_RANK"])
+    cuda = torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"])
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

@@ -12,6 +12,8 @@ import time
 class ClusterError(RuntimeError):
     """An aggregator of the LocalCluster failed to start, or a worker of run() failed."""
 
+    __module__ = "hsbn.cluster"  # its public name (tracebacks, pickling): hsbn.cluster.ClusterError
+
 
 def free_port():
     """A TCP port on 127.0.0.1 that was free a moment ago."""
