@@ -287,7 +287,12 @@ def test_simulation_and_an_existing_sidecar_refuse_what_they_would_ignore():
         plan(["--bogus", "train.py"])
     with pytest.raises(launch.UsageError, match=r"no training script"):
         plan(["--nproc_per_node", "2"])
-    p = plan(["--simulate-nodes", "3", "--nproc_per_node", "2", "train.py"])
+    with pytest.raises(launch.UsageError, match=r"--link-delay-ms is the delay of "
+                                                r"--simulate-nodes' links"):
+        plan(["--link-delay-ms", "5", "train.py"])
+    p = plan(["--simulate-nodes", "3", "--nproc_per_node", "2", "--aggregator-arg",
+              "--round-timeout-ms=60000", "--link-delay-ms", "0", "train.py"])
+    assert p.aggregator_args == ["--round-timeout-ms=60000"] and p.link_delay_ms == 0
     assert p.nodes == 3 and p.job_id.startswith("run-")
     assert p.torchrun_command(2, 1234)[-7:] == [
         "--nnodes=3", "--node_rank=2", "--master_addr=127.0.0.1", "--master_port=1234",

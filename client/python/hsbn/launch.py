@@ -116,7 +116,7 @@ def say(message):
 def _our_parser():
     p = argparse.ArgumentParser(prog=PROG, add_help=False)
     p.add_argument("--simulate-nodes", type=int)
-    p.add_argument("--link-delay-ms", type=int, default=1)
+    p.add_argument("--link-delay-ms", type=int)
     p.add_argument("--root")
     p.add_argument("--start-root", choices=("auto", "yes", "no"), default="auto")
     p.add_argument("--root-listen")
@@ -154,7 +154,8 @@ def split_args(argv, torchrun_parser):
             takes = _OPTIONS[name] and "=" not in tok
             if takes and i + 1 >= len(argv):
                 raise UsageError("%s needs a value" % name)
-            ours += argv[i:i + 1 + takes]
+            # NAME=VALUE, so that argparse takes a value that starts with "-" as a value.
+            ours.append(tok + "=" + argv[i + 1] if takes else tok)
             i += 1 + takes
             continue
         short_value = not tok.startswith("--") and len(tok) > 2  # -r1
@@ -246,8 +247,11 @@ class Plan:
             self.extra = ["--redirects", "1", "--tee", "1"]
         self.torchrun_args = theirs
         self.aggregator_args = args.aggregator_arg
-        self.link_delay_ms = args.link_delay_ms
         self.simulate = args.simulate_nodes
+        if args.link_delay_ms is not None and self.simulate is None:
+            raise UsageError("--link-delay-ms is the delay of --simulate-nodes' links: add "
+                             "--simulate-nodes N, or drop it")
+        self.link_delay_ms = 1 if args.link_delay_ms is None else args.link_delay_ms
         self.external_address = environ.get("HSBN_ADDRESS") or None
         self.nproc = str(ns.nproc_per_node)
         self.root = args.root
