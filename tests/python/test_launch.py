@@ -351,3 +351,14 @@ def test_two_nodes_one_command_each_node_0_starts_the_root(tmp_path):
     for err in (err0, err1):
         assert "hsbn run: job id two-nodes-%d (--job-id)" % root_port in err
         assert_all_gone(err)
+
+
+def test_an_aggregator_that_cannot_start_fails_hsbn_run_before_torchrun(tmp_path):
+    p = hsbn_run(["--aggregator-arg=--bogus", "--nproc_per_node", "1", TRAIN], tmp_path,
+                 timeout=120)
+    assert p.returncode == 1, p.stderr
+    assert "hsbn run: cannot start the aggregators: aggregator sidecar exited with status 2 " \
+        "before it was ready" in p.stderr, p.stderr
+    assert "--bogus" in p.stderr and "torchrun pid" not in p.stderr
+    workdir = assert_all_gone(p.stderr)
+    shutil.rmtree(workdir)
