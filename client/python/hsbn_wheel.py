@@ -44,7 +44,8 @@ RUNTIME_DEPS = os.path.join(REPO, "docker", "runtime-deps.sh")
 HEADER = os.path.join(REPO, "client", "include", "hsbn", "hsbn.h")
 # 1980-01-01, the earliest time a zip can hold: the same inputs give the same wheel.
 ZIP_TIME = (1980, 1, 1, 0, 0, 0)
-ENTRY_POINTS = {"hsbn": "hsbn.cli:main", "hsbn-aggregator": "hsbn.cli:aggregator_main"}
+ENTRY_POINTS = {"hsbn": "hsbn.cli:main", "hsbn-aggregator": "hsbn.cli:aggregator_main",
+                "hsbn-linkproxy": "hsbn.cli:linkproxy_main"}
 
 
 class BuildError(RuntimeError):

@@ -7,7 +7,8 @@
 # BUILD_DIR (default: build, relative to the repository root) is configured if it is not yet,
 # then the target hsbn_wheel is built into BUILD_DIR/dist/. PYTHON chooses the interpreter
 # (default: python3). Debian's system Python refuses pip installs (PEP 668): use a venv
-# (python3 -m venv --system-site-packages to see Debian's python3-torch).
+# made with the Python that has torch (Debian: /usr/bin/python3 -m venv --system-site-packages,
+# which sees python3-torch).
 set -eu
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 build=${1:-build}

@@ -58,6 +58,7 @@ def test_the_wheel_is_python3_generic_and_tagged_for_linux_x86_64(wheel):
     assert re.search(r"^Requires-Dist: numpy$", metadata, re.M)
     assert "hsbn = hsbn.cli:main\n" in entry
     assert "hsbn-aggregator = hsbn.cli:aggregator_main\n" in entry
+    assert "hsbn-linkproxy = hsbn.cli:linkproxy_main\n" in entry
 
 
 def test_the_installed_native_files_load_only_the_wheel_and_the_base_system(venv):
@@ -136,6 +137,15 @@ def test_console_scripts_run_an_aggregator_a_round_and_status_from_the_venv_alon
         # The package's version, and the commit of the aggregator the wheel ships.
         assert re.fullmatch(r"hsbn 0\.1\.0\nhsbn-aggregator 0\.1\.0 \(commit \S+\)\n",
                             version), version
+        # The link simulator's console script runs the wheel's binary; `hsbn run --help`
+        # needs no PyTorch.
+        proxy = W.run([os.path.join(venv["bin"], "hsbn-linkproxy"), "--help"], env, work)
+        assert proxy.stdout.startswith("usage: hsbn-linkproxy --target=HOST:PORT"), proxy.stdout
+        found = W.run([os.path.join(venv["bin"], "python"), "-c",
+                       "import hsbn._lib as l; print(l.linkproxy_path())"], env, work).stdout
+        assert found == os.path.join(venv["native"], "hsbn-linkproxy") + "\n"
+        run_help = W.run([os.path.join(venv["bin"], "hsbn"), "run", "--help"], env, work).stdout
+        assert run_help.startswith("usage: hsbn run [hsbn run options] [torchrun options]")
     finally:
         W.stop(agg)
     assert agg.returncode == 0

@@ -17,7 +17,6 @@ import ctypes
 import ctypes.util
 import glob
 import os
-import shutil
 import threading
 
 ABI_VERSION = 3
@@ -94,16 +93,10 @@ def library_path():
 
 def aggregator_path():
     """Path of the hsbn-aggregator binary, found as described in the module docstring."""
-    def on_path():
-        # The console script hsbn-aggregator (this package's own launcher) is not the binary.
-        for d in os.environ.get("PATH", "").split(os.pathsep):
-            p = os.path.join(d, "hsbn-aggregator")
-            if os.path.isfile(p) and os.access(p, os.X_OK) and not _is_script(p):
-                return os.path.abspath(p)
-        return None
     path = _locate("HSBN_AGGREGATOR", "hsbn-aggregator",
                    os.path.join("server", "hsbn-aggregator"),
-                   "aggregator binary (hsbn-aggregator)", lambda: (on_path(), "$PATH"))
+                   "aggregator binary (hsbn-aggregator)",
+                   lambda: (_binary_on_path("hsbn-aggregator"), "$PATH"))
     if not os.access(path, os.X_OK):
         raise NativeNotFoundError("%s is not executable; `chmod +x` it." % path)
     return path
@@ -112,15 +105,23 @@ def aggregator_path():
 def linkproxy_path():
     """Path of the hsbn-linkproxy binary (LocalCluster's link_delay_ms and link_proxy), found
     as described in the module docstring."""
-    def on_path():
-        p = shutil.which("hsbn-linkproxy")
-        return os.path.abspath(p) if p else None
     path = _locate("HSBN_LINKPROXY", "hsbn-linkproxy",
                    os.path.join("tools", "linkproxy", "hsbn-linkproxy"),
-                   "link proxy binary (hsbn-linkproxy)", lambda: (on_path(), "$PATH"))
+                   "link proxy binary (hsbn-linkproxy)",
+                   lambda: (_binary_on_path("hsbn-linkproxy"), "$PATH"))
     if not os.access(path, os.X_OK):
         raise NativeNotFoundError("%s is not executable; `chmod +x` it." % path)
     return path
+
+
+def _binary_on_path(name):
+    """The executable `name` in a folder of PATH that is not a script: the package's console
+    scripts of the same name (hsbn-aggregator, hsbn-linkproxy) only run the binary."""
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        p = os.path.join(d, name)
+        if os.path.isfile(p) and os.access(p, os.X_OK) and not _is_script(p):
+            return os.path.abspath(p)
+    return None
 
 
 def _is_script(path):

@@ -5,7 +5,9 @@
                             read with its Status RPC without joining any job
   hsbn env [--markdown]     the environment variables hsbn reads and their values here
   hsbn doctor REPORT.json   render a report hsbn.torch.diagnose saved (text, --json, --plot)
+  hsbn run [...] train.py   torchrun, with the job's sidecar (and root) started around it
   hsbn-aggregator ARGS...   the hsbn-aggregator binary this package carries (or HSBN_AGGREGATOR)
+  hsbn-linkproxy ARGS...    the hsbn-linkproxy binary (a simulated link; or HSBN_LINKPROXY)
 """
 
 import argparse
@@ -216,6 +218,7 @@ _USAGE = ("usage: hsbn [info]               the native parts in use (as python -
           "       hsbn status [--help] ...  an aggregator's status, without joining a job\n"
           "       hsbn env [--markdown]     the environment variables hsbn reads\n"
           "       hsbn doctor REPORT.json   render a saved hsbn.torch.diagnose report\n"
+          "       hsbn run [--help] ...     torchrun, with the job's sidecar and root around it\n"
           "       hsbn --version")
 
 
@@ -254,6 +257,9 @@ def _main(argv):
         return status_main(argv[1:])
     if argv and argv[0] == "env":
         return env_main(argv[1:])
+    if argv and argv[0] == "run":
+        from .launch import main as run_main   # torchrun with the aggregators it needs
+        return run_main(argv[1:])
     if argv and argv[0] == "doctor":
         from .doctor import main as doctor_main   # renders hsbn.torch.diagnose's saved report
         return doctor_main(argv[1:])
@@ -275,14 +281,25 @@ def _main(argv):
     return 2
 
 
-def aggregator_main():
-    """`hsbn-aggregator ARGS...`: runs the aggregator binary in this process's place."""
+def _exec_native(name, locate):
+    """Runs the native binary `locate()` finds in this process's place (exit 127 when none)."""
     try:
-        path = _lib.aggregator_path()
+        path = locate()
     except _lib.NativeNotFoundError as e:
-        print("hsbn-aggregator: %s" % e, file=sys.stderr)
+        print("%s: %s" % (name, e), file=sys.stderr)
         return 127
     os.execv(path, [path] + sys.argv[1:])
+
+
+def aggregator_main():
+    """`hsbn-aggregator ARGS...`: runs the aggregator binary in this process's place."""
+    return _exec_native("hsbn-aggregator", _lib.aggregator_path)
+
+
+def linkproxy_main():
+    """`hsbn-linkproxy ARGS...`: runs the link proxy binary (tools/linkproxy) in this process's
+    place."""
+    return _exec_native("hsbn-linkproxy", _lib.linkproxy_path)
 
 
 if __name__ == "__main__":

@@ -27,19 +27,17 @@ import os
 import pickle
 import queue as queue_module
 import shutil
-import signal
 import socket
-import subprocess
 import tempfile
 import time
 import traceback
 import uuid
 
 from . import _lib
+from ._procs import ClusterError, ManagedProcess, free_port as _free_port
 
-
-class ClusterError(RuntimeError):
-    """An aggregator of the LocalCluster failed to start, or a worker of run() failed."""
+# The helper's old name here (tests start single aggregators with it).
+_Aggregator = ManagedProcess
 
 
 _GUARD_HINT = (
@@ -76,71 +74,6 @@ def _main_module_lacks_guard():
     return path
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Aggregator:
-    """A child process (an aggregator or a link proxy) that writes its bound address into a
-    ready file once listening."""
-
-    def __init__(self, name, args, workdir, id_flag=True):
-        self.name = name
-        self.ready_file = os.path.join(workdir, name + ".ready")
-        self.log_path = os.path.join(workdir, name + ".log")
-        self.args = args + (["--id=" + name] if id_flag else []) + [
-            "--ready-file=" + self.ready_file]
-        self.proc = None
-        self.addresses = []
-
-    def start(self):
-        try:
-            os.remove(self.ready_file)
-        except FileNotFoundError:
-            pass
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-
-    def wait_ready(self, deadline):
-        while True:
-            if os.path.exists(self.ready_file):
-                with open(self.ready_file) as f:
-                    text = f.read()
-                lines = [line.strip() for line in text.splitlines() if line.strip()]
-                if lines and text.endswith("\n"):
-                    self.addresses = lines
-                    return
-            if self.proc.poll() is not None:
-                raise ClusterError("aggregator %s exited with status %s before it was ready "
-                                   "(%s):\n%s" % (self.name, self.proc.returncode,
-                                                  " ".join(self.args), self.log_tail()))
-            if time.monotonic() > deadline:
-                raise ClusterError("aggregator %s was not ready in time (%s):\n%s"
-                                   % (self.name, " ".join(self.args), self.log_tail()))
-            time.sleep(0.01)
-
-    def log_tail(self, chars=4000):
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-chars:].decode("utf-8", "replace")
-        except OSError:
-            return "(no log)"
-
-    def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc is not None:
-            self._log.close()
-
-
 class LocalCluster:
     """A root aggregator and one sidecar per simulated node, as local processes.
 
@@ -167,12 +100,18 @@ class LocalCluster:
         link_delay_* to each group aggregator's link to the root, group_link_delay_us to each
         sidecar's link to its group aggregator.
       group_link_delay_us: the sidecar <-> group aggregator delay, in microseconds.
+      aggregator_args: more flags for every aggregator (root, group aggregators and sidecars).
+      isolate_signals: start the aggregators and link proxies in their own session (a
+        terminal's Ctrl-C reaches only the caller, which stops them) and have each get SIGTERM
+        when the thread that started it exits (none is left behind if the caller is killed).
+        `hsbn run` does; off by default.
     """
 
     def __init__(self, nodes=2, workers_per_node=4, job_id=None, round_timeout_ms=None,
                  root=True, aggregator=None, workdir=None, startup_timeout=30.0,
                  link_delay_ms=None, link_proxy=False, linkproxy=None, link_delay_us=None,
-                 group_nodes=None, group_tier=False, group_link_delay_us=None):
+                 group_nodes=None, group_tier=False, group_link_delay_us=None,
+                 aggregator_args=None, isolate_signals=False):
         if _bootstrapping():
             raise ClusterError("a LocalCluster was created while a worker process was importing "
                                "the main module: " + _GUARD_HINT % "the script")
@@ -205,6 +144,8 @@ class LocalCluster:
         self.world_size = self.nodes * self.workers_per_node
         self.job_id = job_id or "local-%s" % uuid.uuid4().hex[:12]
         self.round_timeout_ms = round_timeout_ms
+        self._aggregator_args = list(aggregator_args or [])
+        self._isolate = bool(isolate_signals)
         self._with_root = root
         self._aggregator = aggregator
         self._workdir = workdir
@@ -240,20 +181,22 @@ class LocalCluster:
         common = []
         if self.round_timeout_ms is not None:
             common.append("--round-timeout-ms=%d" % self.round_timeout_ms)
+        common += self._aggregator_args
         try:
             deadline = time.monotonic() + self._startup_timeout
             if self._with_root:
-                self.root = _Aggregator("root", [binary, "--role=root", "--listen=127.0.0.1:0"]
-                                        + common, self._workdir)
+                self.root = ManagedProcess("root", [binary, "--role=root",
+                                                    "--listen=127.0.0.1:0"] + common,
+                                           self._workdir, isolate=self._isolate)
                 self.root.start()
                 self.root.wait_ready(deadline)
                 self.root_address = self.root.addresses[0]
             def proxy(name, target, delay_us):
-                p = _Aggregator(name, [
+                p = ManagedProcess(name, [
                     self._linkproxy or _lib.linkproxy_path(), "--target=" + target, "--listen=127.0.0.1:0",
                     "--delay-us=%d" % delay_us,
                     "--control=" + self._control_path(name)],
-                    self._workdir, id_flag=False)
+                    self._workdir, id_flag=False, isolate=self._isolate)
                 p.start()
                 return p
 
@@ -266,9 +209,9 @@ class LocalCluster:
                             proxy("link-group%d" % g, self.root_address, self.link_delay_us))
                         self.group_proxies[-1].wait_ready(deadline)
                         up = self.group_proxies[-1].addresses[0]
-                    self.groups.append(_Aggregator("group%d" % g, [
+                    self.groups.append(ManagedProcess("group%d" % g, [
                         binary, "--role=group", "--listen=127.0.0.1:0", "--upstream=" + up]
-                        + common, self._workdir))
+                        + common, self._workdir, isolate=self._isolate))
                     self.groups[-1].start()
                 for agg in self.groups:
                     agg.wait_ready(deadline)
@@ -288,7 +231,8 @@ class LocalCluster:
                 args = [binary, "--role=node", "--listen=unix:" + sock] + common
                 if upstreams[n]:
                     args.append("--upstream=" + upstreams[n])
-                self.sidecars.append(_Aggregator("node%d" % n, args, self._workdir))
+                self.sidecars.append(ManagedProcess("node%d" % n, args, self._workdir,
+                                                    isolate=self._isolate))
                 self.sidecars[-1].start()
             for agg in self.sidecars:
                 agg.wait_ready(deadline)
