@@ -17,6 +17,7 @@ namespace hsbn::server {
 
 namespace {
 constexpr auto kConnectTimeout = std::chrono::seconds(5);
+constexpr auto kStoppedParentWait = std::chrono::milliseconds(500);
 }  // namespace
 
 struct FrameTraits {
@@ -601,6 +602,18 @@ absl::Status ParentLink::Send(Item& item) {
     if (!last_connect_error_.ok() && std::chrono::steady_clock::now() < retry_after_) {
       return last_connect_error_;
     }
+    absl::Status stopped;
+    {
+      absl::MutexLock lock(&mu_);
+      stopped = parent_stopped_;
+    }
+    // A parent that said it stops gets a short wait (a restart may be under way), not the
+    // connect timeout: its own words name the failure.
+    if (!stopped.ok() &&
+        !channel_->WaitForConnected(std::chrono::system_clock::now() + kStoppedParentWait)) {
+      retry_after_ = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+      return last_connect_error_ = stopped;
+    }
     if (!channel_->WaitForConnected(std::chrono::system_clock::now() + kConnectTimeout)) {
       retry_after_ = std::chrono::steady_clock::now() + std::chrono::seconds(2);
       return last_connect_error_ = absl::UnavailableError(absl::StrCat(
@@ -619,6 +632,7 @@ absl::Status ParentLink::Send(Item& item) {
     {
       absl::MutexLock lock(&mu_);
       ++live_conns_;
+      parent_stopped_ = absl::OkStatus();
     }
     conn->Start(conn, stub_.get(), cq_);
     conn_ = std::move(conn);
@@ -695,11 +709,20 @@ void ParentLink::ConnDone(const grpc::Status& status) {
     Log(LogLevel::kWarn, absl::StrCat("lost the stream to the ", ParentLong(), " at ", address_, ": ",
                                       status.error_message()));
     // A parent that stops politely says so in the stream's status: its reason travels on.
+    const v1::Reason reason = wire::ReasonOf(wire::FromGrpc(status));
     listener_->OnParentLost(wire::WithReason(
         absl::UnavailableError(absl::StrCat(
             self_, " lost its link to the ", ParentLong(), " at ", address_, " (",
             status.error_message(), "); global rounds in flight failed, later rounds reconnect")),
-        wire::ReasonOf(wire::FromGrpc(status))));
+        reason));
+    if (reason == v1::REASON_SHUTTING_DOWN) {
+      absl::MutexLock lock(&mu_);
+      parent_stopped_ = wire::WithReason(
+          absl::UnavailableError(absl::StrCat(
+              "the ", ParentLong(), " at ", address_, " stopped (", status.error_message(),
+              ") and no new one answers there yet")),
+          reason);
+    }
   }
   absl::MutexLock lock(&mu_);
   --live_conns_;

@@ -201,6 +201,9 @@ class ParentLink {
   // refuse a second live session for the node).
   std::map<std::string, SessionId> last_session_;
   absl::Status last_connect_error_;
+  // Set when the parent ended the stream because it is stopping (reason SHUTTING_DOWN): later
+  // forwards that find no parent fail at once with its words; cleared by a new connection.
+  absl::Status parent_stopped_ ABSL_GUARDED_BY(mu_);
   std::chrono::steady_clock::time_point retry_after_;
   std::thread writer_;
 };

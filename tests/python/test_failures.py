@@ -147,3 +147,49 @@ def test_a_sidecar_stopped_between_rounds_is_named_on_every_rank(transport_env):
         finally:
             for client in clients:
                 client.close()
+
+
+@pytest.mark.parametrize("parent", ["root", "group"])
+def test_a_parent_stopped_between_rounds_is_named_at_the_next_global_round(parent):
+    # The root (or a group aggregator) stops politely while the ranks compute: the next global
+    # round fails on every rank with its words and reason SHUTTING_DOWN, after a short wait
+    # for a restarted one (not the 5 s connect timeout, whose message would differ).
+    import threading
+
+    import numpy as np
+
+    import hsbn
+
+    tier = dict(group_tier=True, group_nodes=2) if parent == "group" else {}
+    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=1, **tier) as c:
+        clients = [hsbn.Client.from_env(c.worker_env(r)) for r in range(2)]
+        try:
+            def rounds(seq):
+                out = [None, None]
+
+                def one(r):
+                    try:
+                        out[r] = clients[r].forward(1, seq, "global", 4, np.full(2, r + 1.0),
+                                                    np.ones(2))
+                    except hsbn.HsbnError as e:
+                        out[r] = e
+                threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                return out
+
+            first = rounds(0)
+            assert all(not isinstance(o, Exception) for o in first), first
+            assert first[0][1][0] == 1.5
+            (c.root if parent == "root" else c.groups[0]).stop()
+            words = ("aggregator root is shutting down (SIGTERM)" if parent == "root" else
+                     "group aggregator group0 is shutting down (SIGTERM)")
+            for r, e in enumerate(rounds(1)):
+                assert isinstance(e, hsbn.UnavailableError), (r, e)
+                assert e.reason == "SHUTTING_DOWN", (r, e)
+                assert words in str(e), (r, str(e))
+        finally:
+            for client in clients:
+                client.close()
