@@ -397,5 +397,41 @@ TEST(Lagged, ALateResultForARoundThisClientDidNotStartIsDroppedNotKept) {
   EXPECT_EQ(job[1]->Stats().late_dropped, 0);
 }
 
+// On the shared-memory path the sidecar sees no rank's contribution: a rank whose backward
+// count disagrees with its forward's is caught at the root, in its node's partial, and told to
+// that node's ranks as their late result; the other node's wait ends at the root's deadline.
+TEST(Lagged, ACountThatDisagreesIsRefusedAtTheRootToItsNodeOnTheSharedMemoryPath) {
+  auto c = testing::StartCluster(2, 2, {"--round-timeout-ms=2000"});
+  ASSERT_TRUE(c);
+  auto job = Connect(*c, "lagged-count", "auto", 0);
+  for (auto& p : job) ASSERT_TRUE(p);
+  std::vector<absl::Status> sums(job.size());
+  testing::OnEveryRank(int(job.size()), [&](int r) {
+    std::vector<double> a{double(r)}, b{1.0}, oa(1), ob(1);
+    int64_t count = 0;
+    Client& client = *job[size_t(r)];
+    absl::Status s = client.Forward(7, 0, Scope::kLagged, 1, 2, a.data(), b.data(), &count,
+                                    oa.data(), ob.data());
+    if (s.ok()) {
+      s = client.Backward(7, 0, Scope::kLagged, 1, r == 0 ? 3 : 2, a.data(), b.data(), &count,
+                          oa.data(), ob.data());
+    }
+    if (s.ok()) s = client.GlobalSums(7, 0, 1, &count, oa.data(), ob.data());
+    sums[size_t(r)] = s;
+  });
+  EXPECT_EQ(job[0]->Stats().transport, "shm");
+  for (int r : {0, 1}) {
+    EXPECT_EQ(sums[size_t(r)].code(), absl::StatusCode::kInvalidArgument) << sums[size_t(r)];
+    EXPECT_NE(sums[size_t(r)].message().find("field 'count' is 5 but its lagged forward "
+                                             "contribution to op 7, seq 0 had count 4"),
+              std::string::npos)
+        << sums[size_t(r)];
+  }
+  for (int r : {2, 3}) {
+    EXPECT_EQ(sums[size_t(r)].code(), absl::StatusCode::kDeadlineExceeded) << sums[size_t(r)];
+    EXPECT_NE(sums[size_t(r)].message().find("node 0"), std::string::npos) << sums[size_t(r)];
+  }
+}
+
 }  // namespace
 }  // namespace hsbn
