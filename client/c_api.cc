@@ -51,7 +51,7 @@ hsbn_result CopyOut(const std::string& text, char* buf, size_t buf_len, size_t* 
 }
 
 constexpr char kBadScope[] =
-    "scope must be HSBN_SCOPE_NODE, _GLOBAL, _SHADOW, _GROUP, _AUTO or _RENORM";
+    "scope must be HSBN_SCOPE_NODE, _GLOBAL, _SHADOW, _GROUP, _AUTO, _RENORM or _LAGGED";
 
 hsbn_result Invalid(const char* what) {
   g_last_error = what;
@@ -60,7 +60,8 @@ hsbn_result Invalid(const char* what) {
 
 bool ToScope(hsbn_scope scope, hsbn::Scope* out) {
   if (scope != HSBN_SCOPE_NODE && scope != HSBN_SCOPE_GLOBAL && scope != HSBN_SCOPE_SHADOW &&
-      scope != HSBN_SCOPE_GROUP && scope != HSBN_SCOPE_AUTO && scope != HSBN_SCOPE_RENORM) {
+      scope != HSBN_SCOPE_GROUP && scope != HSBN_SCOPE_AUTO && scope != HSBN_SCOPE_RENORM &&
+      scope != HSBN_SCOPE_LAGGED) {
     return false;
   }
   *out = static_cast<hsbn::Scope>(int(scope));
@@ -291,6 +292,35 @@ int hsbn_client_global_stats_ready(hsbn_client* client, uint32_t op, uint64_t se
   return client->client->GlobalStatsReady(op, seq) ? 1 : 0;
 }
 
+hsbn_result hsbn_client_global_sums(hsbn_client* client, uint32_t op, uint64_t seq,
+                                    int64_t channels, int64_t* out_count, double* out_sum_dy,
+                                    double* out_sum_dy_xmu) {
+  g_last_error.clear();
+  if (client == nullptr) return Invalid("null client");
+  return Done(client->client->GlobalSums(op, seq, channels, out_count, out_sum_dy,
+                                         out_sum_dy_xmu));
+}
+
+hsbn_result hsbn_client_global_sums_for(hsbn_client* client, uint32_t op, uint64_t seq,
+                                        int64_t channels, int64_t timeout_ms, int* done,
+                                        int64_t* out_count, double* out_sum_dy,
+                                        double* out_sum_dy_xmu) {
+  g_last_error.clear();
+  if (client == nullptr || done == nullptr) return Invalid("null client or done");
+  if (timeout_ms < 0) return Invalid("timeout_ms must be >= 0");
+  bool finished = false;
+  absl::Status s = client->client->GlobalSumsFor(
+      op, seq, channels, std::chrono::milliseconds(std::min<int64_t>(timeout_ms, 1 << 30)),
+      &finished, out_count, out_sum_dy, out_sum_dy_xmu);
+  *done = finished ? 1 : 0;
+  return Done(s);
+}
+
+int hsbn_client_global_sums_ready(hsbn_client* client, uint32_t op, uint64_t seq) {
+  if (client == nullptr) return -1;
+  return client->client->GlobalSumsReady(op, seq) ? 1 : 0;
+}
+
 hsbn_result hsbn_backward(hsbn_client* client, uint32_t op, uint64_t seq, hsbn_scope scope,
                           int64_t channels, int64_t count, const double* sum_dy,
                           const double* sum_dy_xmu, int64_t* out_count, double* out_sum_dy,
@@ -359,9 +389,9 @@ hsbn_result hsbn_client_stats(const hsbn_client* client, hsbn_stats* out) {
   const hsbn::ClientStats s = client->client->Stats();
   hsbn_stats full;
   std::memset(&full, 0, sizeof full);
-  // rounds[][] holds node, global and shadow (the first version); group and renorm come after
-  // (auto, index 4, counts as what it sent).
-  static_assert(sizeof full.rounds / sizeof full.rounds[0] + 3 == hsbn::ClientStats::kScopes);
+  // rounds[][] holds node, global and shadow (the first version); group, renorm and lagged come
+  // after (auto, index 4, counts as what it sent).
+  static_assert(sizeof full.rounds / sizeof full.rounds[0] + 4 == hsbn::ClientStats::kScopes);
   static_assert(sizeof full.rounds[0] / sizeof full.rounds[0][0] == hsbn::ClientStats::kPhases);
   auto copy = [](const hsbn::RoundStats& r) {
     return hsbn_round_stats{r.completed, r.failed, r.blocked_seconds, r.max_blocked_seconds};
@@ -370,9 +400,11 @@ hsbn_result hsbn_client_stats(const hsbn_client* client, hsbn_stats* out) {
     for (int si = 0; si < 3; ++si) full.rounds[si][pi] = copy(s.rounds[si][pi]);
     full.group_rounds[pi] = copy(s.rounds[int(hsbn::Scope::kGroup) - 1][pi]);
     full.renorm_rounds[pi] = copy(s.rounds[int(hsbn::Scope::kRenorm) - 1][pi]);
+    full.lagged_rounds[pi] = copy(s.rounds[int(hsbn::Scope::kLagged) - 1][pi]);
   }
   full.global_stats = copy(s.global_stats);
   full.global_stats_waited = s.global_stats_waited;
+  full.late_dropped = s.late_dropped;
   full.bytes_sent = s.bytes_sent;
   full.bytes_received = s.bytes_received;
   full.elapsed_seconds = s.elapsed_seconds;

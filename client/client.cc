@@ -41,7 +41,7 @@ absl::StatusOr<Scope> ParseScope(const std::string& name) {
   v1::Scope s = wire::ParseScope(name);
   if (s == v1::SCOPE_UNSPECIFIED) {
     return absl::InvalidArgumentError(
-        absl::StrCat("scope '", name, "' is not one of node, global, shadow, group, auto, renorm"));
+        absl::StrCat("scope '", name, "' is not one of node, global, shadow, group, auto, renorm, lagged"));
   }
   return Scope(int(s));
 }
@@ -345,9 +345,10 @@ class Client::Impl {
       return absl::InvalidArgumentError("phase must be forward or backward");
     }
     if (scope != Scope::kNode && scope != Scope::kGlobal && scope != Scope::kShadow &&
-        scope != Scope::kGroup && scope != Scope::kAuto && scope != Scope::kRenorm) {
+        scope != Scope::kGroup && scope != Scope::kAuto && scope != Scope::kRenorm &&
+        scope != Scope::kLagged) {
       return absl::InvalidArgumentError(
-          "scope must be node, global, shadow, group, auto or renorm");
+          "scope must be node, global, shadow, group, auto, renorm or lagged");
     }
     if (scope == Scope::kGroup && options_.group_nodes <= 0) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -402,6 +403,10 @@ class Client::Impl {
     };
     const Key key{op, seq, int(phase)};
     const auto deadline = Clock::now() + RoundTimeout();
+    if ((scope == Scope::kRenorm && phase == Phase::kForward) || scope == Scope::kLagged) {
+      absl::MutexLock lock(&rounds_mu_);
+      ExpectLate(key, scope);
+    }
     // The round's record, whichever transport carries it.
     auto make_pending = [&](const RoundStream& via) {
       auto pending = std::make_shared<PendingRound>();
@@ -477,7 +482,7 @@ class Client::Impl {
           // Late global results come on the stream, which shared-memory rounds never read:
           // take what has arrived, so that they cannot pile up at the sidecar (a stream more
           // than --max-queued-bytes behind is ended) while nobody asks for them (a warm-up).
-          if (scope == Scope::kRenorm) DrainStream(conn);
+          if (scope == Scope::kRenorm || scope == Scope::kLagged) DrainStream(conn);
           return pending;
         }
       }
@@ -694,6 +699,7 @@ class Client::Impl {
     out.global_stats.blocked_seconds = Seconds(global_.blocked);
     out.global_stats.max_blocked_seconds = Seconds(global_.max_blocked);
     out.global_stats_waited = global_waited_;
+    out.late_dropped = late_dropped_.load(std::memory_order_relaxed);
     out.bytes_sent = bytes_sent_.load(std::memory_order_relaxed);
     out.bytes_received = bytes_received_.load(std::memory_order_relaxed);
     out.elapsed_seconds = Seconds(now - stats_since_);
@@ -723,7 +729,9 @@ class Client::Impl {
       p.wait_deadline = Clock::now() + RoundTimeout();
     }
     absl::Status s;
-    if (p.scope == Scope::kRenorm && p.phase == Phase::kForward && num_nodes_.load() == 1) {
+    if (((p.scope == Scope::kRenorm && p.phase == Phase::kForward) ||
+         p.scope == Scope::kLagged) &&
+        num_nodes_.load() == 1) {
       // A job of one node: the node's statistics are the job's, kept as the round's global
       // ones here (the sidecar sends none).
       std::vector<double> a(size_t(p.channels)), b(size_t(p.channels));
@@ -733,12 +741,14 @@ class Client::Impl {
         v1::Result own;
         own.set_op(p.op);
         own.set_seq(p.seq);
+        own.set_phase(v1::Phase(int(p.phase)));
         own.set_channels(uint32_t(p.channels));
         own.set_count(count);
         wire::PackPayload(a.data(), b.data(), p.channels, own.mutable_data());
         {
           absl::MutexLock lock(&rounds_mu_);
-          KeepLate(&own);
+          late_expected_.erase(Key{p.op, p.seq, int(p.phase)});
+          KeepLate(&own, p.scope);
         }
         if (out_count != nullptr) *out_count = count;
         if (out_a != nullptr) std::copy(a.begin(), a.end(), out_a);
@@ -942,13 +952,14 @@ class Client::Impl {
   // GlobalStats, whole (slice_end max, done null) or in slices: a slice that ends first sets
   // *done = false and writes nothing; the wait goes on at the next call, against the deadline
   // its first slice set. Counted in the stats once, when it ends.
-  absl::Status GlobalStats(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
-                           double* out_mean, double* out_m2,
+  // `phase`: forward, the job's statistics (renorm, lagged); backward, the job's sums (lagged).
+  absl::Status GlobalStats(Phase phase, uint32_t op, uint64_t seq, int64_t channels,
+                           int64_t* out_count, double* out_mean, double* out_m2,
                            Clock::time_point slice_end = Clock::time_point::max(),
                            bool* done = nullptr) {
     GlobalWait wait;
     bool pending = false;
-    absl::Status s = WaitGlobal(op, seq, channels, out_count, out_mean, out_m2, slice_end,
+    absl::Status s = WaitGlobal(phase, op, seq, channels, out_count, out_mean, out_m2, slice_end,
                                 &pending, &wait);
     if (done != nullptr) *done = !pending;
     if (pending) return absl::OkStatus();
@@ -967,11 +978,22 @@ class Client::Impl {
     bool waited = false;  // the result was not there at the first look
   };
 
-  absl::Status WaitGlobal(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
-                          double* out_mean, double* out_m2, Clock::time_point slice_end,
-                          bool* pending, GlobalWait* wait) {
+  absl::Status WaitGlobal(Phase phase, uint32_t op, uint64_t seq, int64_t channels,
+                          int64_t* out_count, double* out_mean, double* out_m2,
+                          Clock::time_point slice_end, bool* pending, GlobalWait* wait) {
+    const Key key{op, seq, int(phase)};
+    Scope scope = phase == Phase::kForward ? Scope::kRenorm : Scope::kLagged;
+    {
+      absl::MutexLock lock(&rounds_mu_);
+      if (auto it = late_.find(key); it != late_.end()) {
+        scope = it->second.scope;
+      } else if (auto e = late_expected_.find(key); e != late_expected_.end()) {
+        scope = e->second;
+      }
+    }
     auto what = [&] {
-      return absl::StrCat("the global statistics of renorm round op ", op, ", seq ", seq);
+      return absl::StrCat("the global ", phase == Phase::kForward ? "statistics" : "sums",
+                          " of ", ScopeName(scope), " round op ", op, ", seq ", seq);
     };
     if (channels <= 0 || out_count == nullptr || out_mean == nullptr || out_m2 == nullptr) {
       *wait = GlobalWait{Clock::now(), Clock::now()};
@@ -983,7 +1005,6 @@ class Client::Impl {
       absl::MutexLock lock(&mu_);
       conn = conn_;
     }
-    const std::pair<uint32_t, uint64_t> key{op, seq};
     absl::MutexLock lock(&rounds_mu_);
     const auto emplaced = global_waits_.try_emplace(key);
     const auto entry = emplaced.first;
@@ -1030,7 +1051,7 @@ class Client::Impl {
         return end(absl::DeadlineExceededError(absl::StrCat(
             what(), " did not arrive within ", RoundTimeout().count(), " ms: the job's root "
             "aggregator (the sidecar's --upstream) did not answer, or this round was never "
-            "started with renorm scope on every rank")));
+            "started with ", ScopeName(scope), " scope on every rank")));
       }
       if (now >= slice_end && pass > 0) {
         *pending = true;
@@ -1150,13 +1171,13 @@ class Client::Impl {
     HandOff(*conn);
   }
 
-  bool GlobalStatsReady(uint32_t op, uint64_t seq) {
+  bool GlobalStatsReady(Phase phase, uint32_t op, uint64_t seq) {
     std::shared_ptr<RoundStream> conn;
     {
       absl::MutexLock lock(&mu_);
       conn = conn_;
     }
-    const std::pair<uint32_t, uint64_t> key{op, seq};
+    const Key key{op, seq, int(phase)};
     absl::MutexLock lock(&rounds_mu_);
     if (late_.count(key) > 0) return true;
     if (conn != nullptr && !conn->polling && !conn->broken) {
@@ -1387,7 +1408,19 @@ class Client::Impl {
     if (!conn.in.has_result()) return;
     v1::Result* r = conn.in.mutable_result();
     if (r->late()) {
-      KeepLate(r);
+      auto expected = late_expected_.find(Key{r->op(), r->seq(), int(r->phase())});
+      if (expected == late_expected_.end()) {
+        // Not a round this client started with renorm or lagged scope (or its result came
+        // already): kept, it could shadow the real one.
+        late_dropped_.fetch_add(1, std::memory_order_relaxed);
+        Debug(absl::StrCat("dropped a late result for round ",
+                           wire::RoundName(r->op(), r->seq(), r->phase()),
+                           ", which this client did not start with renorm or lagged scope"));
+        return;
+      }
+      const Scope scope = expected->second;
+      late_expected_.erase(expected);
+      KeepLate(r, scope);
       return;
     }
     auto it = pending_.find(Key{r->op(), r->seq(), int(r->phase())});
@@ -1400,13 +1433,25 @@ class Client::Impl {
     pending_.erase(it);  // p stays alive: its waiter holds it
   }
 
-  // A renorm round's global result (or failure), pushed by the sidecar: kept for GlobalStats,
-  // the oldest dropped past kLateKept results or kLateBytes. rounds_mu_ held.
+  // A renorm or lagged round's global result (or failure), pushed by the sidecar: kept for
+  // GlobalStats, the oldest dropped past kLateKept results or kLateBytes. rounds_mu_ held.
   static constexpr size_t kLateKept = 4096;
   static constexpr int64_t kLateBytes = 64 << 20;
-  void KeepLate(v1::Result* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
-    const std::pair<uint32_t, uint64_t> key{r->op(), r->seq()};
+  // A renorm or lagged round this client started: its late result will be kept. At most
+  // kLateKept rounds are expected at once (the oldest is forgotten).
+  void ExpectLate(const Key& key, Scope scope) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
+    if (!late_expected_.emplace(key, scope).second) return;
+    late_expected_order_.push_back(key);
+    while (late_expected_order_.size() > kLateKept ||
+           (!late_expected_order_.empty() && !late_expected_.count(late_expected_order_.front()))) {
+      late_expected_.erase(late_expected_order_.front());
+      late_expected_order_.pop_front();
+    }
+  }
+  void KeepLate(v1::Result* r, Scope scope) ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
+    const Key key{r->op(), r->seq(), int(r->phase())};
     Late late;
+    late.scope = scope;
     if (r->code() != 0) {
       late.status = wire::StatusFromCode(r->code(), r->message(), r->reason());
     } else if (r->channels() < 1 ||
@@ -1669,18 +1714,23 @@ class Client::Impl {
   // PendingRounds' and the Conns' poll state.
   absl::Mutex rounds_mu_;
   std::map<Key, std::shared_ptr<PendingRound>> pending_ ABSL_GUARDED_BY(rounds_mu_);
-  // Renorm rounds' global results by (op, seq), in arrival order (KeepLate).
+  // Renorm and lagged rounds' global results by (op, seq, phase), in arrival order (KeepLate).
   struct Late {
+    Scope scope = Scope::kRenorm;  // what the round was started with
     absl::Status status;
     int64_t count = 0;
     int64_t channels = 0;
     std::string data;  // packed payload
   };
-  std::map<std::pair<uint32_t, uint64_t>, Late> late_ ABSL_GUARDED_BY(rounds_mu_);
-  std::deque<std::pair<uint32_t, uint64_t>> late_order_ ABSL_GUARDED_BY(rounds_mu_);
+  std::map<Key, Late> late_ ABSL_GUARDED_BY(rounds_mu_);
+  std::deque<Key> late_order_ ABSL_GUARDED_BY(rounds_mu_);
+  // Rounds started with renorm (forward) or lagged scope whose late result has not come.
+  std::map<Key, Scope> late_expected_ ABSL_GUARDED_BY(rounds_mu_);
+  std::deque<Key> late_expected_order_ ABSL_GUARDED_BY(rounds_mu_);
+  std::atomic<int64_t> late_dropped_{0};  // late results for rounds not in late_expected_
   int64_t late_bytes_ ABSL_GUARDED_BY(rounds_mu_) = 0;
   int late_waiters_ ABSL_GUARDED_BY(rounds_mu_) = 0;
-  std::map<std::pair<uint32_t, uint64_t>, GlobalWait> global_waits_ ABSL_GUARDED_BY(rounds_mu_);
+  std::map<Key, GlobalWait> global_waits_ ABSL_GUARDED_BY(rounds_mu_);
   absl::CondVar late_cv_;  // a late result arrived, or the poller role is free
 
   // Round statistics: a leaf lock, taken once per round, never while waiting.
@@ -1757,12 +1807,12 @@ ClientStats Client::Stats() const { return impl_->Stats(); }
 
 absl::Status Client::GlobalStats(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
                                  double* out_mean, double* out_m2) {
-  return impl_->GlobalStats(op, seq, channels, out_count, out_mean, out_m2);
+  return impl_->GlobalStats(Phase::kForward, op, seq, channels, out_count, out_mean, out_m2);
 }
 absl::Status Client::GlobalStatsFor(uint32_t op, uint64_t seq, int64_t channels,
                                     std::chrono::milliseconds slice, bool* done,
                                     int64_t* out_count, double* out_mean, double* out_m2) {
-  return impl_->GlobalStats(op, seq, channels, out_count, out_mean, out_m2,
+  return impl_->GlobalStats(Phase::kForward, op, seq, channels, out_count, out_mean, out_m2,
                             Impl::Clock::now() + slice, done);
 }
 
@@ -1770,7 +1820,23 @@ absl::Status Client::NameLayers(const std::vector<std::pair<uint32_t, std::strin
   return impl_->NameLayers(names);
 }
 bool Client::GlobalStatsReady(uint32_t op, uint64_t seq) {
-  return impl_->GlobalStatsReady(op, seq);
+  return impl_->GlobalStatsReady(Phase::kForward, op, seq);
+}
+
+absl::Status Client::GlobalSums(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
+                                double* out_sum_dy, double* out_sum_dy_xmu) {
+  return impl_->GlobalStats(Phase::kBackward, op, seq, channels, out_count, out_sum_dy,
+                            out_sum_dy_xmu);
+}
+absl::Status Client::GlobalSumsFor(uint32_t op, uint64_t seq, int64_t channels,
+                                   std::chrono::milliseconds slice, bool* done,
+                                   int64_t* out_count, double* out_sum_dy,
+                                   double* out_sum_dy_xmu) {
+  return impl_->GlobalStats(Phase::kBackward, op, seq, channels, out_count, out_sum_dy,
+                            out_sum_dy_xmu, Impl::Clock::now() + slice, done);
+}
+bool Client::GlobalSumsReady(uint32_t op, uint64_t seq) {
+  return impl_->GlobalStatsReady(Phase::kBackward, op, seq);
 }
 
 absl::Status Client::SetAutoPolicy(uint32_t op, const AutoPolicy& policy) {

@@ -249,12 +249,14 @@ template <typename Who, typename Round>
 absl::Status CheckFields(const ContributionView& c, const RoundRules& rules, Who who,
                          Round round) {
   if (c.scope != v1::SCOPE_NODE && c.scope != v1::SCOPE_GLOBAL && c.scope != v1::SCOPE_SHADOW &&
-      c.scope != v1::SCOPE_RENORM && !(rules.group_allowed && c.scope == v1::SCOPE_GROUP)) {
+      c.scope != v1::SCOPE_RENORM && c.scope != v1::SCOPE_LAGGED &&
+      !(rules.group_allowed && c.scope == v1::SCOPE_GROUP)) {
     return InvalidContribution(
         who(), round(), "scope",
         absl::StrCat("is ", c.scope,
-                     rules.group_allowed ? "; expected node, global, shadow, group or renorm"
-                                         : "; expected node, global, shadow or renorm"));
+                     rules.group_allowed
+                         ? "; expected node, global, shadow, group, renorm or lagged"
+                         : "; expected node, global, shadow, renorm or lagged"));
   }
   if (c.scope == v1::SCOPE_RENORM && !rules.forward) {
     return InvalidContribution(who(), round(), "scope",

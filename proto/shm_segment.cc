@@ -593,7 +593,7 @@ std::vector<QueueEntry> Segment::TakeQueue(int* malformed) {
               (it.key.phase == v1::PHASE_FORWARD || it.key.phase == v1::PHASE_BACKWARD);
     if (ok && it.kind == kPartial) {
       ok = (it.scope == v1::SCOPE_GLOBAL || it.scope == v1::SCOPE_SHADOW ||
-            it.scope == v1::SCOPE_RENORM) && it.channels >= 1 &&
+            it.scope == v1::SCOPE_RENORM || it.scope == v1::SCOPE_LAGGED) && it.channels >= 1 &&
            it.channels <= g_.max_channels && it.count >= 0;
       if (ok) {
         it.data.resize(2 * size_t(it.channels));

@@ -43,7 +43,7 @@
 namespace hsbn::shm {
 
 constexpr uint64_t kMagic = 0x31766d68736e6268ull;  // "hbnshmv1"
-constexpr uint32_t kLayoutVersion = 4;
+constexpr uint32_t kLayoutVersion = 5;  // 5: lagged scope's counters
 constexpr int32_t kMaxRanks = 256;        // local ranks a segment serves
 constexpr int32_t kMaxRing = 256;         // slots per rank
 constexpr int32_t kMaxChannelCap = 1 << 20;
@@ -54,9 +54,9 @@ constexpr size_t kSlotTextBytes = 1024;
 constexpr uint64_t kHeaderBytes = 8192;
 constexpr uint64_t kSlotHeadBytes = 1152;
 
-// The header's metric counters: index ranges of scope (v1::Scope up to SCOPE_RENORM; group
+// The header's metric counters: index ranges of scope (v1::Scope up to SCOPE_LAGGED; group
 // rounds never travel here, 5 is never used), phase (v1::Phase) and code (google.rpc.Code 0..16).
-constexpr int kCountScopes = 7;
+constexpr int kCountScopes = 8;
 constexpr int kCountPhases = 3;
 constexpr int kCountCodes = 17;
 

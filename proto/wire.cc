@@ -120,6 +120,7 @@ const char* ScopeName(v1::Scope scope) {
     case v1::SCOPE_SHADOW: return "shadow";
     case v1::SCOPE_GROUP: return "group";
     case v1::SCOPE_RENORM: return "renorm";
+    case v1::SCOPE_LAGGED: return "lagged";
     default: return "unknown-scope";
   }
 }
@@ -130,6 +131,7 @@ v1::Scope ParseScope(const std::string& name) {
   if (name == "shadow") return v1::SCOPE_SHADOW;
   if (name == "group") return v1::SCOPE_GROUP;
   if (name == "renorm") return v1::SCOPE_RENORM;
+  if (name == "lagged") return v1::SCOPE_LAGGED;
   return v1::SCOPE_UNSPECIFIED;
 }
 

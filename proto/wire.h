@@ -43,7 +43,7 @@ absl::Status WithMessage(const absl::Status& status, absl::string_view message);
 const char* ReasonName(v1::Reason reason);
 
 const char* PhaseName(v1::Phase phase);   // "forward", "backward"
-const char* ScopeName(v1::Scope scope);   // "node", "global", "shadow", "group"
+const char* ScopeName(v1::Scope scope);   // "node", "global", "shadow", "group", "renorm", "lagged"
 // Parses "node", "global", "shadow", "group"; SCOPE_UNSPECIFIED if unknown.
 v1::Scope ParseScope(const std::string& name);
 // "op 3, seq 7, forward"

@@ -784,9 +784,11 @@ void Aggregator::ShmToParent(const std::string& job_id, const shm::QueueEntry& i
   const RoundKey key{item.key.op, item.key.seq, v1::Phase(item.key.phase)};
   std::shared_ptr<const std::string> token = job->token();
   if (item.kind == shm::kPartial) {
-    // A renorm round's node answer is in the segment already; its global result comes back
-    // through the job, to every worker's stream.
-    if (item.scope == v1::SCOPE_RENORM) job->ExpectLate(key, uint32_t(item.channels), Clock::now());
+    // A renorm or lagged round's node answer is in the segment already; its global result
+    // comes back through the job, to every worker's stream.
+    if (item.scope == v1::SCOPE_RENORM || item.scope == v1::SCOPE_LAGGED) {
+      job->ExpectLate(key, uint32_t(item.channels), Clock::now());
+    }
     auto data = std::make_shared<std::string>();
     wire::PackPayload(item.data.data(), item.data.data() + item.channels, item.channels,
                       data.get());

@@ -269,8 +269,13 @@ int Job::FailOpenRoundsLocked(Waits waits, Why why, bool tell_parent, Actions* o
   for (auto& [key, round] : open_) {
     if (waits(round)) doomed.push_back(key);
   }
-  for (const RoundKey& key : doomed) FailRoundLocked(key, why(key), tell_parent, out);
-  return int(doomed.size());
+  int failed = 0;
+  for (const RoundKey& key : doomed) {
+    if (!open_.count(key)) continue;  // failed meanwhile with its lagged forward
+    FailRoundLocked(key, why(key), tell_parent, out);
+    ++failed;
+  }
+  return failed;
 }
 
 void Job::EraseOpenLocked(std::map<RoundKey, Round>::iterator it) {
@@ -474,6 +479,18 @@ void Job::FailRoundLocked(RoundKey key, const absl::Status& status, bool tell_pa
   out->round_failures.push_back(
       absl::StrCat("job '", id_, "': round ", Describe(key), " failed: ", status.ToString()));
   FinishLocked(key, Finished{status, nullptr, {}});
+  if (key.phase == v1::PHASE_FORWARD) {
+    // A lagged backward round re-centred on this forward's mean cannot complete without it.
+    const RoundKey backward{key.op, key.seq, v1::PHASE_BACKWARD, key.group};
+    if (auto b = open_.find(backward);
+        b != open_.end() && b->second.scope == v1::SCOPE_LAGGED) {
+      FailRoundLocked(backward,
+                      wire::WithMessage(status, absl::StrCat("round ", Describe(backward), ": its "
+                                                             "forward round failed: ",
+                                                             status.message())),
+                      tell_parent, out);
+    }
+  }
 }
 
 void Job::DeliverLocked(const Round& round, std::shared_ptr<const v1::Result> result,
@@ -548,6 +565,17 @@ bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribu
     FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
     return true;
   }
+  if (c.scope() == v1::SCOPE_LAGGED && c.phase() == v1::PHASE_BACKWARD &&
+      (open == nullptr || !open->slots[index].filled)) {
+    // Refused to its sender only: the round goes on for the others (and completes if the
+    // sender contributes again, correctly); other members' forwards are not its fault.
+    if (absl::Status s = CheckLaggedBackwardLocked(index, c); !s.ok()) {
+      out->round_failures.push_back(absl::StrCat("job '", id_, "': refused a contribution to "
+                                                 "round ", Describe(key), ": ", s.ToString()));
+      TellSenderLocked(index, session, key, s, out);
+      return true;
+    }
+  }
   Member& member = members_[index];
   ++member.contributions;
   if (open == nullptr) {
@@ -618,6 +646,25 @@ bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribu
 
 void Job::CompleteLocked(Round& round, Actions* out) {
   const int64_t channels = round.channels;
+  const bool lagged_backward =
+      round.scope == v1::SCOPE_LAGGED && round.key.phase == v1::PHASE_BACKWARD;
+  const std::pair<uint32_t, uint64_t> lagged_key{round.key.op, round.key.seq};
+  // Above the sidecars a lagged backward partial is a sum around its member's forward mean;
+  // the members' sums are re-centred on this aggregator's forward mean before they are added.
+  const LaggedForward* forward = nullptr;
+  if (lagged_backward && !layout_.workers()) {
+    auto f = lagged_.find(lagged_key);
+    if (f == lagged_.end()) {
+      round.waits_forward = true;  // KeepLaggedForwardLocked completes it
+      return;
+    }
+    if (!f->second.status.ok()) {
+      FailRoundLocked(round.key, f->second.status, /*tell_parent=*/true, out);
+      return;
+    }
+    forward = &f->second;
+  }
+  round.waits_forward = false;
   std::vector<double> scratch(4 * size_t(channels), 0.0);  // one allocation: a, b, sa, sb
   double* a = scratch.data();
   double* b = a + channels;
@@ -633,12 +680,23 @@ void Job::CompleteLocked(Round& round, Actions* out) {
       [&](int i, const double** ai, const double** bi) {
         const Slot& slot = round.slots[size_t(round.lo + i)];
         wire::UnpackPayload(slot.data, channels, sa, sb);
+        if (forward != nullptr) {
+          // sum dy (x - center) = sum dy (x - mean_i) + (mean_i - center) sum dy
+          const double* mean_i = forward->means.data() + size_t(round.lo + i) * size_t(channels);
+          const double* center = forward->center.data();
+          for (int64_t ch = 0; ch < channels; ++ch) sb[ch] += (mean_i[ch] - center[ch]) * sa[ch];
+        }
         *ai = sa;
         *bi = sb;
         return slot.count;
       },
       [&](int i) { return MemberName(round.lo + i); }, layout_.strict_finite,
       [&] { return wire::RoundRef{Describe(round.key), id_}; }, a, b, &count, &fault);
+  if (lagged_backward) {
+    // Its record's last use here (a repeat is answered from finished_).
+    if (auto f = lagged_.find(lagged_key); f != lagged_.end()) ForgetLaggedLocked(f);
+    forward = nullptr;
+  }
   if (!reduced.ok()) {
     out->refused.push_back(fault == wire::ReduceFault::kCountOverflow ? "count_overflow"
                                                                       : "strict_nonfinite");
@@ -660,12 +718,18 @@ void Job::CompleteLocked(Round& round, Actions* out) {
                                              std::make_shared<const std::string>(result->data()),
                                              round.decide});
   }
-  // At a sidecar, shadow and renorm rounds are answered with the node's statistics at once;
-  // the global result of a renorm round follows as a late result (DeliverLateLocked). Above
-  // the sidecars, a forwarded round waits for the parent's result: shadow rounds too, whose
-  // global statistics a group aggregator needs for its per-node record.
-  const bool answered_now = layout_.workers() && (round.scope == v1::SCOPE_SHADOW ||
-                                                  round.scope == v1::SCOPE_RENORM);
+  // After the forward went up: the parent must see this aggregator's forward partial before
+  // its backward partial, which may complete in here.
+  if (round.scope == v1::SCOPE_LAGGED && key.phase == v1::PHASE_FORWARD) {
+    KeepLaggedForwardLocked(round, a, out);
+  }
+  // At a sidecar, shadow, renorm and lagged rounds are answered with the node's statistics at
+  // once; the global result of a renorm or lagged round follows as a late result
+  // (DeliverLateLocked). Above the sidecars, a forwarded round waits for the parent's result:
+  // shadow rounds too, whose global statistics a group aggregator needs for its per-node record.
+  const bool late_scope = round.scope == v1::SCOPE_RENORM || round.scope == v1::SCOPE_LAGGED;
+  const bool answered_now =
+      layout_.workers() && (round.scope == v1::SCOPE_SHADOW || late_scope);
   if (forwards && !answered_now) {
     round.forwarded = true;
     // The root's own deadline for this round fires first (its round opened no later than
@@ -676,8 +740,8 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   }
   if (forwards) {
     result->set_scope(v1::SCOPE_NODE);  // answer with the node's statistics now
-    if (round.scope == v1::SCOPE_RENORM) ExpectLateLocked(key, round.channels, Clock::now());
-  } else if (round.scope == v1::SCOPE_RENORM && layout_.workers()) {
+    if (late_scope) ExpectLateLocked(key, round.channels, Clock::now());
+  } else if (late_scope && layout_.workers()) {
     // A job of one node: the node's statistics are the job's; its clients keep this answer as
     // the round's global statistics too, so no late result is sent.
     result->set_scope(v1::SCOPE_NODE);
@@ -685,8 +749,7 @@ void Job::CompleteLocked(Round& round, Actions* out) {
     result->set_scope(round.scope);
   }
   if (!forwards && !layout_.workers() &&
-      (round.scope == v1::SCOPE_SHADOW || round.scope == v1::SCOPE_RENORM) &&
-      round.key.phase == v1::PHASE_FORWARD) {
+      (round.scope == v1::SCOPE_SHADOW || late_scope) && round.key.phase == v1::PHASE_FORWARD) {
     RecordDivergenceLocked(round, *result, out);
   }
   if (round.decide) {
@@ -965,6 +1028,111 @@ void Job::NameLayers(const v1::LayerNames& names, Actions* out) {
   }
 }
 
+void Job::ForgetLaggedLocked(
+    std::map<std::pair<uint32_t, uint64_t>, LaggedForward>::iterator it) {
+  ReleaseLocked(it->second.charged);
+  lagged_.erase(it);  // its entry in lagged_order_ goes when it reaches the front
+}
+
+void Job::KeepLaggedForwardLocked(const Round& round, const double* center, Actions* out) {
+  const std::pair<uint32_t, uint64_t> key{round.key.op, round.key.seq};
+  while (!lagged_order_.empty() &&
+         (int64_t(lagged_.size()) >= limits_.max_open_rounds ||
+          int64_t(lagged_order_.size()) >= 2 * int64_t(limits_.max_open_rounds) ||
+          !lagged_.count(lagged_order_.front()))) {
+    if (auto old = lagged_.find(lagged_order_.front()); old != lagged_.end()) {
+      ForgetLaggedLocked(old);
+    }
+    lagged_order_.pop_front();
+  }
+  if (auto old = lagged_.find(key); old != lagged_.end()) ForgetLaggedLocked(old);
+  LaggedForward f;
+  f.channels = round.channels;
+  const size_t members = round.slots.size();
+  const size_t channels = round.channels;
+  const bool means = !layout_.workers();
+  const int64_t bytes = int64_t(sizeof(LaggedForward) + members * sizeof(int64_t) +
+                                (means ? (members + 1) * channels * sizeof(double) : 0));
+  // Like shadow records, within a quarter of the budget: never crowding out round data.
+  if (limits_.budget && !limits_.budget->TryChargeWithin(bytes, limits_.budget->limit() / 4)) {
+    out->refused.push_back("memory_budget");
+    f.status = wire::WithReason(
+        absl::ResourceExhaustedError(absl::StrCat(
+            "round ", Describe(RoundKey{key.first, key.second, v1::PHASE_BACKWARD}), " of job '",
+            id_, "': the record of its lagged forward was not kept, since lagged records took a "
+            "quarter of the aggregator's memory budget (--memory-budget-bytes); raise it, or "
+            "run fewer lagged layers ahead of their backward")),
+        v1::REASON_MEMORY_BUDGET);
+  } else {
+    f.charged = bytes;
+    held_ += bytes;
+    f.counts.resize(members);
+    if (means) {
+      f.means.resize(members * channels);
+      f.center.assign(center, center + channels);
+    }
+    std::vector<double> m2(channels);
+    for (size_t i = size_t(round.lo); i < size_t(round.hi); ++i) {
+      f.counts[i] = round.slots[i].count;
+      if (means) wire::UnpackPayload(round.slots[i].data, int64_t(channels),
+                                     f.means.data() + i * channels, m2.data());
+    }
+  }
+  lagged_.emplace(key, std::move(f));
+  lagged_order_.push_back(key);
+  if (!means) return;
+  const RoundKey backward{key.first, key.second, v1::PHASE_BACKWARD, round.key.group};
+  if (auto b = open_.find(backward); b != open_.end() && b->second.waits_forward) {
+    CompleteLocked(b->second, out);
+  }
+}
+
+absl::Status Job::CheckLaggedBackwardLocked(int32_t index, const v1::Contribution& c) const {
+  const std::string who = MemberName(index);
+  const std::string round = Describe(RoundKey{c.op(), c.seq(), c.phase()});
+  const RoundKey forward{c.op(), c.seq(), v1::PHASE_FORWARD};
+  int64_t count = -1;
+  uint32_t channels = 0;
+  if (auto f = lagged_.find({c.op(), c.seq()}); f != lagged_.end()) {
+    if (!f->second.status.ok()) return f->second.status;
+    count = f->second.counts[size_t(index)];
+    channels = f->second.channels;
+  } else if (auto o = open_.find(forward); o != open_.end() &&
+                                           o->second.scope == v1::SCOPE_LAGGED &&
+                                           o->second.slots[size_t(index)].filled) {
+    count = o->second.slots[size_t(index)].count;
+    channels = o->second.channels;
+  } else if (auto d = finished_.find(forward); d != finished_.end() && !d->second.status.ok()) {
+    return wire::WithMessage(d->second.status,
+                             absl::StrCat("round ", round, ": its forward round failed: ",
+                                          d->second.status.message()));
+  } else if (d != finished_.end()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "round ", round, " of job '", id_, "': the record of its lagged forward round was "
+        "forgotten, since more than --max-open-rounds lagged forwards waited for their backward "
+        "here; run each lagged layer's backward before its next forwards, or raise the limit"));
+  } else {
+    return wire::InvalidContribution(
+        who, round, "phase",
+        absl::StrCat("is backward, but ", who, " sent no lagged forward contribution to op ",
+                     c.op(), ", seq ", c.seq(), " here; a lagged layer's backward round follows "
+                     "its forward round with the same op and seq, and every rank runs both"));
+  }
+  if (c.count() != count) {
+    return wire::InvalidContribution(
+        who, round, "count",
+        absl::StrCat("is ", c.count(), " but its lagged forward contribution to op ", c.op(),
+                     ", seq ", c.seq(), " had count ", count,
+                     "; a backward contribution carries the count of its forward"));
+  }
+  if (c.channels() != channels) {
+    return wire::InvalidContribution(
+        who, round, "channels",
+        absl::StrCat("is ", c.channels(), " but its lagged forward round had ", channels));
+  }
+  return absl::OkStatus();
+}
+
 void Job::ExpectLate(const RoundKey& key, uint32_t channels, Clock::time_point now) {
   absl::MutexLock lock(&mu_);
   ExpectLateLocked(key, channels, now);
@@ -1036,7 +1204,15 @@ void Job::ParentResult(const v1::Result& result, Actions* out) {
     return;
   }
   auto it = open_.find(key);
-  if (it == open_.end() || !it->second.forwarded) return;  // failed here already
+  if (it == open_.end() || !it->second.forwarded) {
+    if (!finished_.count(key)) {  // not failed here already: nothing here asked for it
+      ++late_dropped_;
+      out->round_failures.push_back(absl::StrCat(
+          "job '", id_, "': dropped the parent's result for round ", Describe(key),
+          ", which this aggregator did not forward (an unknown or future round)"));
+    }
+    return;
+  }
   if (result.code() != 0) {
     FailRoundLocked(key, wire::StatusFromCode(result.code(), result.message(), result.reason()),
                     /*tell_parent=*/false, out);
@@ -1099,6 +1275,16 @@ void Job::Expire(Clock::time_point now, Actions* out) {
       doomed.emplace_back(key, wire::RootSilent(ref, limits_.round_timeout));
       continue;
     }
+    if (round.waits_forward) {
+      doomed.emplace_back(key, wire::WithReason(
+          absl::DeadlineExceededError(absl::StrCat(
+              "round ", ref.round, " of job '", id_, "': every member sent its lagged backward "
+              "partial, but the forward round of this op and seq did not complete within ",
+              limits_.round_timeout.count(), " ms (--round-timeout-ms); its error names who is "
+              "missing")),
+          v1::REASON_TIMED_OUT));
+      continue;
+    }
     std::vector<std::string> missing;
     for (size_t i = size_t(round.lo); i < size_t(round.hi); ++i) {
       if (!round.slots[i].filled) {
@@ -1112,7 +1298,9 @@ void Job::Expire(Clock::time_point now, Actions* out) {
     }
     doomed.emplace_back(key, wire::TimedOut(ref, limits_.round_timeout, missing));
   }
-  for (auto& [key, status] : doomed) FailRoundLocked(key, status, /*tell_parent=*/true, out);
+  for (auto& [key, status] : doomed) {
+    if (open_.count(key)) FailRoundLocked(key, status, /*tell_parent=*/true, out);
+  }
   for (auto l = late_.begin(); l != late_.end();) {
     if (l->second.deadline > now) {
       ++l;
@@ -1177,6 +1365,9 @@ void Job::FillStatus(v1::JobStatus* s) const {
     m->set_down(members_[i].down);
   }
   s->set_open_rounds(int64_t(open_.size()));
+  s->set_late_due(int64_t(late_.size()));
+  s->set_lagged_forwards(int64_t(lagged_.size()));
+  s->set_late_dropped(late_dropped_);
   s->set_rounds_completed(rounds_completed_);
   s->set_rounds_failed(rounds_failed_);
   s->set_group_nodes(layout_.group_nodes);

@@ -234,11 +234,14 @@ class Job {
   static constexpr size_t kMaxNameBytes = 256;
   void NameLayers(const v1::LayerNames& names, Actions* out);
 
-  // The parent's answer to a round this aggregator forwarded. For a renorm round (forwarded
-  // after its node answer) it goes to every member as the round's late global result.
+  // The parent's answer to a round this aggregator forwarded. For a renorm or lagged round
+  // (forwarded after its node answer) it goes to every member as the round's late global
+  // result. An answer to a round this aggregator neither forwarded nor expects is dropped
+  // (logged): it cannot reach a member.
   void ParentResult(const v1::Result& result, Actions* out);
-  // A renorm partial of `channels` went to the parent by another path (the shared-memory
-  // transport's queue): its global result, when the parent answers, goes to every member.
+  // A renorm or lagged partial of `channels` went to the parent by another path (the
+  // shared-memory transport's queue): its global result, when the parent answers, goes to
+  // every member.
   void ExpectLate(const RoundKey& key, uint32_t channels, Clock::time_point now);
   // The link to the parent broke: every round waiting for it fails with `status`.
   void ParentLost(const absl::Status& status, Actions* out);
@@ -288,6 +291,9 @@ class Job {
     std::shared_ptr<const v1::AutoDecide> decide;  // Contribution.decide; null: none
     int64_t charged = 0;     // bytes charged to the budget for this round
     bool forwarded = false;  // waiting for the parent
+    // A lagged backward round above the sidecars whose every member contributed: it completes
+    // when its forward round does (it is re-centred on the forward's mean).
+    bool waits_forward = false;
     Clock::time_point opened;  // first contribution
     Clock::time_point deadline;
   };
@@ -345,6 +351,17 @@ class Job {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DeliverLateLocked(const RoundKey& key, std::shared_ptr<const v1::Result> result,
                          const absl::Status& status, Actions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Lagged rounds (docs/PROTOCOL.md, "Lagged scope"): keeps what the backward round of
+  // `round` (a completed lagged forward, reduced to mean `center`) needs: each member's count
+  // and, above the sidecars, each member's mean. Then completes that backward round if it
+  // only waited for this.
+  void KeepLaggedForwardLocked(const Round& round, const double* center, Actions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why member `index`'s lagged backward contribution `c` cannot be taken (no lagged forward
+  // from it under (op, seq), another count or channel count, its forward failed or was
+  // forgotten); OK if it can. Told to that member only.
+  absl::Status CheckLaggedBackwardLocked(int32_t index, const v1::Contribution& c) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails every late global result still due with `why(key)`.
   template <typename Why>
   void FailLateLocked(Why why, Actions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -404,6 +421,22 @@ class Job {
     Clock::time_point deadline;
   };
   std::map<RoundKey, Late> late_ ABSL_GUARDED_BY(mu_);
+  // Lagged forward rounds completed here whose backward round has not completed here, by
+  // (op, seq): at most max_open_rounds (the oldest are forgotten: their backward is refused),
+  // charged to the memory budget within a quarter of it.
+  struct LaggedForward {
+    absl::Status status;          // not OK: the record could not be kept (the budget)
+    uint32_t channels = 0;
+    std::vector<int64_t> counts;  // per member
+    std::vector<double> means;    // above the sidecars: per member, channels each
+    std::vector<double> center;   // above the sidecars: the forward's reduced mean
+    int64_t charged = 0;
+  };
+  std::map<std::pair<uint32_t, uint64_t>, LaggedForward> lagged_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<uint32_t, uint64_t>> lagged_order_ ABSL_GUARDED_BY(mu_);
+  void ForgetLaggedLocked(std::map<std::pair<uint32_t, uint64_t>, LaggedForward>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t late_dropped_ ABSL_GUARDED_BY(mu_) = 0;  // parent results nobody expected
   absl::flat_hash_map<uint32_t, std::string> names_ ABSL_GUARDED_BY(mu_);  // op -> layer name
   std::shared_ptr<const std::string> token_ ABSL_GUARDED_BY(mu_);
   bool reported_down_ ABSL_GUARDED_BY(mu_) = false;  // a sidecar that told its parent so

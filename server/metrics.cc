@@ -28,6 +28,7 @@ const char* ScopeLabel(int scope) {
     case v1::SCOPE_SHADOW: return "shadow";
     case v1::SCOPE_GROUP: return "group";
     case v1::SCOPE_RENORM: return "renorm";
+    case v1::SCOPE_LAGGED: return "lagged";
     default: return "unknown";
   }
 }

@@ -153,7 +153,7 @@ class Metrics {
 
  private:
   class StateCollector;
-  static constexpr int kScopes = 7;   // unspecified, node, global, shadow, group, -, renorm
+  static constexpr int kScopes = 8;   // unspecified, node, global, shadow, group, -, renorm, lagged
   static constexpr int kPhases = 3;   // unspecified, forward, backward
   static constexpr int kCodes = 17;   // gRPC codes 0..16
 

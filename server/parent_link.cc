@@ -348,8 +348,9 @@ void ParentLink::Forward(const std::string& job_id, const JobLayout& layout,
                          std::shared_ptr<const std::string> token, const Actions::Forward& f) {
   Item item = MakeItem(job_id, layout, std::move(token), f.key);
   Frame& frame = std::get<Frame>(item.what);
-  // A renorm partial wants its answer too: the root's global result goes to every worker; and
-  // so does a group aggregator's shadow partial (the global statistics, for its record).
+  // A renorm or lagged partial wants its answer too: the root's global result goes to every
+  // worker; and so does a group aggregator's shadow partial (the global statistics, for its
+  // record).
   frame.contribution = true;
   frame.wants_answer = f.scope != v1::SCOPE_SHADOW || !layout.workers();
   v1::Contribution* c = frame.frame.mutable_contribution();

@@ -425,6 +425,21 @@ void ShmTransport::Doorbell(const std::string& job_id, int fd) {
   }
   int malformed = 0;
   std::vector<shm::QueueEntry> items = seg->TakeQueue(&malformed);
+  // A lagged backward partial must reach the parent after its forward partial (the parent
+  // refuses a backward without its forward), but the queue's entries are taken in slot order.
+  // The forward entry was published before the backward one (its node answer came first), so
+  // a second look finds it if the first missed it; backward partials go up last.
+  auto lagged_backward = [](const shm::QueueEntry& item) {
+    return item.kind == shm::kPartial && item.scope == v1::SCOPE_LAGGED &&
+           item.key.phase == v1::PHASE_BACKWARD;
+  };
+  if (std::any_of(items.begin(), items.end(), lagged_backward)) {
+    std::vector<shm::QueueEntry> more = seg->TakeQueue(&malformed);
+    items.insert(items.end(), std::make_move_iterator(more.begin()),
+                 std::make_move_iterator(more.end()));
+    std::stable_partition(items.begin(), items.end(),
+                          [&](const shm::QueueEntry& item) { return !lagged_backward(item); });
+  }
   if (malformed > 0) {
     LogLimited(LogLevel::kWarn, LogKind::kInvalidFrame,
                absl::StrCat("job '", LogSafe(job_id, 256), "': ", malformed,

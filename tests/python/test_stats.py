@@ -45,7 +45,8 @@ def test_counts_rounds_per_scope_and_phase_time_blocked_failures_and_reset(clust
         assert isinstance(fresh, hsbn.ClientStats)
         assert fresh.total == hsbn.RoundStats()
         assert set(fresh.rounds) == {(s, p)
-                                     for s in ("node", "global", "shadow", "group", "renorm")
+                                     for s in ("node", "global", "shadow", "group", "renorm",
+                                               "lagged")
                                      for p in ("forward", "backward")}
         mean, m2 = np.array([1.0, 2.0, 3.0]), np.array([0.5, 0.5, 0.5])
         n_node, n_global, n_shadow, n_renorm, delay = 6, 4, 3, 2, 0.3

@@ -115,6 +115,49 @@ def test_status_of_a_root_and_of_a_sidecar_with_its_upstream():
                     r[0].close()
 
 
+def test_status_shows_lagged_forward_records_until_their_backward_and_late_results_due():
+    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=1, job_id="lagged-status") as cl:
+        clients = [hsbn.Client.from_env(env=dict(cl.worker_env(r), HSBN_TRANSPORT="grpc"))
+                   for r in range(2)]
+        errors = []
+
+        def both(fn):
+            def run(r):
+                try:
+                    fn(clients[r], r)
+                except Exception as e:  # reported below
+                    errors.append(e)
+            threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not errors, errors
+
+        try:
+            # A lagged forward, its late result fetched: every aggregator completed it and
+            # keeps what its backward needs.
+            both(lambda c, r: (c.forward(5, 0, "lagged", 2, np.array([float(r)]), np.array([1.0])),
+                               c.global_stats(5, 0)))
+            for address in (cl.node_addresses[0], cl.root_address):
+                [job] = status_json("--address", address)["jobs"]
+                assert int(job.get("laggedForwards", 0)) == 1, job
+                assert int(job.get("lateDue", 0)) == 0, job
+            text = hsbn_status("--address", cl.node_addresses[0]).stdout
+            assert "lagged forward records 1" in text, text
+            # Its backward, and that late result: nothing is kept any more.
+            both(lambda c, r: (c.backward(5, 0, "lagged", 2, np.array([1.0]), np.array([0.0])),
+                               c.global_sums(5, 0)))
+            for address in (cl.node_addresses[0], cl.root_address):
+                [job] = status_json("--address", address)["jobs"]
+                assert int(job.get("laggedForwards", 0)) == 0, job
+            assert "lagged forward records" not in hsbn_status(
+                "--address", cl.node_addresses[0]).stdout
+        finally:
+            for c in clients:
+                c.close()
+
+
 def test_status_names_the_address_where_nothing_answers(tmp_path):
     p = hsbn_status("--address", "unix:%s/none.sock" % tmp_path)
     assert p.returncode == 1

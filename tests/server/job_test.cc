@@ -1222,5 +1222,260 @@ TEST(GroupTier, RootAboveGroupAggregatorsRefusesGroupRoundsAndRecordsShadowPerGr
   EXPECT_EQ(st.group_divergence(1).node(), 1);
 }
 
+// --- lagged scope --------------------------------------------------------------------------------
+
+v1::Contribution Bwd(uint32_t op, uint64_t seq, int64_t count, std::vector<double> sum_dy,
+                     std::vector<double> sum_dy_xmu, v1::Scope scope = v1::SCOPE_LAGGED) {
+  v1::Contribution c = Fwd(op, seq, count, std::move(sum_dy), std::move(sum_dy_xmu), scope);
+  c.set_phase(v1::PHASE_BACKWARD);
+  return c;
+}
+
+v1::Result ParentAnswer(uint32_t op, uint64_t seq, v1::Phase phase, int64_t count,
+                        std::vector<double> a, std::vector<double> b) {
+  v1::Result r;
+  r.set_op(op);
+  r.set_seq(seq);
+  r.set_phase(phase);
+  r.set_scope(v1::SCOPE_LAGGED);
+  r.set_channels(uint32_t(a.size()));
+  r.set_count(count);
+  wire::PackPayload(a.data(), b.data(), int64_t(a.size()), r.mutable_data());
+  return r;
+}
+
+TEST(Lagged, SidecarAnswersBothPhasesWithTheNodeAtOnceAndRelaysTheRootsResultsLate) {
+  Fixture f(2, 2, 1, /*parent=*/true);
+  f.Send(0, Fwd(3, 7, 1, {1.0}, {0.0}, v1::SCOPE_LAGGED));
+  Actions a = f.Send(1, Fwd(3, 7, 1, {3.0}, {0.0}, v1::SCOPE_LAGGED));
+  ASSERT_EQ(a.forwards.size(), 1u);
+  EXPECT_EQ(a.forwards[0].scope, v1::SCOPE_LAGGED);
+  EXPECT_EQ(a.forwards[0].key.phase, v1::PHASE_FORWARD);
+  // Backward sums around the node's mean 2: the node's sums at once, and up they go.
+  f.Send(0, Bwd(3, 7, 1, {0.5}, {-0.5}));
+  a = f.Send(1, Bwd(3, 7, 1, {1.5}, {1.5}));
+  ASSERT_EQ(a.forwards.size(), 1u);
+  EXPECT_EQ(a.forwards[0].scope, v1::SCOPE_LAGGED);
+  EXPECT_EQ(a.forwards[0].key.phase, v1::PHASE_BACKWARD);
+  EXPECT_EQ(a.forwards[0].count, 2);
+  for (auto& s : f.sinks) {
+    ASSERT_EQ(s->results.size(), 2u);
+    EXPECT_FALSE(s->results[0].late());
+    EXPECT_EQ(s->results[0].scope(), v1::SCOPE_NODE);
+    EXPECT_EQ(A(s->results[0])[0], 2.0);
+    EXPECT_FALSE(s->results[1].late());
+    EXPECT_EQ(s->results[1].scope(), v1::SCOPE_NODE);
+    EXPECT_EQ(s->results[1].phase(), v1::PHASE_BACKWARD);
+    EXPECT_EQ(s->results[1].count(), 2);
+    EXPECT_EQ(A(s->results[1])[0], 2.0);
+    EXPECT_EQ(B(s->results[1])[0], 1.0);
+  }
+  // The root's answers to both phases reach every worker as late results of their phase.
+  Actions up;
+  f.job->ParentResult(ParentAnswer(3, 7, v1::PHASE_FORWARD, 4, {3.5}, {13.0}), &up);
+  f.job->ParentResult(ParentAnswer(3, 7, v1::PHASE_BACKWARD, 4, {5.0}, {-2.25}), &up);
+  f.Deliver(up);
+  for (auto& s : f.sinks) {
+    std::vector<v1::Result> late = Late(*s);
+    ASSERT_EQ(late.size(), 2u);
+    EXPECT_EQ(late[0].phase(), v1::PHASE_FORWARD);
+    EXPECT_EQ(late[0].scope(), v1::SCOPE_GLOBAL);
+    EXPECT_EQ(A(late[0])[0], 3.5);
+    EXPECT_EQ(late[1].phase(), v1::PHASE_BACKWARD);
+    EXPECT_EQ(late[1].scope(), v1::SCOPE_GLOBAL);
+    EXPECT_EQ(late[1].code(), 0);
+    EXPECT_EQ(late[1].count(), 4);
+    EXPECT_EQ(A(late[1])[0], 5.0);
+    EXPECT_EQ(B(late[1])[0], -2.25);
+  }
+  // A repeat, and a result for a round this sidecar never forwarded (a future one), reach
+  // nobody; the second is logged.
+  Actions again;
+  f.job->ParentResult(ParentAnswer(3, 7, v1::PHASE_BACKWARD, 4, {5.0}, {-2.25}), &again);
+  f.job->ParentResult(ParentAnswer(3, 99, v1::PHASE_BACKWARD, 4, {5.0}, {-2.25}), &again);
+  EXPECT_TRUE(again.deliveries.empty());
+  ASSERT_EQ(again.round_failures.size(), 1u);
+  EXPECT_NE(again.round_failures[0].find("seq 99"), std::string::npos);
+  EXPECT_NE(again.round_failures[0].find("did not forward"), std::string::npos);
+}
+
+// Node 0: x = {0, 2} (mean 1), dy = {1, 1}; node 1: x = {2, 4} (mean 3), dy = {2, -1}. The
+// job: mean 2, sum dy = 3, sum dy (x - 2) = (-2 + 0) + (0 - 2) = -4.
+constexpr double kJobSumDyXmu = -4.0;
+
+TEST(Lagged, RootRecentresEachNodesBackwardSumsOnTheJobsMeanAndWaitsForNoOne) {
+  Fixture root(2, 2, 0, false, v1::MEMBER_KIND_AGGREGATOR);
+  // Node 0 runs ahead: its backward partial (around its own mean 1) arrives before node 1's
+  // forward.
+  root.Send(0, Fwd(5, 0, 2, {1.0}, {2.0}, v1::SCOPE_LAGGED));
+  root.Send(0, Bwd(5, 0, 2, {2.0}, {0.0}));
+  EXPECT_TRUE(root.sinks[0]->results.empty());
+  root.Send(1, Fwd(5, 0, 2, {3.0}, {2.0}, v1::SCOPE_LAGGED));
+  root.Send(1, Bwd(5, 0, 2, {1.0}, {-3.0}));  // around node 1's mean 3
+  for (auto& s : root.sinks) {
+    ASSERT_EQ(s->results.size(), 2u);
+    EXPECT_EQ(s->results[0].count(), 4);
+    EXPECT_EQ(A(s->results[0])[0], 2.0);
+    EXPECT_EQ(B(s->results[0])[0], 8.0);
+    const v1::Result& back = s->results[1];
+    EXPECT_EQ(back.phase(), v1::PHASE_BACKWARD);
+    EXPECT_EQ(back.code(), 0);
+    EXPECT_EQ(back.count(), 4);
+    EXPECT_EQ(A(back)[0], 3.0);
+    EXPECT_EQ(B(back)[0], kJobSumDyXmu);  // around the job's mean 2
+    EXPECT_EQ(back.data(), root.sinks[0]->results[1].data());
+  }
+  // A global backward round of contributions taken around the job's mean gives the same sums.
+  root.Send(0, Fwd(6, 0, 2, {1.0}, {2.0}, v1::SCOPE_GLOBAL));
+  root.Send(1, Fwd(6, 0, 2, {3.0}, {2.0}, v1::SCOPE_GLOBAL));
+  root.Send(0, Bwd(6, 0, 2, {2.0}, {-2.0}, v1::SCOPE_GLOBAL));
+  root.Send(1, Bwd(6, 0, 2, {1.0}, {-2.0}, v1::SCOPE_GLOBAL));
+  ASSERT_EQ(root.sinks[0]->results.size(), 4u);
+  EXPECT_EQ(root.sinks[0]->results[3].data(), root.sinks[0]->results[1].data());
+}
+
+TEST(Lagged, AGroupAggregatorRecentresOnItsGroupsMeanAndSendsItsForwardUpFirst) {
+  Fixture f(1, 4, 0, /*parent=*/true, v1::MEMBER_KIND_AGGREGATOR, {}, false, /*group_nodes=*/2,
+            /*member_nodes=*/1, /*group=*/1);
+  Actions a = f.Send(0, Fwd(5, 0, 2, {1.0}, {2.0}, v1::SCOPE_LAGGED));
+  a = f.Send(0, Bwd(5, 0, 2, {2.0}, {0.0}));
+  EXPECT_TRUE(a.forwards.empty());
+  a = f.Send(1, Fwd(5, 0, 2, {3.0}, {2.0}, v1::SCOPE_LAGGED));
+  ASSERT_EQ(a.forwards.size(), 1u);
+  EXPECT_EQ(a.forwards[0].key.phase, v1::PHASE_FORWARD);
+  a = f.Send(1, Bwd(5, 0, 2, {1.0}, {-3.0}));
+  ASSERT_EQ(a.forwards.size(), 1u);
+  EXPECT_EQ(a.forwards[0].key.phase, v1::PHASE_BACKWARD);
+  EXPECT_EQ(a.forwards[0].scope, v1::SCOPE_LAGGED);
+  EXPECT_EQ(a.forwards[0].count, 4);
+  std::vector<double> dy(1), dyxmu(1);
+  wire::UnpackPayload(*a.forwards[0].data, 1, dy.data(), dyxmu.data());
+  EXPECT_EQ(dy[0], 3.0);
+  EXPECT_EQ(dyxmu[0], kJobSumDyXmu);  // around the group's mean 2: what the root re-centres
+  // The nodes wait for the root's answers, which go down as they come.
+  EXPECT_TRUE(f.sinks[0]->results.empty());
+  Actions down;
+  f.job->ParentResult(ParentAnswer(5, 0, v1::PHASE_BACKWARD, 8, {3.0}, {-1.0}), &down);
+  f.Deliver(down);
+  ASSERT_EQ(f.sinks[1]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[1]->results[0].phase(), v1::PHASE_BACKWARD);
+  EXPECT_EQ(f.sinks[1]->results[0].scope(), v1::SCOPE_LAGGED);
+  EXPECT_EQ(B(f.sinks[1]->results[0])[0], -1.0);
+}
+
+TEST(Lagged, ABackwardWithoutItsForwardOrWithAnotherCountIsRefusedToItsSenderOnly) {
+  Fixture root(2, 2, 0, false, v1::MEMBER_KIND_AGGREGATOR);
+  // No forward from node 1 under (op 5, seq 0): refused to node 1 alone.
+  root.Send(0, Fwd(5, 0, 2, {1.0}, {2.0}, v1::SCOPE_LAGGED));
+  root.Send(1, Bwd(5, 0, 2, {1.0}, {-3.0}));
+  EXPECT_TRUE(root.sinks[0]->results.empty());
+  ASSERT_EQ(root.sinks[1]->results.size(), 1u);
+  EXPECT_EQ(root.sinks[1]->results[0].code(), int(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(root.sinks[1]->results[0].message().find("sent no lagged forward contribution to "
+                                                     "op 5, seq 0"),
+            std::string::npos)
+      << root.sinks[1]->results[0].message();
+  // Another count than its forward's: refused to node 0 alone.
+  root.Send(0, Bwd(5, 0, 3, {2.0}, {0.0}));
+  ASSERT_EQ(root.sinks[0]->results.size(), 1u);
+  EXPECT_EQ(root.sinks[0]->results[0].code(), int(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(root.sinks[0]->results[0].message().find("field 'count' is 3 but its lagged forward "
+                                                     "contribution"),
+            std::string::npos)
+      << root.sinks[0]->results[0].message();
+  EXPECT_EQ(root.sinks[1]->results.size(), 1u);
+  // The round itself goes on: done right, both phases complete.
+  root.Send(1, Fwd(5, 0, 2, {3.0}, {2.0}, v1::SCOPE_LAGGED));
+  root.Send(0, Bwd(5, 0, 2, {2.0}, {0.0}));
+  root.Send(1, Bwd(5, 0, 2, {1.0}, {-3.0}));
+  for (auto& s : root.sinks) {
+    ASSERT_FALSE(s->results.empty());
+    EXPECT_EQ(s->results.back().code(), 0);
+    EXPECT_EQ(s->results.back().phase(), v1::PHASE_BACKWARD);
+    EXPECT_EQ(B(s->results.back())[0], kJobSumDyXmu);
+  }
+  // A backward whose forward round failed gets the forward's error.
+  root.Send(0, Fwd(5, 1, 2, {1.0}, {2.0}, v1::SCOPE_LAGGED));
+  root.Send(1, Fwd(5, 1, 2, {1.0, 2.0}, {2.0, 2.0}, v1::SCOPE_LAGGED));  // other channels
+  root.Send(0, Bwd(5, 1, 2, {2.0}, {0.0}));
+  const v1::Result& failed = root.sinks[0]->results.back();
+  EXPECT_EQ(failed.code(), int(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(failed.phase(), v1::PHASE_BACKWARD);
+  EXPECT_NE(failed.message().find("its forward round failed"), std::string::npos)
+      << failed.message();
+}
+
+TEST(Lagged, ASidecarChecksEachRanksBackwardAgainstItsForward) {
+  Fixture f(2, 2, 0, /*parent=*/true);
+  v1::Contribution lone = Bwd(4, 0, 1, {1.0}, {0.0});
+  f.Send(1, lone);
+  ASSERT_EQ(f.sinks[1]->results.size(), 1u);
+  EXPECT_EQ(f.sinks[1]->results[0].code(), int(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(f.sinks[1]->results[0].message().find("rank 1"), std::string::npos);
+  EXPECT_TRUE(f.sinks[0]->results.empty());
+  // Rank 0 forwarded (its round still open), then sends another count.
+  f.Send(0, Fwd(4, 0, 3, {1.0}, {0.0}, v1::SCOPE_LAGGED));
+  f.Send(0, Bwd(4, 0, 2, {1.0}, {0.0}));
+  ASSERT_EQ(f.sinks[0]->results.size(), 1u);
+  EXPECT_NE(f.sinks[0]->results[0].message().find("field 'count' is 2"), std::string::npos)
+      << f.sinks[0]->results[0].message();
+}
+
+TEST(Lagged, TheForwardRecordsAreBoundedAndAForgottenForwardIsNamed) {
+  JobLimits limits;
+  limits.max_open_rounds = 2;
+  Fixture f(1, 2, 0, /*parent=*/true, v1::MEMBER_KIND_WORKER, limits);
+  for (uint64_t seq = 0; seq < 5; ++seq) f.Send(0, Fwd(1, seq, 1, {1.0}, {0.0}, v1::SCOPE_LAGGED));
+  // Only the two newest forwards are remembered.
+  f.Send(0, Bwd(1, 0, 1, {1.0}, {0.0}));
+  const v1::Result& forgotten = f.sinks[0]->results.back();
+  EXPECT_EQ(forgotten.code(), int(absl::StatusCode::kResourceExhausted));
+  EXPECT_NE(forgotten.message().find("--max-open-rounds"), std::string::npos)
+      << forgotten.message();
+  f.Send(0, Bwd(1, 4, 1, {1.0}, {0.0}));
+  EXPECT_EQ(f.sinks[0]->results.back().code(), 0);
+  EXPECT_EQ(f.sinks[0]->results.back().phase(), v1::PHASE_BACKWARD);
+}
+
+TEST(Lagged, AForwardRecordTheBudgetCannotHoldFailsItsBackwardNamingTheFlag) {
+  // 64 channels: a root's record holds 3 x 512 bytes, more than a quarter of the budget.
+  auto budget = std::make_shared<MemoryBudget>(4096);
+  {
+    JobLimits limits;
+    limits.budget = budget;
+    Fixture root(2, 2, 0, false, v1::MEMBER_KIND_AGGREGATOR, limits);
+    const std::vector<double> v(64, 1.0);
+    root.Send(0, Fwd(5, 0, 2, v, v, v1::SCOPE_LAGGED));
+    root.Send(1, Fwd(5, 0, 2, v, v, v1::SCOPE_LAGGED));
+    ASSERT_EQ(root.sinks[0]->results.size(), 1u);
+    EXPECT_EQ(root.sinks[0]->results[0].code(), 0);
+    root.Send(0, Bwd(5, 0, 2, v, v));
+    ASSERT_EQ(root.sinks[0]->results.size(), 2u);
+    const v1::Result& refused = root.sinks[0]->results[1];
+    EXPECT_EQ(refused.code(), int(absl::StatusCode::kResourceExhausted));
+    EXPECT_NE(refused.message().find("--memory-budget-bytes"), std::string::npos)
+        << refused.message();
+    EXPECT_LE(budget->used(), budget->limit());
+  }
+  EXPECT_EQ(budget->used(), 0);  // everything the job held goes back with it
+}
+
+TEST(Lagged, OneNodeJobAnswersBothPhasesWithTheNodeAndSendsNoLateResult) {
+  Fixture f(2, 1, 0, /*parent=*/false);
+  f.Send(0, Fwd(2, 0, 1, {1.0}, {0.0}, v1::SCOPE_LAGGED));
+  Actions a = f.Send(1, Fwd(2, 0, 1, {3.0}, {0.0}, v1::SCOPE_LAGGED));
+  f.Send(0, Bwd(2, 0, 1, {1.0}, {-1.0}));
+  Actions b = f.Send(1, Bwd(2, 0, 1, {1.0}, {1.0}));
+  EXPECT_TRUE(a.forwards.empty());
+  EXPECT_TRUE(b.forwards.empty());
+  for (auto& s : f.sinks) {
+    ASSERT_EQ(s->results.size(), 2u);
+    EXPECT_EQ(s->results[1].scope(), v1::SCOPE_NODE);
+    EXPECT_EQ(A(s->results[1])[0], 2.0);
+    EXPECT_EQ(B(s->results[1])[0], 0.0);
+    EXPECT_TRUE(Late(*s).empty());
+  }
+}
+
 }  // namespace
 }  // namespace hsbn::server

@@ -101,13 +101,13 @@ TEST(RoundCore, CheckFieldsRefusesEachFieldNamingIt) {
   auto [code, text] = refused(bad, rules);
   EXPECT_EQ(code, absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(text, "rank 1 (node 0, local rank 1) sent an invalid contribution to round op 3, "
-                  "seq 7, forward: field 'scope' is 9; expected node, global, shadow, group or "
-                  "renorm");
+                  "seq 7, forward: field 'scope' is 9; expected node, global, shadow, group, "
+                  "renorm or lagged");
   bad.scope = v1::SCOPE_GROUP;  // the segment carries no group rounds
   RoundRules segment = rules;
   segment.group_allowed = false;
   segment.transport_cap = 16;
-  EXPECT_NE(refused(bad, segment).second.find("expected node, global, shadow or renorm"),
+  EXPECT_NE(refused(bad, segment).second.find("expected node, global, shadow, renorm or lagged"),
             std::string::npos);
   bad.scope = v1::SCOPE_RENORM;  // a forward scope only
   RoundRules backward = rules;

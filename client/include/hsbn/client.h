@@ -43,11 +43,18 @@ class Source;  // an environment to read (client/env.h)
 // kRenorm: forward rounds are answered with the node's statistics at once, like kShadow; the
 // root reduces the job's statistics off the critical path and every worker later gets them
 // (Client::GlobalStats). Its backward rounds are node rounds.
-enum class Scope : int { kNode = 1, kGlobal = 2, kShadow = 3, kGroup = 4, kAuto = 5, kRenorm = 6 };
+// kLagged: forward and backward rounds are answered with the node's statistics (sums) at once;
+// the root reduces the job's statistics (sums) off the critical path and every worker later
+// gets them (Client::GlobalStats, Client::GlobalSums). A backward contribution's sum_dy_xmu is
+// around the mean of its forward round's node answer; the job's sums are around the job's mean
+// of that forward round (docs/PROTOCOL.md, "Lagged scope").
+enum class Scope : int {
+  kNode = 1, kGlobal = 2, kShadow = 3, kGroup = 4, kAuto = 5, kRenorm = 6, kLagged = 7
+};
 enum class Phase : int { kForward = 1, kBackward = 2 };
 
 const char* ScopeName(Scope scope);
-// "node", "global", "shadow", "group", "auto" or "renorm".
+// "node", "global", "shadow", "group", "auto", "renorm" or "lagged".
 absl::StatusOr<Scope> ParseScope(const std::string& name);
 
 // How an auto-scope op decides (every rank must use the same for the same op).
@@ -163,14 +170,17 @@ struct RoundStats {
 // before they name a valid scope and phase are not counted. There is no "local" scope at this
 // level: a local BatchNorm layer makes no rounds.
 struct ClientStats {
-  // node, global, shadow, group, auto (always 0: auto counts as what it sent), renorm
-  static constexpr int kScopes = 6;
+  // node, global, shadow, group, auto (always 0: auto counts as what it sent), renorm, lagged
+  static constexpr int kScopes = 7;
   static constexpr int kPhases = 2;  // forward, backward
   RoundStats rounds[kScopes][kPhases];  // [int(scope) - 1][int(phase) - 1]
-  // GlobalStats calls (renorm scope): completed, failed and the time blocked in them, and how
-  // many of them found the result not there yet and had to wait for it.
+  // GlobalStats and GlobalSums calls (renorm and lagged scope): completed, failed and the time
+  // blocked in them, and how many of them found the result not there yet and had to wait.
   RoundStats global_stats;
   int64_t global_stats_waited = 0;
+  // Late results the sidecar sent for rounds this client did not start with renorm or lagged
+  // scope (or sent twice): dropped, never kept.
+  int64_t late_dropped = 0;
   // Serialized protobuf bytes of the frames written to and read from the round streams
   // (contributions, results; gRPC and HTTP/2 framing not included), plus the statistics bytes
   // (16 per channel) of rounds through the node's shared memory, each way.
@@ -229,9 +239,9 @@ class Client {
                         double* out_sum_dy, double* out_sum_dy_xmu);
 
   // Renorm scope: the job's (global) statistics of forward round (op, seq), which was started
-  // with Scope::kRenorm on this client: count and `channels` values each of mean and m2. Waits
-  // until the root's result reaches this worker (every worker of the job gets the same bits),
-  // at most the round timeout: DEADLINE_EXCEEDED naming the round if the root does not answer,
+  // with Scope::kRenorm or kLagged on this client: count and `channels` values each of mean and
+  // m2. Waits until the root's result reaches this worker (every worker of the job gets the
+  // same bits), at most the round timeout: DEADLINE_EXCEEDED naming the round if the root does not answer,
   // the root's error if the round failed there, UNAVAILABLE if the stream to the sidecar broke.
   // A result stays available for later calls until 4096 newer ones (or 64 MiB) pushed it out.
   absl::Status GlobalStats(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
@@ -245,6 +255,17 @@ class Client {
   // Whether GlobalStats(op, seq) would return at once (the result, or its failure, is here).
   // Never blocks; reads what the stream has delivered so far.
   bool GlobalStatsReady(uint32_t op, uint64_t seq);
+  // GlobalStats's forward results for Scope::kLagged too. Lagged scope's backward: the job's
+  // sums of backward round (op, seq): count (the job's, as its forward's), sum_dy[channels] and
+  // sum_dy_xmu[channels] = sum of dy * (x - mean) with `mean` the job's mean of forward round
+  // (op, seq) (GlobalStats(op, seq)'s), whatever mean each node's ranks contributed around.
+  // Waits, fails and keeps results as GlobalStats does; every worker gets the same bits.
+  absl::Status GlobalSums(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
+                          double* out_sum_dy, double* out_sum_dy_xmu);
+  absl::Status GlobalSumsFor(uint32_t op, uint64_t seq, int64_t channels,
+                             std::chrono::milliseconds slice, bool* done, int64_t* out_count,
+                             double* out_sum_dy, double* out_sum_dy_xmu);
+  bool GlobalSumsReady(uint32_t op, uint64_t seq);
 
   // Names the job's layers (op -> name) for the aggregators' Status and divergence record, which
   // otherwise show op numbers. Sent once on the stream; the aggregators keep the first name of

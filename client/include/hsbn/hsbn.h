@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define HSBN_ABI_VERSION 3
+#define HSBN_ABI_VERSION 4
 
 typedef enum hsbn_result {
   HSBN_OK = 0,
@@ -79,8 +79,12 @@ typedef enum hsbn_scope {
   HSBN_SCOPE_GROUP = 4,  /* the node's group of hsbn_options.group_nodes consecutive nodes */
   HSBN_SCOPE_AUTO = 5,   /* shadow for a warm-up, then node (group) or global, decided per op by
                             the root (hsbn_set_auto_policy, hsbn_get_auto_decision) */
-  HSBN_SCOPE_RENORM = 6  /* forward: answered with the node's statistics at once; the job's
+  HSBN_SCOPE_RENORM = 6, /* forward: answered with the node's statistics at once; the job's
                             statistics follow (hsbn_client_global_stats). Backward: node */
+  HSBN_SCOPE_LAGGED = 7  /* (ABI 4) forward and backward: answered with the node's statistics
+                            (sums) at once; the job's follow (hsbn_client_global_stats,
+                            hsbn_client_global_sums). A backward's sum_dy_xmu is around the mean
+                            of its forward round's node answer */
 } hsbn_scope;
 
 typedef enum hsbn_phase {
@@ -170,6 +174,11 @@ typedef struct hsbn_stats {
   hsbn_round_stats renorm_rounds[2];
   hsbn_round_stats global_stats;
   int64_t global_stats_waited;
+  /* Added after global_stats_waited (ABI 4): HSBN_SCOPE_LAGGED's rounds, [phase - 1]
+   * (global_stats counts hsbn_client_global_sums calls too); late results the sidecar sent for
+   * rounds this client did not start with renorm or lagged scope, dropped. */
+  hsbn_round_stats lagged_rounds[2];
+  int64_t late_dropped;
 } hsbn_stats;
 
 /* Name of a result code ("INVALID_ARGUMENT"); never NULL. */
@@ -234,8 +243,8 @@ hsbn_result hsbn_forward(hsbn_client* client, uint32_t op, uint64_t seq, hsbn_sc
                          int64_t channels, int64_t count, const double* mean, const double* m2,
                          int64_t* out_count, double* out_mean, double* out_m2);
 
-/* Renorm scope: the job's (global) count, mean[channels] and m2[channels] of forward round
- * (op, seq), started with HSBN_SCOPE_RENORM on this client. Blocks until they arrive (every
+/* Renorm and lagged scope: the job's (global) count, mean[channels] and m2[channels] of forward
+ * round (op, seq), started with HSBN_SCOPE_RENORM or HSBN_SCOPE_LAGGED on this client. Blocks until they arrive (every
  * worker of the job gets the same bits), at most the round timeout: DEADLINE_EXCEEDED naming
  * the round when the root does not answer, the root's error when the round failed there,
  * UNAVAILABLE when the stream to the sidecar broke. */
@@ -255,6 +264,22 @@ hsbn_result hsbn_client_name_layers(hsbn_client* client, const uint32_t* ops,
 /* 1 when hsbn_client_global_stats(op, seq) would return at once, else 0 (-1: null client).
  * Never blocks. */
 int hsbn_client_global_stats_ready(hsbn_client* client, uint32_t op, uint64_t seq);
+/* Lagged scope (ABI 4): the job's count, sum_dy[channels] and sum_dy_xmu[channels] of backward
+ * round (op, seq), started with HSBN_SCOPE_LAGGED on this client. sum_dy_xmu is the job's
+ * sum of dy * (x - mean) around `mean`, the job's mean of forward round (op, seq) (what
+ * hsbn_client_global_stats gives), whatever mean each node's ranks contributed around (their
+ * node's, by the protocol); count is the job's count of that forward round. Blocks, fails and
+ * keeps results as hsbn_client_global_stats does; every worker gets the same bits. */
+hsbn_result hsbn_client_global_sums(hsbn_client* client, uint32_t op, uint64_t seq,
+                                    int64_t channels, int64_t* out_count, double* out_sum_dy,
+                                    double* out_sum_dy_xmu);
+/* hsbn_client_global_sums in slices of at most timeout_ms, as hsbn_client_global_stats_for. */
+hsbn_result hsbn_client_global_sums_for(hsbn_client* client, uint32_t op, uint64_t seq,
+                                        int64_t channels, int64_t timeout_ms, int* done,
+                                        int64_t* out_count, double* out_sum_dy,
+                                        double* out_sum_dy_xmu);
+/* 1 when hsbn_client_global_sums(op, seq) would return at once, else 0 (-1: null client). */
+int hsbn_client_global_sums_ready(hsbn_client* client, uint32_t op, uint64_t seq);
 
 /* One backward round, blocking: contributes (sum_dy, sum_dy_xmu), receives their sums over the
  * scope. `count` is this worker's count; *out_count the scope's. */

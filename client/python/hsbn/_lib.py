@@ -19,7 +19,7 @@ import glob
 import os
 import threading
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _NATIVE_DIR = os.path.join(_PACKAGE_DIR, "_native")
@@ -220,6 +220,8 @@ class CStats(ctypes.Structure):
         ("renorm_rounds", CRoundStats * 2),
         ("global_stats", CRoundStats),
         ("global_stats_waited", ctypes.c_int64),
+        ("lagged_rounds", CRoundStats * 2),
+        ("late_dropped", ctypes.c_int64),
     ]
 
 
@@ -249,6 +251,7 @@ SCOPE_SHADOW = 3
 SCOPE_GROUP = 4
 SCOPE_AUTO = 5
 SCOPE_RENORM = 6  # HSBN_SCOPE_RENORM: node round; the global one off the critical path
+SCOPE_LAGGED = 7  # HSBN_SCOPE_LAGGED: as renorm, for forward and backward rounds
 PHASE_FORWARD = 1
 PHASE_BACKWARD = 2
 
@@ -294,6 +297,9 @@ _SIGNATURES = {
     "hsbn_client_global_stats": (_c_int, [_p_void, _c_u32, _c_u64, _c_i64, _p_i64, _p_dbl,
                                           _p_dbl]),
     "hsbn_client_global_stats_ready": (_c_int, [_p_void, _c_u32, _c_u64]),
+    "hsbn_client_global_sums_ready": (_c_int, [_p_void, _c_u32, _c_u64]),
+    "hsbn_client_global_sums_for": (_c_int, [_p_void, _c_u32, _c_u64, _c_i64, _c_i64,
+                                             ctypes.POINTER(_c_int), _p_i64, _p_dbl, _p_dbl]),
     "hsbn_client_global_stats_for": (_c_int, [_p_void, _c_u32, _c_u64, _c_i64, _c_i64,
                                               ctypes.POINTER(_c_int), _p_i64, _p_dbl, _p_dbl]),
     "hsbn_client_name_layers": (_c_int, [_p_void, ctypes.POINTER(_c_u32),

@@ -87,6 +87,11 @@ def _fmt_status(st, indent=""):
                      % (indent, job.get("jobId"), job.get("worldSize"), job.get("numNodes"),
                         connected, job.get("groupSize"), job.get("openRounds"),
                         job.get("roundsCompleted"), job.get("roundsFailed")))
+        late = [(k, int(job.get(key, 0))) for k, key in
+                (("late results due", "lateDue"), ("lagged forward records", "laggedForwards"),
+                 ("parent results dropped", "lateDropped"))]
+        if any(n for _, n in late):
+            lines.append("%s    %s" % (indent, "  ".join("%s %d" % (k, n) for k, n in late)))
         if st.get("role") == "group":
             lines.append("%s    serves group %s (nodes %d-%d)"
                          % (indent, job.get("group", 0), first_node(job),

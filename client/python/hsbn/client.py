@@ -25,9 +25,10 @@ from . import env as _env
 from .errors import ConfigurationError, UnavailableError, error_for, UNAVAILABLE
 
 SCOPES = {"node": _lib.SCOPE_NODE, "global": _lib.SCOPE_GLOBAL, "shadow": _lib.SCOPE_SHADOW,
-          "group": _lib.SCOPE_GROUP, "auto": _lib.SCOPE_AUTO, "renorm": _lib.SCOPE_RENORM}
+          "group": _lib.SCOPE_GROUP, "auto": _lib.SCOPE_AUTO, "renorm": _lib.SCOPE_RENORM,
+          "lagged": _lib.SCOPE_LAGGED}
 # Scopes rounds are sent (and counted) with; an "auto" round counts as what it sent.
-STAT_SCOPES = ("node", "global", "shadow", "group", "renorm")
+STAT_SCOPES = ("node", "global", "shadow", "group", "renorm", "lagged")
 _SCOPE_NAMES = {v: k for k, v in SCOPES.items()}
 PHASES = {"forward": _lib.PHASE_FORWARD, "backward": _lib.PHASE_BACKWARD}
 
@@ -172,12 +173,15 @@ class ClientStats:
     """What a Client did since it connected or since its last reset_stats() (Client.stats).
 
     rounds: {(scope, phase): RoundStats} for every scope in "node", "global", "shadow",
-      "group", "renorm" and phase in "forward", "backward" (all ten keys always present); an
+      "group", "renorm", "lagged" and phase in "forward", "backward" (all twelve keys always
+      present); an
       auto-scope layer's rounds count under the scope each was sent with. There is no "local"
       entry: a local BatchNorm layer makes no rounds.
-    global_stats: RoundStats of the global_stats() calls (renorm scope): completed, failed,
-      seconds blocked in them; global_stats_waited: how many of them had to wait for the
-      global result (it had not arrived when asked).
+    global_stats: RoundStats of the global_stats() and global_sums() calls (renorm and lagged
+      scope): completed, failed, seconds blocked in them; global_stats_waited: how many of them
+      had to wait for the global result (it had not arrived when asked).
+    late_dropped: late results the sidecar sent for rounds this client did not start with
+      renorm or lagged scope (or sent twice): dropped, never kept.
     bytes_sent, bytes_received: serialized bytes of the frames written to and read from the
       round stream (contributions and results; gRPC/HTTP/2 framing not included).
     elapsed_seconds: wall time since the client connected or its last reset_stats().
@@ -191,6 +195,7 @@ class ClientStats:
     transport: str = ""
     global_stats: RoundStats = RoundStats()
     global_stats_waited: int = 0
+    late_dropped: int = 0
 
     def get(self, scope=None, phase=None):
         """RoundStats of one scope and phase; None sums over all scopes (or phases)."""
@@ -254,7 +259,7 @@ class Client:
                  auto_max_mean_shift=None, auto_max_log_var_ratio=None, auto_recheck_every=None,
                  env=None):
         self._handle = None
-        self._renorm_channels = {}  # op -> channels of its last renorm forward
+        self._renorm_channels = {}  # op -> channels of its last renorm or lagged forward
         if not job_id:
             raise ConfigurationError("job_id is empty: give every worker of the job the same "
                                      "non-empty job id (HSBN_JOB_ID)")
@@ -382,7 +387,7 @@ class Client:
         out_b = np.empty_like(b)
         out_count = ctypes.c_int64()
         dp = ctypes.POINTER(ctypes.c_double)
-        if scope == "renorm" and what == "forward":
+        if scope in ("renorm", "lagged") and what == "forward":
             self._renorm_channels[int(op) & 0xFFFFFFFF] = channels
         rnd = ctypes.c_void_p()
         rc = self._lib.hsbn_round_start(self._handle, phase, int(op), int(seq), scope_code,
@@ -433,41 +438,55 @@ class Client:
                            sum_dy_xmu)
 
     def global_stats(self, op, seq, channels=None):
-        """Renorm scope: the job's (count, mean, m2) of forward round (op, seq), which this
-        client started with scope "renorm" (channels: its width; None: that of op's last renorm
-        forward). Blocks until the root's result arrives (every worker of the job gets the same
-        bits), at most the round timeout; raises the hsbn error naming the round when the root
-        does not answer or the round failed."""
+        """Renorm and lagged scope: the job's (count, mean, m2) of forward round (op, seq), which
+        this client started with scope "renorm" or "lagged" (channels: its width; None: that of
+        op's last renorm or lagged forward). Blocks until the root's result arrives (every
+        worker of the job gets the same bits), at most the round timeout; raises the hsbn error
+        naming the round when the root does not answer or the round failed."""
+        return self._late(_lib.PHASE_FORWARD, op, seq, channels)
+
+    def global_sums(self, op, seq, channels=None):
+        """Lagged scope: the job's (count, sum_dy, sum_dy_xmu) of backward round (op, seq),
+        which this client started with scope "lagged". sum_dy_xmu is the job's sum of
+        dy * (x - mean) with mean the job's mean of forward round (op, seq) (global_stats'),
+        whatever mean each node contributed around (its node's forward answer, by the
+        protocol); count is that forward round's job count. Blocks and fails as global_stats."""
+        return self._late(_lib.PHASE_BACKWARD, op, seq, channels)
+
+    def _late(self, phase, op, seq, channels):
         self._check_open()
         op = int(op) & 0xFFFFFFFF
+        what, call = (("global statistics", "hsbn_client_global_stats_for")
+                      if phase == _lib.PHASE_FORWARD
+                      else ("global sums", "hsbn_client_global_sums_for"))
         if channels is None:
             channels = self._renorm_channels.get(op)
             if channels is None:
                 raise ConfigurationError(
-                    "global_stats(op=%d): this client made no renorm forward round of op %d; "
-                    "pass channels=" % (op, op))
+                    "%s(op=%d): this client made no renorm or lagged forward round of op %d; "
+                    "pass channels=" % (what.replace(" ", "_"), op, op))
         channels = int(channels)
-        mean = np.empty(max(channels, 1), dtype=np.float64)
-        m2 = np.empty_like(mean)
+        a = np.empty(max(channels, 1), dtype=np.float64)
+        b = np.empty_like(a)
         count = ctypes.c_int64()
         dp = ctypes.POINTER(ctypes.c_double)
-        args = (ctypes.byref(count), mean.ctypes.data_as(dp), m2.ctypes.data_as(dp))
+        args = (ctypes.byref(count), a.ctypes.data_as(dp), b.ctypes.data_as(dp))
         done = ctypes.c_int(0)
         # In slices, as _wait: Ctrl-C raises here within a slice (and aborts the client).
         try:
             while True:
-                rc = self._lib.hsbn_client_global_stats_for(self._handle, op, int(seq), channels,
-                                                            _WAIT_SLICE_MS, ctypes.byref(done),
-                                                            *args)
+                rc = getattr(self._lib, call)(self._handle, op, int(seq), channels,
+                                              _WAIT_SLICE_MS, ctypes.byref(done), *args)
                 if done.value:
                     break
         except BaseException as e:
-            self.abort("%s while waiting for global statistics" % type(e).__name__)
+            self.abort("%s while waiting for %s" % (type(e).__name__, what))
             raise
         if rc != 0:
-            raise error_for(rc, "global statistics of %s (op=%d, seq=%d, rank %d of job %r): %s"
-                            % (op_label(op), op, seq, self.rank, self.job_id, _lib.last_error()))
-        return count.value, mean, m2
+            raise error_for(rc, "%s of %s (op=%d, seq=%d, rank %d of job %r): %s"
+                            % (what, op_label(op), op, seq, self.rank, self.job_id,
+                               _lib.last_error()))
+        return count.value, a, b
 
     def name_layers(self, names):
         """Names layers for the aggregators' Status and divergence record ({op: name}); the
@@ -490,6 +509,12 @@ class Client:
         self._check_open()
         return self._lib.hsbn_client_global_stats_ready(self._handle, int(op) & 0xFFFFFFFF,
                                                         int(seq)) == 1
+
+    def global_sums_ready(self, op, seq):
+        """True when global_sums(op, seq) would return at once. Never blocks."""
+        self._check_open()
+        return self._lib.hsbn_client_global_sums_ready(self._handle, int(op) & 0xFFFFFFFF,
+                                                       int(seq)) == 1
 
     def abort(self, reason=None):
         """Gives up on the job (like NCCL's ncclCommAbort): this client's rounds in flight and
@@ -539,13 +564,15 @@ class Client:
                     r = raw.group_rounds[ph - 1]
                 elif scope == "renorm":
                     r = raw.renorm_rounds[ph - 1]
+                elif scope == "lagged":
+                    r = raw.lagged_rounds[ph - 1]
                 else:
                     r = raw.rounds[sc - 1][ph - 1]
                 rounds[(scope, phase)] = of(r)
         transport = raw.transport.decode("utf-8", "replace")
         return ClientStats(rounds, int(raw.bytes_sent), int(raw.bytes_received),
                            float(raw.elapsed_seconds), transport, of(raw.global_stats),
-                           int(raw.global_stats_waited))
+                           int(raw.global_stats_waited), int(raw.late_dropped))
 
     # --- auto scope ----------------------------------------------------------------------------
 

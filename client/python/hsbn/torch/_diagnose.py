@@ -89,8 +89,9 @@ def _training_scope(m, model_training):
     kind = _kind(m)
     if kind == "hsbn":
         s = m.current_scope()
-        # renorm normalizes as with (earlier calls') global statistics, up to its clipping.
-        return {"shadow": "node", "renorm": "global"}.get(s, s)
+        # renorm normalizes as with (earlier calls') global statistics, up to its clipping;
+        # lagged with the job's, the other nodes' share one call old.
+        return {"shadow": "node", "renorm": "global", "lagged": "global"}.get(s, s)
     if kind == "torch-sync":
         return "global"   # its process group: the whole job unless the user gave another
     return "local"

@@ -85,7 +85,8 @@ class _LayerCheck:
         self.model = model
         self.entries = tuple(entries)   # (qualified name, op, scope, channels), module order
         self.op = _check_op_for_model(model)
-        self.scope = ("global" if any(e[2] in ("global", "shadow", "group", "auto", "renorm")
+        self.scope = ("global" if any(e[2] in ("global", "shadow", "group", "auto", "renorm",
+                                               "lagged")
                                       for e in self.entries)
                       else "node")
         self.digest = self._prefix_digest(len(self.entries))

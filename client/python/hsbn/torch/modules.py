@@ -250,6 +250,12 @@ class SyncBatchNorm(_BatchNorm):
             self.samples_seen += input.numel() // max(1, input.shape[1])
         if sync and self.scope == "renorm":
             return self._renorm_forward(input, client, book)
+        if sync and self.scope == "lagged":
+            # The service delivers lagged rounds (docs/PROTOCOL.md, "Lagged scope"); the layer's
+            # formulas and guard are issue #41's study, not here yet.
+            raise ConfigurationError(
+                "%s: scope 'lagged' has no layer implementation in this hsbn.torch yet (issue "
+                "#41); use 'renorm', 'global' or 'node'" % self._label())
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
