@@ -131,7 +131,7 @@ class _LayerCheck:
                         if wide else "this rank has only node-scope layers")
                 msg = ("hsbn: the layer check of model %r failed. The ranks disagree on the "
                        "check itself: some have layers of a scope wider than node (global, "
-                       "group, shadow, auto, renorm) in this model where others have only node "
+                       "group, shadow, auto, renorm, lagged) in this model where others have only node "
                        "layers (%s). Convert the model with the same scopes on every rank."
                        % (self.model, here))
             elif e.code == DEADLINE_EXCEEDED and e.reason == "TIMED_OUT":  # ranks it names
