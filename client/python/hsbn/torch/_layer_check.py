@@ -131,8 +131,9 @@ class _LayerCheck:
                         if wide else "this rank has only node-scope layers")
                 msg = ("hsbn: the layer check of model %r failed. The ranks disagree on the "
                        "check itself: some have layers of a scope wider than node (global, "
-                       "group, shadow, auto, renorm, lagged) in this model where others have only node "
-                       "layers (%s). Convert the model with the same scopes on every rank."
+                       "group, shadow, auto, renorm, lagged) in this model where others have "
+                       "only node layers (%s). Convert the model with the same scopes on every "
+                       "rank."
                        % (self.model, here))
             elif e.code == DEADLINE_EXCEEDED and e.reason == "TIMED_OUT":  # ranks it names
                 msg = ("%s. The ranks named did not run model %r in training mode: every rank "
