@@ -24,7 +24,7 @@
 #                              and the faults, kube the played manifests
 #   HSBN_CONTAINERS_LOGS=DIR   where the containers' logs go (default: a new folder in /tmp,
 #                              kept and printed when a check failed)
-set -uo pipefail
+set -uo pipefail  # (so no "producer | grep -q" here: grep's early exit would fail the pipe)
 cd "$(dirname "$0")/.." || exit 2
 REPO="$PWD"
 BUILD="${1:-${HSBN_BUILD_DIR:-build}}"
@@ -62,7 +62,7 @@ WHEELS=("$BUILD"/dist/hsbn-*-py3-none-linux_x86_64.whl)
 PKGS=(podman runc catatonit netavark aardvark-dns debootstrap)
 missing=()
 for p in "${PKGS[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing ${missing[*]}"
@@ -302,7 +302,7 @@ if [ "$up" = 1 ]; then
   run_job node node
   run_job global global
   for n in 0 1; do
-    if podman logs "$P-node$n-sidecar" 2>&1 | grep -q "job 'node': node rounds use shared memory (2 local ranks"; then
+    if [ "$(podman logs "$P-node$n-sidecar" 2>&1 | grep -c "job 'node': node rounds use shared memory (2 local ranks")" -gt 0 ]; then
       pass "sidecar node-$n: job 'node' used shared memory (its log)"
     else
       fail "sidecar node-$n: no 'node rounds use shared memory' for job 'node' in its log"
@@ -326,7 +326,7 @@ if [ "$up" = 1 ]; then
   else
     ino="$(podman exec "$P-node0-sidecar" stat -c %i /run/hsbn/ready)"
     t0=$(date +%s.%N)
-    podman stop -t 10 "$P-node0-sidecar" >/dev/null
+    podman stop -t 10 "$P-node0-sidecar" >/dev/null 2>>"$LOGS/podman.log"
     agg_code="$(podman inspect "$P-node0-sidecar" --format '{{.State.ExitCode}}')"
     t_agg=$(date +%s.%N)
     codes="$(wait_exit 60 "$P-stop-r0" "$P-stop-r1")" || codes="hung"
@@ -364,7 +364,7 @@ if [ "$up" = 1 ]; then
       codes="$(wait_exit 300 "$P-after-r0" "$P-after-r1")" || codes=hung
       n_ok=0
       for r in 0 1; do
-        log_of "$P-after-r$r" | grep -q "^HSBN-JOB PASS rank=$r scope=node .*transport=shm" && n_ok=$((n_ok + 1))
+        [ "$(log_of "$P-after-r$r" | grep -c "^HSBN-JOB PASS rank=$r scope=node .*transport=shm")" -gt 0 ] && n_ok=$((n_ok + 1))
       done
       if [ "$n_ok" = 2 ]; then pass "restarted sidecar node-0: a new job passed (node scope, shared memory)"
       else fail "restarted sidecar node-0: the new job did not pass (exit codes $(tr '\n' ' ' <<<"$codes"); logs $LOGS/$P-after-r*.log)"; fi
@@ -381,7 +381,7 @@ if [ "$up" = 1 ]; then
   running=0
   for ((i = 0; i < 300 && running < 4; i++)); do
     running=0
-    for r in 0 1 2 3; do podman logs "$P-kill-r$r" 2>&1 | grep -q "^HSBN-JOB RUNNING" && running=$((running + 1)); done
+    for r in 0 1 2 3; do [ "$(podman logs "$P-kill-r$r" 2>&1 | grep -c "^HSBN-JOB RUNNING")" -gt 0 ] && running=$((running + 1)); done
     [ "$running" -ge 4 ] || sleep 0.2
   done
   if [ "$running" -lt 4 ]; then
@@ -556,7 +556,7 @@ docs = list(yaml.safe_load_all(open(sys.argv[1])))
 for i, d in enumerate(docs):
     yaml.safe_dump(d, open("%s/multi-pod%d.yaml" % (sys.argv[2], i), "w"), sort_keys=False)
 EOF
-    root_ct="$(podman ps --format '{{.Names}}' | grep -m1 '^hsbn-root')"
+    root_ct="$(podman ps --format '{{.Names}}' | grep '^hsbn-root' | head -n 1)"
     if [ -n "$root_ct" ] && wait_ready "$root_ct" && play "$K/multi-pod0.yaml" "$KUBE_SUBNET.20" \
        && play "$K/multi-pod1.yaml" "$KUBE_SUBNET.21"; then
       check_played hsbn-train-0 2 "overlays/multi-node pod 0 (with deploy/k8s/root) under podman kube play"
