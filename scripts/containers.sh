@@ -349,6 +349,9 @@ if [ "$up" = 1 ]; then
         fail "fault stop rank $r: failed after $took s (bound 15 s): $line"
       elif grep -Eq "sidecar node-0 is shutting down \(SIGTERM\)|sidecar (node-0 )?is gone" <<<"$line"; then
         pass "fault stop rank $r: failed in $took s naming the sidecar: ${line#*error=}"
+      elif [ "$restart" = 1 ] && grep -q "is shutting down (SIGTERM)" <<<"$line"; then
+        fail "$what: failed at its next call with the stopped sidecar's status instead of joining the restarted one as docs/PYTORCH.md says (issue #39's case, SIGTERM between rounds: the client's; reported): ${line#*error=}"
+        KNOWN+=("#39")
       elif grep -q "CANCELLED" <<<"$line"; then
         fail "fault stop rank $r: a bare CANCELLED, not naming the sidecar (issue #39, being fixed in the client): ${line#*error=}"
         KNOWN+=("#39")
@@ -373,7 +376,63 @@ if [ "$up" = 1 ]; then
     fi
   fi
 
-  # 3. A trainer container killed (SIGKILL) in a global job: the other three fail at once
+  # 3. The sidecar stopped while its trainers are between rounds (they hold after step 1 until
+  # SIGUSR1). docs/PYTORCH.md ("When a sidecar restarts"): a rank between rounds meets the
+  # restarted sidecar at its next call without an error (its Join waits up to the connect
+  # timeout, 10 s, for the new process); with no sidecar coming back it fails within that
+  # timeout, naming the sidecar. Issue #39 (the client's, open): today a rank between rounds may
+  # get a bare CANCELLED after ~10 s, and (seen here, both transports) fails at its next call
+  # with the stopped sidecar's status even when a new sidecar listens; marked "issue #39".
+  between() {  # JOB RESTART(0|1)
+    local job="$1" restart="$2" r held=0 i ino line out what
+    for r in 0 1; do trainer "$P-$job-r$r" 0 "$r" "$job" --scope node --hold-after 1; done
+    for ((i = 0; i < 300 && held < 2; i++)); do
+      held=0
+      for r in 0 1; do [ "$(podman logs "$P-$job-r$r" 2>&1 | grep -c "^HSBN-JOB HOLD")" -gt 0 ] && held=$((held + 1)); done
+      [ "$held" -ge 2 ] || sleep 0.2
+    done
+    [ "$held" -ge 2 ] || { fail "fault between rounds ($job): the trainers did not reach step 1 within 60 s"; return; }
+    ino="$(podman exec "$P-node0-sidecar" stat -c %i /run/hsbn/ready)"
+    podman stop -t 10 "$P-node0-sidecar" >/dev/null 2>>"$LOGS/podman.log"
+    if [ "$restart" = 1 ]; then
+      podman start "$P-node0-sidecar" >/dev/null 2>>"$LOGS/podman.log"
+      wait_ready "$P-node0-sidecar" "$ino" || { fail "fault between rounds ($job): the restarted sidecar is not ready within 60 s"; return; }
+    fi
+    local t0; t0=$(date +%s.%N)
+    podman kill -s USR1 "$P-$job-r0" "$P-$job-r1" >/dev/null
+    local codes took; codes="$(wait_exit 60 "$P-$job-r0" "$P-$job-r1")" || codes=hung
+    took=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+    for r in 0 1; do
+      out="$(log_of "$P-$job-r$r")"
+      line="$(grep "^HSBN-JOB \(PASS\|FAIL\|MISMATCH\)" <<<"$out" | head -n 1)"
+      what="fault between rounds, sidecar stopped$([ "$restart" = 1 ] && echo " and restarted") rank $r"
+      if [ "$codes" = hung ]; then fail "$what: still running 60 s after it went on (hangs)"
+      elif [ "$restart" = 1 ] && [[ "$line" == "HSBN-JOB PASS"* ]]; then
+        pass "$what: met the new sidecar and finished the job without an error ($took s)"
+      elif [ "$restart" = 0 ] && [[ "$line" == "HSBN-JOB FAIL"* ]] && ! awk -v t="$took" 'BEGIN { exit !(t <= 15) }'; then
+        fail "$what: failed after $took s (bound 15 s: the connect timeout + 5): ${line#*error=}"
+      elif [ "$restart" = 0 ] && grep -Eq "HSBN-JOB FAIL.*(sidecar|unix:/run/hsbn/hsbn.sock)" <<<"$line" && ! grep -q "CANCELLED" <<<"$line"; then
+        pass "$what: failed in $took s naming the sidecar: ${line#*error=}"
+      elif [ "$restart" = 1 ] && grep -q "is shutting down (SIGTERM)" <<<"$line"; then
+        fail "$what: failed at its next call with the stopped sidecar's status instead of joining the restarted one as docs/PYTORCH.md says (issue #39's case, SIGTERM between rounds: the client's; reported): ${line#*error=}"
+        KNOWN+=("#39")
+      elif grep -q "CANCELLED" <<<"$line"; then
+        fail "$what: a bare CANCELLED after $took s, not naming the sidecar (issue #39, being fixed in the client): ${line#*error=}"
+        KNOWN+=("#39")
+      else
+        fail "$what: ${line:-no result line: $(tail -3 <<<"$out")} ($took s)"
+      fi
+    done
+    if [ "$restart" = 0 ]; then
+      podman start "$P-node0-sidecar" >/dev/null 2>>"$LOGS/podman.log"
+      wait_ready "$P-node0-sidecar" "$ino" || fail "sidecar node-0: not ready within 60 s after its restart"
+    fi
+  }
+  say "fault: podman stop of sidecar node-0 while its trainers are between rounds (no restart, then a restart)"
+  between gone 0
+  between back 1
+
+  # 4. A trainer container killed (SIGKILL) in a global job: the other three fail at once
   # (docs/PROTOCOL.md: a broken stream is reported to the round's members, not at the
   # deadline), naming it. Bound checked: 10 s, a third of the round timeout.
   say "fault: podman kill of trainer rank 3 (node 1) in a global job"
@@ -589,6 +648,6 @@ if [ ${#FAILED[@]} -eq 0 ]; then
 fi
 echo "containers: logs in $LOGS"
 note=""
-[ ${#KNOWN[@]} -eq 0 ] || note="; among them issue ${KNOWN[0]} (known, being fixed)"
+[ ${#KNOWN[@]} -eq 0 ] || note="; ${#KNOWN[@]} of them issue ${KNOWN[0]}'s case (known, being fixed)"
 echo "containers: FAILED (${#FAILED[@]} of $((PASSED + ${#FAILED[@]})) checks failed in ${took} s$note)"
 exit 1

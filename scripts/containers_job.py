@@ -8,6 +8,7 @@ rebuilds from the ranks' seeds. Checked to 1e-9 (relative): the output, the inpu
 
     python3 containers_job.py --scope node|global [--steps N] [--expect-transport shm]
     python3 containers_job.py --scope node --forever   # rounds until it fails (the faults)
+    python3 containers_job.py --scope node --hold-after 1   # waits for SIGUSR1 after step 1
 
 It needs torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK),
 HSBN_JOB_ID and HSBN_ADDRESS. It prints one line the caller reads, then exits:
@@ -21,6 +22,7 @@ and, with --forever, "HSBN-JOB RUNNING rank=R" once its first step has passed.
 
 import argparse
 import os
+import signal
 import sys
 
 import torch
@@ -68,6 +70,9 @@ def main(argv=None):
                    help="fail unless the client's transport starts with this (shm, grpc)")
     p.add_argument("--forever", action="store_true",
                    help="run rounds until one fails (the fault checks); checks the first step")
+    p.add_argument("--hold-after", type=int, default=None, metavar="STEP",
+                   help="after STEP's rounds, print HSBN-JOB HOLD and wait for SIGUSR1 "
+                        "(between rounds: the sidecar is stopped then)")
     args = p.parse_args(argv)
 
     env = {k: int(os.environ[k]) for k in
@@ -78,6 +83,8 @@ def main(argv=None):
         else list(range(world))
     tag = "rank=%d scope=%s" % (rank, args.scope)
 
+    if args.hold_after is not None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
     model = hsbn.torch.convert_sync_batchnorm(net(), scope=args.scope)
     ref = net()
     worst, step = 0.0, 0
@@ -119,6 +126,9 @@ def main(argv=None):
                         return 4
                 if step == 0 and args.forever:
                     print("HSBN-JOB RUNNING %s" % tag, flush=True)
+            if step == args.hold_after:
+                print("HSBN-JOB HOLD %s step=%d" % (tag, step), flush=True)
+                signal.sigwait([signal.SIGUSR1])
             step += 1
     except hsbn.HsbnError as e:
         print("HSBN-JOB FAIL %s step=%d error=%s: %s"
