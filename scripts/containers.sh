@@ -50,7 +50,8 @@ want() { [[ "$PARTS" == *",$1,"* ]]; }
 say() { printf '[containers +%3ds] %s\n' "$((SECONDS - START))" "$*"; }
 pass() { PASSED=$((PASSED + 1)); say "ok: $*"; }
 fail() { FAILED+=("$1"); say "FAIL: $*"; }
-skip() { echo "containers: SKIPPED: $*"; exit 77; }
+KEEP=0
+skip() { KEEP=1; echo "containers: SKIPPED: $*"; exit 77; }
 
 # ------------------------------------------------------------------------------------ set-up
 
@@ -109,7 +110,9 @@ remove_made() {
 cleanup() {
   remove_made
   rm -rf "$WORK/base" "$WORK/context" "$WORK/kube" "$WORK/example"
-  if [ ${#FAILED[@]} -eq 0 ] || [ -n "${HSBN_CONTAINERS_LOGS:-}" ]; then rm -rf "$WORK"; fi
+  if { [ ${#FAILED[@]} -eq 0 ] && [ "$KEEP" = 0 ]; } || [ -n "${HSBN_CONTAINERS_LOGS:-}" ]; then
+    rm -rf "$WORK"
+  fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -524,15 +527,16 @@ def fix_pod(spec):
     spec["hostAliases"] = [{"ip": ip, "hostnames": [h]} for h, ip in hosts.items()]
 def own_volumes(spec, pod):
     # podman 4.3 makes an emptyDir a volume named as in the pod spec, shared by every pod on
-    # the host that names it so; on Kubernetes each pod has its own: prefix the pod's name.
+    # the host that names it so; on Kubernetes each pod has its own: prefix the pod's name
+    # (and hsbn-ct-, which the clean-up removes).
     names = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}
     for v in spec.get("volumes", []):
         if v["name"] in names:
-            v["name"] = "%s-%s" % (pod, v["name"])
+            v["name"] = "hsbn-ct-%s-%s" % (pod, v["name"])
     for c in spec.get("initContainers", []) + spec["containers"]:
         for m in c.get("volumeMounts", []):
             if m["name"] in names:
-                m["name"] = "%s-%s" % (pod, m["name"])
+                m["name"] = "hsbn-ct-%s-%s" % (pod, m["name"])
 def expand(spec, meta):
     # $(VAR) in command and args, as the kubelet expands them (podman 4.3 does not), from the
     # container's env: values, and fieldRefs to the pod's name, labels and annotations.
