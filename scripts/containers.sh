@@ -170,17 +170,22 @@ say "podman $(podman version --format '{{.Client.Version}}') runs containers her
 # --build-context build=DIR answers every COPY --from=build, and the stage is not run.
 ctx="$WORK/context"
 mkdir -p "$ctx/src/build/server" "$ctx/src/build/dist"
-cp "$BUILD/server/hsbn-aggregator" "$ctx/src/build/server/"
-cp "${WHEELS[@]}" "$ctx/src/build/dist/"
+# (-p: the files keep their times, so an unchanged build hits the layer cache)
+cp -p "$BUILD/server/hsbn-aggregator" "$ctx/src/build/server/"
+cp -p "${WHEELS[@]}" "$ctx/src/build/dist/"
 docker/runtime-deps.sh packages "$ctx/src/build/server/hsbn-aggregator" >"$ctx/runtime-packages.txt" \
   || { echo "containers: docker/runtime-deps.sh failed" >&2; exit 1; }
 
 build_image() {  # NAME DOCKERFILE TAG [ARGS...]
   local name="$1" file="$2" tag="$3"; shift 3
-  local t0=$SECONDS
+  local t0=$SECONDS old
+  old="$(podman image inspect --format '{{.Id}}' "$tag" 2>/dev/null)"
   if podman build --format docker -f "$file" --ignorefile "$file.dockerignore" \
        --build-context "build=$ctx" --build-arg "DEBIAN_IMAGE=$BASE" "$@" -t "$tag" . \
        >"$LOGS/build-$name.log" 2>&1; then
+    # The image this one replaces, if it changed and nothing uses it any more.
+    [ -z "$old" ] || [ "$old" = "$(podman image inspect --format '{{.Id}}' "$tag")" ] \
+      || podman rmi "$old" >/dev/null 2>&1
     pass "image $tag built from $file in $((SECONDS - t0)) s: $(podman image inspect "$tag" --format '{{.Size}}' | awk '{ printf "%.0f MB", $1 / 1e6 }')"
   else
     tail -20 "$LOGS/build-$name.log"
@@ -194,10 +199,13 @@ build_image trainer-cpu docker/trainer-cpu.Dockerfile "$TRAINER"
 # The example trainer of the manifests: the CPU image with examples/trainer/train.py on top,
 # as docs/DEPLOY.md tells users to add their script.
 mkdir -p "$WORK/example"
-cp examples/trainer/train.py "$WORK/example/"
+cp -p examples/trainer/train.py "$WORK/example/"
 printf 'FROM %s\nCOPY train.py /workspace/train.py\n' "$TRAINER" >"$WORK/example/Containerfile"
+old="$(podman image inspect --format '{{.Id}}' "$EXAMPLE" 2>/dev/null)"
 podman build -q -t "$EXAMPLE" "$WORK/example" >"$LOGS/build-example.log" 2>&1 \
   || { cat "$LOGS/build-example.log"; echo "containers: FAILED (example image)"; exit 1; }
+[ -z "$old" ] || [ "$old" = "$(podman image inspect --format '{{.Id}}' "$EXAMPLE")" ] \
+  || podman rmi "$old" >/dev/null 2>&1
 # What the images hold, checked: the aggregator runs as 10001 and finds all its libraries; the
 # trainer's hsbn loads its library and Debian's torch.
 if out="$(podman run --rm --network none "$AGG" --help 2>&1)" && grep -q -- "--role" <<<"$out"; then
