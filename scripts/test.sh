@@ -53,7 +53,7 @@ fi
 
 # The sidecar pattern under a real container runtime (scripts/containers.sh; docs/DEPLOY.md,
 # "Containers, run here"): images from docker/, pods of sidecars and trainers, the manifests
-# played, faults. About 3 minutes with its base and images cached, 7-9 on a fresh machine. Where
+# played, faults. About 3-4 minutes with its base and images cached, 7-9 fresh. Where
 # no container runtime can run (not root, podman not installable, containers do not start) it
 # says why and is skipped; HSBN_CONTAINERS=0 skips it, HSBN_CONTAINERS=1 makes a skip a failure.
 containers_status=0
