@@ -5,6 +5,8 @@
 #   scripts/test.sh              everything
 #   HSBN_TEST_JOBS=N             ctest parallelism (default 2)
 #   HSBN_PYTEST_ARGS="..."       extra pytest arguments (e.g. "-k global -x")
+#   HSBN_CONTAINERS=0|1          0: skip the containers leg; 1: fail when it cannot run here
+#                                (default: run it where a container runtime can run)
 #   HSBN_FUZZ_SECONDS=N          seconds per fuzzer in the fuzz smoke (default 20; 0: skip it)
 #   HSBN_SANITIZE=1              also run the whole ctest suite under ASan+UBSan (about 25 more
 #                                minutes on 2 cores: scripts/sanitize.sh asan; off by default so
@@ -49,9 +51,32 @@ else
   echo "test: clang++-14 not found: fuzzers and sanitizers not run (scripts/setup.sh installs it)"
 fi
 
-if [ "$ctest_status" -ne 0 ] || [ "$pytest_status" -ne 0 ] || [ "$reliability_status" -ne 0 ]; then
+# The sidecar pattern under a real container runtime (scripts/containers.sh; docs/DEPLOY.md,
+# "Containers, run here"): images from docker/, pods of sidecars and trainers, the manifests
+# played, faults. About 3-4 minutes with its base and images cached, 7-9 fresh. Where
+# no container runtime can run (not root, podman not installable, containers do not start) it
+# says why and is skipped; HSBN_CONTAINERS=0 skips it, HSBN_CONTAINERS=1 makes a skip a failure.
+containers_status=0
+containers_note=""
+if [ "${HSBN_CONTAINERS:-auto}" = 0 ]; then
+  echo "test: containers leg SKIPPED (HSBN_CONTAINERS=0)"
+  containers_note=" (the containers leg was skipped: HSBN_CONTAINERS=0)"
+else
+  echo "== containers"
+  scripts/containers.sh "$build"
+  containers_status=$?
+  if [ "$containers_status" -eq 77 ]; then
+    echo "test: containers leg SKIPPED: no container runtime can run here (the line above says why)"
+    containers_note=" (the containers leg was skipped: see above)"
+    containers_status=0
+    [ "${HSBN_CONTAINERS:-auto}" = 1 ] && containers_status=1
+  fi
+fi
+
+if [ "$ctest_status" -ne 0 ] || [ "$pytest_status" -ne 0 ] || [ "$reliability_status" -ne 0 ] \
+   || [ "$containers_status" -ne 0 ]; then
   echo "test: FAILED (ctest status $ctest_status, pytest status $pytest_status," \
-       "fuzz/sanitizers status $reliability_status)"
+       "fuzz/sanitizers status $reliability_status, containers status $containers_status)"
   exit 1
 fi
-echo "test: all passed"
+echo "test: all passed$containers_note"
