@@ -40,7 +40,6 @@ KUBE_NET="$P-kube"
 KUBE_SUBNET=10.89.77         # the played manifests' pods get fixed addresses in it (/24)
 START=$SECONDS
 FAILED=()
-KNOWN=()
 SKIPPED=()
 PASSED=0
 LOGS="${HSBN_CONTAINERS_LOGS:-}"
@@ -360,12 +359,8 @@ if [ "$up" = 1 ]; then
         fail "fault stop rank $r: failed after $took s (bound 15 s): $line"
       elif grep -Eq "sidecar node-0 is shutting down \(SIGTERM\)|sidecar (node-0 )?is gone" <<<"$line"; then
         pass "fault stop rank $r: failed in $took s naming the sidecar: ${line#*error=}"
-      elif [ "$restart" = 1 ] && grep -q "is shutting down (SIGTERM)" <<<"$line"; then
-        fail "$what: failed at its next call with the stopped sidecar's status instead of joining the restarted one as docs/PYTORCH.md says (issue #39's case, SIGTERM between rounds: the client's; reported): ${line#*error=}"
-        KNOWN+=("#39")
       elif grep -q "CANCELLED" <<<"$line"; then
-        fail "fault stop rank $r: a bare CANCELLED, not naming the sidecar (issue #39, being fixed in the client): ${line#*error=}"
-        KNOWN+=("#39")
+        fail "fault stop rank $r: a bare CANCELLED, not naming the sidecar: ${line#*error=}"
       else
         fail "fault stop rank $r: the error does not name the sidecar: ${line#*error=}"
       fi
@@ -388,12 +383,9 @@ if [ "$up" = 1 ]; then
   fi
 
   # 3. The sidecar stopped while its trainers are between rounds (they hold after step 1 until
-  # SIGUSR1). docs/PYTORCH.md ("When a sidecar restarts"): a rank between rounds meets the
-  # restarted sidecar at its next call without an error (its Join waits up to the connect
-  # timeout, 10 s, for the new process); with no sidecar coming back it fails within that
-  # timeout, naming the sidecar. Issue #39 (the client's, open): today a rank between rounds may
-  # get a bare CANCELLED after ~10 s, and (seen here, both transports) fails at its next call
-  # with the stopped sidecar's status even when a new sidecar listens; marked "issue #39".
+  # SIGUSR1). docs/PYTORCH.md ("When a sidecar restarts"): a rank between rounds is told of the
+  # stop at its next call, at once, with the sidecar's own words (reason SHUTTING_DOWN), whether
+  # or not a new sidecar listens by then (the call after that would join the new one).
   between() {  # JOB RESTART(0|1)
     local job="$1" restart="$2" r held=0 i ino line out what
     for r in 0 1; do trainer "$P-$job-r$r" 0 "$r" "$job" --scope node --hold-after 1; done
@@ -418,18 +410,12 @@ if [ "$up" = 1 ]; then
       line="$(grep "^HSBN-JOB \(PASS\|FAIL\|MISMATCH\)" <<<"$out" | head -n 1)"
       what="fault between rounds, sidecar stopped$([ "$restart" = 1 ] && echo " and restarted") rank $r"
       if [ "$codes" = hung ]; then fail "$what: still running 60 s after it went on (hangs)"
-      elif [ "$restart" = 1 ] && [[ "$line" == "HSBN-JOB PASS"* ]]; then
-        pass "$what: met the new sidecar and finished the job without an error ($took s)"
-      elif [ "$restart" = 0 ] && [[ "$line" == "HSBN-JOB FAIL"* ]] && ! awk -v t="$took" 'BEGIN { exit !(t <= 15) }'; then
-        fail "$what: failed after $took s (bound 15 s: the connect timeout + 5): ${line#*error=}"
-      elif [ "$restart" = 0 ] && grep -Eq "HSBN-JOB FAIL.*(sidecar|unix:/run/hsbn/hsbn.sock)" <<<"$line" && ! grep -q "CANCELLED" <<<"$line"; then
-        pass "$what: failed in $took s naming the sidecar: ${line#*error=}"
-      elif [ "$restart" = 1 ] && grep -q "is shutting down (SIGTERM)" <<<"$line"; then
-        fail "$what: failed at its next call with the stopped sidecar's status instead of joining the restarted one as docs/PYTORCH.md says (issue #39's case, SIGTERM between rounds: the client's; reported): ${line#*error=}"
-        KNOWN+=("#39")
+      elif [[ "$line" == "HSBN-JOB FAIL"* ]] && ! awk -v t="$took" 'BEGIN { exit !(t <= 2) }'; then
+        fail "$what: told after $took s (bound 2 s, issue #39): ${line#*error=}"
+      elif [[ "$line" == "HSBN-JOB FAIL"* ]] && grep -q "sidecar node-0 is shutting down (SIGTERM)" <<<"$line"; then
+        pass "$what: told at its next call in $took s, in the sidecar's words: ${line#*error=}"
       elif grep -q "CANCELLED" <<<"$line"; then
-        fail "$what: a bare CANCELLED after $took s, not naming the sidecar (issue #39, being fixed in the client): ${line#*error=}"
-        KNOWN+=("#39")
+        fail "$what: a bare CANCELLED after $took s, not naming the sidecar: ${line#*error=}"
       else
         fail "$what: ${line:-no result line: $(tail -3 <<<"$out")} ($took s)"
       fi
@@ -659,7 +645,5 @@ if [ ${#FAILED[@]} -eq 0 ]; then
   exit 0
 fi
 echo "containers: logs in $LOGS"
-note=""
-[ ${#KNOWN[@]} -eq 0 ] || note="; ${#KNOWN[@]} of them issue ${KNOWN[0]}'s case (known, being fixed)"
-echo "containers: FAILED (${#FAILED[@]} of $((PASSED + ${#FAILED[@]})) checks failed in ${took} s$note)"
+echo "containers: FAILED (${#FAILED[@]} of $((PASSED + ${#FAILED[@]})) checks failed in ${took} s)"
 exit 1
