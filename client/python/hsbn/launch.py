@@ -17,6 +17,7 @@ import time
 import uuid
 
 from . import _lib
+from . import env as _env
 from ._procs import ClusterError, ManagedProcess, free_port, popen_isolated
 
 PROG = "hsbn run"
@@ -218,6 +219,14 @@ def _needs_torchrun_workaround(torch_version, given):
     return major < 2 and sys.version_info >= (3, 11) and not ({"redirects", "tee"} & given)
 
 
+def _given(environ, name):
+    """Variable `name` as hsbn reads it (checked, canonical) when `environ` sets it, else None:
+    hsbn run acts on what the user set, not on the table's defaults or fallbacks."""
+    if not _env.is_set(name, environ):
+        return None
+    return _env.get(name, {name: environ[name]}) or None
+
+
 class Plan:
     """What one `hsbn run` does, from its arguments and environment; no process started."""
 
@@ -252,7 +261,7 @@ class Plan:
             raise UsageError("--link-delay-ms is the delay of --simulate-nodes' links: add "
                              "--simulate-nodes N, or drop it")
         self.link_delay_ms = 1 if args.link_delay_ms is None else args.link_delay_ms
-        self.external_address = environ.get("HSBN_ADDRESS") or None
+        self.external_address = _given(environ, "HSBN_ADDRESS")
         self.nproc = str(ns.nproc_per_node)
         self.root = args.root
         self.root_listen = args.root_listen
@@ -302,7 +311,7 @@ class Plan:
                 raise UsageError("--root, --root-listen and --start-root are for jobs of "
                                  "several nodes (--nnodes N with N > 1)")
         # The job id: the same on every node of the job, unique among the sidecar's jobs.
-        self.job_id = args.job_id or environ.get("HSBN_JOB_ID") or None
+        self.job_id = args.job_id or _given(environ, "HSBN_JOB_ID")
         self.job_id_from = ("--job-id" if args.job_id else "HSBN_JOB_ID" if self.job_id
                             else None)
         rdzv_id = ns.rdzv_id if ns.rdzv_id not in (None, "", "none") else None
