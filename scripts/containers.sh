@@ -8,7 +8,9 @@
 #
 # It reuses BUILD_DIR's compiled aggregator and wheel (it never compiles: run scripts/setup.sh
 # first) and, as root, installs what is missing: the Debian packages podman, runc, catatonit,
-# netavark, aardvark-dns and debootstrap, and the three settings podman needs here in
+# netavark, aardvark-dns, iptables (netavark's firewall driver runs it; without it every
+# container on a network fails with "netavark: No such file or directory") and debootstrap, and
+# the three settings podman needs here in
 # /etc/containers/containers.conf (runtime = "runc", cgroup_manager = "cgroupfs",
 # default_ulimits), each written only where the file does not set it already. The Debian 12
 # base image (debootstrap --variant=minbase) is made once and kept (localhost/hsbn/debian:12);
@@ -59,7 +61,7 @@ WHEELS=("$BUILD"/dist/hsbn-*-py3-none-linux_x86_64.whl)
 [ -f "${WHEELS[0]}" ] || { echo "containers: no wheel in $BUILD/dist: build first (scripts/setup.sh; it needs patchelf)" >&2; exit 2; }
 [ "$(id -u)" -eq 0 ] || skip "not root (rootful podman and apt-get need root; run it as root or with sudo)"
 
-PKGS=(podman runc catatonit netavark aardvark-dns debootstrap)
+PKGS=(podman runc catatonit netavark aardvark-dns iptables debootstrap)
 missing=()
 for p in "${PKGS[@]}"; do
   [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] || missing+=("$p")
@@ -159,6 +161,14 @@ EOF
 fi
 if ! out="$(podman run --rm --network none "$BASE" true 2>&1)"; then
   skip "podman cannot start a container here: $out"
+fi
+# The builds' RUN steps and the pods need podman's default bridge network (netavark, iptables):
+# a container that starts without a network but not with one is this machine's set-up failing,
+# named here rather than as a failed image build.
+if ! out="$(podman run --rm "$BASE" true 2>&1)"; then
+  echo "containers: a container starts without a network but not on podman's default one: $out" >&2
+  echo "containers: FAILED (podman's network: netavark needs iptables and the kernel's netfilter; 'podman info' shows the network backend)"
+  exit 1
 fi
 say "podman $(podman version --format '{{.Client.Version}}') runs containers here (runtime $(podman info --format '{{.Host.OCIRuntime.Name}}'), base $BASE)"
 
