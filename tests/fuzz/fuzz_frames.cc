@@ -44,6 +44,12 @@ using hsbn::fuzz::StreamSink;
 using namespace hsbn::server;
 namespace v1 = hsbn::v1;
 
+// Every scope value a client can send: the five the wire knows, the reserved 5 (auto, never on
+// the wire), renorm and lagged (late results, kept lagged forward records) and one unknown.
+v1::Scope AnyScope(FuzzedDataProvider& in) {
+  return v1::Scope(in.ConsumeIntegralInRange<int>(0, 8));
+}
+
 constexpr int64_t kMaxUnboundBytes = 4096;
 constexpr int kStreams = 3;
 
@@ -276,7 +282,7 @@ struct Harness final : MemberStreamHost {
         c->set_op(in.ConsumeIntegralInRange<uint32_t>(0, 2));
         c->set_seq(in.ConsumeIntegralInRange<uint64_t>(0, 2));
         c->set_phase(v1::Phase(in.ConsumeIntegralInRange<int>(0, 3)));
-        c->set_scope(v1::Scope(in.ConsumeIntegralInRange<int>(0, 4)));
+        c->set_scope(AnyScope(in));
         const uint32_t channels = in.ConsumeProbability<float>() < 0.9f
                                       ? 1 + c->op() % 2
                                       : in.ConsumeIntegral<uint32_t>();
@@ -409,11 +415,12 @@ struct Harness final : MemberStreamHost {
         r->set_op(in.ConsumeIntegralInRange<uint32_t>(0, 2));
         r->set_seq(in.ConsumeIntegralInRange<uint64_t>(0, 2));
         r->set_phase(v1::Phase(in.ConsumeIntegralInRange<int>(0, 3)));
-        r->set_scope(v1::Scope(in.ConsumeIntegralInRange<int>(0, 4)));
+        r->set_scope(AnyScope(in));
         r->set_channels(in.ConsumeBool() ? 1 + r->op() % 2 : in.ConsumeIntegral<uint32_t>());
         r->set_count(in.ConsumeIntegralInRange<int64_t>(-1, 9));
         r->set_code(in.ConsumeBool() ? 0 : in.ConsumeIntegral<int32_t>());
         r->set_message(in.ConsumeRandomLengthString(20));
+        r->set_late(in.ConsumeProbability<float>() < 0.3f);  // a renorm/lagged round's late result
         r->set_data(in.ConsumeBool() ? std::string(size_t(hsbn::wire::PayloadBytes(r->channels() & 7)), '\x3f')
                                      : in.ConsumeRandomLengthString(40));
       }

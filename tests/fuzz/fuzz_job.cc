@@ -37,6 +37,12 @@ using hsbn::fuzz::RoundLedger;
 using namespace hsbn::server;
 namespace v1 = hsbn::v1;
 
+// Every scope value a client can send: the five the wire knows, the reserved 5 (auto, never on
+// the wire), renorm and lagged (late results, kept lagged forward records) and one unknown.
+v1::Scope AnyScope(FuzzedDataProvider& in) {
+  return v1::Scope(in.ConsumeIntegralInRange<int>(0, 8));
+}
+
 double Value(FuzzedDataProvider& in) {
   static const double kPalette[] = {0.0,
                                     1.0,
@@ -128,7 +134,7 @@ struct Harness {
     c.set_op(in.ConsumeIntegralInRange<uint32_t>(0, 3));
     c.set_seq(in.ConsumeIntegralInRange<uint64_t>(0, 3));
     c.set_phase(v1::Phase(in.ConsumeIntegralInRange<int>(0, 3)));
-    c.set_scope(v1::Scope(in.ConsumeIntegralInRange<int>(0, 4)));
+    c.set_scope(AnyScope(in));
     uint32_t channels = 1 + c.op() % 3;  // a layer's channels, usually the same every time
     if (in.ConsumeProbability<float>() < 0.1f) {
       channels = in.ConsumeBool() ? in.ConsumeIntegralInRange<uint32_t>(0, 12)
@@ -171,6 +177,9 @@ struct Harness {
       default: break;  // the root's honest answer
     }
     r.set_session(in.ConsumeBytesAsString(in.ConsumeBool() ? 16 : 3));
+    // A renorm or lagged round's late result, honest (its scope) or not.
+    if (r.scope() == v1::SCOPE_RENORM || r.scope() == v1::SCOPE_LAGGED || in.ConsumeProbability<float>() < 0.1f)
+      r.set_late(in.ConsumeProbability<float>() < 0.8f);
     return r;
   }
 

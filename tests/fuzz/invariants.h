@@ -5,11 +5,13 @@
 //   - an OK result is delivered or forwarded for a round that a member never contributed to
 //     (no round completes with a missing member);
 //   - an OK result is malformed: no channels, a payload that is not channels * 16 bytes, a
-//     negative count, a phase or scope that is not one of the protocol's;
+//     negative count, a phase or scope that is not one of the protocol's (a late result, the
+//     global statistics of a renorm or lagged round, is of scope global);
 //   - two OK results for the same round differ in any byte (count, scope, channels, payload),
 //     whether delivered in one call or later to a late or repeated contribution, as long as the
 //     job keeps every finished round (`keeps_all`: no tombstone was evicted, so nothing may
-//     legitimately run the round again);
+//     legitimately run the round again); a round's late result is compared with its late
+//     results only (the round's first answer is the node's statistics, the late one the job's);
 //   - a result goes to a session that is not its member's current, attached session.
 // The caller tells the ledger what the job was told (contributions it accepted, sessions, sinks).
 #ifndef HSBN_TESTS_FUZZ_INVARIANTS_H_
@@ -22,6 +24,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "check.h"
@@ -65,7 +68,7 @@ class RoundLedger {
   };
 
   void Check(const server::Actions& a, const std::vector<MemberModel>& model) {
-    std::map<server::RoundKey, std::string> ok_in_call;
+    std::map<std::pair<server::RoundKey, bool>, std::string> ok_in_call;
     for (const auto& d : a.deliveries) {
       HSBN_FUZZ_CHECK(d.result != nullptr, "a delivery without a result");
       const v1::Result& r = *d.result;
@@ -98,17 +101,20 @@ class RoundLedger {
       }
       CheckOk(key, r.channels(), r.count(), r.data(), "delivered");
       HSBN_FUZZ_CHECK(r.scope() == v1::SCOPE_NODE || r.scope() == v1::SCOPE_GLOBAL ||
-                          r.scope() == v1::SCOPE_SHADOW || r.scope() == v1::SCOPE_GROUP,
+                          r.scope() == v1::SCOPE_SHADOW || r.scope() == v1::SCOPE_GROUP ||
+                          r.scope() == v1::SCOPE_RENORM || r.scope() == v1::SCOPE_LAGGED,
                       "an OK result with scope " + std::to_string(int(r.scope())));
+      HSBN_FUZZ_CHECK(!r.late() || r.scope() == v1::SCOPE_GLOBAL,
+                      "an OK late result with scope " + std::to_string(int(r.scope())));
       v1::Result canonical = r;
       canonical.clear_session();
       const std::string bytes = canonical.SerializeAsString();
-      auto [it, fresh] = ok_in_call.emplace(key, bytes);
+      auto [it, fresh] = ok_in_call.emplace(std::make_pair(key, r.late()), bytes);
       HSBN_FUZZ_CHECK(fresh || it->second == bytes,
                       "two different OK results for round " + server::Describe(key) +
                           " in one call");
       if (keeps_all_) {
-        auto [kept, first] = ok_.emplace(key, bytes);
+        auto [kept, first] = ok_.emplace(std::make_pair(key, r.late()), bytes);
         HSBN_FUZZ_CHECK(first || kept->second == bytes,
                         "round " + server::Describe(key) +
                             " answered OK twice with different bytes");
@@ -161,7 +167,7 @@ class RoundLedger {
   const bool keeps_all_;
   const int group_nodes_;
   std::map<server::RoundKey, std::set<int>> contributed_;
-  std::map<server::RoundKey, std::string> ok_;
+  std::map<std::pair<server::RoundKey, bool>, std::string> ok_;  // (round, late) -> result
 };
 
 }  // namespace hsbn::fuzz
