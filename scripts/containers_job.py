@@ -14,16 +14,19 @@ It needs torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 HSBN_JOB_ID and HSBN_ADDRESS. It prints one line the caller reads, then exits:
 
     HSBN-JOB PASS rank=R scope=S steps=N max_err=E transport=T rounds=K
-    HSBN-JOB FAIL rank=R scope=S step=N error=TYPE: MESSAGE      (exit status 3)
+    HSBN-JOB FAIL rank=R scope=S step=N [after=T] error=TYPE: MESSAGE      (exit status 3)
     HSBN-JOB MISMATCH rank=R ... what=... err=...                 (exit status 4)
 
-and, with --forever, "HSBN-JOB RUNNING rank=R" once its first step has passed.
+and, with --forever, "HSBN-JOB RUNNING rank=R" once its first step has passed. With --hold-after,
+a failure after SIGUSR1 says after=T: seconds from the signal's receipt to the error, measured
+in this process (what the rank itself waited, not the container's start or exit).
 """
 
 import argparse
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -88,6 +91,7 @@ def main(argv=None):
     model = hsbn.torch.convert_sync_batchnorm(net(), scope=args.scope)
     ref = net()
     worst, step = 0.0, 0
+    resumed = None  # time.monotonic() at SIGUSR1's receipt (--hold-after)
     try:
         while step < args.steps or args.forever:
             x, dy = batch(rank, node, step, args.batch)
@@ -129,10 +133,12 @@ def main(argv=None):
             if step == args.hold_after:
                 print("HSBN-JOB HOLD %s step=%d" % (tag, step), flush=True)
                 signal.sigwait([signal.SIGUSR1])
+                resumed = time.monotonic()
             step += 1
     except hsbn.HsbnError as e:
-        print("HSBN-JOB FAIL %s step=%d error=%s: %s"
-              % (tag, step, type(e).__name__, " ".join(str(e).split())), flush=True)
+        after = "" if resumed is None else " after=%.3f" % (time.monotonic() - resumed)
+        print("HSBN-JOB FAIL %s step=%d%s error=%s: %s"
+              % (tag, step, after, type(e).__name__, " ".join(str(e).split())), flush=True)
         return 3
     stats = hsbn.torch.stats(model)
     transport = stats.transport or "?"
