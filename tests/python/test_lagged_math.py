@@ -1,0 +1,313 @@
+"""Scope "lagged" in hsbn.torch (issue #41) with real aggregators: one LocalCluster (2 nodes x 2
+workers: a root, two sidecars) and four worker processes, over both node transports, plus
+in-process checks (threads, one client each) for checkpointing and a killed root.
+
+The reference is independent of the layer's algebra: call s of a node's workers is BatchNorm
+(torch.nn.BatchNorm, float64) over a "virtual" batch, this node's fresh batch of call s and the
+other nodes' batches (inputs and upstream gradients) of call s - 1; the first call is BatchNorm
+over the job's batch (the exact warm-up). Outputs and input gradients of the node's rows must
+equal it; the running statistics equal BatchNorm's over the job's real batches of every call
+but the last (they take the job's exact statistics one call late)."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import hsbn
+import hsbn.cluster
+import hsbn.torch
+import hsbn_cases
+from bnref import NODES, WORKERS_PER_NODE, make_spec, reference as job_reference, rel_err
+from hsbn.errors import ConfigurationError
+from workerpool import on_transport, started
+
+NODE_RANKS = [[n * WORKERS_PER_NODE + w for w in range(WORKERS_PER_NODE)] for n in range(NODES)]
+ALL = list(range(NODES * WORKERS_PER_NODE))
+TOL = 1e-9
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with started(nodes=NODES, workers_per_node=WORKERS_PER_NODE, round_timeout_ms=30000) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def pool(workers, transport):
+    yield from on_transport(workers, transport)
+
+
+def run_case(pool, spec, data):
+    return pool.call(hsbn_cases.bn_steps, [(spec, data[r]) for r in range(pool.world_size)])
+
+
+def lagged_reference(spec, data, node, damping=1.0):
+    """{"y", "dx": {rank: [per call]}, "dw", "db": [per call, summed over the node]} of the
+    node's ranks: BatchNorm over the virtual batch of each call (module docstring); with
+    damping < 1 the input gradient of calls 1.. is damping * that + (1 - damping) * the node-local one,
+    w invstd (dy - mean_node(dy) - (x - m_k) sum_node(dy (x - m_k)) / (M_k + n_k eps))."""
+    eps = spec.get("eps", 1e-5)
+    w = torch.from_numpy(spec["weight"])
+    b = torch.from_numpy(spec["bias"])
+    mine = NODE_RANKS[node]
+    out = {"y": {r: [] for r in mine}, "dx": {r: [] for r in mine}, "dw": [], "db": []}
+    for s in range(len(data[0])):
+        rows = [(r, s) for r in mine] + [(r, s if s == 0 else s - 1) for r in ALL
+                                        if r not in mine]
+        xs = [torch.from_numpy(data[r][t][0]) for r, t in rows]
+        gs = [torch.from_numpy(data[r][t][1]) for r, t in rows]
+        x = torch.cat(xs).requires_grad_()
+        g = torch.cat(gs)
+        y = torch.nn.functional.batch_norm(x, None, None, w, b, True, 0.0, eps)
+        (y * g).sum().backward()
+        sizes = [t.shape[0] for t in xs]
+        ys, dxs = y.detach().split(sizes), x.grad.split(sizes)
+        dims = [0] + list(range(2, x.dim()))
+        xd = x.detach()
+        mu = xd.mean(dims, keepdim=True)
+        invstd = 1.0 / torch.sqrt(xd.var(dims, unbiased=False, keepdim=True) + eps)
+        n_mine = sum(sizes[:len(mine)])
+        xk, gk = xd[:n_mine], g[:n_mine]
+        xhat_k = (xk - mu) * invstd
+        out["dw"].append((gk * xhat_k).sum(dims).numpy())
+        out["db"].append(gk.sum(dims).numpy())
+        if damping != 1.0 and s > 0:  # the warm-up call is exact global, undamped
+            count_k = xk.numel() // xk.shape[1]
+            m_k = xk.mean(dims, keepdim=True)
+            mk2 = ((xk - m_k) ** 2).sum(dims, keepdim=True)
+            mean_dy = gk.sum(dims, keepdim=True) / count_k
+            s_k = (gk * (xk - m_k)).sum(dims, keepdim=True)
+            wb = w.reshape(m_k.shape)
+            local = wb * invstd * (gk - mean_dy - (xk - m_k) * s_k / (mk2 + count_k * eps))
+            lagged = torch.cat(dxs[:len(mine)])
+            dx_k = damping * lagged + (1.0 - damping) * local
+            dxs = list(dx_k.split(sizes[:len(mine)]))
+        for i, r in enumerate(mine):
+            out["y"][r].append(ys[i].numpy())
+            out["dx"][r].append(dxs[i].numpy())
+    return out
+
+
+def lagged_case(seed, steps=4, repeat=False, **options):
+    # Rank 2 has an empty batch; rank 3 four samples. Node 1's inputs are shifted by 3 and
+    # spread more (make_spec), so node and job statistics differ.
+    spec, data = make_spec("lagged", "float64", steps=1 if repeat else steps, seed=seed,
+                           sizes=[3, 5, 0, 4])
+    if repeat:
+        data = [[d[0]] * steps for d in data]
+    spec["options"] = options
+    return spec, data
+
+
+def check_against(results, data, spec, damping=1.0, tol=TOL):
+    worst = {}
+    for node in range(NODES):
+        ref = lagged_reference(spec, data, node, damping)
+        for s in range(len(data[0])):
+            for r in NODE_RANKS[node]:
+                for key in ("y", "dx"):
+                    e = rel_err(results[r][key][s], ref[key][r][s])
+                    worst[key] = max(worst.get(key, 0.0), e)
+                    assert e <= tol, "%s of rank %d call %d: %.3g" % (key, r, s, e)
+            for key in ("dw", "db"):
+                total = sum(results[r][key][s] for r in NODE_RANKS[node])
+                e = rel_err(total, ref[key][s])
+                worst[key] = max(worst.get(key, 0.0), e)
+                assert e <= tol, "%s of node %d call %d: %.3g" % (key, node, s, e)
+    # Running statistics: the job's exact statistics of every call but the last.
+    ref = job_reference(spec, [d[:-1] for d in data], ALL)
+    for r in ALL:
+        for key in ("running_mean", "running_var"):
+            e = rel_err(results[r][key], ref[key])
+            worst[key] = max(worst.get(key, 0.0), e)
+            assert e <= tol, "%s of rank %d: %.3g" % (key, r, e)
+        assert results[r]["num_batches_tracked"] == len(data[0]) - 1
+    return worst
+
+
+def test_the_same_batch_every_call_gives_global_scope_on_every_rank(pool):
+    # Issue #41's exactness check: the same batch and upstream gradient on every call, no
+    # weight update: outputs and input gradients equal global BatchNorm's (float64, 1e-9) on
+    # every call (call 0 is the exact warm-up; calls 1.. merge this node's fresh share with
+    # the others' of the previous call, which is the same batch), on every rank.
+    spec, data = lagged_case(41, steps=4, repeat=True)
+    results = run_case(pool, spec, data)
+    ref = job_reference(spec, data, ALL)
+    worst = {}
+    for s in range(4):
+        for r in ALL:
+            for key in ("y", "dx"):
+                e = rel_err(results[r][key][s], ref[key][r][s])
+                worst[key] = max(worst.get(key, 0.0), e)
+                assert e <= TOL, "%s of rank %d call %d: %.3g" % (key, r, s, e)
+        for key in ("dw", "db"):
+            e = rel_err(sum(results[r][key][s] for r in ALL), ref[key][s])
+            assert e <= TOL, "%s of the job, call %d: %.3g" % (key, s, e)
+    print("lagged vs global, same batch:", worst)
+
+
+def test_fresh_data_equals_the_virtual_batch_and_does_not_sum_to_zero_per_node(pool):
+    spec, data = lagged_case(42, steps=4)
+    results = run_case(pool, spec, data)
+    worst = check_against(results, data, spec)
+    print("lagged vs the virtual-batch reference, fresh data:", worst)
+    # On fresh node-shifted data a node's input gradients do not sum to zero per channel
+    # (global's sum to zero over the job, node's over the node): calls 1.. are stale.
+    for node in range(NODES):
+        for s in range(1, 4):
+            dxs = [results[r]["dx"][s] for r in NODE_RANKS[node]]
+            total = sum(d.sum(axis=(0, 2, 3)) for d in dxs if d.size)
+            scale = max(np.abs(d).max() for d in dxs if d.size)
+            assert np.all(np.abs(total) > 1e-6 * scale), (node, s, total, scale)
+    # The running statistics are the job's: the same bits on every rank, and on a rerun.
+    again = run_case(pool, spec, data)
+    for r in ALL:
+        for key in ("running_mean", "running_var"):
+            assert results[r][key].tobytes() == results[0][key].tobytes(), (key, r)
+            assert again[r][key].tobytes() == results[r][key].tobytes(), (key, r)
+        for key in ("y", "dx"):
+            for s in range(4):
+                assert again[r][key][s].tobytes() == results[r][key][s].tobytes(), (key, r, s)
+
+
+def test_damping_mixes_the_node_local_gradient(pool):
+    spec, data = lagged_case(43, steps=3, lagged_damping=0.5)
+    results = run_case(pool, spec, data)
+    worst = check_against(results, data, spec, damping=0.5)
+    print("damped lagged (0.5) vs reference:", worst)
+
+
+def test_options_are_checked():
+    for bad in (-0.1, 1.5, float("nan"), True, "1"):
+        with pytest.raises(ConfigurationError, match="lagged_damping"):
+            hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_damping=bad)
+    with pytest.raises(ConfigurationError, match="lagged_warmup"):
+        hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_warmup=0)
+    bn = hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_damping=0.25)
+    assert bn.lagged_options == {"damping": 0.25, "warmup": 1}
+    assert bn.lagged_damping == 0.25
+    bn.lagged_damping = 0.75
+    assert bn.lagged_damping == 0.75
+    with pytest.raises(ConfigurationError):
+        bn.lagged_damping = 2.0
+    m = hsbn.torch.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(2)),
+                                          scope="lagged", lagged_damping=0.5, lagged_warmup=3)
+    assert m[0].lagged_options == {"damping": 0.5, "warmup": 3}
+    with pytest.raises(ConfigurationError, match="lagged_damping"):
+        hsbn.torch.convert_sync_batchnorm(torch.nn.BatchNorm1d(2), lagged_damping=-1)
+
+
+# --- in-process: one client per rank, threads --------------------------------------------------
+
+def _threads(fn, n=4, timeout=120):
+    out, errors = [None] * n, []
+
+    def one(r):
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # reported by the caller
+            errors.append((r, e))
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return out, errors
+
+
+def _layer(spec, client, op, checkpointed=False):
+    bn = hsbn.torch.SyncBatchNorm(spec["C"], scope="lagged", client=client, op=op).double()
+    with torch.no_grad():
+        bn.weight.copy_(torch.from_numpy(spec["weight"]))
+        bn.bias.copy_(torch.from_numpy(spec["bias"]))
+    return bn
+
+
+def _calls(bn, steps, checkpointed=False):
+    from torch.utils.checkpoint import checkpoint
+    out = {"y": [], "dx": []}
+    for x_np, g_np in steps:
+        x = torch.from_numpy(x_np).requires_grad_()
+        y = checkpoint(bn, x, use_reentrant=False) if checkpointed else bn(x)
+        (y * torch.from_numpy(g_np)).sum().backward()
+        out["y"].append(y.detach().numpy().copy())
+        out["dx"].append(x.grad.numpy().copy())
+    out["running_mean"] = bn.running_mean.numpy().copy()
+    out["running_var"] = bn.running_var.numpy().copy()
+    return out
+
+
+def test_checkpointing_reuses_the_first_pass_and_changes_nothing():
+    # torch.utils.checkpoint (use_reentrant=False): the recomputation in backward makes its
+    # node round again and reuses its first pass's statistics; the results are the bits of
+    # the same calls without checkpointing.
+    spec, data = lagged_case(44, steps=4)
+    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2, round_timeout_ms=20000) as c:
+        clients = [hsbn.Client.from_env(c.worker_env(r, job_id="lagged-ckpt")) for r in range(4)]
+        try:
+            hsbn.torch.reset_sync_stats()
+            plain, errors = _threads(lambda r: _calls(_layer(spec, clients[r], 501), data[r]))
+            assert not errors, errors
+            ckpt, errors = _threads(
+                lambda r: _calls(_layer(spec, clients[r], 502), data[r], checkpointed=True))
+            assert not errors, errors
+            st = hsbn.torch.sync_stats()
+        finally:
+            for cl in clients:
+                cl.close()
+    for r in ALL:
+        for key in ("y", "dx"):
+            for s in range(4):
+                assert ckpt[r][key][s].tobytes() == plain[r][key][s].tobytes(), (key, r, s)
+        for key in ("running_mean", "running_var"):
+            assert ckpt[r][key].tobytes() == plain[r][key].tobytes(), (key, r)
+    assert st.lagged_recomputes == 4 * 4
+    assert st.lagged_calls == 2 * 4 * 4
+    assert st.lagged_exact == 2 * 4  # one warm-up call per layer and rank
+
+
+def test_a_killed_root_fails_the_call_naming_the_round_and_node_rounds_go_on():
+    spec, data = lagged_case(45, steps=4)
+    op = 601
+    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2, round_timeout_ms=10000) as c:
+        clients = [hsbn.Client.from_env(c.worker_env(r, job_id="lagged-kill")) for r in range(4)]
+        layers = [_layer(spec, clients[r], op) for r in range(4)]
+        try:
+            def two_calls(r):
+                _calls(layers[r], data[r][:2])
+                # Both late results of call 1 are in before the root dies.
+                while not (clients[r].global_stats_ready(op, 1)
+                           and clients[r].global_sums_ready(op, 1)):
+                    threading.Event().wait(0.01)
+            _, errors = _threads(two_calls)
+            assert not errors, errors
+            c.root.proc.kill()
+            c.root.proc.wait()
+
+            def more(r):
+                _calls(layers[r], data[r][2:3])   # uses call 1's results: works
+                try:
+                    _calls(layers[r], data[r][3:4])  # needs call 2's: the root is gone
+                except hsbn.HsbnError as e:
+                    return e
+                return None
+            got, errors = _threads(more)
+            assert not errors, errors
+            for r, e in enumerate(got):
+                assert isinstance(e, hsbn.HsbnError), (r, e)
+                msg = str(e)
+                assert "lagged round op %d, seq 2" % op in msg, (r, msg)
+                assert "root" in msg.lower(), (r, msg)
+            print("rank 0's error:", got[0])
+
+            def node_round(r):
+                x = np.full(2, float(r))
+                return clients[r].forward(7, 0, "node", 1, x, np.zeros(2))[1]
+            means, errors = _threads(node_round)
+            assert not errors, errors
+            assert np.allclose(means[0], 0.5) and np.allclose(means[3], 2.5)
+        finally:
+            for cl in clients:
+                cl.close()
