@@ -311,3 +311,30 @@ def test_a_killed_root_fails_the_call_naming_the_round_and_node_rounds_go_on():
         finally:
             for cl in clients:
                 cl.close()
+
+
+def test_through_the_group_tier_the_same_batch_gives_global_scope():
+    # 4 nodes x 1 worker, groups of 2 with their own aggregator: the group aggregators re-centre
+    # their nodes' backward partials on the group's mean (docs/PROTOCOL.md, "Lagged scope").
+    spec, data = make_spec("lagged", "float64", steps=1, seed=46, sizes=[3, 5, 2, 4])
+    data = [[d[0]] * 3 for d in data]
+    with hsbn.cluster.LocalCluster(nodes=4, workers_per_node=1, group_tier=True, group_nodes=2,
+                                   round_timeout_ms=20000) as c:
+        clients = [hsbn.Client.from_env(c.worker_env(r, job_id="lagged-tier")) for r in range(4)]
+        try:
+            got, errors = _threads(lambda r: _calls(_layer(spec, clients[r], 701), data[r]))
+            assert not errors, errors
+        finally:
+            for cl in clients:
+                cl.close()
+    ref = job_reference(spec, data, ALL)
+    worst = {}
+    for s in range(3):
+        for r in ALL:
+            for key in ("y", "dx"):
+                e = rel_err(got[r][key][s], ref[key][r][s])
+                worst[key] = max(worst.get(key, 0.0), e)
+                assert e <= TOL, "%s of rank %d call %d: %.3g" % (key, r, s, e)
+    for r in ALL:
+        assert got[r]["running_mean"].tobytes() == got[0]["running_mean"].tobytes()
+    print("lagged through the group tier vs global, same batch:", worst)
