@@ -225,12 +225,12 @@ def _layer(spec, client, op, checkpointed=False):
     return bn
 
 
-def _calls(bn, steps, checkpointed=False):
+def _calls(bn, steps, checkpointed=False, reentrant=False):
     from torch.utils.checkpoint import checkpoint
     out = {"y": [], "dx": []}
     for x_np, g_np in steps:
         x = torch.from_numpy(x_np).requires_grad_()
-        y = checkpoint(bn, x, use_reentrant=False) if checkpointed else bn(x)
+        y = checkpoint(bn, x, use_reentrant=reentrant) if checkpointed else bn(x)
         (y * torch.from_numpy(g_np)).sum().backward()
         out["y"].append(y.detach().numpy().copy())
         out["dx"].append(x.grad.numpy().copy())
@@ -239,19 +239,21 @@ def _calls(bn, steps, checkpointed=False):
     return out
 
 
-def test_checkpointing_reuses_the_first_pass_and_changes_nothing():
-    # torch.utils.checkpoint (use_reentrant=False): the recomputation in backward makes its
-    # node round again and reuses its first pass's statistics; the results are the bits of
-    # the same calls without checkpointing.
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointing_reuses_the_first_pass_and_changes_nothing(reentrant):
+    # torch.utils.checkpoint (use_reentrant=False, and the reentrant form): the recomputation in
+    # backward makes its node round again and reuses its first pass's statistics; the results
+    # are the bits of the same calls without checkpointing.
     spec, data = lagged_case(44, steps=4)
     with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2, round_timeout_ms=20000) as c:
-        clients = [hsbn.Client.from_env(c.worker_env(r, job_id="lagged-ckpt")) for r in range(4)]
+        clients = [hsbn.Client.from_env(c.worker_env(r, job_id="lagged-ckpt-%d" % reentrant)) for r in range(4)]
         try:
             hsbn.torch.reset_sync_stats()
             plain, errors = _threads(lambda r: _calls(_layer(spec, clients[r], 501), data[r]))
             assert not errors, errors
             ckpt, errors = _threads(
-                lambda r: _calls(_layer(spec, clients[r], 502), data[r], checkpointed=True))
+                lambda r: _calls(_layer(spec, clients[r], 502), data[r], checkpointed=True,
+                                 reentrant=reentrant))
             assert not errors, errors
             st = hsbn.torch.sync_stats()
         finally:
@@ -338,3 +340,37 @@ def test_through_the_group_tier_the_same_batch_gives_global_scope():
     for r in ALL:
         assert got[r]["running_mean"].tobytes() == got[0]["running_mean"].tobytes()
     print("lagged through the group tier vs global, same batch:", worst)
+
+
+def test_a_one_node_job_is_node_scope_and_float32_stays_close_to_global():
+    # One node, no root: the late results are the node's answers, the other nodes' share is
+    # empty, and lagged is node scope (here: the job's batch) on every call.
+    spec, data = make_spec("lagged", "float32", steps=3, seed=47, sizes=[3, 5])
+    with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=2, root=False,
+                                   round_timeout_ms=20000) as c:
+        clients = [hsbn.Client.from_env(c.worker_env(r, job_id="lagged-one")) for r in range(2)]
+        try:
+            def run(r):
+                bn = hsbn.torch.SyncBatchNorm(3, scope="lagged", client=clients[r], op=801)
+                with torch.no_grad():
+                    bn.weight.copy_(torch.from_numpy(spec["weight"]))
+                    bn.bias.copy_(torch.from_numpy(spec["bias"]))
+                out = {"y": [], "dx": []}
+                for x_np, g_np in data[r]:
+                    x = torch.from_numpy(x_np).float().requires_grad_()
+                    y = bn(x)
+                    (y * torch.from_numpy(g_np).float()).sum().backward()
+                    out["y"].append(y.detach().double().numpy())
+                    out["dx"].append(x.grad.double().numpy())
+                return out
+            got, errors = _threads(run, n=2)
+            assert not errors, errors
+        finally:
+            for cl in clients:
+                cl.close()
+    ref = job_reference(spec, data, [0, 1])
+    for s in range(3):
+        for r in range(2):
+            for key in ("y", "dx"):
+                e = rel_err(got[r][key][s], ref[key][r][s])
+                assert e <= 1e-5, "%s of rank %d call %d: %.3g" % (key, r, s, e)
