@@ -374,3 +374,40 @@ def test_a_one_node_job_is_node_scope_and_float32_stays_close_to_global():
             for key in ("y", "dx"):
                 e = rel_err(got[r][key][s], ref[key][r][s])
                 assert e <= 1e-5, "%s of rank %d call %d: %.3g" % (key, r, s, e)
+
+
+def test_a_call_the_guard_sends_to_exact_is_global_and_running_stats_count_every_call_once():
+    # The guard's hook: LaggedState.exact(seq) true for call 2 makes it an exact global call
+    # (it waits for its own late results); calls 1 and 3 stay lagged, and the running
+    # statistics still take the job's statistics of every call but the last, once each.
+    spec, data = lagged_case(48, steps=4)
+    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2, round_timeout_ms=20000) as c:
+        clients = [hsbn.Client.from_env(c.worker_env(r, job_id="lagged-guard")) for r in range(4)]
+        try:
+            def run(r):
+                bn = _layer(spec, clients[r], 901)
+                plain = bn._lagged.exact
+                bn._lagged.exact = lambda seq: seq == 2 or plain(seq)
+                out = _calls(bn, data[r])
+                out["num_batches_tracked"] = int(bn.num_batches_tracked)
+                return out
+            got, errors = _threads(run)
+            assert not errors, errors
+        finally:
+            for cl in clients:
+                cl.close()
+    job = job_reference(spec, data, ALL)
+    running = job_reference(spec, [d[:-1] for d in data], ALL)
+    for node in range(NODES):
+        ref = lagged_reference(spec, data, node)
+        for r in NODE_RANKS[node]:
+            for s in range(4):
+                want = job if s == 2 else ref
+                for key in ("y", "dx"):
+                    e = rel_err(got[r][key][s], want[key][r][s])
+                    assert e <= TOL, "%s of rank %d call %d: %.3g" % (key, r, s, e)
+    for r in ALL:
+        assert got[r]["num_batches_tracked"] == 3
+        for key in ("running_mean", "running_var"):
+            assert rel_err(got[r][key], running[key]) <= TOL, (r, key)
+            assert got[r][key].tobytes() == got[0][key].tobytes(), (r, key)
