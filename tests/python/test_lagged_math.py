@@ -30,7 +30,8 @@ TOL = 1e-9
 
 @pytest.fixture(scope="module")
 def workers():
-    with started(nodes=NODES, workers_per_node=WORKERS_PER_NODE, round_timeout_ms=30000) as pool:
+    with started(nodes=NODES, workers_per_node=WORKERS_PER_NODE,
+                 round_timeout_ms=30000) as pool:
         yield pool
 
 
@@ -46,7 +47,8 @@ def run_case(pool, spec, data):
 def lagged_reference(spec, data, node, damping=1.0):
     """{"y", "dx": {rank: [per call]}, "dw", "db": [per call, summed over the node]} of the
     node's ranks: BatchNorm over the virtual batch of each call (module docstring); with
-    damping < 1 the input gradient of calls 1.. is damping * that + (1 - damping) * the node-local one,
+    damping < 1 the input gradient of calls 1.. is damping * that + (1 - damping) * the
+    node-local one,
     w invstd (dy - mean_node(dy) - (x - m_k) sum_node(dy (x - m_k)) / (M_k + n_k eps))."""
     eps = spec.get("eps", 1e-5)
     w = torch.from_numpy(spec["weight"])
@@ -246,7 +248,8 @@ def test_checkpointing_reuses_the_first_pass_and_changes_nothing(reentrant):
     # are the bits of the same calls without checkpointing.
     spec, data = lagged_case(44, steps=4)
     with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2, round_timeout_ms=20000) as c:
-        clients = [hsbn.Client.from_env(c.worker_env(r, job_id="lagged-ckpt-%d" % reentrant)) for r in range(4)]
+        clients = [hsbn.Client.from_env(c.worker_env(r, job_id="lagged-ckpt-%d" % reentrant))
+                   for r in range(4)]
         try:
             hsbn.torch.reset_sync_stats()
             plain, errors = _threads(lambda r: _calls(_layer(spec, clients[r], 501), data[r]))
@@ -382,7 +385,8 @@ def test_a_call_the_guard_sends_to_exact_is_global_and_running_stats_count_every
     # statistics still take the job's statistics of every call but the last, once each.
     spec, data = lagged_case(48, steps=4)
     with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2, round_timeout_ms=20000) as c:
-        clients = [hsbn.Client.from_env(c.worker_env(r, job_id="lagged-guard")) for r in range(4)]
+        clients = [hsbn.Client.from_env(c.worker_env(r, job_id="lagged-guard"))
+                   for r in range(4)]
         try:
             def run(r):
                 bn = _layer(spec, clients[r], 901)

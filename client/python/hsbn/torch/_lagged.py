@@ -56,7 +56,7 @@ from torch.autograd.function import once_differentiable
 
 from ..client import op_label
 from ..errors import ConfigurationError
-from ._function import F64, _NUMPY_DTYPES, _count, _update_running, exchange
+from ._function import F64, _NUMPY_DTYPES, _count, _update_running, _upload, exchange
 from ._ops import ops_for
 from ._renorm import RecomputeError, _digest
 
@@ -271,7 +271,7 @@ class LaggedFunction(torch.autograd.Function):
             up = []
             for g in blends:
                 up += _running_rows(g, num_batches_tracked if momentum is None else momentum)
-            dev = _upload_rows(up, running_mean.device)
+            dev = _upload(up, running_mean.device)
             with torch.no_grad():
                 for i in range(len(blends)):
                     if num_batches_tracked is not None:
@@ -367,7 +367,3 @@ def _damped(d, s, d_k, s_k, lam, total, n_k, m_k, mk2, mu, m2, eps):
         b = lam * (s / (total * var)) + (1.0 - lam) * b_node
     return a * total, b * (total * var)
 
-
-def _upload_rows(rows, device):
-    from ._function import _upload
-    return _upload(rows, device)
