@@ -415,3 +415,49 @@ def test_a_call_the_guard_sends_to_exact_is_global_and_running_stats_count_every
         for key in ("running_mean", "running_var"):
             assert rel_err(got[r][key], running[key]) <= TOL, (r, key)
             assert got[r][key].tobytes() == got[0][key].tobytes(), (r, key)
+
+
+def test_a_root_killed_before_a_backwards_sums_fails_the_next_backward_naming_the_round():
+    spec, data = lagged_case(49, steps=3)
+    op = 611
+    gate = threading.Barrier(5, timeout=60)
+    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2, round_timeout_ms=10000) as c:
+        clients = [hsbn.Client.from_env(c.worker_env(r, job_id="lagged-kill-bwd"))
+                   for r in range(4)]
+        try:
+            def run(r):
+                bn = _layer(spec, clients[r], op)
+                _calls(bn, data[r][:1])   # call 0: exact
+                x = torch.from_numpy(data[r][1][0]).requires_grad_()
+                y = bn(x)                 # call 1's forward
+                while not clients[r].global_stats_ready(op, 1):
+                    threading.Event().wait(0.01)
+                gate.wait()               # the root is killed now
+                gate.wait()
+                # Call 1's backward: node round, the other share from call 0's sums: works.
+                (y * torch.from_numpy(data[r][1][1])).sum().backward()
+                x = torch.from_numpy(data[r][2][0]).requires_grad_()
+                y = bn(x)                 # call 2's forward: call 1's statistics are in
+                try:
+                    (y * torch.from_numpy(data[r][2][1])).sum().backward()  # needs 1's sums
+                except hsbn.HsbnError as e:
+                    return e
+                return None
+            box = {}
+            t = threading.Thread(target=lambda: box.update(out=_threads(run)))
+            t.start()
+            gate.wait()
+            c.root.proc.kill()
+            c.root.proc.wait()
+            gate.wait()
+            t.join(120)
+            got, errors = box["out"]
+            assert not errors, errors
+            for r, e in enumerate(got):
+                assert isinstance(e, hsbn.HsbnError), (r, e)
+                assert "the global sums of lagged round op %d, seq 1" % op in str(e), (r, str(e))
+                assert "root" in str(e).lower(), (r, str(e))
+            print("rank 0's error:", got[0])
+        finally:
+            for cl in clients:
+                cl.close()
