@@ -30,7 +30,7 @@ def bn_steps(spec, steps, client=None, op=None):
                                   momentum=spec.get("momentum", 0.1), affine=affine,
                                   track_running_stats=spec.get("track_running_stats", True),
                                   scope=spec["scope"], client=client, op=op,
-                                  **spec.get("renorm", {}))
+                                  **spec.get("renorm", {}), **spec.get("options", {}))
     device = torch.device(spec.get("device", "cpu"))
     bn.to(device=device, dtype=_dtype(spec.get("param_dtype", spec["dtype"])))
     if affine:

@@ -65,3 +65,26 @@ def test_ddp_training_in_renorm_scope_ends_with_the_same_state_on_every_rank(tra
             assert np.array_equal(state[key], states[0][key]), (rank, key)
     # The running statistics moved from their initial values, to the job's (not a node's).
     assert rel_err(initial["bn1.running_mean"], states[0]["bn1.running_mean"]) > 1e-3
+
+
+def test_ddp_training_in_lagged_scope_ends_with_the_same_state_on_every_rank(transport_env):
+    # Lagged (#41): DDP averages the gradients and the running statistics are the job's exact
+    # ones (one call late), so every rank ends with the same bits, float32 model.
+    torch.manual_seed(2)
+    initial = {k: v.astype(np.float32) if v.dtype == np.float64 and "num_batches" not in k
+               else v.astype(np.int64)
+               for k, v in hsbn_cases.state_numpy(hsbn_cases.SmallCNN()).items()}
+    rng = np.random.default_rng(2)
+    batches = [[(rng.standard_normal((PER_WORKER, 3, 6, 6)).astype(np.float32)
+                 + np.float32(2 * (r // 2)), rng.integers(0, 5, PER_WORKER).astype(np.int64))
+                for _ in range(STEPS)] for r in range(WORKERS)]
+    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2, round_timeout_ms=30000) as c:
+        out = c.run(hsbn_cases.and_transport, hsbn_cases.ddp_train, initial, batches, "lagged",
+                    {}, timeout=240)
+    assert [used for _, used in out] == [transport_env] * WORKERS
+    states = [state for state, _ in out]
+    for rank, state in enumerate(states[1:], 1):
+        for key in states[0]:
+            assert np.array_equal(state[key], states[0][key]), (rank, key)
+    assert rel_err(initial["bn1.running_mean"], states[0]["bn1.running_mean"]) > 1e-3
+    assert int(states[0]["bn1.num_batches_tracked"]) == STEPS - 1  # one call late

@@ -21,6 +21,7 @@ from ._convert import convert_sync_batchnorm, revert_sync_batchnorm
 from ._inspect import model_client, stats, divergence, scopes, auto_decisions
 from ._function import SyncBatchNormFunction, SyncStats, sync_stats, reset_sync_stats
 from ._renorm import RenormFunction, RecomputeError
+from ._lagged import LaggedFunction
 from ._population import sync_running_stats, precise_bn
 from ._diagnose import diagnose
 from . import _ops

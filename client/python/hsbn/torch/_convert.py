@@ -12,6 +12,7 @@ from ._keys import (_KEYED_AT_CONVERSION, op_for_name, _check_scope, _check_grou
                     _auto_policy, _check_process_group)
 from ._layer_check import _LayerCheck
 from ._renorm import renorm_options
+from ._lagged import lagged_options
 from .modules import SyncBatchNorm
 
 
@@ -58,7 +59,7 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
                            auto_max_mean_shift=None, auto_max_log_var_ratio=None,
                            auto_recheck_every=None, renorm_lag=None, renorm_momentum=None,
                            renorm_warmup=None, renorm_r_max=None, renorm_d_max=None,
-                           renorm_ramp=None):
+                           renorm_ramp=None, lagged_damping=None, lagged_warmup=None):
     """Replaces every BatchNorm*d (and torch.nn.SyncBatchNorm) layer in `module` with an
     hsbn.torch.SyncBatchNorm, keeping its parameters, buffers, requires_grad and train/eval
     mode, like torch.nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group). Returns the
@@ -73,8 +74,8 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
       keyed by "<name>.<qualified name>", so two models trained in one process need different
       names, and every rank must use the same one.
     group_nodes, auto_warmup, auto_max_mean_shift, auto_max_log_var_ratio, auto_recheck_every,
-      renorm_lag, renorm_momentum, renorm_warmup, renorm_r_max, renorm_d_max, renorm_ramp:
-      given to every new layer (see SyncBatchNorm).
+      renorm_lag, renorm_momentum, renorm_warmup, renorm_r_max, renorm_d_max, renorm_ramp,
+      lagged_damping, lagged_warmup: given to every new layer (see SyncBatchNorm).
 
     Layers already of type hsbn.torch.SyncBatchNorm keep their scope and state; those numbered
     in construction order are keyed by their qualified name here (those given name= or op= at
@@ -92,6 +93,8 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
                      renorm_warmup=renorm_warmup, renorm_r_max=renorm_r_max,
                      renorm_d_max=renorm_d_max, renorm_ramp=renorm_ramp)
     renorm_options(*renorm_kw.values())
+    lagged_kw = dict(lagged_damping=lagged_damping, lagged_warmup=lagged_warmup)
+    lagged_options(lagged_damping, lagged_warmup)
     if layer_scopes is not None and not (callable(layer_scopes)
                                          or isinstance(layer_scopes, Mapping)):
         raise ConfigurationError("layer_scopes must be a mapping or a callable, not %r"
@@ -115,7 +118,7 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
                                 mod.track_running_stats,
                                 scope=_layer_scope(qualified, mod, scope, layer_scopes),
                                 client=client, op=_KEYED_AT_CONVERSION,
-                                group_nodes=group_nodes, **auto_kw, **renorm_kw)
+                                group_nodes=group_nodes, **auto_kw, **renorm_kw, **lagged_kw)
             _copy_state(mod, out)
             out._revert_to = type(mod)
         if isinstance(out, SyncBatchNorm):

@@ -47,6 +47,16 @@ class SyncStats:
     renorm_wait_seconds: wall time spent in client.global_stats, every fetch.
     renorm_recomputes: recomputations in backward (activation checkpointing) that reused
       their first pass's r and d.
+    Scope "lagged" (docs/PYTORCH.md, "Lagged scope"):
+    lagged_calls: training forward calls of lagged layers (recomputations not included).
+    lagged_exact: those that were exact global calls (warm-up, or sent there by the guard):
+      they waited for their own job statistics.
+    lagged_exact_backward: backward calls that waited for their own job sums (exact calls,
+      and a first backward with no earlier one to take the other nodes' share from).
+    lagged_waits: fetches of late results (statistics or sums) that had not arrived when
+      asked for, so the call blocked for them.
+    lagged_wait_seconds: wall time spent in client.global_stats / global_sums, every fetch.
+    lagged_recomputes: recomputations in backward that reused their first pass's statistics.
     """
     rounds: int = 0
     downloads: int = 0
@@ -57,6 +67,12 @@ class SyncStats:
     renorm_waits: int = 0
     renorm_wait_seconds: float = 0.0
     renorm_recomputes: int = 0
+    lagged_calls: int = 0
+    lagged_exact: int = 0
+    lagged_exact_backward: int = 0
+    lagged_waits: int = 0
+    lagged_wait_seconds: float = 0.0
+    lagged_recomputes: int = 0
 
     @property
     def renorm_wait_share(self):

@@ -6,7 +6,9 @@ at all ("local"); "shadow" normalizes with node statistics while the root measur
 are from the global ones; "auto" runs shadow for a warm-up, then keeps node (group) or takes
 global per layer, as the root decides from that record (the same decision on every rank);
 "renorm" normalizes as with global statistics at the cost of a node round (Batch
-Renormalization with the job's statistics of earlier calls; _renorm.py).
+Renormalization with the job's statistics of earlier calls; _renorm.py); "lagged" normalizes
+and back-propagates with the job's statistics, the other nodes' share one call old, at the
+cost of node rounds (_lagged.py).
 
 Round keys are in _keys.py, the layer check in _layer_check.py, conversion in _convert.py,
 what a model reports (stats, scopes, divergence) in _inspect.py.
@@ -26,6 +28,7 @@ from ..client import default_client
 from ..errors import ConfigurationError
 from ._function import SyncBatchNormFunction, capturing, opaque_to_dynamo, refuse_capture
 from ._renorm import RenormFunction, RenormState, recomputing, renorm_options
+from ._lagged import LaggedFunction, LaggedState, lagged_options
 from ._keys import (_AUTO_DECISIONS, _METADATA_KEY, _KEYED_AT_CONVERSION, next_op,
                     op_for_name, _check_scope, _check_group_nodes, _auto_policy,
                     _check_process_group)
@@ -61,8 +64,8 @@ class SyncBatchNorm(_BatchNorm):
       device, dtype: as torch's.
     hsbn's (keyword only):
       scope: "local" (plain BatchNorm, no exchange), "node", "group", "global" (default),
-        "shadow", "auto" (docs/PYTORCH.md, "Group and auto scope") or "renorm" (docs/PYTORCH.md,
-        "Renorm scope").
+        "shadow", "auto" (docs/PYTORCH.md, "Group and auto scope"), "renorm" (docs/PYTORCH.md,
+        "Renorm scope") or "lagged" (docs/PYTORCH.md, "Lagged scope").
       group_nodes: nodes per group, for the job (one number per job: it is sent when the
         process's client joins). None: HSBN_GROUP_NODES. Needed by scope="group"; with
         scope="auto" it makes auto choose between group and global instead of node and global.
@@ -71,6 +74,8 @@ class SyncBatchNorm(_BatchNorm):
       renorm_lag, renorm_momentum, renorm_warmup, renorm_r_max, renorm_d_max, renorm_ramp:
         scope="renorm"'s options (None: the measured defaults of hsbn.torch._renorm.DEFAULTS);
         lag, warmup and ramp count this layer's training calls, not steps.
+      lagged_damping, lagged_warmup: scope="lagged"'s options (None: hsbn.torch._lagged.DEFAULTS:
+        damping 1.0, the plain lagged backward; warm-up 1 exact global call).
       client: the hsbn.Client to use; None uses hsbn.default_client(), created from the
         environment at the first synchronized forward.
       name: the layer's round key; every rank must give the same layer the same name. Without
@@ -91,7 +96,8 @@ class SyncBatchNorm(_BatchNorm):
                  scope="global", client=None, name=None, op=None, group_nodes=None,
                  auto_warmup=None, auto_max_mean_shift=None, auto_max_log_var_ratio=None,
                  auto_recheck_every=None, renorm_lag=None, renorm_momentum=None,
-                 renorm_warmup=None, renorm_r_max=None, renorm_d_max=None, renorm_ramp=None):
+                 renorm_warmup=None, renorm_r_max=None, renorm_d_max=None, renorm_ramp=None,
+                 lagged_damping=None, lagged_warmup=None):
         _check_process_group(process_group, "hsbn.torch.SyncBatchNorm")
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype)
@@ -102,6 +108,7 @@ class SyncBatchNorm(_BatchNorm):
         self._auto_decision = None  # {"scope": ..., ...} once decided (or restored)
         self._renorm = RenormState(renorm_options(renorm_lag, renorm_momentum, renorm_warmup,
                                                   renorm_r_max, renorm_d_max, renorm_ramp))
+        self._lagged = LaggedState(lagged_options(lagged_damping, lagged_warmup))
         self._auto_restore = None   # a decision loaded from a state_dict, for the client
         self._register_state_dict_hook(_save_auto_decision)
         self.client = client
@@ -153,6 +160,7 @@ class SyncBatchNorm(_BatchNorm):
         self.__dict__.setdefault("_auto_restore", None)
         self.__dict__.setdefault("samples_seen", 0)
         self.__dict__.setdefault("_renorm", RenormState(renorm_options()))
+        self.__dict__.setdefault("_lagged", LaggedState(lagged_options()))
         _client.set_op_label(self.op, self._label())
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -188,6 +196,23 @@ class SyncBatchNorm(_BatchNorm):
         """The renorm options of this layer ({"lag", "momentum", "warmup", "r_max", "d_max",
         "ramp"}); used when its scope is "renorm"."""
         return dict(self._renorm.options)
+
+    @property
+    def lagged_options(self):
+        """The lagged options of this layer ({"damping", "warmup"}); used when its scope is
+        "lagged"."""
+        return dict(self._lagged.options)
+
+    @property
+    def lagged_damping(self):
+        """The weight lambda of the lagged input gradient against the node-local one that this
+        lagged layer's backward uses now (its lagged_damping option until a guard changes it:
+        set it alike on every rank, from values every rank has)."""
+        return self._lagged.lam
+
+    @lagged_damping.setter
+    def lagged_damping(self, value):
+        self._lagged.lam = lagged_options(damping=value)["damping"]
 
     def _check_input_dim(self, input):
         if input.dim() < 2:
@@ -251,11 +276,7 @@ class SyncBatchNorm(_BatchNorm):
         if sync and self.scope == "renorm":
             return self._renorm_forward(input, client, book)
         if sync and self.scope == "lagged":
-            # The service delivers lagged rounds (docs/PROTOCOL.md, "Lagged scope"); the layer's
-            # formulas and guard are issue #41's study, not here yet.
-            raise ConfigurationError(
-                "%s: scope 'lagged' has no layer implementation in this hsbn.torch yet (issue "
-                "#41); use 'renorm', 'global' or 'node'" % self._label())
+            return self._lagged_forward(input, client, book)
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
@@ -301,6 +322,19 @@ class SyncBatchNorm(_BatchNorm):
                                     self.running_var if track else None, self.eps, factor,
                                     client, self.op, seq, self._renorm, recompute,
                                     getattr(self, "cuda_ops", None))
+
+    def _lagged_forward(self, input, client, book):
+        seq = book.next_seq(self.op)
+        self._seq += 1
+        track = self.track_running_stats
+        # The running statistics (and num_batches_tracked, which counts their updates) take
+        # the job's exact statistics inside the function: one call late (_lagged.py).
+        return LaggedFunction.apply(input, self.weight, self.bias,
+                                    self.running_mean if track else None,
+                                    self.running_var if track else None,
+                                    self.num_batches_tracked if track else None, self.eps,
+                                    self.momentum, client, self.op, seq, self._lagged,
+                                    recomputing(), getattr(self, "cuda_ops", None))
 
     def _name_for_status(self, client, book):
         """Tells the aggregators this layer's name once per client, so that their Status and

@@ -1,0 +1,369 @@
+"""Scope "lagged" (issue #41): both passes with the job's statistics, the other nodes' share one
+call old, for the price of node rounds.
+
+The service (docs/PROTOCOL.md, "Lagged scope") answers each forward and backward round with the
+node's statistics at once and delivers the job's later (client.global_stats / global_sums).
+This module is the layer's arithmetic, all of it in float64 on the host from values that are
+the same bits on every rank of a node (node answers, late results), so every rank of a node
+computes the same bits.
+
+Forward of call s (a node round): the node's fresh (n_k, m_k, M_k) merged (Chan) with the other
+nodes' share of the layer's previous lagged forward p < s: from the job's (N', mu', M2') of p
+and this node's answer (n_k', m_k', M_k') of p,
+
+    n_o = N' - n_k'     m_o = mu' + n_k' (mu' - m_k') / n_o
+    M_o = M2' - M_k' - n_k' n_o / N' (m_k' - m_o)^2          (clamped at 0)
+
+then normalization with the merged mean mu and invstd = 1 / sqrt(M / N + eps).
+
+Backward of call s (a node round): each rank's sums are taken around the saved mean c and
+re-centred on the device to the node answer's mean m_k (the protocol's contract: sum dy (x - m_k)
+= sum dy (x - c) + (c - m_k) sum dy). With the node's answer (D_k, S_k around m_k), and the
+other nodes' share of the layer's last lagged backward b (the job's (D', S' around mu_b) minus
+this node's answer of b, re-centred on the other nodes' mean of b):
+
+    D = D_k + D_o       S = S_k + (m_k - mu) D_k + S_o(m_o_b) + (m_o_b - mu) D_o
+
+and dx = w invstd (dy - D / N - (x - mu) invstd^2 S / N): the exact BatchNorm gradient of the
+batch the forward normalized (this node fresh, the others one call old). With damping
+lambda < 1 the dx is lambda times that plus (1 - lambda) times the node-local one,
+w invstd (dy - D_k / n_k - (x - m_k) S_k / (M_k + n_k eps)) (node BatchNorm's projection,
+which sums to zero over the node's batch, at the layer's scale), folded into the same (sums,
+count) form, so one elementwise pass computes it.
+
+Exact calls. A call with no earlier lagged forward of the layer (the first, and the first
+`warmup` calls), or one the guard sends to global (LaggedState.exact), waits for its own late
+result and normalizes with the job's exact statistics; its backward waits for the job's sums of
+its own round: a global round, both passes. A lagged backward with no earlier backward record
+does the same for its backward.
+
+Running statistics take the job's exact statistics of every training call (not of
+recomputations) once: an exact call's own at once, a lagged call's at the next call (one call
+late), so every rank of the job holds the same bits.
+
+Activation checkpointing: a recomputation in backward makes its node round again (a lagged
+round of its own seq) and reuses the first pass's merged statistics, found by its node answer
+among the layer's last RECOMPUTE_WINDOW calls; it waits for nothing and updates nothing.
+"""
+
+import collections
+import math
+import time
+
+import numpy as np
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..client import op_label
+from ..errors import ConfigurationError
+from ._function import F64, _NUMPY_DTYPES, _count, _update_running, _upload, exchange
+from ._ops import ops_for
+from ._renorm import RecomputeError, _digest
+
+# The defaults, the one place to change them. damping: lambda, the weight of the lagged input
+# gradient against the node-local one (1.0: plain lagged; issue #41's study chooses the
+# default and an adaptive guard); warmup: the layer's first calls that are exact global (>= 1:
+# the first call has no earlier statistics).
+DEFAULTS = {"damping": 1.0, "warmup": 1}
+
+# Records kept per layer (first passes for recomputation, forward records for the backward).
+RECOMPUTE_WINDOW = 32
+
+_KEYWORDS = {"damping": "lagged_damping", "warmup": "lagged_warmup"}
+
+
+def lagged_options(damping=None, warmup=None, where=""):
+    """{option: value} with DEFAULTS for the ones given as None; ConfigurationError naming the
+    keyword of a bad one."""
+    out = dict(DEFAULTS)
+    if damping is not None:
+        if (isinstance(damping, bool) or not isinstance(damping, (int, float))
+                or not math.isfinite(damping) or not 0.0 <= damping <= 1.0):
+            raise ConfigurationError("lagged_damping%s must be a number in [0, 1] (1: plain "
+                                     "lagged backward, 0: node-local), not %r" % (where, damping))
+        out["damping"] = float(damping)
+    if warmup is not None:
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ConfigurationError("lagged_warmup%s must be an int >= 1 (calls), not %r"
+                                     % (where, warmup))
+        out["warmup"] = warmup
+    return out
+
+
+class LaggedState:
+    """One lagged layer's host-side state. Every rank goes through the same updates with bits
+    that are the same on every rank of a node (the job's for the running statistics), so the
+    state is too. Not in the state_dict: a resumed run starts with its warm-up again.
+
+    The guard of issue #41 plugs in here: damping(seq) and exact(seq) are the only decisions,
+    and observe() sees every late result the layer uses (the same bits on every rank), so a
+    guard that sets them from what it observed decides alike on every rank."""
+
+    def __init__(self, options):
+        self.options = dict(options)
+        self.lam = self.options["damping"]
+        self.calls = 0          # training calls (first passes) so far
+        self.fwd = collections.OrderedDict()   # seq -> {"node": (n, m, M), "glob": ...}
+        self.last_fwd = None    # seq of the last lagged forward round (recomputations too)
+        self.last_bwd = None    # (seq, D_k, S_k around m_k) of the last backward
+        self.pending = None     # seq of a lagged call whose global stats still go into running
+        self.recent = collections.OrderedDict()  # node digest -> first pass's rows
+
+    # --- the guard's decisions (plain: the options) -----------------------------------------
+    def damping(self, seq):
+        return self.lam
+
+    def exact(self, seq):
+        """Whether call `seq` waits for its own job statistics (a global call)."""
+        return self.calls < self.options["warmup"] or self.last_fwd is None
+
+    def observe(self, what, seq, values):
+        """Called with every late result used ("stats" or "sums"); for a guard."""
+
+    # --- records --------------------------------------------------------------------------
+    def _trim(self, d):
+        while len(d) > RECOMPUTE_WINDOW:
+            d.popitem(last=False)
+
+    def record_forward(self, seq, node):
+        self.fwd[seq] = {"node": node, "glob": None}
+        self._trim(self.fwd)
+        self.last_fwd = seq
+
+    def glob(self, client, op, seq):
+        """The job's (N, mean, m2) of forward round seq (fetched once, kept)."""
+        rec = self.fwd.get(seq)
+        if rec is not None and rec["glob"] is not None:
+            return rec["glob"]
+        ready = bool(client.global_stats_ready(op, seq))
+        t0 = time.perf_counter()
+        total, mean, m2 = client.global_stats(op, seq)
+        _count(lagged_waits=0 if ready else 1, lagged_wait_seconds=time.perf_counter() - t0)
+        g = (int(total), np.asarray(mean, dtype=np.float64), np.asarray(m2, dtype=np.float64))
+        if rec is not None:
+            rec["glob"] = g
+        self.observe("stats", seq, g)
+        return g
+
+    def remember(self, key, rows):
+        self.recent[key] = rows
+        self.recent.move_to_end(key)
+        self._trim(self.recent)
+
+    def recall(self, key, op, seq):
+        if key not in self.recent:
+            raise RecomputeError(
+                "hsbn: %s (scope 'lagged') is being recomputed in backward (activation "
+                "checkpointing, round seq %d), but none of its last %d training calls saw the "
+                "node statistics of this recomputation, so the statistics of its first pass are "
+                "unknown. The recomputed input differs from the first pass (nondeterministic "
+                "ops, or checkpoint(..., preserve_rng_state=False) with random ops), or more "
+                "than %d calls of the layer ran between the first pass and its recomputation."
+                % (op_label(op), seq, RECOMPUTE_WINDOW, RECOMPUTE_WINDOW))
+        return self.recent[key]
+
+
+def other_share(g, node):
+    """(n_o, m_o, M_o): the job's (N, mu, M2) of a round without this node's (n, m, M) of it,
+    float64; n_o == 0 gives (0, None, None)."""
+    big_n, mu, m2 = g
+    n, m, mk = node
+    n_o = big_n - n
+    if n_o <= 0:
+        return 0, None, None
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m_o = mu + (n / n_o) * (mu - m)
+        m2_o = m2 - mk - (n * (n_o / big_n)) * np.square(m - m_o)
+    return n_o, m_o, np.maximum(m2_o, 0.0)
+
+
+def merge(a, b):
+    """Chan's merge of (n, mean, m2) a and b (b may be (0, None, None)), float64."""
+    na, ma, sa = a
+    nb, mb, sb = b
+    if nb == 0:
+        return na, ma, sa
+    n = na + nb
+    delta = mb - ma
+    return n, ma + delta * (nb / n), sa + sb + np.square(delta) * (na * (nb / n))
+
+
+def _running_rows(g, factor):
+    total, mean, m2 = g
+    unbiased = m2 / (total - 1) if total > 1 else np.full_like(m2, np.nan)
+    if torch.is_tensor(factor):
+        return [mean, unbiased]
+    return [mean * factor, unbiased * factor]
+
+
+class LaggedFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, eps,
+                momentum, client, op, seq, state, recompute, cuda_ops=None):
+        """momentum: the layer's (None: the cumulative average, counted by num_batches_tracked,
+        which this function advances once per running-statistics update). recompute: this call
+        recomputes a first pass in backward."""
+        ops = ops_for(x, cuda_ops)
+        npd = _NUMPY_DTYPES[ops.stat_dtype(x)]
+        count, packed = ops.local_moments(x, eps)
+        track = running_mean is not None
+        blends = []   # the job's statistics that go into the running statistics now
+        info = {}
+
+        def finish(n_k, m_k, mk2):
+            node = (int(n_k), m_k.copy(), mk2.copy())
+            key = _digest(n_k, m_k, mk2)
+            if recompute:
+                rows = state.recall(key, op, seq)
+                state.record_forward(seq, node)
+                info["exact"] = rows[3]
+                info["merged"] = tuple(rows[4:7])
+                _count(lagged_recomputes=1)
+                return rows[:3]
+            exact = state.exact(seq)
+            if track and state.pending is not None:
+                blends.append(state.glob(client, op, state.pending))
+                state.pending = None
+            prev = state.last_fwd
+            state.record_forward(seq, node)
+            if exact:
+                g = state.glob(client, op, seq)
+                total, mean, m2 = g
+                if track:
+                    blends.append(g)
+                _count(lagged_exact=1)
+            else:
+                g = state.glob(client, op, prev)
+                prev_node = state.fwd[prev]["node"] if prev in state.fwd else None
+                if prev_node is None or g[1].shape != m_k.shape:
+                    raise ValueError("%s: no record of its previous lagged call (round seq %d) "
+                                     "with %d channels" % (op_label(op), prev, m_k.shape[0]))
+                total, mean, m2 = merge(node, other_share(g, prev_node))
+                if track:
+                    state.pending = seq
+            if total <= 1:
+                info["total"] = total
+                return []
+            with np.errstate(divide="ignore", invalid="ignore"):
+                invstd = 1.0 / np.sqrt(m2 / total + eps)
+            mean_s = mean.astype(npd)
+            # The backward's sums are taken around mean_s; the node round wants them around m_k.
+            shift = mean_s.astype(np.float64) - m_k
+            rows = [mean_s, invstd.astype(npd), shift]
+            state.remember(key, rows + [exact, total, mean, m2])
+            info["exact"] = exact
+            info["merged"] = (total, mean, m2)
+            _count(lagged_calls=1)
+            return rows
+
+        n_k, rows = exchange(client.forward, op, seq, "lagged", count, packed, finish)
+        if not rows:
+            raise ValueError(
+                "Expected more than 1 value per channel when training, got %d in scope "
+                "'lagged' (%s, op=%d, input of size %s on this worker)"
+                % (info.get("total", n_k), op_label(op), op, list(x.shape)))
+        if not recompute:
+            state.calls += 1
+        total, mean_f, m2_f = info["merged"]
+        mean, invstd, shift = rows
+        if blends:
+            up = []
+            for g in blends:
+                up += _running_rows(g, num_batches_tracked if momentum is None else momentum)
+            dev = _upload(up, running_mean.device)
+            with torch.no_grad():
+                for i in range(len(blends)):
+                    if num_batches_tracked is not None:
+                        num_batches_tracked.add_(1)
+                    factor = (num_batches_tracked if momentum is None else momentum)
+                    _update_running(running_mean, dev[2 * i], factor)
+                    _update_running(running_var, dev[2 * i + 1], factor)
+        y = ops.normalize(x, mean, invstd, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, invstd, shift)
+        ctx.hsbn = (client, op, seq, count, state, info["exact"], int(n_k), int(total),
+                    mean_f, m2_f, eps, cuda_ops)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, invstd, shift = ctx.saved_tensors
+        (client, op, seq, count, state, exact, n_k, total, mu, m2, eps,
+         cuda_ops) = ctx.hsbn
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        ops = ops_for(x, cuda_ops)
+        saved = (mean, invstd)
+        packed, grad_w, grad_b = ops.backward_reduce(dy, x, saved, weight, need_w, need_b)
+        grad_x = None
+        if need_x:
+            npd = _NUMPY_DTYPES[ops.stat_dtype(x)]
+            # Around the node's mean m_k, as the protocol wants: S(m_k) = S(c) + (c - m_k) D.
+            packed = packed.clone()
+            packed[1].add_(packed[0] * shift.to(device=packed.device, dtype=F64))
+            node_f = state.fwd.get(seq, {}).get("node")
+
+            def finish(nb, d_k, s_k):
+                if node_f is None:
+                    raise ValueError("%s: no record of forward round seq %d for its backward"
+                                     % (op_label(op), seq))
+                _, m_k, mk2 = node_f
+                prev = state.last_bwd
+                state.last_bwd = (seq, d_k.copy(), s_k.copy())
+                lam = 1.0
+                if exact or prev is None or prev[0] not in state.fwd:
+                    # The job's own sums of this round, around mu (the job's mean: exact) or
+                    # re-centred on the merged mean.
+                    g_n, g_mu, _ = state.glob(client, op, seq)
+                    cnt, g_d, g_s = _fetch_sums(client, op, seq)
+                    state.observe("sums", seq, (cnt, g_d, g_s))
+                    d = g_d
+                    s = g_s + (g_mu - mu) * g_d
+                    _count(lagged_exact_backward=1)
+                else:
+                    pseq, pd_k, ps_k = prev
+                    pg = state.glob(client, op, pseq)
+                    pnode = state.fwd[pseq]["node"]
+                    cnt, g_d, g_s = _fetch_sums(client, op, pseq)
+                    state.observe("sums", pseq, (cnt, g_d, g_s))
+                    n_o, m_o, _ = other_share(pg, pnode)
+                    pm_k = pnode[1]
+                    if n_o == 0:
+                        d_o = np.zeros_like(d_k)
+                        s_o = np.zeros_like(s_k)
+                    else:
+                        d_o = g_d - pd_k
+                        # The job's sums around m_o, less this node's (around its m_k'):
+                        s_o = (g_s + (pg[1] - m_o) * g_d) - (ps_k + (pm_k - m_o) * pd_k)
+                        s_o = s_o + (m_o - mu) * d_o
+                    d = d_k + d_o
+                    s = s_k + (m_k - mu) * d_k + s_o
+                    lam = state.damping(seq)
+                if lam != 1.0:
+                    d, s = _damped(d, s, d_k, s_k, lam, total, n_k, m_k, mk2, mu, m2, eps)
+                return [d.astype(npd), s.astype(npd)]
+
+            _, sums = exchange(client.backward, op, seq, "lagged", count, packed, finish)
+            grad_x = ops.backward_elemt(dy, x, saved, weight, sums, total)
+        return (grad_x, grad_w, grad_b) + (None,) * 11
+
+
+def _fetch_sums(client, op, seq):
+    ready = bool(client.global_sums_ready(op, seq))
+    t0 = time.perf_counter()
+    cnt, d, s = client.global_sums(op, seq)
+    _count(lagged_waits=0 if ready else 1, lagged_wait_seconds=time.perf_counter() - t0)
+    return int(cnt), np.asarray(d, dtype=np.float64), np.asarray(s, dtype=np.float64)
+
+
+def _damped(d, s, d_k, s_k, lam, total, n_k, m_k, mk2, mu, m2, eps):
+    """(D, S) that make backward_elemt (with count `total`, mean mu, invstd of (m2 / total +
+    eps)) compute lam * lagged dx + (1 - lam) * node-local dx (module docstring)."""
+    var = m2 / total + eps                      # 1 / invstd^2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        b_node = s_k / (mk2 + n_k * eps)           # the node's coefficient of (x - m_k)
+        a_node = d_k / n_k + (mu - m_k) * b_node   # ... moved to (x - mu)
+        a = lam * (d / total) + (1.0 - lam) * a_node
+        b = lam * (s / (total * var)) + (1.0 - lam) * b_node
+    return a * total, b * (total * var)
+
