@@ -113,25 +113,17 @@ const char* PhaseName(v1::Phase phase) {
   }
 }
 
-const char* ScopeName(v1::Scope scope) {
-  switch (scope) {
-    case v1::SCOPE_NODE: return "node";
-    case v1::SCOPE_GLOBAL: return "global";
-    case v1::SCOPE_SHADOW: return "shadow";
-    case v1::SCOPE_GROUP: return "group";
-    case v1::SCOPE_RENORM: return "renorm";
-    case v1::SCOPE_LAGGED: return "lagged";
-    default: return "unknown-scope";
+const char* ScopeName(v1::Scope scope, const char* unknown) {
+  for (const ScopeEntry& e : kScopes) {
+    if (e.scope == scope) return e.name;
   }
+  return unknown;
 }
 
 v1::Scope ParseScope(const std::string& name) {
-  if (name == "node") return v1::SCOPE_NODE;
-  if (name == "global") return v1::SCOPE_GLOBAL;
-  if (name == "shadow") return v1::SCOPE_SHADOW;
-  if (name == "group") return v1::SCOPE_GROUP;
-  if (name == "renorm") return v1::SCOPE_RENORM;
-  if (name == "lagged") return v1::SCOPE_LAGGED;
+  for (const ScopeEntry& e : kScopes) {
+    if (name == e.name) return e.scope;
+  }
   return v1::SCOPE_UNSPECIFIED;
 }
 

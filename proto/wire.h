@@ -43,8 +43,20 @@ absl::Status WithMessage(const absl::Status& status, absl::string_view message);
 const char* ReasonName(v1::Reason reason);
 
 const char* PhaseName(v1::Phase phase);   // "forward", "backward"
-const char* ScopeName(v1::Scope scope);   // "node", "global", "shadow", "group", "renorm", "lagged"
-// Parses "node", "global", "shadow", "group"; SCOPE_UNSPECIFIED if unknown.
+
+// The scopes a round can have on the wire and their names: the one table ScopeName, ParseScope
+// and the metrics' labels read (auto is a client policy, never on the wire).
+struct ScopeEntry {
+  v1::Scope scope;
+  const char* name;
+};
+inline constexpr ScopeEntry kScopes[] = {
+    {v1::SCOPE_NODE, "node"},     {v1::SCOPE_GLOBAL, "global"}, {v1::SCOPE_SHADOW, "shadow"},
+    {v1::SCOPE_GROUP, "group"},   {v1::SCOPE_RENORM, "renorm"}, {v1::SCOPE_LAGGED, "lagged"},
+};
+// kScopes' name of `scope`, or `unknown` for a value it does not hold.
+const char* ScopeName(v1::Scope scope, const char* unknown = "unknown-scope");
+// kScopes' scope of `name`; SCOPE_UNSPECIFIED if unknown.
 v1::Scope ParseScope(const std::string& name);
 // "op 3, seq 7, forward"
 std::string RoundName(uint32_t op, uint64_t seq, v1::Phase phase);

@@ -16,22 +16,13 @@
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
 #include "version.h"
+#include "wire.h"
 
 namespace hsbn::server {
 
 namespace {
 
-const char* ScopeLabel(int scope) {
-  switch (scope) {
-    case v1::SCOPE_NODE: return "node";
-    case v1::SCOPE_GLOBAL: return "global";
-    case v1::SCOPE_SHADOW: return "shadow";
-    case v1::SCOPE_GROUP: return "group";
-    case v1::SCOPE_RENORM: return "renorm";
-    case v1::SCOPE_LAGGED: return "lagged";
-    default: return "unknown";
-  }
-}
+const char* ScopeLabel(int scope) { return wire::ScopeName(v1::Scope(scope), "unknown"); }
 
 const char* PhaseLabel(int phase) {
   switch (phase) {
