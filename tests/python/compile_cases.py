@@ -19,14 +19,14 @@ class Explicit(nn.Module):
     """A model with its own forward: a stem, then two independent branches (as ResNet's
     downsample path), each with an hsbn layer, added."""
 
-    def __init__(self, scope):
+    def __init__(self, scope, prefix="explicit"):
         super().__init__()
         self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn1 = hsbn.torch.SyncBatchNorm(4, scope=scope, name="explicit.bn1")
+        self.bn1 = hsbn.torch.SyncBatchNorm(4, scope=scope, name=prefix + ".bn1")
         self.conv2 = nn.Conv2d(4, 6, 3, padding=1)
-        self.bn2 = hsbn.torch.SyncBatchNorm(6, scope=scope, name="explicit.bn2", momentum=None)
+        self.bn2 = hsbn.torch.SyncBatchNorm(6, scope=scope, name=prefix + ".bn2", momentum=None)
         self.conv3 = nn.Conv2d(4, 6, 1)
-        self.bn3 = hsbn.torch.SyncBatchNorm(6, scope=scope, name="explicit.bn3", affine=False)
+        self.bn3 = hsbn.torch.SyncBatchNorm(6, scope=scope, name=prefix + ".bn3", affine=False)
         self.fc = nn.Linear(6, 3)
 
     def forward(self, x):
@@ -35,7 +35,7 @@ class Explicit(nn.Module):
         return self.fc(h.mean((2, 3)))
 
 
-def build(kind, scope):
+def build(kind, scope, prefix="explicit"):
     """The model `kind` ("sequential", "explicit", "resnet18", "torch_bn": the sequential one
     with torch.nn.BatchNorm2d) with hsbn layers of `scope`, initialized from seed 0."""
     torch.manual_seed(0)
@@ -46,11 +46,11 @@ def build(kind, scope):
                              nn.Conv2d(4, 6, 3, padding=1), bn(6, momentum=None), nn.ReLU(),
                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3))
     if kind == "explicit":
-        return Explicit(scope)
+        return Explicit(scope, prefix)
     if kind == "resnet18":
         import torchvision
         return hsbn.torch.convert_sync_batchnorm(torchvision.models.resnet18(num_classes=3),
-                                                 scope=scope)
+                                                 scope=scope, name="resnet18-" + prefix)
     raise ValueError(kind)
 
 
@@ -76,7 +76,8 @@ def compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05):
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
     counters.clear()
-    eager, model = build(kind, scope), build(kind, scope)
+    # Named layers get a prefix per model: two layers of one name share round keys.
+    eager, model = build(kind, scope, "eager"), build(kind, scope, "compiled")
     cnt = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled = (model if backend == "eager" else torch.compile(model, backend=cnt, fullgraph=True))
     out = {"eager": {"y": [], "grads": []}, "compiled": {"y": [], "grads": []}, "frames": []}
