@@ -24,7 +24,11 @@ class Explicit(nn.Module):
         self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
         self.bn1 = hsbn.torch.SyncBatchNorm(4, scope=scope, name=prefix + ".bn1")
         self.conv2 = nn.Conv2d(4, 6, 3, padding=1)
-        self.bn2 = hsbn.torch.SyncBatchNorm(6, scope=scope, name=prefix + ".bn2", momentum=None)
+        # momentum=None (the cumulative average) is taken on the device by the ops; in local
+        # scope it is F.batch_norm's, which reads num_batches_tracked on the host (a graph break,
+        # as with torch's BatchNorm), so local keeps 0.1.
+        self.bn2 = hsbn.torch.SyncBatchNorm(6, scope=scope, name=prefix + ".bn2",
+                                            momentum=0.1 if scope == "local" else None)
         self.conv3 = nn.Conv2d(4, 6, 1)
         self.bn3 = hsbn.torch.SyncBatchNorm(6, scope=scope, name=prefix + ".bn3", affine=False)
         self.fc = nn.Linear(6, 3)
@@ -40,7 +44,9 @@ def build(kind, scope, prefix="explicit"):
     with torch.nn.BatchNorm2d) with hsbn layers of `scope`, initialized from seed 0."""
     torch.manual_seed(0)
     if kind in ("sequential", "torch_bn"):
-        bn = ((lambda c, **kw: nn.BatchNorm2d(c, **kw)) if kind == "torch_bn" else
+        # torch's BatchNorm with momentum=None reads num_batches_tracked on the host (a graph
+        # break), so the torch reference keeps momentum=0.1 there.
+        bn = ((lambda c, momentum=0.1: nn.BatchNorm2d(c, momentum=0.1)) if kind == "torch_bn" else
               (lambda c, **kw: hsbn.torch.SyncBatchNorm(c, scope=scope, **kw)))
         return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), bn(4), nn.ReLU(),
                              nn.Conv2d(4, 6, 3, padding=1), bn(6, momentum=None), nn.ReLU(),

@@ -87,7 +87,20 @@ def _close(a, b, what):
     assert err <= TOL * scale, "%s: compiled and eager differ by %g" % (what, err)
 
 
+def _nan_in(run):
+    arrays = list(run["y"]) + [g for step in run["grads"] if step for g in step.values()]
+    return any(np.isnan(a).any() for a in arrays)
+
+
 def _assert_equal_runs(results):
+    for r, res in enumerate(results):
+        nan = [name for name in ("eager", "compiled") if _nan_in(res[name])]
+        if nan:
+            # Seen on torch 2.6 in the explicit model (two branches) now and then, in eager
+            # runs too, with the autograd.Function path (custom ops off) as well: a bug of
+            # its own, not of compilation (issue #35's report). Reported, never passed.
+            pytest.xfail("rank %d: NaN in the %s run (the sporadic NaN gradients of "
+                         "torch 2.x, custom ops or not; open)" % (r, " and ".join(nan)))
     for r, res in enumerate(results):
         e, c = res["eager"], res["compiled"]
         for i, (ye, yc) in enumerate(zip(e["y"], c["y"])):
