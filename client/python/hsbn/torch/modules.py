@@ -27,6 +27,7 @@ from .. import client as _client
 from ..client import default_client
 from ..errors import ConfigurationError
 from ._function import SyncBatchNormFunction, capturing, opaque_to_dynamo, refuse_capture
+from . import _custom_op
 from ._renorm import RenormFunction, RenormState, recomputing, renorm_options
 from ._lagged import LaggedFunction, LaggedState, lagged_options
 from ._keys import (_AUTO_DECISIONS, _METADATA_KEY, _KEYED_AT_CONVERSION, next_op,
@@ -120,6 +121,8 @@ class SyncBatchNorm(_BatchNorm):
         # own input, N * spatial per training forward): sync_running_stats weights ranks by it.
         # Not in the state_dict (which stays torch's); 0 means "no record".
         self.samples_seen = 0
+        # This object's key in _custom_op's registry (torch >= 2.4's ops find it by it).
+        self._hsbn_key = _custom_op.register(self)
         if op is _KEYED_AT_CONVERSION:
             self.op, self.model_name, self.layer_name, self._key_source = None, None, None, "model"
         elif op is not None:
@@ -161,6 +164,7 @@ class SyncBatchNorm(_BatchNorm):
         self.__dict__.setdefault("samples_seen", 0)
         self.__dict__.setdefault("_renorm", RenormState(renorm_options()))
         self.__dict__.setdefault("_lagged", LaggedState(lagged_options()))
+        self._hsbn_key = _custom_op.register(self)  # a copy is a layer of its own
         _client.set_op_label(self.op, self._label())
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -245,8 +249,73 @@ class SyncBatchNorm(_BatchNorm):
                 raise
             book.checks[key] = None
 
-    @opaque_to_dynamo  # its rounds and Python-side state are not for tracing (docs/PYTORCH.md)
     def forward(self, input):
+        # The ops path has run on CPU only (no GPU was lent to #35's sessions): code that never
+        # ran on a GPU is not the default on one, so CUDA inputs keep the function path.
+        if _custom_op.ENABLED and input.device.type == "cpu":
+            return self._forward_ops(input)
+        return self._forward_function(input)
+
+    def _forward_ops(self, input):
+        """forward on torch >= 2.4: traceable by dynamo (torch.compile(fullgraph=True),
+        torch.export); a synchronized training forward is the custom op hsbn::sync_batch_norm
+        (_custom_op.py), whose run does the Python-side bookkeeping of _forward_function."""
+        if isinstance(input, torch.fx.Proxy):
+            tracer = input.tracer
+            return tracer.create_proxy("call_module", tracer.path_of_module(self), (input,), {})
+        self._check_input_dim(input)
+        if input.shape[1] != self.num_features:
+            raise ValueError("expected input with %d channels, got shape %s"
+                             % (self.num_features, list(input.shape)))
+        sync = self.training and self.scope != "local"
+        compiling = torch.compiler.is_compiling()
+        if sync and self.scope in ("renorm", "lagged"):
+            return self._forward_function(input)  # not ops yet: a graph break under compile
+        if sync:
+            if not compiling and capturing(input):
+                raise refuse_capture(self._label(), self.scope)
+            if self.track_running_stats and self.num_batches_tracked is not None:
+                self.num_batches_tracked.add_(1)
+            return _custom_op.layer_forward(self, input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if compiling:
+            if self.training:
+                _custom_op.note_local_forward(self, input)
+        else:
+            self._input_dim = input.dim()
+            if self.training and self.track_running_stats:
+                self.samples_seen += input.numel() // max(1, input.shape[1])
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        return F.batch_norm(
+            input,
+            self.running_mean if not self.training or self.track_running_stats else None,
+            self.running_var if not self.training or self.track_running_stats else None,
+            self.weight, self.bias, bn_training, factor, self.eps)
+
+    def _prepare_round(self):
+        """(client, book) for a synchronized forward of the ops path, after the checks and
+        notes _forward_function makes before its round."""
+        client = self._client()
+        book = _book(client)
+        self._check_model(client, book)
+        self._name_for_status(client, book)
+        self._warn_about_ddp()
+        if self.scope == "auto":
+            self._prepare_auto(client, book)
+        return client, book
+
+    def _after_auto_round(self, client):
+        if self._auto_decision is None or self.auto_policy.get("recheck_every"):
+            decided = client.auto_decision(self.op)
+            if decided is not None:
+                self._auto_decision = decided
+
+    @opaque_to_dynamo  # its rounds and Python-side state are not for tracing (docs/PYTORCH.md)
+    def _forward_function(self, input):
         if isinstance(input, torch.fx.Proxy):
             # A leaf for torch.fx: one call_module node, whatever the tracer.
             tracer = input.tracer

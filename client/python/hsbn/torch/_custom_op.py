@@ -1,0 +1,287 @@
+"""hsbn's synchronized BatchNorm as torch custom ops (torch >= 2.4), so that torch.compile
+(fullgraph=True) and torch.export trace through hsbn layers (issue #35).
+
+On torch >= 2.4 (torch.library.custom_op and register_fake), a training-mode layer whose scope
+exchanges statistics calls these ops instead of SyncBatchNormFunction; torch < 2.4 (Debian 12's
+1.13 among them) keeps SyncBatchNormFunction, unchanged, and ENABLED is False.
+
+The ops (namespace "hsbn"):
+
+  hsbn::sync_batch_norm(Tensor x, Tensor? weight, Tensor? bias, Tensor? running_mean,
+                        Tensor? running_var, Tensor? num_batches_tracked, Tensor order,
+                        int key, str scope, bool training, float? momentum, float eps)
+      -> (Tensor y, Tensor mean, Tensor invstd, Tensor new_running_mean,
+          Tensor new_running_var, Tensor meta, Tensor order_out)
+
+    x (N, C, *); weight, bias (C,) or None; running_mean/var (C,) or None (no running
+    statistics); num_batches_tracked: the layer's counter (already incremented by the caller)
+    when momentum is None (cumulative average, factor 1/n taken on the device), else None.
+    key: the layer key (an int, register()): the op finds the layer (and through it the client,
+    round key `op`, round seq, cuda_ops and Python-side state) in this process's registry.
+    scope: any round scope ("node", "group", "global", "shadow", "auto", and by the same
+    signature "renorm" and "lagged" once their math is an op; "local" never needs it).
+    training: True (a training forward: one forward round). False is reserved for a scope
+    that exchanges in eval mode (none today) and refused.
+    y: the normalized output, with x's dtype and strides. mean, invstd: (C,) statistics the
+    output was normalized with, in the op set's statistics dtype (_ops.py) on x's device: what
+    backward needs. new_running_mean/var: the running statistics after this call's update (the
+    caller copies them into its buffers; (0,) without running statistics). meta: (3,) int64 on
+    the CPU: [round seq, this worker's count, the scope's count], for backward, read on the
+    host without a device wait. order_out: see "Order" below.
+
+  hsbn::sync_batch_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor mean,
+                                 Tensor invstd, Tensor meta, int key, str scope,
+                                 bool need_x, bool need_w, bool need_b)
+      -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)
+
+    The backward round (only when need_x: every rank has the same requires_grad pattern) and
+    the gradients; an unneeded gradient is a (0,) tensor. It is the backward of
+    sync_batch_norm's registered autograd formula (register_autograd), not differentiable
+    itself (as SyncBatchNormFunction's once_differentiable backward).
+
+  hsbn::note_forward(Tensor order, int key, SymInt samples, int dim) -> Tensor order_out
+
+    A local-scope training forward under torch.compile: adds `samples` to the layer's
+    samples_seen and records its input's dimension (what the eager layer does in Python).
+
+Why these forms:
+  - register_autograd takes functional ops only (torch 2.6 refuses a schema with mutated
+    arguments), so the forward op returns the new running statistics and the caller copies them
+    into its buffers (functionalization then sees a buffer mutation, as for torch's BatchNorm).
+  - Python objects (the client, the layer) cannot cross a custom op: the layer is found through
+    an int key in a weak registry, the rest is str/int/float/bool or tensors. The round seq
+    and the counts are numbers of this call's run, not of the trace, so they travel from forward
+    to backward as the `meta` tensor (CPU, so reading it is no device wait).
+  - Order: a round blocks until every rank of the scope has sent it, so every rank must make
+    the rounds of different layers in the same order, and a compiled graph must neither drop a
+    call nor merge two (functional ops with equal arguments may be CSE'd, independent ones
+    reordered: ResNet's downsample BatchNorm does not depend on its block's bn2). Every forward
+    op (and note_forward) takes the process's `order` tensor and returns order_out, which the
+    caller copies back into it: each op then depends on the one before it in program order,
+    and its output is used (copied into a graph input), so it is never elided. Backward ops are
+    ordered by their data (each takes dy from the later layers' backward) and, between
+    independent branches, by the backward graph, which autograd's order traced once and every
+    rank compiles alike.
+  - The fake implementations only make tensors of the right shapes, dtypes and strides: they
+    never touch the aggregator or the layer.
+"""
+
+import itertools
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+from ..client import op_label
+
+ENABLED = (hasattr(torch, "library") and hasattr(torch.library, "custom_op")
+           and hasattr(torch.library, "register_fake")
+           and hasattr(torch.library, "register_autograd"))
+
+_registry = weakref.WeakValueDictionary()
+_keys = itertools.count(1)
+_keys_lock = threading.Lock()
+
+# The process's order token (see "Order" above). Its value counts the ops that passed it.
+ORDER = torch.zeros(1, dtype=torch.int64)
+
+
+def register(layer):
+    """A new layer key for `layer` (held weakly)."""
+    with _keys_lock:
+        key = next(_keys)
+    _registry[key] = layer
+    return key
+
+
+def layer_for(key):
+    layer = _registry.get(key)
+    if layer is None:
+        raise RuntimeError("hsbn: no SyncBatchNorm with layer key %d in this process (a graph "
+                           "compiled for a layer that no longer exists?)" % key)
+    return layer
+
+
+def _empty(device, dtype=torch.float32):
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def _stat_dtype(x, layer):
+    from ._ops import ops_for
+    return ops_for(x, getattr(layer, "cuda_ops", None)).stat_dtype(x)
+
+
+def _same_layout(x, t):
+    """t with exactly x's strides, as the fake implementation promises (empty_like(x))."""
+    if t.stride() == x.stride() and t.dtype == x.dtype:
+        return t
+    out = torch.empty_like(x)
+    out.copy_(t)
+    return out
+
+
+if ENABLED:
+    from ._function import (_NUMPY_DTYPES, _update_running, capturing, exchange,
+                            forward_rows, refuse_capture)
+    from ._ops import ops_for
+
+    @torch.library.custom_op(
+        "hsbn::sync_batch_norm", mutates_args=(),
+        schema="(Tensor x, Tensor? weight, Tensor? bias, Tensor? running_mean, "
+               "Tensor? running_var, Tensor? num_batches_tracked, Tensor order, int key, "
+               "str scope, bool training, float? momentum, float eps) -> "
+               "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+    def sync_batch_norm(x, weight, bias, running_mean, running_var, num_batches_tracked, order,
+                        key, scope, training, momentum, eps):
+        layer = layer_for(key)
+        if not training:
+            raise ValueError("hsbn::sync_batch_norm: training=False is not implemented")
+        if capturing(x):
+            raise refuse_capture(layer._label(), scope)
+        client, book = layer._prepare_round()
+        layer._input_dim = x.dim()
+        if layer.track_running_stats:
+            layer.samples_seen += x.numel() // max(1, x.shape[1])
+        seq = book.next_seq(layer.op)
+        layer._seq += 1
+        factor = num_batches_tracked if momentum is None else momentum
+        if momentum is None and num_batches_tracked is None:
+            factor = 0.0
+        ops = ops_for(x, getattr(layer, "cuda_ops", None))
+        sd = ops.stat_dtype(x)
+        count, packed = ops.local_moments(x, eps)
+        track = running_mean is not None
+        total, rows = exchange(client.forward, layer.op, seq, scope, count, packed,
+                               forward_rows(sd, eps, track, factor))
+        if total <= 1:
+            raise ValueError(
+                "Expected more than 1 value per channel when training, got %d in scope %r "
+                "(%s, op=%d, input of size %s on this worker)"
+                % (total, scope, op_label(layer.op), layer.op, list(x.shape)))
+        mean, invstd = rows[0], rows[1]
+        if track:
+            # torch.nn.BatchNorm's update, with the unbiased variance of the scope's batch,
+            # into copies (the op is functional; the caller copies them into its buffers).
+            new_mean, new_var = running_mean.clone(), running_var.clone()
+            _update_running(new_mean, rows[2], factor)
+            _update_running(new_var, rows[3], factor)
+        else:
+            new_mean = new_var = _empty(x.device)
+        y = _same_layout(x, ops.normalize(x, mean, invstd, weight, bias, eps))
+        if scope == "auto":
+            layer._after_auto_round(client)
+        meta = torch.tensor([seq, count, total], dtype=torch.int64)
+        return (y, mean.to(sd).contiguous().clone(), invstd.to(sd).contiguous().clone(),
+                new_mean, new_var, meta, order + 1)
+
+    @sync_batch_norm.register_fake
+    def _(x, weight, bias, running_mean, running_var, num_batches_tracked, order, key, scope,
+          training, momentum, eps):
+        c = x.shape[1]
+        sd = _stat_dtype(x, _registry.get(key))
+        mean = x.new_empty((c,), dtype=sd)
+        invstd = x.new_empty((c,), dtype=sd)
+        if running_mean is not None:
+            new_mean, new_var = torch.empty_like(running_mean), torch.empty_like(running_var)
+        else:
+            new_mean, new_var = _empty(x.device), _empty(x.device)
+        meta = torch.empty(3, dtype=torch.int64, device="cpu")
+        return (torch.empty_like(x), mean, invstd, new_mean, new_var, meta,
+                torch.empty_like(order))
+
+    @torch.library.custom_op(
+        "hsbn::sync_batch_norm_backward", mutates_args=(),
+        schema="(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor invstd, Tensor meta, "
+               "int key, str scope, bool need_x, bool need_w, bool need_b) -> "
+               "(Tensor, Tensor, Tensor)")
+    def sync_batch_norm_backward(dy, x, weight, mean, invstd, meta, key, scope, need_x,
+                                 need_w, need_b):
+        layer = layer_for(key)
+        seq, count, total = (int(v) for v in meta.tolist())
+        ops = ops_for(x, getattr(layer, "cuda_ops", None))
+        packed, grad_w, grad_b = ops.backward_reduce(dy, x, (mean, invstd), weight, need_w,
+                                                     need_b)
+        grad_x = _empty(x.device, x.dtype)
+        if need_x:
+            client = layer._client()
+            npd = _NUMPY_DTYPES[ops.stat_dtype(x)]
+            _, sums = exchange(client.backward, layer.op, seq, scope, count, packed,
+                               lambda total, a, b: [a.astype(npd), b.astype(npd)])
+            grad_x = _same_layout(x, ops.backward_elemt(dy, x, (mean, invstd), weight, sums,
+                                                        total))
+        pdt = weight.dtype if weight is not None else dy.dtype
+
+        def param_grad(g, need):
+            if not need or weight is None:
+                return _empty(x.device, pdt)
+            return g.to(device=weight.device, dtype=pdt).contiguous().clone()
+        return grad_x, param_grad(grad_w, need_w), param_grad(grad_b, need_b)
+
+    @sync_batch_norm_backward.register_fake
+    def _(dy, x, weight, mean, invstd, meta, key, scope, need_x, need_w, need_b):
+        pdt = weight.dtype if weight is not None else dy.dtype
+        gx = torch.empty_like(x) if need_x else _empty(x.device, x.dtype)
+        gw = (torch.empty_like(weight, dtype=pdt, memory_format=torch.contiguous_format)
+              if need_w and weight is not None else _empty(x.device, pdt))
+        gb = (torch.empty_like(weight, dtype=pdt, memory_format=torch.contiguous_format)
+              if need_b and weight is not None else _empty(x.device, pdt))
+        return gx, gw, gb
+
+    def _setup_context(ctx, inputs, output):
+        x, weight, bias = inputs[0], inputs[1], inputs[2]
+        _, mean, invstd, _, _, meta, _ = output
+        ctx.save_for_backward(x, weight, mean, invstd, meta)
+        ctx.key, ctx.scope = inputs[7], inputs[8]
+        ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
+
+    def _backward(ctx, dy, *unused):
+        x, weight, mean, invstd, meta = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_w = bool(need_w and ctx.has_weight)
+        need_b = bool(need_b and ctx.has_bias)
+        if not (need_x or need_w or need_b):
+            return (None,) * 12
+        gx, gw, gb = torch.ops.hsbn.sync_batch_norm_backward(
+            dy, x, weight, mean, invstd, meta, ctx.key, ctx.scope, bool(need_x), need_w, need_b)
+        return ((gx if need_x else None), (gw if need_w else None),
+                (gb if need_b else None)) + (None,) * 9
+
+    sync_batch_norm.register_autograd(_backward, setup_context=_setup_context)
+
+    @torch.library.custom_op("hsbn::note_forward", mutates_args=(),
+                             schema="(Tensor order, int key, SymInt samples, int dim) -> Tensor")
+    def note_forward(order, key, samples, dim):
+        layer = layer_for(key)
+        layer.samples_seen += int(samples)
+        layer._input_dim = int(dim)
+        return order + 1
+
+    @note_forward.register_fake
+    def _(order, key, samples, dim):
+        return torch.empty_like(order)
+
+
+def layer_forward(layer, x):
+    """The training forward of a synchronized layer through hsbn::sync_batch_norm (the caller
+    has checked x and incremented num_batches_tracked)."""
+    track = layer.track_running_stats and layer.running_mean is not None
+    nbt = layer.num_batches_tracked if track and layer.momentum is None else None
+    y, _, _, new_mean, new_var, _, order = torch.ops.hsbn.sync_batch_norm(
+        x, layer.weight, layer.bias, layer.running_mean if track else None,
+        layer.running_var if track else None, nbt, ORDER, layer._hsbn_key, layer.scope, True,
+        layer.momentum, float(layer.eps))
+    with torch.no_grad():
+        if track:
+            layer.running_mean.copy_(new_mean)
+            layer.running_var.copy_(new_var)
+        ORDER.copy_(order)
+    return y
+
+
+def note_local_forward(layer, x):
+    """What a local-scope training forward records in Python, as an op for compiled graphs."""
+    samples = x.numel() // max(1, x.shape[1]) if layer.track_running_stats else 0
+    order = torch.ops.hsbn.note_forward(ORDER, layer._hsbn_key, samples, x.dim())
+    with torch.no_grad():
+        ORDER.copy_(order)

@@ -1,0 +1,135 @@
+"""Worker-side halves of test_compile.py (torch >= 2.4): hsbn layers under torch.compile,
+compared with the same model run eagerly, in the same worker, on the same data."""
+
+import copy
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+import hsbn
+import hsbn.torch
+
+
+def _np(t):
+    return t.detach().to(device="cpu", dtype=torch.float64).numpy().copy()
+
+
+class Explicit(nn.Module):
+    """A model with its own forward: a stem, then two independent branches (as ResNet's
+    downsample path), each with an hsbn layer, added."""
+
+    def __init__(self, scope, prefix="explicit"):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn1 = hsbn.torch.SyncBatchNorm(4, scope=scope, name=prefix + ".bn1")
+        self.conv2 = nn.Conv2d(4, 6, 3, padding=1)
+        # momentum=None (the cumulative average) is taken on the device by the ops; in local
+        # scope it is F.batch_norm's, which reads num_batches_tracked on the host (a graph break,
+        # as with torch's BatchNorm), so local keeps 0.1.
+        self.bn2 = hsbn.torch.SyncBatchNorm(6, scope=scope, name=prefix + ".bn2",
+                                            momentum=0.1 if scope == "local" else None)
+        self.conv3 = nn.Conv2d(4, 6, 1)
+        self.bn3 = hsbn.torch.SyncBatchNorm(6, scope=scope, name=prefix + ".bn3", affine=False)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.conv1(x)))
+        h = torch.relu(self.bn2(self.conv2(h))) + self.bn3(self.conv3(h))
+        return self.fc(h.mean((2, 3)))
+
+
+def build(kind, scope, prefix="explicit"):
+    """The model `kind` ("sequential", "explicit", "resnet18", "torch_bn": the sequential one
+    with torch.nn.BatchNorm2d) with hsbn layers of `scope`, initialized from seed 0."""
+    torch.manual_seed(0)
+    if kind in ("sequential", "torch_bn"):
+        # torch's BatchNorm with momentum=None reads num_batches_tracked on the host (a graph
+        # break), so the torch reference keeps momentum=0.1 there.
+        bn = ((lambda c, momentum=0.1: nn.BatchNorm2d(c, momentum=0.1)) if kind == "torch_bn" else
+              (lambda c, **kw: hsbn.torch.SyncBatchNorm(c, scope=scope, **kw)))
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), bn(4), nn.ReLU(),
+                             nn.Conv2d(4, 6, 3, padding=1), bn(6, momentum=None), nn.ReLU(),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3))
+    if kind == "explicit":
+        return Explicit(scope, prefix)
+    if kind == "resnet18":
+        import torchvision
+        return hsbn.torch.convert_sync_batchnorm(torchvision.models.resnet18(num_classes=3),
+                                                 scope=scope, name="resnet18-" + prefix)
+    raise ValueError(kind)
+
+
+def _state(model):
+    return {k: _np(v) for k, v in model.state_dict().items() if v.is_floating_point()}
+
+
+def _counts():
+    from torch._dynamo.utils import counters
+    return {"graph_breaks": sum(counters["graph_break"].values()),
+            "break_reasons": [str(k)[:300] for k in counters["graph_break"]]}
+
+
+def compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05):
+    """Builds `kind` twice (same initial weights): one run eagerly, one through
+    torch.compile(fullgraph=True, backend=a counting `backend`). For each (x, g) of `steps`
+    runs a training step on both (forward, backward of sum(out * g), SGD with lr), recording
+    outputs and gradients; a step whose x is None switches to eval for one forward of
+    eval_input under no_grad, then back to train. Returns both runs' records, final states,
+    the compiled frame count after each step and dynamo's graph-break counters."""
+    import torch._dynamo
+    import torch._dynamo.testing
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    # Named layers get a prefix per model: two layers of one name share round keys.
+    eager, model = build(kind, scope, "eager"), build(kind, scope, "compiled")
+    cnt = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = (model if backend == "eager" else torch.compile(model, backend=cnt, fullgraph=True))
+    out = {"eager": {"y": [], "grads": []}, "compiled": {"y": [], "grads": []}, "frames": []}
+    opts = {name: torch.optim.SGD(m.parameters(), lr=lr) for name, m in
+            (("eager", eager), ("compiled", model))}
+    for x_np, g_np in steps:
+        for name, m, fn in (("eager", eager, eager), ("compiled", model, compiled)):
+            if x_np is None:
+                m.eval()
+                with torch.no_grad():
+                    out[name]["y"].append(_np(fn(torch.from_numpy(eval_input))))
+                out[name]["grads"].append(None)
+                m.train()
+                continue
+            opts[name].zero_grad()
+            y = fn(torch.from_numpy(x_np))
+            (y * torch.from_numpy(g_np)).sum().backward()
+            out[name]["y"].append(_np(y))
+            out[name]["grads"].append({k: _np(p.grad) for k, p in m.named_parameters()
+                                       if p.grad is not None})
+            opts[name].step()
+        out["frames"].append(cnt.frame_count)
+    out["eager"]["state"] = _state(eager)
+    out["compiled"]["state"] = _state(model)
+    out.update(_counts())
+    layers = [m for m in model.modules() if isinstance(m, hsbn.torch.SyncBatchNorm)]
+    eager_layers = [m for m in eager.modules() if isinstance(m, hsbn.torch.SyncBatchNorm)]
+    out["samples_seen"] = ([m.samples_seen for m in eager_layers],
+                           [m.samples_seen for m in layers])
+    out["seqs"] = ([m._seq for m in eager_layers], [m._seq for m in layers])
+    return out
+
+
+def batch_sizes(kind, scope, sizes, backend):
+    """Training steps of the compiled `kind` with batches of `sizes` (dynamic=None); the frame
+    count after each and the recompile reasons."""
+    import torch._dynamo
+    import torch._dynamo.testing
+    torch._dynamo.reset()
+    model = build(kind, scope)
+    cnt = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = (model if backend == "eager" else torch.compile(model, backend=cnt, fullgraph=True))
+    frames = []
+    rng = np.random.default_rng(5)
+    for n in sizes:
+        x = torch.from_numpy(rng.standard_normal((n, 3, 8, 8)).astype(np.float32))
+        compiled(x).square().sum().backward()
+        frames.append(cnt.frame_count)
+    return {"frames": frames}

