@@ -184,6 +184,7 @@ path-include /usr/share/locale/locale.alias
 EOF
   cp /etc/resolv.conf "$new/etc/resolv.conf" 2>/dev/null
   touch "$new/etc/hosts"  # (each run mounts its own over it)
+  mkdir -p "$new/hsbn"    # (where each run mounts the repository)
   apt_install "$new" "${PKGS[@]}" >>"$log" 2>&1 \
     || { tail -5 "$log"; rm -rf --one-file-system "$new"; die "apt-get install in the new root failed; log: $log"; }
   echo "$want" >"$new/$MARKER"
