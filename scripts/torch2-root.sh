@@ -51,9 +51,10 @@ START=$SECONDS
 # What the suite needs in the root: torch 2.x and torchvision (the compare tests), numpy,
 # pytest, setuptools (torch.compile's inductor imports it), venv (the wheel is installed into
 # one), gcc for `cc` (test_docs compiles the C example) and g++ (inductor compiles C++),
-# Fashion-MNIST (tests/compare), procps (ps, pgrep: process checks).
-PKGS=(dataset-fashion-mnist g++ gcc procps python3-numpy python3-pytest python3-setuptools
-      python3-torch python3-torchvision python3-venv)
+# Fashion-MNIST (tests/compare), procps (ps, pgrep: process checks), matplotlib (hsbn doctor
+# --plot, the compare harness's plot).
+PKGS=(dataset-fashion-mnist g++ gcc procps python3-matplotlib python3-numpy python3-pytest
+      python3-setuptools python3-torch python3-torchvision python3-venv)
 
 say() { printf '[torch2 +%3ds] %s\n' "$((SECONDS - START))" "$*"; }
 skip() { echo "torch2: SKIPPED: $*"; exit 77; }
@@ -63,6 +64,7 @@ die() { echo "torch2: FAILED: $*"; exit 1; }
 # (the script runs itself again under unshare with __ns as its first argument)
 if [ "${1:-}" = __ns ]; then
   WHEEL="$2" HOSTS="$3"
+  START=$((SECONDS - $4))  # (the seconds the first invocation had run)
   set -e
   mount -t proc proc "$ROOT/proc"
   mount --rbind /sys "$ROOT/sys"
@@ -156,7 +158,7 @@ have=""
 [ -f "$ROOT/$MARKER" ] && have="$(cat "$ROOT/$MARKER")"
 if [ "${HSBN_TORCH2_REBUILD:-0}" != 1 ] && [ -n "$have" ] && [ "$have" != "$want" ] \
    && [ -z "$(comm -23 <(echo "$have") <(echo "$want"))" ]; then
-  added=$(comm -13 <(echo "$have") <(echo "$want") | tr '\n' ' ')
+  added=$(comm -13 <(echo "$have") <(echo "$want") | xargs)
   say "adding $added to the root $ROOT"
   log="$(mktemp "${TMPDIR:-/tmp}/hsbn-torch2-apt.XXXXXX")"
   # shellcheck disable=SC2086
@@ -209,7 +211,8 @@ getent hosts "$name" >/dev/null 2>&1 || printf '127.0.1.1\t%s\n' "$name" >>"$WOR
 chmod 644 "$WORK/hosts"
 
 say "wheel $(basename "$WHEEL") from $BUILD/dist"
-unshare --mount --propagation private "$BASH" "$SELF" __ns "$WHEEL" "$WORK/hosts"
+unshare --mount --propagation private "$BASH" "$SELF" __ns "$WHEEL" "$WORK/hosts" \
+  "$((SECONDS - START))"
 status=$?
 if [ "$status" -eq 0 ]; then
   say "torch2: PASS (the Python suite under torch 2.x)"
