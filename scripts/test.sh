@@ -39,8 +39,8 @@ fi
 
 # The Python suite again under torch 2.x and Python 3.13 (scripts/torch2-root.sh): Debian 13's
 # python3-torch in a debootstrap root kept in /var/cache/hsbn/torch2-root ($HSBN_TORCH2_ROOT),
-# with the wheel's native parts. The root is made once (about 3 minutes with a quick mirror,
-# 1.8 GB); then the leg costs about what the torch 1.13 pytest run does. Where it cannot run
+# with the wheel's native parts. The root is made once (3 minutes on a quiet machine, 12 under load;
+# 1.7 GB); a run then adds 30 s (a venv, the wheel) to the suite's own time. Where it cannot run
 # (not root, no debootstrap or unshare, no Debian mirror) it says why and is skipped;
 # HSBN_TORCH2=0 skips it, HSBN_TORCH2=1 makes a skip a failure.
 torch2_status=0

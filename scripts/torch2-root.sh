@@ -13,7 +13,7 @@
 # (HSBN_LIBRARY, HSBN_AGGREGATOR, HSBN_LINKPROXY point into the venv's hsbn/_native/).
 #
 # The root is made once (about 3 minutes with a quick mirror: debootstrap --variant=minbase
-# trixie, then apt-get install of the packages below, about 1.8 GB) and kept outside the
+# trixie, then apt-get install of the packages below, about 1.7 GB) and kept outside the
 # repository, in $HSBN_TORCH2_ROOT (default /var/cache/hsbn/torch2-root). The file
 # .hsbn-torch2-packages in it lists its packages, one a line, and is written last: a root
 # without it is incomplete and made again; when the list below gains packages they are added to
