@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs every test: the C++ suites under ctest, then the
-# Python suite under pytest (Debian's /usr/bin/python3, which has PyTorch).
+# Python suite under pytest (Debian's /usr/bin/python3, which has PyTorch 1.13), then the same
+# suite under PyTorch 2.x (scripts/torch2-root.sh: Debian 13's torch 2.6 in a kept debootstrap
+# root), the fuzz smoke, and the containers leg.
 #
 #   scripts/test.sh              everything
 #   HSBN_TEST_JOBS=N             ctest parallelism (default 2)
 #   HSBN_PYTEST_ARGS="..."       extra pytest arguments (e.g. "-k global -x")
+#   HSBN_TORCH2=0|1              0: skip the torch 2.x leg; 1: fail when it cannot run here
+#                                (default: run it where it can: root, debootstrap, a Debian mirror)
 #   HSBN_CONTAINERS=0|1          0: skip the containers leg; 1: fail when it cannot run here
 #                                (default: run it where a container runtime can run)
 #   HSBN_FUZZ_SECONDS=N          seconds per fuzzer in the fuzz smoke (default 20; 0: skip it)
@@ -31,6 +35,29 @@ if [ ${#suites[@]} -gt 0 ]; then
   # shellcheck disable=SC2086
   /usr/bin/python3 -m pytest "${suites[@]}" -q -p no:cacheprovider ${HSBN_PYTEST_ARGS:-}
   pytest_status=$?
+fi
+
+# The Python suite again under torch 2.x and Python 3.13 (scripts/torch2-root.sh): Debian 13's
+# python3-torch in a debootstrap root kept in /var/cache/hsbn/torch2-root ($HSBN_TORCH2_ROOT),
+# with the wheel's native parts. The root is made once (3 minutes on a quiet machine, 12 under load;
+# 1.7 GB); a run then adds 30 s (a venv, the wheel) to the suite's own time. Where it cannot run
+# (not root, no debootstrap or unshare, no Debian mirror) it says why and is skipped;
+# HSBN_TORCH2=0 skips it, HSBN_TORCH2=1 makes a skip a failure.
+torch2_status=0
+torch2_note=""
+if [ "${HSBN_TORCH2:-auto}" = 0 ]; then
+  echo "test: torch 2.x leg SKIPPED (HSBN_TORCH2=0)"
+  torch2_note=" (the torch 2.x leg was skipped: HSBN_TORCH2=0)"
+else
+  echo "== pytest, torch 2.x"
+  scripts/torch2-root.sh "$build"
+  torch2_status=$?
+  if [ "$torch2_status" -eq 77 ]; then
+    echo "test: torch 2.x leg SKIPPED: it cannot run here (the line above says why)"
+    torch2_note=" (the torch 2.x leg was skipped: see above)"
+    torch2_status=0
+    [ "${HSBN_TORCH2:-auto}" = 1 ] && torch2_status=1
+  fi
 fi
 
 # Fuzzers and sanitizers (docs/RELIABILITY.md), where Debian's clang-14 is installed
@@ -73,10 +100,11 @@ else
   fi
 fi
 
-if [ "$ctest_status" -ne 0 ] || [ "$pytest_status" -ne 0 ] || [ "$reliability_status" -ne 0 ] \
-   || [ "$containers_status" -ne 0 ]; then
+if [ "$ctest_status" -ne 0 ] || [ "$pytest_status" -ne 0 ] || [ "$torch2_status" -ne 0 ] \
+   || [ "$reliability_status" -ne 0 ] || [ "$containers_status" -ne 0 ]; then
   echo "test: FAILED (ctest status $ctest_status, pytest status $pytest_status," \
-       "fuzz/sanitizers status $reliability_status, containers status $containers_status)"
+       "torch 2.x pytest status $torch2_status, fuzz/sanitizers status $reliability_status," \
+       "containers status $containers_status)"
   exit 1
 fi
-echo "test: all passed$containers_note"
+echo "test: all passed$torch2_note$containers_note"

@@ -21,6 +21,7 @@ from torch.distributed.run import get_args_parser
 import hsbn.cluster
 from hsbn import launch
 from hsbn._procs import free_port
+from torchrun_support import needs_torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "quickstart",
@@ -109,6 +110,7 @@ def ranks_means(stdout):
     return found
 
 
+@needs_torchrun
 def test_one_node_runs_the_converted_script_with_one_command(tmp_path):
     p = hsbn_run(["--nproc_per_node", "2", TRAIN, "--steps", "3"], tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -130,6 +132,7 @@ def test_one_node_runs_the_converted_script_with_one_command(tmp_path):
         assert "--redirects 1 --tee 1" in p.stderr
 
 
+@needs_torchrun
 def test_two_simulated_nodes_sync_globally_across_them(tmp_path):
     p = hsbn_run(["--simulate-nodes", "2", "--nproc_per_node", "2", TRAIN, "--steps", "3"],
                  tmp_path)
@@ -154,6 +157,7 @@ def test_two_simulated_nodes_sync_globally_across_them(tmp_path):
     assert not os.path.exists(workdir)
 
 
+@needs_torchrun
 def test_a_failing_script_fails_hsbn_run_with_torchruns_status(tmp_path):
     script = tmp_path / "fails.py"
     script.write_text("import sys\nprint('about to fail', flush=True)\nsys.exit(3)\n")
@@ -167,6 +171,7 @@ def test_a_failing_script_fails_hsbn_run_with_torchruns_status(tmp_path):
     shutil.rmtree(workdir)
 
 
+@needs_torchrun
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_to_hsbn_run_reaches_torchrun_and_everything_is_torn_down(tmp_path, sig):
     script = tmp_path / "waits.py"
@@ -200,6 +205,7 @@ def test_a_signal_to_hsbn_run_reaches_torchrun_and_everything_is_torn_down(tmp_p
     shutil.rmtree(workdir)
 
 
+@needs_torchrun
 def test_a_sidecar_already_running_is_used_and_none_started(tmp_path):
     with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=2, root=False) as cluster:
         env = clean_env(HSBN_ADDRESS=cluster.node_addresses[0], HSBN_JOB_ID="mine-42")
@@ -311,6 +317,7 @@ def test_bad_arguments_exit_2_and_help_documents_the_options(tmp_path):
         assert option in h.stdout, option
 
 
+@needs_torchrun
 def test_two_nodes_one_command_each_node_0_starts_the_root(tmp_path):
     """The multi-node path itself, both nodes on this machine: each node's `hsbn run` starts
     its sidecar with the root as upstream, node 0's also the root."""

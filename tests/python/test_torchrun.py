@@ -21,6 +21,7 @@ import pytest
 
 import hsbn.cluster
 from bnref import assert_group_matches, make_spec
+from torchrun_support import needs_torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAINER = os.path.join(HERE, "torchrun_trainer.py")
@@ -46,6 +47,7 @@ def torchrun_command(node, rendezvous, port, job_id):
     return cmd
 
 
+@needs_torchrun
 @pytest.mark.parametrize("scope,rendezvous", [("global", "static"), ("node", "c10d")])
 def test_two_nodes_each_under_its_own_torchrun_agent(tmp_path, scope, rendezvous):
     spec, data = make_spec(scope, "float64", seed=11)

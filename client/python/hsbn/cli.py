@@ -244,11 +244,17 @@ def _version():
 def main(argv=None):
     """`hsbn [info | status ... | env ...]`. A reader that goes away (`hsbn | head -1`) ends it
     quietly, with status 141 as a process that SIGPIPE ended, not with a BrokenPipeError
-    traceback."""
+    traceback.
+
+    stdout is flushed however _main ends, SystemExit included: argparse's --help and usage errors
+    end in SystemExit, and since Python 3.13 argparse also swallows the write's own error there,
+    so the broken pipe shows only when the interpreter flushes at exit ("Exception ignored on
+    flushing sys.stdout", status 120) unless it is flushed here, where it can be caught."""
     try:
-        code = _main(sys.argv[1:] if argv is None else list(argv))
-        sys.stdout.flush()
-        return code
+        try:
+            return _main(sys.argv[1:] if argv is None else list(argv))
+        finally:
+            sys.stdout.flush()   # raises BrokenPipeError in place of a SystemExit too
     except BrokenPipeError:
         # Python flushes stdout again at exit, which would raise again: point it at /dev/null.
         devnull = os.open(os.devnull, os.O_WRONLY)
