@@ -50,7 +50,10 @@ EPS = 1e-5
 BN_MOMENTUM = 0.1
 RENORM = {"warmup": 5, "ramp": 20, "r_max": 1.1, "d_max": 0.25}   # hsbn.torch's defaults
 LAGGED = {"warmup": 1}
-GUARD = {"warmup": 1, "tau": 1.0, "hold": 0.9, "lam_min": 0.0}
+# tau 8: in the default cell's fast regime plain lagged's signal s is 6-60 per layer (median
+# over calls; 7-9 in the last two layers), where lambda 0.25-0.5 worked best (issue #41), so
+# tau / s lands there; the slow regime is meant to show s below tau (trust).
+GUARD = {"warmup": 1, "tau": 8.0, "hold": 0.9, "lam_min": 0.0}
 DEFAULT_MODES = ["node", "global", "renorm", "lagged", "lagged-damped:0.25",
                  "lagged-damped:0.5", "lagged-guard"]
 BASE_MODES = ("local", "node", "group", "global", "renorm", "lagged", "lagged-fwd",
@@ -458,9 +461,15 @@ def run_one(cfg, task, seed, mode_text, init, plan, arrays, progress=None, dtype
                 "first_grads": first_grads, "sims": sims, "model": model}
     xs, ys = arrays[task + "_test_x"], arrays[task + "_test_y"]
     scores = {}
-    for how in ("rank0", "pooled"):
+    # Where every rank holds the same running statistics (global, renorm, lagged) the pooled
+    # ones are rank 0's: one evaluation.
+    same = all(bool((s.running_mean == s.running_mean[:1]).all()
+                    and (s.running_var == s.running_var[:1]).all()) for s in sims)
+    for how in ("rank0",) if same else ("rank0", "pooled"):
         set_running(model, sims, how)
         scores[how] = train.metric(task, train.eval_counts(torch, model, task, xs, ys))
+    if same:
+        scores["pooled"] = scores["rank0"]
     lagged = [s for s in sims if s.mode.startswith("lagged")]
     out = {"task": task, "seed": seed, "mode": mode_text, "steps": steps,
            "metric": scores["rank0"], "metric_sync_stats": scores["pooled"],
@@ -567,6 +576,10 @@ def markdown(analysis, analysis_pooled, cfg, command, wall, per_run_s):
     return "\n".join(lines) + "\n"
 
 
+CELL_KEYS = ("nodes", "workers_per_node", "batch", "skew", "lr", "train_size", "steps",
+             "task", "model", "group_nodes")
+
+
 def run(args, command):
     """hsbn_compare.py --one-process: every seed × mode of the cell, --jobs processes."""
     try:
@@ -595,21 +608,41 @@ def run(args, command):
         for m in modes:
             jobs.append((cfg, task, seed, m, init, plan))
     os.makedirs(args.out, exist_ok=True)
+    # Runs of the same cell already in --out are kept (and not rerun): a study can be extended
+    # by modes or seeds, by one invocation after another.
+    runs, commands = [], [command]
+    path = os.path.join(args.out, "oneproc.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        same = all(old["config"].get(k) == cfg[k] for k in CELL_KEYS)
+        if same:
+            runs = old["runs"]
+            commands = old.get("commands", [old.get("command")]) + [command]
+            have = {(r["seed"], r["mode"]) for r in runs}
+            jobs = [j for j in jobs if (j[2], j[3]) not in have]
+            modes = list(dict.fromkeys(old["config"]["modes"] + modes))
+            cfg["seeds"] = sorted(set(old["config"]["seeds"]) | set(seeds))
+            cfg["modes"] = modes
+            print("hsbn_compare --one-process: keeping %d runs of this cell from %s"
+                  % (len(runs), path))
+    command = " && ".join(commands)
     print("hsbn_compare --one-process: %d runs (%d seeds × %d modes), %d steps each, %d "
           "processes" % (len(jobs), len(seeds), len(modes), cfg["steps"], args.jobs),
           flush=True)
     t0 = time.monotonic()
-    runs = []
+    done = len(runs)
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(args.jobs, initializer=_worker_init,
                   initargs=(args.data_dir, task, args.test_size)) as p:
         for r in p.imap_unordered(_job, jobs):
             runs.append(r)
             el = time.monotonic() - t0
+            k = len(runs) - done
             print("[%d/%d] seed %d %s: %.2f %% (pooled %.2f %%), %.1f s; %.0f s elapsed, ~%.0f s "
-                  "left" % (len(runs), len(jobs), r["seed"], r["mode"], 100 * r["metric"],
+                  "left" % (k, len(jobs), r["seed"], r["mode"], 100 * r["metric"],
                             100 * r["metric_sync_stats"], r["run_s"], el,
-                            el / len(runs) * (len(jobs) - len(runs))), flush=True)
+                            el / k * (len(jobs) - k)), flush=True)
             _write(args.out, command, cfg, runs, modes, time.monotonic() - t0)
     wall = time.monotonic() - t0
     md = _write(args.out, command, cfg, runs, modes, wall)
@@ -625,7 +658,7 @@ def _write(out, command, cfg, runs, modes, wall):
     with open(os.path.join(out, "oneproc.md"), "w") as f:
         f.write(md)
     with open(os.path.join(out, "oneproc.json"), "w") as f:
-        json.dump({"command": command, "config": cfg, "wall_s": wall, "per_run_s": per,
+        json.dump({"command": command, "commands": command.split(" && "), "config": cfg, "wall_s": wall, "per_run_s": per,
                    "analysis": an, "analysis_pooled": an_p,
                    "runs": sorted(runs, key=lambda r: (r["seed"], modes.index(r["mode"])))},
                   f, indent=1, default=float)
