@@ -534,11 +534,14 @@ def analyze(runs, modes, key="metric"):
             row["vs_node"] = sweep.paired(by[m], node)
         if glob and m != "global":
             row["vs_global"] = sweep.paired(by[m], glob)
-        if gap and gap["n"] and gap["mean"] > 0 and m in by:
+        # The gap over the seeds this mode has (paired: the same seeds in all three).
+        mine = {s: v for s, v in glob.items() if s in by[m]}
+        g = sweep.paired(mine, node) if mine and node else None
+        if g and g["n"] and g["mean"] > 0:
             d = sweep.paired(by[m], node)
-            row["gap_fraction"] = d["mean"] / gap["mean"]
-            row["gap_fraction_lo"] = d["lo"] / gap["mean"]
-            row["gap_fraction_hi"] = d["hi"] / gap["mean"]
+            row["gap_fraction"] = d["mean"] / g["mean"]
+            row["gap_fraction_lo"] = d["lo"] / g["mean"]
+            row["gap_fraction_hi"] = d["hi"] / g["mean"]
         rows.append(row)
     return {"rows": rows, "gap": gap}
 
@@ -621,15 +624,17 @@ def run(args, command):
             commands = old.get("commands", [old.get("command")]) + [command]
             have = {(r["seed"], r["mode"]) for r in runs}
             jobs = [j for j in jobs if (j[2], j[3]) not in have]
-            modes = list(dict.fromkeys(old["config"]["modes"] + modes))
+            modes = list(dict.fromkeys([m for m in ("node", "global") if m in
+                                        old["config"]["modes"] + modes]
+                                       + old["config"]["modes"] + modes))
             cfg["seeds"] = sorted(set(old["config"]["seeds"]) | set(seeds))
             cfg["modes"] = modes
             print("hsbn_compare --one-process: keeping %d runs of this cell from %s"
                   % (len(runs), path))
     command = " && ".join(commands)
-    print("hsbn_compare --one-process: %d runs (%d seeds × %d modes), %d steps each, %d "
-          "processes" % (len(jobs), len(seeds), len(modes), cfg["steps"], args.jobs),
-          flush=True)
+    print("hsbn_compare --one-process: %d runs to do (seeds %s × modes %s), %d steps each, %d "
+          "processes" % (len(jobs), ",".join(map(str, seeds)), ",".join(modes), cfg["steps"],
+                         args.jobs), flush=True)
     t0 = time.monotonic()
     done = len(runs)
     ctx = multiprocessing.get_context("spawn")
@@ -670,3 +675,18 @@ def _write(out, command, cfg, runs, modes, wall):
                 r["seed"], r["mode"], r["steps"], r["metric"], r["metric_sync_stats"],
                 float(np.mean(r["loss"][-10:])), r["run_s"]))
     return md
+
+
+def render(out):
+    """Rewrites oneproc.md from oneproc.json in `out` (python3 -m hsbncmp.oneproc DIR)."""
+    with open(os.path.join(out, "oneproc.json")) as f:
+        j = json.load(f)
+    modes = j["config"]["modes"]
+    modes = [m for m in ("node", "global") if m in modes] + [m for m in modes
+                                                             if m not in ("node", "global")]
+    j["config"]["modes"] = modes
+    return _write(out, j["command"], j["config"], j["runs"], modes, j["wall_s"])
+
+
+if __name__ == "__main__":
+    print(render(sys.argv[1]))
