@@ -144,9 +144,11 @@ def test_renorm_is_node_in_warmup_then_hsbns_correction():
             sl = slice(n * WPN * B, (n + 1) * WPN * B)
             xhat = (x[sl] - torch.from_numpy(mb)[None, :, None, None]) / torch.from_numpy(
                 np.sqrt(m2b / cnt + 1e-5))[None, :, None, None]
-            want = (ren.weight.detach()[None, :, None, None] * (
-                xhat * torch.from_numpy(r)[None, :, None, None]
-                + torch.from_numpy(d)[None, :, None, None]) + ren.bias.detach()[None, :, None, None])
+            def col(v):
+                return v[None, :, None, None]
+            want = (col(ren.weight.detach()) * (xhat * col(torch.from_numpy(r))
+                                                + col(torch.from_numpy(d)))
+                    + col(ren.bias.detach()))
             assert torch.allclose(a[0][sl], want, atol=TOL)
 
 

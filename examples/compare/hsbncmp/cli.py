@@ -182,7 +182,8 @@ def parse_args(argv=None):
                    help="one-process modes (default %s), from local, node, group, global, "
                         "renorm, lagged, lagged-fwd, lagged-damped:LAMBDA, lagged-guard; options "
                         "after a colon, e.g. lagged:warmup=75, lagged-guard:tau=1"
-                        % "node,global,renorm,lagged,lagged-damped:0.25,lagged-damped:0.5,lagged-guard")
+                        % "node,global,renorm,lagged,lagged-damped:0.25,lagged-damped:0.5,"
+                          "lagged-guard")
     g.add_argument("--jobs", type=int, default=None,
                    help="one-process runs at a time (default: the CPU count)")
     g = p.add_argument_group("the sweep (classification)")

@@ -198,7 +198,6 @@ def _forward(ctx, x, weight, bias, sim):
     cn, mean_n, m2_n = _moments(xn)
     g_n, g_mean, g_m2 = _merge([cn] * nodes, list(mean_n), list(m2_n))
     r_eff = d_eff = None
-    lagged = mode.startswith("lagged")
     exact_global_now = False
     if mode in ("local", "node", "group", "global"):
         r = {"local": topo.world, "node": nodes, "group": nodes // topo.group_nodes,
@@ -271,7 +270,6 @@ def _backward(ctx, dy):
     import torch
     xr, mean, invstd, w_rows, w, r_eff, d_eff = ctx.saved_tensors
     sim = ctx.sim
-    topo = sim.topo
     mode = sim.mode
     r = xr.shape[0]
     dyr = _rows(dy.to(torch.float64), r)
@@ -663,7 +661,8 @@ def _write(out, command, cfg, runs, modes, wall):
     with open(os.path.join(out, "oneproc.md"), "w") as f:
         f.write(md)
     with open(os.path.join(out, "oneproc.json"), "w") as f:
-        json.dump({"command": command, "commands": command.split(" && "), "config": cfg, "wall_s": wall, "per_run_s": per,
+        json.dump({"command": command, "commands": command.split(" && "), "config": cfg,
+                   "wall_s": wall, "per_run_s": per,
                    "analysis": an, "analysis_pooled": an_p,
                    "runs": sorted(runs, key=lambda r: (r["seed"], modes.index(r["mode"])))},
                   f, indent=1, default=float)
