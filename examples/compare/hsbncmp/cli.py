@@ -171,6 +171,21 @@ def parse_args(argv=None):
                    help="for testing the global vs reference check: in global's first step, "
                         "move BatchNorm layer LAYER's (index in module order) merged mean by K "
                         "of its standard deviations on every worker; the check must then FAIL")
+    g = p.add_argument_group("the one-process study (issue #41; hsbncmp/oneproc.py)")
+    g.add_argument("--one-process", action="store_true",
+                   help="simulate every rank of the cell in one process instead (no cluster, "
+                        "no native parts): each BatchNorm's forward and backward written out in "
+                        "float64 per scope, the same data plan, model, optimizer and schedule; "
+                        "writes oneproc.md, oneproc.json and oneproc.csv to --out (default "
+                        "results/oneproc)")
+    g.add_argument("--sim-modes", default=None, metavar="MODE,...",
+                   help="one-process modes (default %s), from local, node, group, global, "
+                        "renorm, lagged, lagged-fwd, lagged-damped:LAMBDA, lagged-guard; options "
+                        "after a colon, e.g. lagged:warmup=75, lagged-guard:tau=1"
+                        % "node,global,renorm,lagged,lagged-damped:0.25,lagged-damped:0.5,"
+                          "lagged-guard")
+    g.add_argument("--jobs", type=int, default=None,
+                   help="one-process runs at a time (default: the CPU count)")
     g = p.add_argument_group("the sweep (classification)")
     g.add_argument("--sweep", action="store_true",
                    help="run the study: every (batch, skew) cell, paired by seed")
@@ -225,7 +240,12 @@ def parse_args(argv=None):
                        or not all(0 <= v <= 1 for v in args.sweep_skews)):
         p.error("--sweep-batches need values >= 1 and --sweep-skews values in [0, 1]")
     if args.out is None:
-        args.out = os.path.join(REPO, "results", "sweep" if args.sweep else "compare")
+        args.out = os.path.join(REPO, "results", "sweep" if args.sweep else
+                                "oneproc" if args.one_process else "compare")
+    if args.jobs is None:
+        args.jobs = os.cpu_count() or 1
+    elif args.jobs < 1:
+        p.error("--jobs must be at least 1")
     if args.steps is not None and args.steps < 1:
         p.error("--steps must be at least 1")
     if not 0.0 <= args.skew <= 1.0:
@@ -686,6 +706,11 @@ def main(argv=None):
     except data.DataMissingError as e:
         print("hsbn_compare: %s" % e, file=sys.stderr)
         return 2
+    if args.one_process:
+        from . import oneproc
+        if args.sim_modes is None:
+            args.sim_modes = ",".join(oneproc.DEFAULT_MODES)
+        return oneproc.run(args, _command(argv))
     if args.sweep:
         from . import sweep
         return sweep.run(args, _command(argv))

@@ -1,0 +1,691 @@
+"""hsbn_compare.py --one-process: the comparison's scopes simulated in one process (issue #41).
+
+Every rank of a cell (NODES x WORKERS_PER_NODE workers, BATCH items each) runs in one model:
+the workers' batches concatenated in rank order, the same initial weights (cli.initial_state),
+data plan (data.make_plan), optimizer (SGD, momentum 0.9, cosine-decayed learning rate) and
+loss (cross-entropy over the global batch, which is what DDP's average of the workers' mean
+losses is) as the distributed runs. Every BatchNorm is replaced by SimBatchNorm, whose forward
+and backward are written out below in float64, per scope:
+
+  local    each worker's own batch
+  node     each node's batch (hsbn scope "node")
+  group    GROUP_NODES consecutive nodes
+  global   the whole job's batch
+  renorm   hsbn's scope "renorm" (client/python/hsbn/torch/_renorm.py): normalized with the
+           node's statistics, times r = clip(sigma_B / sigma, 1/r_max, r_max) plus d =
+           clip((mu_B - mu) / sigma, +-d_max), (mu, sigma) the job's exact statistics of the
+           layer's previous call; node-local backward with weight gamma * r; warm-up calls are
+           node scope and do not update the running statistics; r_max and d_max ramp up;
+           running statistics from the previous call's global statistics
+  lagged   issue #41's proposal: forward with this node's fresh partial merged (Chan) with the
+           other nodes' partials of the previous call; backward with the job's sum(dy) and
+           sum(dy * (x - mu)) re-expressed on this node's mean, the other nodes' share one
+           call old; running statistics from the previous call's exact global statistics;
+           the first WARMUP calls (default 1) are exact global
+  lagged-fwd        lagged forward, node-local backward: Batch Renormalization's, with the
+                    lagged statistics as its population ones (no clipping)
+  lagged-damped:L   lagged forward, dx = L * lagged dx + (1 - L) * node-local dx
+  lagged-guard      lagged forward, damped backward with L chosen per layer and per call
+                    by the guard (Guard below) from what every rank knows one call later
+A mode takes options after a colon: lagged-damped:0.25, lagged:warmup=75,
+lagged-guard:tau=1,hold=0.9.
+
+What each rank's running statistics hold is simulated per rank (rank 0's: the headline metric;
+their pooled average, hsbn.torch.sync_running_stats with equal weights: the second one).
+"""
+
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+
+import numpy as np
+
+from . import cli, data, models, train
+
+F64 = None  # torch.float64, set on import of torch
+EPS = 1e-5
+BN_MOMENTUM = 0.1
+RENORM = {"warmup": 5, "ramp": 20, "r_max": 1.1, "d_max": 0.25}   # hsbn.torch's defaults
+LAGGED = {"warmup": 1}
+# tau 8: in the default cell's fast regime plain lagged's signal s is 6-60 per layer (median
+# over calls; 7-9 in the last two layers), where lambda 0.25-0.5 worked best (issue #41), so
+# tau / s lands there; the slow regime is meant to show s below tau (trust).
+GUARD = {"warmup": 1, "tau": 8.0, "hold": 0.9, "lam_min": 0.0}
+DEFAULT_MODES = ["node", "global", "renorm", "lagged", "lagged-damped:0.25",
+                 "lagged-damped:0.5", "lagged-guard"]
+BASE_MODES = ("local", "node", "group", "global", "renorm", "lagged", "lagged-fwd",
+              "lagged-damped", "lagged-guard")
+
+
+def parse_mode(text):
+    """'lagged-damped:0.25' -> ('lagged-damped', {'lam': 0.25}); 'lagged:warmup=5' ->
+    ('lagged', {'warmup': 5}). ValueError on an unknown mode or option."""
+    base, _, rest = text.strip().partition(":")
+    if base not in BASE_MODES:
+        raise ValueError("unknown one-process mode %r; choose from %s"
+                         % (base, ", ".join(BASE_MODES)))
+    opts = {}
+    if base == "renorm":
+        opts.update(RENORM)
+    elif base.startswith("lagged"):
+        opts.update(GUARD if base == "lagged-guard" else LAGGED)
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            if base != "lagged-damped":
+                raise ValueError("%s: option %r is not KEY=VALUE" % (text, item))
+            key, value = "lam", key
+        opts[key.strip()] = float(value)
+    if base == "lagged-damped" and "lam" not in opts:
+        raise ValueError("lagged-damped needs its lambda: lagged-damped:0.5")
+    if "warmup" in opts:
+        opts["warmup"] = int(opts["warmup"])
+        if base.startswith("lagged") and opts["warmup"] < 1:
+            raise ValueError("%s: warmup must be >= 1 (the first call has no previous one)"
+                             % text)
+    return base, opts
+
+
+class Topology:
+    def __init__(self, nodes, workers_per_node, group_nodes=2):
+        self.nodes = nodes
+        self.wpn = workers_per_node
+        self.world = nodes * workers_per_node
+        self.group_nodes = group_nodes
+
+
+def _rows(x, r):
+    """x (N, C, *) float64 -> (R, N/R * prod(spatial), C): the items of each of R contiguous
+    units (workers, nodes, groups, the job) as one sample axis."""
+    n, c = x.shape[0], x.shape[1]
+    return x.reshape(r, n // r, c, -1).transpose(2, 3).reshape(r, -1, c)
+
+
+def _unrows(t, shape):
+    n, c = shape[0], shape[1]
+    r = t.shape[0]
+    rest = int(np.prod(shape[2:])) if len(shape) > 2 else 1
+    return t.reshape(r, n // r, rest, c).transpose(2, 3).reshape(shape)
+
+
+def _moments(xr):
+    """Per row: (count, mean (R, C), m2 (R, C)), float64, two-pass."""
+    mean = xr.mean(1)
+    m2 = ((xr - mean[:, None]) ** 2).sum(1)
+    return xr.shape[1], mean, m2
+
+
+def _merge(counts, means, m2s):
+    """Chan's merge of per-part (count, mean, m2) (lists of (C,) tensors) -> (n, mean, m2)."""
+    n = sum(counts)
+    mean = sum(c * m for c, m in zip(counts, means)) / n
+    m2 = sum(m2s) + sum(c * (m - mean) ** 2 for c, m in zip(counts, means))
+    return n, mean, m2
+
+
+class LayerSim:
+    """One BatchNorm layer's simulated state across every rank: the scope, its per-rank running
+    statistics, the partials of the previous call (renorm, lagged) and the guard's state."""
+
+    def __init__(self, mode, opts, topo, c, name=""):
+        import torch
+        self.mode, self.opts, self.topo, self.name = mode, dict(opts), topo, name
+        self.seq = 0
+        self.running_mean = torch.zeros(topo.world, c, dtype=torch.float64)
+        self.running_var = torch.ones(topo.world, c, dtype=torch.float64)
+        self.prev_fwd = None    # per node: (count, mean (nodes, C), m2 (nodes, C))
+        self.prev_global = None  # exact (count, mean, m2) of the previous call
+        self.prev_bwd = None    # per node: (sum dy, sum dy (x - c_n), c_n) each (nodes, C)
+        self.lam = 1.0 if mode == "lagged" else opts.get("lam", 0.0)
+        self.signal = []        # guard: s per call
+        self.lams = []          # lambda used per call (lagged family)
+        self.hold = 0.0
+        self.updates_running = True
+
+    # -- running statistics --------------------------------------------------------------------
+    def _update(self, mean_rows, var_rows):
+        """mean_rows, var_rows: (world, C) the value each rank blends in (unbiased var)."""
+        self.running_mean.mul_(1 - BN_MOMENTUM).add_(BN_MOMENTUM * mean_rows)
+        self.running_var.mul_(1 - BN_MOMENTUM).add_(BN_MOMENTUM * var_rows)
+
+    def _per_rank(self, mean, var, r):
+        """(R, C) per unit -> (world, C) per rank."""
+        return mean.repeat_interleave(self.topo.world // r, 0), var.repeat_interleave(
+            self.topo.world // r, 0)
+
+
+def _make_function():
+    import torch
+
+    class SimBNFunction(torch.autograd.Function):
+
+        @staticmethod
+        def forward(ctx, x, weight, bias, sim):
+            return _forward(ctx, x, weight, bias, sim)
+
+        @staticmethod
+        def backward(ctx, dy):
+            return _backward(ctx, dy) + (None,)
+
+    return SimBNFunction
+
+
+_FN = None
+
+
+def _fn():
+    global _FN
+    if _FN is None:
+        _FN = _make_function()
+    return _FN
+
+
+def _forward(ctx, x, weight, bias, sim):
+    import torch
+    topo = sim.topo
+    mode, o = sim.mode, sim.opts
+    x64 = x.detach().to(torch.float64)
+    shape = x64.shape
+    c = shape[1]
+    w = weight.detach().to(torch.float64)
+    b = bias.detach().to(torch.float64)
+    nodes = topo.nodes
+    # Exact statistics of every unit the scopes need.
+    xn = _rows(x64, nodes)
+    cn, mean_n, m2_n = _moments(xn)
+    g_n, g_mean, g_m2 = _merge([cn] * nodes, list(mean_n), list(m2_n))
+    r_eff = d_eff = None
+    exact_global_now = False
+    if mode in ("local", "node", "group", "global"):
+        r = {"local": topo.world, "node": nodes, "group": nodes // topo.group_nodes,
+             "global": 1}[mode]
+        xr = _rows(x64, r)
+        cnt, mean, m2 = _moments(xr)
+        var = m2 / cnt
+        rm, rv = sim._per_rank(mean, m2 / (cnt - 1), r)
+        sim._update(rm, rv)
+    elif mode == "renorm":
+        r = nodes
+        xr, cnt, mean, var = xn, cn, mean_n, m2_n / cn
+        if sim.seq >= max(o["warmup"], 1) and sim.prev_global is not None:
+            pg_n, pg_mean, pg_m2 = sim.prev_global
+            done = 1.0 if o["ramp"] <= 0 else min(1.0, (sim.seq - max(o["warmup"], 1) + 1)
+                                                  / o["ramp"])
+            r_max, d_max = 1.0 + (o["r_max"] - 1.0) * done, o["d_max"] * done
+            sigma_b = torch.sqrt(var + EPS)
+            sigma = torch.sqrt(pg_m2 / pg_n + EPS)
+            r_eff = torch.clamp(sigma_b / sigma, 1.0 / r_max, r_max)
+            d_eff = torch.clamp((mean - pg_mean) / sigma, -d_max, d_max)
+            rm, rv = sim._per_rank(pg_mean[None], (pg_m2 / (pg_n - 1))[None], 1)
+            sim._update(rm, rv)
+    else:  # the lagged family
+        r = nodes
+        xr, cnt = xn, cn
+        if sim.seq < o["warmup"]:
+            exact_global_now = True
+            mean = g_mean[None].expand(nodes, c).clone()
+            var = (g_m2 / g_n)[None].expand(nodes, c).clone()
+        else:
+            pc, pmean, pm2 = sim.prev_fwd
+            mean = torch.empty(nodes, c, dtype=torch.float64)
+            var = torch.empty(nodes, c, dtype=torch.float64)
+            for n in range(nodes):
+                parts = [(cn, mean_n[n], m2_n[n]) if k == n else (pc, pmean[k], pm2[k])
+                         for k in range(nodes)]
+                tot, mm, mv = _merge(*zip(*parts))
+                mean[n], var[n] = mm, mv / tot
+        if sim.prev_global is not None:  # running statistics: the previous call's exact global
+            pg_n, pg_mean, pg_m2 = sim.prev_global
+            rm, rv = sim._per_rank(pg_mean[None], (pg_m2 / (pg_n - 1))[None], 1)
+            sim._update(rm, rv)
+    sim.prev_fwd = (cn, mean_n.clone(), m2_n.clone())
+    sim.prev_global = (g_n, g_mean.clone(), g_m2.clone())
+    invstd = 1.0 / torch.sqrt(var + EPS)
+    xhat = (xr - mean[:, None]) * invstd[:, None]
+    if r_eff is not None:
+        w_rows = w[None] * r_eff
+        b_rows = b[None] + w[None] * d_eff
+    else:
+        w_rows = w[None].expand(r, c)
+        b_rows = b[None].expand(r, c)
+    y = xhat * w_rows[:, None] + b_rows[:, None]
+    ctx.sim = sim
+    ctx.node_stats = (mean_n, 1.0 / torch.sqrt(m2_n / cn + EPS))
+    ctx.seq = sim.seq
+    ctx.exact_global_now = exact_global_now
+    ctx.shape = shape
+    ctx.dtype = x.dtype
+    ctx.wdtype = weight.dtype
+    ctx.save_for_backward(xr, mean, invstd, w_rows, w,
+                          r_eff if r_eff is not None else torch.ones(0),
+                          d_eff if d_eff is not None else torch.ones(0))
+    sim.seq += 1
+    return _unrows(y, shape).to(x.dtype)
+
+
+def _backward(ctx, dy):
+    import torch
+    xr, mean, invstd, w_rows, w, r_eff, d_eff = ctx.saved_tensors
+    sim = ctx.sim
+    mode = sim.mode
+    r = xr.shape[0]
+    dyr = _rows(dy.to(torch.float64), r)
+    xmu = xr - mean[:, None]
+    xhat = xmu * invstd[:, None]
+    s1 = dyr.sum(1)                      # (R, C): sum dy per unit
+    s2 = (dyr * xmu).sum(1)              # sum dy (x - mean_unit)
+    cnt = xr.shape[1]
+    grad_b = s1.sum(0)
+    if r_eff.numel():
+        grad_w = (r_eff * (dyr * xhat).sum(1) + d_eff * s1).sum(0)
+    else:
+        grad_w = (dyr * xhat).sum(1).sum(0)
+
+    def dx_from(S1, S2, M):
+        return w_rows[:, None] * invstd[:, None] * (
+            dyr - S1[:, None] / M - xmu * (invstd ** 2)[:, None] * S2[:, None] / M)
+
+    if not mode.startswith("lagged"):
+        dx = dx_from(s1, s2, cnt)
+    elif ctx.exact_global_now:
+        # Warm-up: exact global (every unit's mean is the global one here).
+        dx = dx_from(s1.sum(0)[None].expand_as(s1), s2.sum(0)[None].expand_as(s2), cnt * r)
+    else:
+        # The job's sums for node n: its own fresh ones and the others' of the previous call,
+        # re-expressed on node n's mean: sum dy (x - mu_n) = P2_k + (c_k - mu_n) P1_k.
+        p1, p2, pc = sim.prev_bwd
+        S1 = torch.empty_like(s1)
+        S2 = torch.empty_like(s2)
+        for n in range(r):
+            others = [k for k in range(r) if k != n]
+            S1[n] = s1[n] + p1[others].sum(0)
+            S2[n] = s2[n] + (p2[others] + (pc[others] - mean[n][None]) * p1[others]).sum(0)
+        dx_lag = dx_from(S1, S2, cnt * r)
+        # Node-local backward of the lagged forward, as Batch Renormalization's (renorm's)
+        # backward: y = gamma (xhat_B r + d) + beta with r = sigma_B / sigma, d = (mu_B - mu) /
+        # sigma (the lagged mu, sigma) held constant, the gradient through the node's own
+        # mu_B, sigma_B only; it sums to zero over each node.
+        mean_b, invstd_b = ctx.node_stats
+        s2b = s2 + (mean - mean_b) * s1          # sum dy (x - mu_B)
+        xmu_b = xr - mean_b[:, None]
+        dx_node = w_rows[:, None] * invstd[:, None] * (
+            dyr - s1[:, None] / cnt - xmu_b * (invstd_b ** 2)[:, None] * s2b[:, None] / cnt)
+        if mode == "lagged":
+            lam = 1.0
+        elif mode == "lagged-fwd":
+            lam = 0.0
+        elif mode == "lagged-damped":
+            lam = sim.opts["lam"]
+        else:
+            lam = sim.lam
+        sim.lams.append(lam)
+        dx = dx_lag if lam == 1.0 else (dx_node if lam == 0.0 else
+                                        lam * dx_lag + (1.0 - lam) * dx_node)
+        # The guard's signal, known on every rank one call later (each node sends its
+        # sum dx_lag and sum dx_lag^2 per channel with its partials): how far the job's
+        # lagged input gradients are from summing to zero per channel, in units of their
+        # random-walk size sqrt(sum dx^2).
+        tot = dx_lag.sum(1).sum(0)
+        size = torch.sqrt((dx_lag ** 2).sum(1).sum(0))
+        s = float(torch.linalg.norm(tot) / max(float(torch.linalg.norm(size)), 1e-300))
+        sim.signal.append(s)
+        if mode == "lagged-guard":
+            sim.lam = Guard.next_lambda(sim, s)
+    if mode.startswith("lagged"):
+        sim.prev_bwd = (s1.clone(), s2.clone(), mean.clone())
+    dx = _unrows(dx, ctx.shape).to(ctx.dtype)
+    return dx, grad_w.to(ctx.wdtype), grad_b.to(ctx.wdtype)
+
+
+class Guard:
+    """The adaptive guard (a proposal): per layer, lambda for the next call from the signal s
+    of this call (identical on every rank: built from per-node sums every rank receives one
+    call later). s = ||sum over the job of the lagged dx, per channel|| / ||sqrt(sum dx^2) per
+    channel||: 0 when the job's input gradients sum to zero per channel (exact global
+    backward), ~1 for sums of the size of uncorrelated noise; the stale share makes it grow.
+    A peak hold reacts at once to growth and relaxes by `hold` per call; lambda = clip(tau /
+    held, lam_min, 1): trust the stale share fully while the job's sums stay within tau of
+    their noise size, damp in proportion beyond."""
+
+    @staticmethod
+    def next_lambda(sim, s):
+        o = sim.opts
+        sim.hold = max(s, o["hold"] * sim.hold)
+        return float(min(1.0, max(o["lam_min"], o["tau"] / max(sim.hold, 1e-12))))
+
+
+def _sim_bn_class():
+    import torch
+    import torch.nn.functional as F
+
+    class SimBatchNorm(torch.nn.BatchNorm2d):
+        """BatchNorm2d whose training forward runs a LayerSim; eval uses running_mean and
+        running_var (set from the simulated ranks' records before evaluation)."""
+
+        def forward(self, x):
+            if self.training:
+                return _fn().apply(x, self.weight, self.bias, self.sim)
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                False, 0.0, self.eps)
+
+    return SimBatchNorm
+
+
+def convert(model, mode, opts, topo):
+    """Replaces every BatchNorm2d of model by SimBatchNorm (same parameters and buffers);
+    returns the LayerSims in module order."""
+    import torch
+    cls = _sim_bn_class()
+    sims = []
+
+    def swap(module, prefix=""):
+        for name, child in module.named_children():
+            full = prefix + name
+            if isinstance(child, torch.nn.BatchNorm2d) and not isinstance(child, cls):
+                new = cls(child.num_features, eps=child.eps, momentum=child.momentum)
+                new.load_state_dict(child.state_dict())
+                new.sim = LayerSim(mode, opts, topo, child.num_features, full)
+                sims.append(new.sim)
+                setattr(module, name, new)
+            else:
+                swap(child, full + ".")
+    swap(model)
+    return sims
+
+
+def set_running(model, sims, how):
+    """Loads rank 0's running statistics (how="rank0") or their pool over the ranks (law of
+    total variance with equal weights: hsbn.torch.sync_running_stats) into the modules."""
+    import torch
+    mods = [m for m in model.modules() if hasattr(m, "sim")]
+    for m in mods:
+        s = m.sim
+        if how == "rank0":
+            mean, var = s.running_mean[0], s.running_var[0]
+        else:
+            mean = s.running_mean.mean(0)
+            var = (s.running_var + (s.running_mean - mean[None]) ** 2).mean(0)
+        with torch.no_grad():
+            m.running_mean.copy_(mean.to(m.running_mean.dtype))
+            m.running_var.copy_(var.to(m.running_var.dtype))
+
+
+# --- one run -----------------------------------------------------------------------------------
+
+def run_one(cfg, task, seed, mode_text, init, plan, arrays, progress=None, dtype="float32",
+            record_first=False, max_steps=None):
+    """Trains one (seed, mode) in one process; returns its result dict. max_steps: stop after
+    that many steps of the schedule (for checks; no evaluation then)."""
+    import torch
+    import torch.nn.functional as F
+    torch.set_num_threads(1)
+    mode, opts = parse_mode(mode_text)
+    topo = Topology(cfg["nodes"], cfg["workers_per_node"], cfg.get("group_nodes") or 2)
+    model = models.build(task, cfg.get("model"))
+    model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in init.items()})
+    sims = convert(model, mode, opts, topo)
+    if dtype == "float64":
+        model = model.double()
+    lr0 = cfg["lr"][task] if isinstance(cfg["lr"], dict) else cfg["lr"]
+    opt = torch.optim.SGD(model.parameters(), lr=lr0, momentum=0.9)
+    steps = plan["steps"]
+    ranks = list(range(topo.world))
+    losses = np.zeros(steps)
+    t0 = time.perf_counter()
+    first_grads = None
+    for step in range(steps if max_steps is None else min(steps, max_steps)):
+        x, y = train.batch(torch, task, plan, arrays, step, ranks)
+        if dtype == "float64":
+            x = x.double()
+        for g in opt.param_groups:
+            g["lr"] = lr0 * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        opt.zero_grad()
+        loss.backward()
+        if record_first and step == 0:
+            first_grads = {k: p.grad.detach().double().numpy().copy()
+                           for k, p in model.named_parameters()}
+        opt.step()
+        losses[step] = loss.item()
+        if progress is not None:
+            progress(step + 1, steps)
+    train_s = time.perf_counter() - t0
+    if max_steps is not None:
+        return {"seed": seed, "mode": mode_text, "loss": losses[:max_steps].tolist(),
+                "first_grads": first_grads, "sims": sims, "model": model}
+    xs, ys = arrays[task + "_test_x"], arrays[task + "_test_y"]
+    scores = {}
+    # Where every rank holds the same running statistics (global, renorm, lagged) the pooled
+    # ones are rank 0's: one evaluation.
+    same = all(bool((s.running_mean == s.running_mean[:1]).all()
+                    and (s.running_var == s.running_var[:1]).all()) for s in sims)
+    for how in ("rank0",) if same else ("rank0", "pooled"):
+        set_running(model, sims, how)
+        scores[how] = train.metric(task, train.eval_counts(torch, model, task, xs, ys))
+    if same:
+        scores["pooled"] = scores["rank0"]
+    lagged = [s for s in sims if s.mode.startswith("lagged")]
+    out = {"task": task, "seed": seed, "mode": mode_text, "steps": steps,
+           "metric": scores["rank0"], "metric_sync_stats": scores["pooled"],
+           "loss": losses.tolist(), "train_s": train_s, "run_s": time.perf_counter() - t0}
+    if lagged:
+        out["guard"] = {s.name: {"signal_median": float(np.median(s.signal)) if s.signal
+                                 else None,
+                                 "signal_max": float(np.max(s.signal)) if s.signal else None,
+                                 "lambda_mean": float(np.mean(s.lams)) if s.lams else None,
+                                 "lambda_min": float(np.min(s.lams)) if s.lams else None}
+                        for s in lagged}
+        out["signal"] = {s.name: [round(v, 4) for v in s.signal] for s in lagged}
+        out["lambda"] = {s.name: [round(v, 4) for v in s.lams] for s in lagged}
+    if record_first:
+        out["first_grads"] = first_grads
+    return out
+
+
+# --- the study: seeds x modes, in parallel processes -------------------------------------------
+
+_ARRAYS = None
+
+
+def _load_arrays(data_dir, task, test_size):
+    d = data.load(data_dir)
+    a = {"train_x": d["train_x"], "train_y": d["train_y"]}
+    n = min(test_size or len(d["test_y"]), len(d["test_y"]))
+    if task == "cls":
+        a["cls_test_x"], a["cls_test_y"] = d["test_x"][:n], d["test_y"][:n]
+    else:
+        img, lab = data.test_mosaics(d["test_x"], d["test_y"], test_size or 1000)
+        a["seg_test_x"], a["seg_test_y"] = img, lab
+    return a
+
+
+def _worker_init(data_dir, task, test_size):
+    global _ARRAYS
+    _ARRAYS = _load_arrays(data_dir, task, test_size)
+
+
+def _job(args):
+    cfg, task, seed, mode, init, plan = args
+    return run_one(cfg, task, seed, mode, init, plan, _ARRAYS)
+
+
+def analyze(runs, modes, key="metric"):
+    """Per mode: mean, paired 95% interval against node, and the gap fraction
+    (mode - node) / (global - node) per seed-paired means, with its interval by the delta of
+    paired differences divided by the mean gap."""
+    from . import sweep
+    by = {m: {r["seed"]: r[key] for r in runs if r["mode"] == m} for m in modes}
+    node, glob = by.get("node", {}), by.get("global", {})
+    gap = sweep.paired(glob, node) if node and glob else None
+    rows = []
+    for m in modes:
+        v = np.array(list(by[m].values()), np.float64)
+        n = len(v)
+        half = sweep.t975(n - 1) * v.std(ddof=1) / math.sqrt(n) if n > 1 else float("nan")
+        row = {"mode": m, "n": n, "mean": float(v.mean()) if n else float("nan"),
+               "half": float(half)}
+        if node and m != "node":
+            row["vs_node"] = sweep.paired(by[m], node)
+        if glob and m != "global":
+            row["vs_global"] = sweep.paired(by[m], glob)
+        # The gap over the seeds this mode has (paired: the same seeds in all three).
+        mine = {s: v for s, v in glob.items() if s in by[m]}
+        g = sweep.paired(mine, node) if mine and node else None
+        if g and g["n"] and g["mean"] > 0:
+            d = sweep.paired(by[m], node)
+            row["gap_fraction"] = d["mean"] / g["mean"]
+            row["gap_fraction_lo"] = d["lo"] / g["mean"]
+            row["gap_fraction_hi"] = d["hi"] / g["mean"]
+        rows.append(row)
+    return {"rows": rows, "gap": gap}
+
+
+def markdown(analysis, analysis_pooled, cfg, command, wall, per_run_s):
+    def pct(v):
+        return "%.2f" % (100 * v)
+
+    def ci(p):
+        return "%+.2f [%+.2f, %+.2f]" % (100 * p["mean"], 100 * p["lo"], 100 * p["hi"]) \
+            if p and p.get("n") else "—"
+
+    lines = ["# hsbn one-process study", "",
+             "Command: `%s`" % command, "",
+             "%d nodes × %d workers, %d per worker, skew %.2f, %d steps, lr %g (cosine), train "
+             "items %d, seeds %s; wall %.0f s, %.1f s per run (mean)."
+             % (cfg["nodes"], cfg["workers_per_node"], cfg["batch"], cfg["skew"],
+                cfg["steps"], cfg["lr"], cfg["train_size"], ",".join(map(str, cfg["seeds"])),
+                wall, per_run_s), ""]
+    for title, an in (("rank 0's running statistics (headline)", analysis),
+                      ("running statistics pooled over the ranks (sync_running_stats)",
+                       analysis_pooled)):
+        lines += ["Scored with %s; mean ± 95%% interval over seeds, differences paired by "
+                  "seed:" % title, "",
+                  "| mode | accuracy, % | − node, points | − global, points | gap recovered "
+                  "(global − node) |", "|---|---:|---:|---:|---:|"]
+        for r in an["rows"]:
+            gf = ("%.0f %% [%.0f, %.0f]" % (100 * r["gap_fraction"], 100 * r["gap_fraction_lo"],
+                                           100 * r["gap_fraction_hi"])
+                  if "gap_fraction" in r and r["mode"] not in ("node", "global") else "—")
+            lines.append("| %s | %s ± %s | %s | %s | %s |" % (
+                r["mode"], pct(r["mean"]), pct(r["half"]), ci(r.get("vs_node")),
+                ci(r.get("vs_global")), gf))
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+CELL_KEYS = ("nodes", "workers_per_node", "batch", "skew", "lr", "train_size", "steps",
+             "task", "model", "group_nodes")
+
+
+def run(args, command):
+    """hsbn_compare.py --one-process: every seed × mode of the cell, --jobs processes."""
+    try:
+        modes = [m.strip() for m in args.sim_modes.split(",") if m.strip()]
+        for m in modes:
+            parse_mode(m)
+    except ValueError as e:
+        print("hsbn_compare: --sim-modes: %s" % e, file=sys.stderr)
+        return 2
+    task = "cls" if args.task in ("both", "cls") else "seg"
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    d = data.load(args.data_dir)
+    pool = data.training_pool(d["train_y"], args.train_size)
+    lr = args.lr if args.lr is not None else cli.DEFAULT_LR[task]
+    cfg = {"nodes": args.nodes, "workers_per_node": args.workers_per_node,
+           "batch": args.batch, "skew": args.skew, "lr": lr, "train_size": args.train_size,
+           "group_nodes": args.group_nodes, "seeds": seeds, "modes": modes, "task": task,
+           "model": args.model, "renorm": RENORM, "lagged": LAGGED, "guard": GUARD}
+    jobs = []
+    for seed in seeds:
+        plan = data.make_plan(task, seed, d["train_y"], pool, args.nodes,
+                              args.workers_per_node, args.batch, args.epochs, args.steps,
+                              args.skew)
+        init = cli.initial_state(task, seed, args.model)
+        cfg["steps"] = plan["steps"]
+        for m in modes:
+            jobs.append((cfg, task, seed, m, init, plan))
+    os.makedirs(args.out, exist_ok=True)
+    # Runs of the same cell already in --out are kept (and not rerun): a study can be extended
+    # by modes or seeds, by one invocation after another.
+    runs, commands = [], [command]
+    path = os.path.join(args.out, "oneproc.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        same = all(old["config"].get(k) == cfg[k] for k in CELL_KEYS)
+        if same:
+            runs = old["runs"]
+            commands = old.get("commands", [old.get("command")]) + [command]
+            have = {(r["seed"], r["mode"]) for r in runs}
+            jobs = [j for j in jobs if (j[2], j[3]) not in have]
+            modes = list(dict.fromkeys([m for m in ("node", "global") if m in
+                                        old["config"]["modes"] + modes]
+                                       + old["config"]["modes"] + modes))
+            cfg["seeds"] = sorted(set(old["config"]["seeds"]) | set(seeds))
+            cfg["modes"] = modes
+            print("hsbn_compare --one-process: keeping %d runs of this cell from %s"
+                  % (len(runs), path))
+    command = " && ".join(commands)
+    print("hsbn_compare --one-process: %d runs to do (seeds %s × modes %s), %d steps each, %d "
+          "processes" % (len(jobs), ",".join(map(str, seeds)), ",".join(modes), cfg["steps"],
+                         args.jobs), flush=True)
+    t0 = time.monotonic()
+    done = len(runs)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(args.jobs, initializer=_worker_init,
+                  initargs=(args.data_dir, task, args.test_size)) as p:
+        for r in p.imap_unordered(_job, jobs):
+            runs.append(r)
+            el = time.monotonic() - t0
+            k = len(runs) - done
+            print("[%d/%d] seed %d %s: %.2f %% (pooled %.2f %%), %.1f s; %.0f s elapsed, ~%.0f s "
+                  "left" % (k, len(jobs), r["seed"], r["mode"], 100 * r["metric"],
+                            100 * r["metric_sync_stats"], r["run_s"], el,
+                            el / k * (len(jobs) - k)), flush=True)
+            _write(args.out, command, cfg, runs, modes, time.monotonic() - t0)
+    wall = time.monotonic() - t0
+    md = _write(args.out, command, cfg, runs, modes, wall)
+    print(md)
+    return 0
+
+
+def _write(out, command, cfg, runs, modes, wall):
+    an = analyze(runs, modes)
+    an_p = analyze(runs, modes, "metric_sync_stats")
+    per = float(np.mean([r["run_s"] for r in runs])) if runs else float("nan")
+    md = markdown(an, an_p, cfg, command, wall, per)
+    with open(os.path.join(out, "oneproc.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out, "oneproc.json"), "w") as f:
+        json.dump({"command": command, "commands": command.split(" && "), "config": cfg,
+                   "wall_s": wall, "per_run_s": per,
+                   "analysis": an, "analysis_pooled": an_p,
+                   "runs": sorted(runs, key=lambda r: (r["seed"], modes.index(r["mode"])))},
+                  f, indent=1, default=float)
+        f.write("\n")
+    with open(os.path.join(out, "oneproc.csv"), "w") as f:
+        f.write("seed,mode,steps,metric_rank0,metric_pooled,final_loss,run_s\n")
+        for r in sorted(runs, key=lambda r: (r["seed"], modes.index(r["mode"]))):
+            f.write("%d,%s,%d,%.4f,%.4f,%.5f,%.2f\n" % (
+                r["seed"], r["mode"], r["steps"], r["metric"], r["metric_sync_stats"],
+                float(np.mean(r["loss"][-10:])), r["run_s"]))
+    return md
+
+
+def render(out):
+    """Rewrites oneproc.md from oneproc.json in `out` (python3 -m hsbncmp.oneproc DIR)."""
+    with open(os.path.join(out, "oneproc.json")) as f:
+        j = json.load(f)
+    modes = j["config"]["modes"]
+    modes = [m for m in ("node", "global") if m in modes] + [m for m in modes
+                                                             if m not in ("node", "global")]
+    j["config"]["modes"] = modes
+    return _write(out, j["command"], j["config"], j["runs"], modes, j["wall_s"])
+
+
+if __name__ == "__main__":
+    print(render(sys.argv[1]))
