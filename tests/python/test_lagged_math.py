@@ -99,7 +99,8 @@ def lagged_case(seed, steps=4, repeat=False, **options):
                            sizes=[3, 5, 0, 4])
     if repeat:
         data = [[d[0]] * steps for d in data]
-    spec["options"] = options
+    # The plain design (lambda 1) unless a test asks for damping: the references are exact.
+    spec["options"] = dict({"lagged_damping": 1.0}, **options)
     return spec, data
 
 
@@ -187,6 +188,8 @@ def test_options_are_checked():
             hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_damping=bad)
     with pytest.raises(ConfigurationError, match="lagged_warmup"):
         hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_warmup=0)
+    assert hsbn.torch.SyncBatchNorm(3, scope="lagged").lagged_options == {"damping": 0.5,
+                                                                          "warmup": 1}
     bn = hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_damping=0.25)
     assert bn.lagged_options == {"damping": 0.25, "warmup": 1}
     assert bn.lagged_damping == 0.25
@@ -220,7 +223,8 @@ def _threads(fn, n=4, timeout=120):
 
 
 def _layer(spec, client, op, checkpointed=False):
-    bn = hsbn.torch.SyncBatchNorm(spec["C"], scope="lagged", client=client, op=op).double()
+    bn = hsbn.torch.SyncBatchNorm(spec["C"], scope="lagged", client=client, op=op,
+                                  lagged_damping=1.0).double()
     with torch.no_grad():
         bn.weight.copy_(torch.from_numpy(spec["weight"]))
         bn.bias.copy_(torch.from_numpy(spec["bias"]))

@@ -76,7 +76,8 @@ class SyncBatchNorm(_BatchNorm):
         scope="renorm"'s options (None: the measured defaults of hsbn.torch._renorm.DEFAULTS);
         lag, warmup and ramp count this layer's training calls, not steps.
       lagged_damping, lagged_warmup: scope="lagged"'s options (None: hsbn.torch._lagged.DEFAULTS:
-        damping 1.0, the plain lagged backward; warm-up 1 exact global call).
+        damping 0.5, half the lagged input gradient and half the node-local one; warm-up 1 exact
+        global call).
       client: the hsbn.Client to use; None uses hsbn.default_client(), created from the
         environment at the first synchronized forward.
       name: the layer's round key; every rank must give the same layer the same name. Without
