@@ -496,7 +496,7 @@ class Client::Impl {
       // ready socket per pass, hence a second pass.
       if (!conn->polling) {
         conn->polling = true;
-        for (int pass = 0; pass < 2 && !conn->broken; ++pass) {
+        for (int pass = 0; pass < 4 && !conn->broken; ++pass) {
           Poll(conn, Clock::now(), [] { return false; });
         }
         conn->polling = false;
