@@ -42,6 +42,7 @@ class Explicit(nn.Module):
 def build(kind, scope, prefix="explicit"):
     """The model `kind` ("sequential", "explicit", "resnet18", "torch_bn": the sequential one
     with torch.nn.BatchNorm2d) with hsbn layers of `scope`, initialized from seed 0."""
+    hsbn.torch.use_custom_ops(True)  # opt-in (issue #35); every case builds its models here
     torch.manual_seed(0)
     if kind in ("sequential", "torch_bn"):
         # torch's BatchNorm with momentum=None reads num_batches_tracked on the host (a graph

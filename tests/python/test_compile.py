@@ -1,6 +1,7 @@
 """hsbn layers under torch.compile(fullgraph=True) and torch.export (torch >= 2.4, issue #35).
 
-On torch >= 2.4 a synchronized layer's training forward and backward are the custom ops
+With hsbn.torch.use_custom_ops(True) (opt-in; torch >= 2.4) a synchronized layer's training
+forward and backward are the custom ops
 hsbn::sync_batch_norm and hsbn::sync_batch_norm_backward (hsbn/torch/_custom_op.py), so dynamo
 traces the whole model. Checked here, over 2 ranks (1 node x 2 workers, real aggregators):
 0 graph breaks and no recompiles beyond torch's own BatchNorm's (one graph for training, one
@@ -52,6 +53,16 @@ def inductor_error():
 def backend():
     return os.environ.get("HSBN_COMPILE_BACKEND") or (
         "inductor" if inductor_error() is None else "aot_eager")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def custom_ops():
+    """The ops path is opt-in (hsbn.torch.use_custom_ops): on for this module's tests in this
+    process (the workers turn it on in compile_cases), off again for the rest of the suite."""
+    import hsbn.torch
+    hsbn.torch.use_custom_ops(True)
+    yield
+    hsbn.torch.use_custom_ops(False)
 
 
 @pytest.fixture(scope="module")

@@ -215,3 +215,24 @@ def test_a_layer_check_passes_on_one_worker_and_is_made_once(client):
     # 4 layers x 3 forwards, plus one backward-phase round for the check.
     assert s.get("global", "forward").completed == 12
     assert s.get("global", "backward").completed == 1
+
+
+def test_custom_ops_are_opt_in():
+    # The ops path (torch >= 2.4) is chosen per process with hsbn.torch.use_custom_ops; by
+    # default every torch runs the autograd.Function, opaque to dynamo (issue #35).
+    import hsbn.torch
+    from hsbn.errors import ConfigurationError
+    from hsbn.torch import _custom_op
+    assert not hsbn.torch.custom_ops_in_use()
+    assert hsbn.torch.SyncBatchNorm.forward is hsbn.torch.SyncBatchNorm._forward_function
+    if not _custom_op.ENABLED:
+        with pytest.raises(ConfigurationError, match="torch.library.custom_op"):
+            hsbn.torch.use_custom_ops(True)
+        assert not hsbn.torch.custom_ops_in_use()
+        return
+    try:
+        hsbn.torch.use_custom_ops(True)
+        assert hsbn.torch.custom_ops_in_use()
+    finally:
+        hsbn.torch.use_custom_ops(False)
+    assert not hsbn.torch.custom_ops_in_use()

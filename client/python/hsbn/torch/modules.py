@@ -250,10 +250,11 @@ class SyncBatchNorm(_BatchNorm):
                 raise
             book.checks[key] = None
 
-    def forward(self, input):
-        # The ops path has run on CPU only (no GPU was lent to #35's sessions): code that never
-        # ran on a GPU is not the default on one, so CUDA inputs keep the function path.
-        if _custom_op.ENABLED and input.device.type == "cpu":
+    def _forward_selecting(self, input):
+        """forward once use_custom_ops(True): the ops path for CPU inputs. It has run on CPU
+        only (no GPU was lent to #35's sessions): code that never ran on a GPU is not the
+        default on one, so CUDA inputs keep the function path."""
+        if isinstance(input, torch.fx.Proxy) or input.device.type == "cpu":
             return self._forward_ops(input)
         return self._forward_function(input)
 
@@ -316,7 +317,9 @@ class SyncBatchNorm(_BatchNorm):
                 self._auto_decision = decided
 
     @opaque_to_dynamo  # its rounds and Python-side state are not for tracing (docs/PYTORCH.md)
-    def _forward_function(self, input):
+    def forward(self, input):
+        """The default forward, on every torch: SyncBatchNormFunction, opaque to dynamo (also
+        SyncBatchNorm._forward_function, which the ops path calls for what it does not take)."""
         if isinstance(input, torch.fx.Proxy):
             # A leaf for torch.fx: one call_module node, whatever the tracer.
             tracer = input.tracer
@@ -468,3 +471,28 @@ def _save_auto_decision(module, state_dict, prefix, local_metadata):
     loads, strictly, into torch.nn.BatchNorm*d and into models of other scopes."""
     if getattr(module, "scope", None) == "auto" and module._auto_decision is not None:
         local_metadata[_METADATA_KEY] = dict(module._auto_decision)
+
+
+# The function path under its second name; use_custom_ops(True) makes _forward_selecting the
+# forward (the ops path for CPU inputs, torch >= 2.4).
+SyncBatchNorm._forward_function = SyncBatchNorm.forward
+
+
+def use_custom_ops(flag=True):
+    """Whether hsbn layers on CPU tensors run as torch custom ops (torch >= 2.4;
+    _custom_op.py), which torch.compile(fullgraph=True) and torch.export trace whole, or as
+    their autograd.Function, which dynamo does not trace (the default). Opt-in for the process
+    until the ops pass the whole suite under torch 2.x: under Debian's torch 2.6 they still fail
+    layers without affine parameters or running statistics, torch.fx leaf tracing and the
+    no-host-read check of a step (issue #35). ConfigurationError on a torch without custom ops."""
+    if flag and not _custom_op.ENABLED:
+        raise ConfigurationError(
+            "hsbn.torch.use_custom_ops: torch %s has no torch.library.custom_op (torch >= 2.4 "
+            "has it); hsbn layers keep their autograd.Function here" % torch.__version__)
+    SyncBatchNorm.forward = (SyncBatchNorm._forward_selecting if flag
+                             else SyncBatchNorm._forward_function)
+
+
+def custom_ops_in_use():
+    """True after use_custom_ops(True)."""
+    return SyncBatchNorm.forward is SyncBatchNorm._forward_selecting
