@@ -223,9 +223,12 @@ def test_zero_variance_without_eps_gives_an_infinite_invstd_without_a_warning():
 
 
 def test_torch_compile_runs_the_layer_eagerly_and_compiles_the_rest_once():
-    """Where torch has torch.compile (2.x): a compiled model with an hsbn layer computes what
-    the eager model computes, and its per-call Python state (samples_seen here) causes no
-    recompilation: the graphs around the layer are compiled at the first call only."""
+    """Where torch has torch.compile (2.x): a compiled model with an hsbn layer on its default
+    path (the autograd.Function, opaque to dynamo) computes what the eager model computes, and
+    its per-call Python state (samples_seen here) causes no recompilation: whatever is compiled
+    is compiled at the first call only. Under torch 2.6 that is nothing for an nn.Sequential:
+    the layer's graph break inside Sequential.forward makes dynamo skip the whole frame
+    (docs/PYTORCH.md; hsbn.torch.use_custom_ops traces it whole, test_compile.py)."""
     import copy
     import hsbn.torch
     if not hasattr(torch, "compile"):
@@ -247,6 +250,6 @@ def test_torch_compile_runs_the_layer_eagerly_and_compiles_the_rest_once():
         assert torch.equal(compiled(x), eager(x)), step
         if after_first is None:
             after_first = len(graphs)
-    assert after_first >= 1 and len(graphs) == after_first
+    assert len(graphs) == after_first, (after_first, len(graphs))
     assert model[1].samples_seen == eager[1].samples_seen == 4 * 2 * 25
     assert torch.equal(model[1].running_mean, eager[1].running_mean)
