@@ -44,10 +44,10 @@ fi
 # 1.7 GB); a run then adds 30 s (a venv, the wheel) to the suite's own time. Where it cannot run
 # (not root, no debootstrap or unshare, no Debian mirror) it says why and is skipped;
 # HSBN_TORCH2=0 skips it, HSBN_TORCH2=1 makes a skip a failure. Not run unless asked for
-# (HSBN_TORCH2=1 or auto) until its suite passes whole: its one full run (2026-12-04) had open
-# failures (issue #35: an exit hang of gloo in the compare sweep, an intermittent leave test,
-# the compile test of test_cuda_host_side written for torch 1.13's opaque layer), and it takes
-# 20-30 minutes on 2 busy cores.
+# (HSBN_TORCH2=1 or auto) until it has passed whole more than once: of its full runs
+# (2026-12-04) the first had 4 failures and an 11-minute exit hang of gloo in the compare sweep,
+# the last 1 failure (a test fixed since); the suite takes 8 minutes on 2 quiet cores, 20-30 on
+# busy ones (issue #35).
 torch2_status=0
 torch2_note=""
 if [ "${HSBN_TORCH2:-0}" = 0 ]; then
