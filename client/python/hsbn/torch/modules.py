@@ -250,6 +250,18 @@ class SyncBatchNorm(_BatchNorm):
                 raise
             book.checks[key] = None
 
+    def _fx_leaf_or_check(self, input):
+        """Under torch.fx: the layer as a leaf (one call_module node, whatever the tracer).
+        Otherwise None, after the input's checks (dimensions, channels), both forwards' first."""
+        if isinstance(input, torch.fx.Proxy):
+            tracer = input.tracer
+            return tracer.create_proxy("call_module", tracer.path_of_module(self), (input,), {})
+        self._check_input_dim(input)
+        if input.shape[1] != self.num_features:
+            raise ValueError("expected input with %d channels, got shape %s"
+                             % (self.num_features, list(input.shape)))
+        return None
+
     def _forward_selecting(self, input):
         """forward once use_custom_ops(True): the ops path for CPU inputs. It has run on CPU
         only (no GPU was lent to #35's sessions): code that never ran on a GPU is not the
@@ -262,13 +274,9 @@ class SyncBatchNorm(_BatchNorm):
         """forward on torch >= 2.4: traceable by dynamo (torch.compile(fullgraph=True),
         torch.export); a synchronized training forward is the custom op hsbn::sync_batch_norm
         (_custom_op.py), whose run does the Python-side bookkeeping of _forward_function."""
-        if isinstance(input, torch.fx.Proxy):
-            tracer = input.tracer
-            return tracer.create_proxy("call_module", tracer.path_of_module(self), (input,), {})
-        self._check_input_dim(input)
-        if input.shape[1] != self.num_features:
-            raise ValueError("expected input with %d channels, got shape %s"
-                             % (self.num_features, list(input.shape)))
+        leaf = self._fx_leaf_or_check(input)
+        if leaf is not None:
+            return leaf
         sync = self.training and self.scope != "local"
         compiling = torch.compiler.is_compiling()
         if sync and self.scope in ("renorm", "lagged"):
@@ -320,14 +328,9 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input):
         """The default forward, on every torch: SyncBatchNormFunction, opaque to dynamo (also
         SyncBatchNorm._forward_function, which the ops path calls for what it does not take)."""
-        if isinstance(input, torch.fx.Proxy):
-            # A leaf for torch.fx: one call_module node, whatever the tracer.
-            tracer = input.tracer
-            return tracer.create_proxy("call_module", tracer.path_of_module(self), (input,), {})
-        self._check_input_dim(input)
-        if input.shape[1] != self.num_features:
-            raise ValueError("expected input with %d channels, got shape %s"
-                             % (self.num_features, list(input.shape)))
+        leaf = self._fx_leaf_or_check(input)
+        if leaf is not None:
+            return leaf
         self._input_dim = input.dim()
         sync = self.training and self.scope != "local"
         if sync and capturing(input):
