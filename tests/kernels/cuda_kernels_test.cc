@@ -19,6 +19,7 @@ namespace {
 using testing::Buffer;
 using testing::Describe;
 using testing::Epsilon;
+using testing::SubnormalSpacing;
 using testing::MakeInput;
 using testing::RandomInput;
 
@@ -190,7 +191,8 @@ TEST_P(CudaKernelsTest, MatchesCpuAndIsBitwiseReproducible) {
         const double invstd = 1.0 / std::sqrt(m2[c] / count + eps);
         const double terms = (std::fabs(x.Get(n, c, s)) + std::fabs(mean[c])) * invstd * weight[c] + 1;
         ASSERT_NEAR(gy.Get(n, c, s), y.Get(n, c, s),
-                    2 * Epsilon(p.dtype) * std::fabs(y.Get(n, c, s)) + 8 * u * terms)
+                    2 * Epsilon(p.dtype) * std::fabs(y.Get(n, c, s)) + 8 * u * terms +
+                        SubnormalSpacing(p.dtype))
             << Describe(host) << " normalize at n=" << n << " c=" << c << " s=" << s;
       }
 
@@ -240,7 +242,8 @@ TEST_P(CudaKernelsTest, MatchesCpuAndIsBitwiseReproducible) {
                                   std::fabs(sum_dy_xmu[c]) / count) *
                              invstd * weight[c];
         ASSERT_NEAR(gdx.Get(n, c, s), dx.Get(n, c, s),
-                    2 * Epsilon(p.dtype) * std::fabs(dx.Get(n, c, s)) + 8 * u * terms)
+                    2 * Epsilon(p.dtype) * std::fabs(dx.Get(n, c, s)) + 8 * u * terms +
+                        SubnormalSpacing(p.dtype))
             << Describe(host) << " dx at n=" << n << " c=" << c << " s=" << s;
       }
 }

@@ -84,6 +84,17 @@ inline double Epsilon(DType d) {
   }
 }
 
+// The spacing of the dtype's subnormals (its smallest positive value): two roundings of one
+// value to the dtype can differ by this much however small the value.
+inline double SubnormalSpacing(DType d) {
+  switch (d) {
+    case DType::kF16: return std::ldexp(1.0, -24);
+    case DType::kBF16: return std::ldexp(1.0, -133);
+    case DType::kF32: return std::ldexp(1.0, -149);
+    default: return std::ldexp(1.0, -1074);
+  }
+}
+
 inline std::string Describe(const BnInput& in) {
   static const char* names[] = {"f16", "bf16", "f32", "f64"};
   return std::string(names[static_cast<int>(in.dtype)]) +

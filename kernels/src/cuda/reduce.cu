@@ -222,6 +222,16 @@ __global__ void __launch_bounds__(kThreads)
   if (blockIdx.x == 0 && threadIdx.x == 0) counts[j] = n;
 }
 
+// The backward blocks centre x by the mean rounded to their accumulator's type (m_acc), so
+// they sum dy * (x - m_acc); sum_dy_xmu is that plus (m_acc - mean) * sum_dy, added in fp64.
+// Without it a mean far from zero (|mean| >> std) biases sum_dy_xmu by ulp(mean) * sum_dy.
+template <typename T>
+__device__ __forceinline__ double CenterCorrection(const BnStats& stats, int64_t c, double sum_dy) {
+  using Acc = typename AccOf<T>::type;
+  const double mean = LoadAsDouble(stats.mean, stats.dtype, c);
+  return (static_cast<double>(static_cast<Acc>(mean)) - mean) * sum_dy;
+}
+
 // One thread per channel: combines the splits' partials in order, in fp64.
 template <typename T, bool kBackward>
 __global__ void FinalizeKernel(const T* __restrict__ x, Layout layout, int64_t C, int64_t S,
@@ -238,6 +248,7 @@ __global__ void FinalizeKernel(const T* __restrict__ x, Layout layout, int64_t C
       a += static_cast<double>(pa[j * C + c]);
       b += static_cast<double>(pb[j * C + c]);
     }
+    b += CenterCorrection<T>(stats, c, a);
     out_a[c] = a;
     out_b[c] = b;
     if (grad_weight) StoreFromDouble(grad_weight, grad_dtype, c, b * ChannelInvstd(stats, c));
@@ -276,6 +287,7 @@ __global__ void __launch_bounds__(kThreads)
   BlockReduceRows<kBackward, double, 1>(n, a, b, 1);
   if (threadIdx.x != 0) return;
   if constexpr (kBackward) {
+    b[0] += CenterCorrection<T>(stats, c, a[0]);
     out_a[c] = a[0];
     out_b[c] = b[0];
     if (grad_weight) StoreFromDouble(grad_weight, grad_dtype, c, b[0] * ChannelInvstd(stats, c));
