@@ -140,9 +140,10 @@ const std::vector<Var>& Vars() {
                     "tree's)")),
       PythonOnly(Choice("HSBN_TORCH_CPU_OPS", "torch|kernels", "torch",
                         "Python: the arithmetic of synchronized layers on CPU tensors")),
-      PythonOnly(Choice("HSBN_TORCH_CUDA_OPS", "torch|kernels", "torch",
-                        "Python: the arithmetic of synchronized layers on CUDA tensors "
-                        "(kernels: hsbn's CUDA kernels, opt-in)")),
+      PythonOnly(Choice("HSBN_TORCH_CUDA_OPS", "torch|kernels", "",
+                        "Python: the arithmetic of synchronized layers on CUDA tensors (unset: "
+                        "hsbn's kernels on GPUs where they passed the GPU device check, compute "
+                        "capability 9.0; torch's ops on others; `python -m hsbn` says which)")),
   };
   return *vars;
 }

@@ -72,15 +72,56 @@ def test_momentum_none_running_statistics_match_batchnorm(channels_last):
     assert np.allclose(results[0]["running_var"], ref["running_var"], rtol=1e-12, atol=0)
 
 
-def test_cuda_ops_default_to_torch_and_kernels_are_opt_in(monkeypatch):
+def test_cuda_ops_default_to_torch_without_a_gpu_and_can_be_chosen(monkeypatch):
     monkeypatch.delenv("HSBN_TORCH_CUDA_OPS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     which, why = hsbn.torch.cuda_ops()
-    assert which == "torch" and "device check" in why
+    assert which == "torch" and "no CUDA device visible" in why and "9.0" in why
     monkeypatch.setenv("HSBN_TORCH_CUDA_OPS", "kernels")
     assert hsbn.torch.cuda_ops() == ("kernels", "HSBN_TORCH_CUDA_OPS")
     monkeypatch.setenv("HSBN_TORCH_CUDA_OPS", "auto")
     with pytest.raises(ValueError, match="HSBN_TORCH_CUDA_OPS takes 'torch' or 'kernels'"):
         hsbn.torch.cuda_ops()
+
+
+class _FakeKernels:
+    def __init__(self, usable):
+        self.usable = usable
+
+    def hsbn_bn_cuda_available(self):
+        return int(self.usable)
+
+
+@pytest.mark.parametrize("capability,usable,expected", [
+    ((9, 0), True, "kernels"),   # where the GPU device check passed
+    ((8, 0), True, "torch"),     # compiled for, never run: not the default
+    ((9, 0), False, "torch"),    # a library without CUDA kernels
+])
+def test_cuda_default_is_hsbn_kernels_only_where_the_device_check_passed(
+        monkeypatch, capability, usable, expected):
+    # The decision alone, with the GPU faked (this machine has none): the kernels themselves
+    # are checked on a GPU by bench/kernels/run_gpu_checks.sh.
+    monkeypatch.delenv("HSBN_TORCH_CUDA_OPS", raising=False)
+    monkeypatch.setattr(_ops, "_cuda_defaults", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda i: asked.append(i) or capability)
+    monkeypatch.setattr(_ops._lib, "bn_kernels", lambda: _FakeKernels(usable))
+    which, why = hsbn.torch.cuda_ops()
+    assert which == expected, why
+    assert why.startswith("default: ")
+    if expected == "kernels":
+        assert "passed the GPU device check on compute capability 9.0" in why
+    elif usable:
+        assert "not on this GPU's 8.0" in why and "HSBN_TORCH_CUDA_OPS=kernels" in why
+    else:
+        assert "no usable CUDA kernels" in why
+    assert _ops.cuda_ops_choice(torch.device("cuda", 0)) == (which, why)
+    assert asked == [0]  # decided once per device
+    monkeypatch.setenv("HSBN_TORCH_CUDA_OPS", "torch")
+    assert hsbn.torch.cuda_ops() == ("torch", "HSBN_TORCH_CUDA_OPS")
 
 
 def test_a_module_can_choose_its_cuda_ops():
@@ -94,5 +135,6 @@ def test_a_module_can_choose_its_cuda_ops():
 def test_python_m_hsbn_says_which_cuda_ops_are_used_and_why():
     out = subprocess.run([sys.executable, "-m", "hsbn"], capture_output=True, text=True,
                          env=dict(__import__("os").environ, HSBN_TORCH_CUDA_OPS=""))
+    # No GPU here: torch's ops, and the reason names where hsbn's kernels are the default.
     assert "CUDA BN ops      torch" in out.stdout, out.stdout + out.stderr
-    assert "device check" in out.stdout
+    assert "device check" in out.stdout and "compute capability 9.0" in out.stdout

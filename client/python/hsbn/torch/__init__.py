@@ -29,8 +29,9 @@ from . import _ops
 
 def set_cuda_ops(which, module=None):
     """Which arithmetic synchronized layers use on CUDA tensors: "torch" (PyTorch's own
-    SyncBatchNorm kernels, the default) or "kernels" (hsbn's CUDA kernels, opt-in until they
-    have passed the GPU device check). With `module`, sets it for every hsbn SyncBatchNorm in
+    SyncBatchNorm kernels) or "kernels" (hsbn's CUDA kernels). Unset, each GPU gets hsbn's
+    kernels where they passed the GPU device check (compute capability 9.0) and torch's
+    elsewhere (docs/KERNELS.md). With `module`, sets it for every hsbn SyncBatchNorm in
     `module` (None there returns them to the process's choice); without, for the process
     (None returns to HSBN_TORCH_CUDA_OPS, or the default)."""
     if module is None:
@@ -44,7 +45,8 @@ def set_cuda_ops(which, module=None):
 
 
 def cuda_ops():
-    """("torch" or "kernels", why) for CUDA tensors of layers without their own choice."""
+    """("torch" or "kernels", why) for CUDA tensors on the current device of layers without
+    their own choice."""
     return _ops.cuda_ops_choice()
 
 

@@ -17,14 +17,16 @@ Backends:
   CpuOps     CPU tensors: plain torch ops in the input's dtype (float32 for float16/bfloat16),
              statistics and per-channel coefficients in float64 (float32 input: per-plane sums
              in float32, combined in float64), as torch's CPU BatchNorm does.
-  CudaOps    CUDA tensors, the default: torch's own SyncBatchNorm kernels
+  CudaOps    CUDA tensors on GPUs where hsbn's kernels have not passed the GPU device check
+             (CHECKED_CAPABILITIES): torch's own SyncBatchNorm kernels
              (torch.batch_norm_stats / _elemt / _backward_reduce / _backward_elemt) on the
              current stream, statistics in float32 (float64 for float64 input).
   KernelOps  hsbn's own kernels (kernels/include/hsbn/bn_kernels_c.h, exported by libhsbn.so
-             when built in), float64 statistics, on the current stream. Opt-in for CUDA
-             tensors (HSBN_TORCH_CUDA_OPS=kernels, set_cuda_ops("kernels"), or per layer with
-             hsbn.torch.set_cuda_ops(..., module=m)) until they have passed the GPU device
-             check (bench/kernels/run_gpu_checks.sh); HSBN_TORCH_CPU_OPS=kernels for CPU ones.
+             when built in), float64 statistics, on the current stream. The default for CUDA
+             tensors on the GPUs where they passed the device check
+             (bench/kernels/run_gpu_checks.sh); HSBN_TORCH_CUDA_OPS, set_cuda_ops or
+             hsbn.torch.set_cuda_ops(..., module=m) choose either op set anywhere;
+             HSBN_TORCH_CPU_OPS=kernels for CPU tensors.
 Outputs keep the input's dtype and memory format (channels-last stays channels-last). No
 backend reads a device value on the host.
 """
@@ -400,10 +402,51 @@ _KERNELS_CPU = KernelOps(_lib.BN_CPU)
 _KERNELS_CUDA = KernelOps(_lib.BN_CUDA)
 
 CHOICES = ("torch", "kernels")
-# Why torch's ops are the CUDA default; `python -m hsbn` and docs/KERNELS.md say the same.
-CUDA_DEFAULT_REASON = ("hsbn's CUDA kernels have not yet passed the GPU device check "
-                       "(bench/kernels/run_gpu_checks.sh); HSBN_TORCH_CUDA_OPS=kernels "
-                       "selects them")
+# The GPUs (compute capability) on which hsbn's CUDA kernels passed the GPU device check
+# (bench/kernels/run_gpu_checks.sh, results in bench/kernels/measured/): they are the CUDA
+# default there. On any other GPU their code has not run, so torch's ops stay the default.
+CHECKED_CAPABILITIES = {(9, 0): "NVIDIA H200, 2026-12-04, bench/kernels/measured/h200-2026-12-04"}
+_cuda_defaults = {}  # device index -> (choice, why)
+
+
+def _checked_list():
+    return ", ".join("%d.%d (%s)" % (cap + (what.split(",")[0],))
+                     for cap, what in sorted(CHECKED_CAPABILITIES.items()))
+
+
+def cuda_default(device=None):
+    """("torch" or "kernels", why): the default op set for CUDA tensors on `device` (a
+    torch.device, an index, or None for the current one)."""
+    if not torch.cuda.is_available():
+        return "torch", ("default: no CUDA device visible (hsbn's CUDA kernels are the default on "
+                         "GPUs where they passed the GPU device check: compute capability %s)"
+                         % _checked_list())
+    if isinstance(device, int):
+        index = device
+    elif device is None or device.index is None:
+        index = torch.cuda.current_device()
+    else:
+        index = device.index
+    if index in _cuda_defaults:
+        return _cuda_defaults[index]
+    cap = tuple(torch.cuda.get_device_capability(index))
+    k = _lib.bn_kernels()
+    if k is None or not k.hsbn_bn_cuda_available():
+        choice = ("torch", "default: %s has no usable CUDA kernels (built without CUDA)"
+                  % _lib.library_path())
+    elif cap in CHECKED_CAPABILITIES:
+        choice = ("kernels", "default: hsbn's CUDA kernels passed the GPU device check on compute "
+                  "capability %d.%d (%s); HSBN_TORCH_CUDA_OPS=torch selects PyTorch's"
+                  % (cap + (CHECKED_CAPABILITIES[cap],)))
+    else:
+        choice = ("torch", "default: hsbn's CUDA kernels have passed the GPU device check only on "
+                  "compute capability %s, not on this GPU's %d.%d "
+                  "(bench/kernels/run_gpu_checks.sh); HSBN_TORCH_CUDA_OPS=kernels selects them"
+                  % ((_checked_list(),) + cap))
+    _cuda_defaults[index] = choice
+    return choice
+
+
 _cpu_choice = None   # None: HSBN_TORCH_CPU_OPS, read at use
 _cuda_choice = None  # None: HSBN_TORCH_CUDA_OPS, read at use
 
@@ -431,14 +474,14 @@ def cpu_ops_choice():
     return "torch", "default"
 
 
-def cuda_ops_choice():
-    """("torch" or "kernels", where it came from) for CUDA tensors of layers without their
-    own choice."""
+def cuda_ops_choice(device=None):
+    """("torch" or "kernels", where it came from) for CUDA tensors on `device` (None: the
+    current one) of layers without their own choice."""
     if _cuda_choice is not None:
         return _cuda_choice, "set_cuda_ops"
     if _env.is_set("HSBN_TORCH_CUDA_OPS"):
         return _env_choice("HSBN_TORCH_CUDA_OPS"), "HSBN_TORCH_CUDA_OPS"
-    return "torch", "default: " + CUDA_DEFAULT_REASON
+    return cuda_default(device)
 
 
 def set_cpu_ops(which):
@@ -450,7 +493,7 @@ def set_cpu_ops(which):
 
 def set_cuda_ops(which):
     """Selects the CUDA backend of this process's layers that have no choice of their own:
-    "torch" (the default) or "kernels"; None returns to HSBN_TORCH_CUDA_OPS (or the default)."""
+    "torch" or "kernels"; None returns to HSBN_TORCH_CUDA_OPS (or the default, cuda_default)."""
     global _cuda_choice
     _cuda_choice = None if which is None else _check_choice(which, "set_cuda_ops")
 
@@ -466,7 +509,7 @@ def ops_for(x, cuda_ops=None):
             return _KERNELS_CPU
         return _CPU
     if x.device.type == "cuda":
-        which = cuda_ops_choice()[0] if cuda_ops is None else cuda_ops
+        which = cuda_ops_choice(x.device)[0] if cuda_ops is None else cuda_ops
         if which == "kernels":
             k = _lib.bn_kernels()
             if k is None or not k.hsbn_bn_cuda_available():
