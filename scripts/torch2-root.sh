@@ -52,8 +52,9 @@ START=$SECONDS
 # pytest, setuptools (torch.compile's inductor imports it), venv (the wheel is installed into
 # one), gcc for `cc` (test_docs compiles the C example) and g++ (inductor compiles C++),
 # Fashion-MNIST (tests/compare), procps (ps, pgrep: process checks), matplotlib (hsbn doctor
-# --plot, the compare harness's plot).
-PKGS=(dataset-fashion-mnist g++ gcc procps python3-matplotlib python3-numpy python3-pytest
+# --plot, the compare harness's plot), libtorch-dev (torch's C++ headers: inductor compiles
+# CPU kernels against them; without them test_compile falls back to aot_eager).
+PKGS=(dataset-fashion-mnist g++ gcc libtorch-dev procps python3-matplotlib python3-numpy python3-pytest
       python3-setuptools python3-torch python3-torchvision python3-venv)
 
 say() { printf '[torch2 +%3ds] %s\n' "$((SECONDS - START))" "$*"; }

@@ -71,7 +71,51 @@ def _counts():
             "break_reasons": [str(k)[:300] for k in counters["graph_break"]]}
 
 
-def compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05):
+def _inductor_patch(settings):
+    """A context applying inductor config `settings` (a dict; None or {}: none)."""
+    import contextlib
+    if not settings:
+        return contextlib.nullcontext()
+    import torch._inductor.config
+    return torch._inductor.config.patch(settings)
+
+
+def torch_model_drift(backend, settings, steps):
+    """How far torch's own compilation strays here, without hsbn: the Sequential with
+    torch.nn.BatchNorm2d (kind "torch_bn") trained on `steps` eagerly and compiled (no
+    optimizer step between them, so both see the same weights); returns (the largest
+    |compiled - eager| over outputs and gradients, relative to the largest eager value,
+    ignoring NaN; whether a NaN was seen)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    with _inductor_patch(settings):
+        eager, model = build("torch_bn", "local"), build("torch_bn", "local")
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        drift, nan = 0.0, False
+        for x_np, g_np in steps:
+            res = {}
+            for name, m, fn in (("eager", eager, eager), ("compiled", model, compiled)):
+                for p in m.parameters():
+                    p.grad = None
+                y = fn(torch.from_numpy(x_np))
+                (y * torch.from_numpy(g_np)).sum().backward()
+                res[name] = [_np(y)] + [_np(p.grad) for p in m.parameters()]
+            for a, b in zip(res["eager"], res["compiled"]):
+                nan = nan or bool(np.isnan(a).any() or np.isnan(b).any())
+                d = np.abs(a - b)
+                if np.isfinite(d).any():
+                    scale = max(1.0, float(np.nanmax(np.abs(a))))
+                    drift = max(drift, float(np.nanmax(d)) / scale)
+    torch._dynamo.reset()
+    return drift, nan
+
+
+def compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05, settings=None):
+    with _inductor_patch(settings):
+        return _compiled_vs_eager(kind, scope, steps, backend, eval_input, lr)
+
+
+def _compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05):
     """Builds `kind` twice (same initial weights): one run eagerly, one through
     torch.compile(fullgraph=True, backend=a counting `backend`). For each (x, g) of `steps`
     runs a training step on both (forward, backward of sum(out * g), SGD with lr), recording
@@ -118,9 +162,14 @@ def compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05):
     return out
 
 
-def batch_sizes(kind, scope, sizes, backend):
+def batch_sizes(kind, scope, sizes, backend, settings=None):
     """Training steps of the compiled `kind` with batches of `sizes` (dynamic=None); the frame
     count after each and the recompile reasons."""
+    with _inductor_patch(settings):
+        return _batch_sizes(kind, scope, sizes, backend)
+
+
+def _batch_sizes(kind, scope, sizes, backend):
     import torch._dynamo
     import torch._dynamo.testing
     torch._dynamo.reset()

@@ -55,6 +55,36 @@ def backend():
         "inductor" if inductor_error() is None else "aot_eager")
 
 
+# Inductor settings tried, in order, until torch's own model compiles equal to eager here.
+# Debian 13's torch 2.6 on an AVX-512 CPU: with inductor's convolution layout optimization
+# (channels-last) the first convolution's weight gradient of torch's own Sequential of
+# Conv2d/BatchNorm2d is 0.14 off eager's; without it, 2e-7.
+INDUCTOR_SETTINGS = ({}, {"layout_optimization": False})
+
+
+@functools.lru_cache(maxsize=None)
+def compile_settings():
+    """(settings, why): the inductor settings under which torch's own model (no hsbn) compiled
+    equals eager here, which the hsbn cases then compile with; settings None when none does
+    (then comparing hsbn's compiled and eager runs would test torch, not hsbn)."""
+    if backend() != "inductor":
+        return {}, "backend %s" % backend()
+    tried = []
+    for settings in INDUCTOR_SETTINGS:
+        drift, nan = compile_cases.torch_model_drift("inductor", settings, _steps(0, 2))
+        tried.append("%s: %.3g%s" % (settings or "defaults", drift, " (NaN seen)" if nan else ""))
+        if drift <= TOL:
+            return settings, "torch's own model compiled vs eager: " + "; ".join(tried)
+    return None, "torch's own model compiled vs eager differs here: " + "; ".join(tried)
+
+
+def _settings():
+    settings, why = compile_settings()
+    if settings is None:
+        pytest.xfail("inductor of this torch is wrong here without hsbn (%s)" % why)
+    return settings
+
+
 @pytest.fixture(scope="module", autouse=True)
 def custom_ops():
     """The ops path is opt-in (hsbn.torch.use_custom_ops): on for this module's tests in this
@@ -87,9 +117,10 @@ def _steps(rank, n, batch=4, hw=8, seed=0, eval_at=None):
 def _run(pool, kind, scope, n=6, eval_at=3, hw=8, timeout=900):
     rng = np.random.default_rng(9)
     eval_input = rng.standard_normal((3, 3, hw, hw)).astype(np.float32)
+    settings = _settings()
     return pool.call(compile_cases.compiled_vs_eager,
-                     [(kind, scope, _steps(r, n, hw=hw, eval_at=eval_at), backend(), eval_input)
-                      for r in range(RANKS)], timeout=timeout)
+                     [(kind, scope, _steps(r, n, hw=hw, eval_at=eval_at), backend(), eval_input,
+                       0.05, settings) for r in range(RANKS)], timeout=timeout)
 
 
 def _close(a, b, what):
@@ -170,7 +201,8 @@ def test_changing_batch_size(pool):
     # dynamo=None: the first new size recompiles with a dynamic batch dimension (automatic
     # dynamic shapes), later sizes reuse that graph.
     results = pool.call(compile_cases.batch_sizes,
-                        [("sequential", "global", [4, 6, 8, 5, 7], backend())] * RANKS,
+                        [("sequential", "global", [4, 6, 8, 5, 7], backend(), _settings())]
+                        * RANKS,
                         timeout=900)
     assert [r["frames"] for r in results] == [[1, 2, 2, 2, 2]] * RANKS
 
@@ -203,8 +235,18 @@ def test_fake_implementation_never_touches_the_aggregator():
         fake = mode.from_tensor(torch.randn(2, 4, 3, 3))
         y, mean, invstd, rm, rv, meta, order = torch.ops.hsbn.sync_batch_norm(
             fake, None, None, None, None, None, torch.zeros(1, dtype=torch.int64),
-            layer._hsbn_key, "global", True, 0.1, 1e-5)
+            layer._hsbn_key, "global", True, 0.1, 1e-5, 0)
+        # The output's strides follow the layout argument, not the input's (_custom_op.py).
+        y_cl = torch.ops.hsbn.sync_batch_norm(
+            fake, None, None, None, None, None, torch.zeros(1, dtype=torch.int64),
+            layer._hsbn_key, "global", True, 0.1, 1e-5, 1)[0]
+        gx = torch.ops.hsbn.sync_batch_norm_backward(
+            fake, fake.contiguous(memory_format=torch.channels_last), None, mean, invstd, meta,
+            layer._hsbn_key, "global", True, False, False, 0)[0]
     assert y.shape == (2, 4, 3, 3) and mean.shape == (4,) and meta.shape == (3,)
+    assert y.is_contiguous() and not y_cl.is_contiguous()
+    assert y_cl.is_contiguous(memory_format=torch.channels_last)
+    assert gx.is_contiguous() and gx.shape == (2, 4, 3, 3)
     assert layer._seq == 0 and layer.samples_seen == 0
 
 
@@ -212,3 +254,7 @@ def test_inductor():
     if backend() != "inductor":
         pytest.skip("inductor cannot compile C++ here (%s); the other tests used %s"
                     % (inductor_error(), backend()))
+    settings, why = compile_settings()
+    # Which settings the hsbn cases compiled with, and why (pytest -rA shows it).
+    print("inductor settings %s (%s)" % (settings, why))
+    assert settings is not None, why

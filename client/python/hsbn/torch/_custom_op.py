@@ -9,7 +9,8 @@ The ops (namespace "hsbn"):
 
   hsbn::sync_batch_norm(Tensor x, Tensor? weight, Tensor? bias, Tensor? running_mean,
                         Tensor? running_var, Tensor? num_batches_tracked, Tensor order,
-                        int key, str scope, bool training, float? momentum, float eps)
+                        int key, str scope, bool training, float? momentum, float eps,
+                        int layout)
       -> (Tensor y, Tensor mean, Tensor invstd, Tensor new_running_mean,
           Tensor new_running_var, Tensor meta, Tensor order_out)
 
@@ -22,7 +23,9 @@ The ops (namespace "hsbn"):
     signature "renorm" and "lagged" once their math is an op; "local" never needs it).
     training: True (a training forward: one forward round). False is reserved for a scope
     that exchanges in eval mode (none today) and refused.
-    y: the normalized output, with x's dtype and strides. mean, invstd: (C,) statistics the
+    layout: the memory format of y (and of the backward's grad_x): 0 contiguous, 1 channels_last,
+    2 channels_last_3d, taken from x by the caller (layout_code) when the graph is traced.
+    y: the normalized output, with x's dtype, dense in `layout`. mean, invstd: (C,) statistics the
     output was normalized with, in the op set's statistics dtype (_ops.py) on x's device: what
     backward needs. new_running_mean/var: the running statistics after this call's update (the
     caller copies them into its buffers; (0,) without running statistics). meta: (3,) int64 on
@@ -31,11 +34,12 @@ The ops (namespace "hsbn"):
 
   hsbn::sync_batch_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor mean,
                                  Tensor invstd, Tensor meta, int key, str scope,
-                                 bool need_x, bool need_w, bool need_b)
+                                 bool need_x, bool need_w, bool need_b, int layout)
       -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)
 
     The backward round (only when need_x: every rank has the same requires_grad pattern) and
-    the gradients; an unneeded gradient is a (0,) tensor. It is the backward of
+    the gradients; an unneeded gradient is a (0,) tensor; grad_x dense in `layout` (the
+    forward's). It is the backward of
     sync_batch_norm's registered autograd formula (register_autograd), not differentiable
     itself (as SyncBatchNormFunction's once_differentiable backward).
 
@@ -64,6 +68,11 @@ Why these forms:
     rank compiles alike.
   - The fake implementations only make tensors of the right shapes, dtypes and strides: they
     never touch the aggregator or the layer.
+  - Output strides come from the `layout` argument, never from the tensors the op is given:
+    inductor may hand the real op an input with other strides than the traced one (seen under
+    torch 2.6: with its convolution layout optimization the backward got the saved x
+    channels-last where the trace had it contiguous), and an output that followed them could
+    differ from the layout the fake promised, which the compiled code reads.
 """
 
 import itertools
@@ -112,13 +121,28 @@ def _stat_dtype(x, layer):
     return ops_for(x, getattr(layer, "cuda_ops", None)).stat_dtype(x)
 
 
-def _same_layout(x, t):
-    """t with exactly x's strides, as the fake implementation promises (empty_like(x))."""
-    if t.stride() == x.stride() and t.dtype == x.dtype:
-        return t
-    out = torch.empty_like(x)
-    out.copy_(t)
-    return out
+_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
+def layout_code(x):
+    """x's memory format as the ops' `layout` argument: 1 channels_last, 2 channels_last_3d
+    (when x is dense in it and not plain contiguous), else 0 (contiguous)."""
+    if x.is_contiguous():
+        return 0
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return 1
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return 2
+    return 0
+
+
+def _in_layout(t, layout):
+    """t dense in memory format `layout`, as the fake implementation promises."""
+    return t.contiguous(memory_format=_FORMATS[layout])
+
+
+def _fake_like(x, layout):
+    return torch.empty_like(x, memory_format=_FORMATS[layout])
 
 
 if ENABLED:
@@ -130,10 +154,10 @@ if ENABLED:
         "hsbn::sync_batch_norm", mutates_args=(),
         schema="(Tensor x, Tensor? weight, Tensor? bias, Tensor? running_mean, "
                "Tensor? running_var, Tensor? num_batches_tracked, Tensor order, int key, "
-               "str scope, bool training, float? momentum, float eps) -> "
+               "str scope, bool training, float? momentum, float eps, int layout) -> "
                "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
     def sync_batch_norm(x, weight, bias, running_mean, running_var, num_batches_tracked, order,
-                        key, scope, training, momentum, eps):
+                        key, scope, training, momentum, eps, layout):
         layer = layer_for(key)
         if not training:
             raise ValueError("hsbn::sync_batch_norm: training=False is not implemented")
@@ -168,7 +192,7 @@ if ENABLED:
             _update_running(new_var, rows[3], factor)
         else:
             new_mean = new_var = _empty(x.device)
-        y = _same_layout(x, ops.normalize(x, mean, invstd, weight, bias, eps))
+        y = _in_layout(ops.normalize(x, mean, invstd, weight, bias, eps), layout)
         if scope == "auto":
             layer._after_auto_round(client)
         meta = torch.tensor([seq, count, total], dtype=torch.int64)
@@ -177,7 +201,7 @@ if ENABLED:
 
     @sync_batch_norm.register_fake
     def _(x, weight, bias, running_mean, running_var, num_batches_tracked, order, key, scope,
-          training, momentum, eps):
+          training, momentum, eps, layout):
         c = x.shape[1]
         sd = _stat_dtype(x, _registry.get(key))
         mean = x.new_empty((c,), dtype=sd)
@@ -187,16 +211,16 @@ if ENABLED:
         else:
             new_mean, new_var = _empty(x.device), _empty(x.device)
         meta = torch.empty(3, dtype=torch.int64, device="cpu")
-        return (torch.empty_like(x), mean, invstd, new_mean, new_var, meta,
+        return (_fake_like(x, layout), mean, invstd, new_mean, new_var, meta,
                 torch.empty_like(order))
 
     @torch.library.custom_op(
         "hsbn::sync_batch_norm_backward", mutates_args=(),
         schema="(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor invstd, Tensor meta, "
-               "int key, str scope, bool need_x, bool need_w, bool need_b) -> "
+               "int key, str scope, bool need_x, bool need_w, bool need_b, int layout) -> "
                "(Tensor, Tensor, Tensor)")
     def sync_batch_norm_backward(dy, x, weight, mean, invstd, meta, key, scope, need_x,
-                                 need_w, need_b):
+                                 need_w, need_b, layout):
         layer = layer_for(key)
         seq, count, total = (int(v) for v in meta.tolist())
         ops = ops_for(x, getattr(layer, "cuda_ops", None))
@@ -208,8 +232,8 @@ if ENABLED:
             npd = _NUMPY_DTYPES[ops.stat_dtype(x)]
             _, sums = exchange(client.backward, layer.op, seq, scope, count, packed,
                                lambda total, a, b: [a.astype(npd), b.astype(npd)])
-            grad_x = _same_layout(x, ops.backward_elemt(dy, x, (mean, invstd), weight, sums,
-                                                        total))
+            grad_x = _in_layout(ops.backward_elemt(dy, x, (mean, invstd), weight, sums, total),
+                                layout)
         pdt = weight.dtype if weight is not None else dy.dtype
 
         def param_grad(g, need):
@@ -219,9 +243,9 @@ if ENABLED:
         return grad_x, param_grad(grad_w, need_w), param_grad(grad_b, need_b)
 
     @sync_batch_norm_backward.register_fake
-    def _(dy, x, weight, mean, invstd, meta, key, scope, need_x, need_w, need_b):
+    def _(dy, x, weight, mean, invstd, meta, key, scope, need_x, need_w, need_b, layout):
         pdt = weight.dtype if weight is not None else dy.dtype
-        gx = torch.empty_like(x) if need_x else _empty(x.device, x.dtype)
+        gx = _fake_like(x, layout) if need_x else _empty(x.device, x.dtype)
         gw = (torch.empty_like(weight, dtype=pdt, memory_format=torch.contiguous_format)
               if need_w and weight is not None else _empty(x.device, pdt))
         gb = (torch.empty_like(weight, dtype=pdt, memory_format=torch.contiguous_format)
@@ -232,7 +256,7 @@ if ENABLED:
         x, weight, bias = inputs[0], inputs[1], inputs[2]
         _, mean, invstd, _, _, meta, _ = output
         ctx.save_for_backward(x, weight, mean, invstd, meta)
-        ctx.key, ctx.scope = inputs[7], inputs[8]
+        ctx.key, ctx.scope, ctx.layout = inputs[7], inputs[8], inputs[12]
         ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
 
     def _backward(ctx, dy, *unused):
@@ -241,11 +265,12 @@ if ENABLED:
         need_w = bool(need_w and ctx.has_weight)
         need_b = bool(need_b and ctx.has_bias)
         if not (need_x or need_w or need_b):
-            return (None,) * 12
+            return (None,) * 13
         gx, gw, gb = torch.ops.hsbn.sync_batch_norm_backward(
-            dy, x, weight, mean, invstd, meta, ctx.key, ctx.scope, bool(need_x), need_w, need_b)
+            dy, x, weight, mean, invstd, meta, ctx.key, ctx.scope, bool(need_x), need_w, need_b,
+            ctx.layout)
         return ((gx if need_x else None), (gw if need_w else None),
-                (gb if need_b else None)) + (None,) * 9
+                (gb if need_b else None)) + (None,) * 10
 
     sync_batch_norm.register_autograd(_backward, setup_context=_setup_context)
 
@@ -270,7 +295,7 @@ def layer_forward(layer, x):
     y, _, _, new_mean, new_var, _, order = torch.ops.hsbn.sync_batch_norm(
         x, layer.weight, layer.bias, layer.running_mean if track else None,
         layer.running_var if track else None, nbt, ORDER, layer._hsbn_key, layer.scope, True,
-        layer.momentum, float(layer.eps))
+        layer.momentum, float(layer.eps), layout_code(x))
     with torch.no_grad():
         if track:
             layer.running_mean.copy_(new_mean)
