@@ -36,6 +36,10 @@
 #   HSBN_TORCH2_MIRROR=URL    the Debian mirror (default http://deb.debian.org/debian)
 #   HSBN_TORCH2_REBUILD=1     make the root again
 #   HSBN_PYTEST_ARGS="..."    extra pytest arguments (e.g. "-k global -x"), as scripts/test.sh
+#   HSBN_TORCH2_RUN="CMD"     run CMD (bash, in the repository, same environment) instead of the
+#                             suite, e.g. "python bench/compile/resnet_step.py --json out.json"
+#   HSBN_TORCH2_TEST_TIMEOUT  seconds one test may take before pytest-timeout fails it (default
+#                             900: a hang becomes a named failure, not a stalled run)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 REPO="$PWD"
@@ -53,9 +57,11 @@ START=$SECONDS
 # one), gcc for `cc` (test_docs compiles the C example) and g++ (inductor compiles C++),
 # Fashion-MNIST (tests/compare), procps (ps, pgrep: process checks), matplotlib (hsbn doctor
 # --plot, the compare harness's plot), libtorch-dev (torch's C++ headers: inductor compiles
-# CPU kernels against them; without them test_compile falls back to aot_eager).
-PKGS=(dataset-fashion-mnist g++ gcc libtorch-dev procps python3-matplotlib python3-numpy python3-pytest
-      python3-setuptools python3-torch python3-torchvision python3-venv)
+# CPU kernels against them; without them test_compile falls back to aot_eager),
+# pytest-timeout (a hung test fails by name).
+PKGS=(dataset-fashion-mnist g++ gcc libtorch-dev procps python3-matplotlib python3-numpy
+      python3-pytest python3-pytest-timeout python3-setuptools python3-torch python3-torchvision
+      python3-venv)
 
 say() { printf '[torch2 +%3ds] %s\n' "$((SECONDS - START))" "$*"; }
 skip() { echo "torch2: SKIPPED: $*"; exit 77; }
@@ -80,6 +86,7 @@ if [ "${1:-}" = __ns ]; then
   # shellcheck disable=SC2016  # (expanded inside the root)
   exec chroot "$ROOT" /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 \
     USE_LIBUV=0 PYTHONDONTWRITEBYTECODE=1 HSBN_PYTEST_ARGS="${HSBN_PYTEST_ARGS:-}" \
+    HSBN_TORCH2_RUN="${HSBN_TORCH2_RUN:-}" TEST_TIMEOUT="${HSBN_TORCH2_TEST_TIMEOUT:-900}" \
     WHEEL="/tmp/$(basename "$WHEEL")" ELAPSED="$((SECONDS - START))" /bin/bash -c '
     say() { printf "[torch2 +%3ds] %s\n" "$((SECONDS + ELAPSED))" "$*"; }
     python3 -m venv --system-site-packages /tmp/venv || exit 1
@@ -110,11 +117,16 @@ PY
       say "this CPU meets the oneDNN AVX-512 float32 convolution fault of this torch: ONEDNN_MAX_CPU_ISA=AVX2"
     fi
     cd /hsbn || exit 1
+    if [ -n "$HSBN_TORCH2_RUN" ]; then
+      say "running: $HSBN_TORCH2_RUN"
+      exec /bin/bash -c "$HSBN_TORCH2_RUN"
+    fi
     suites=()
     for d in tests/python tests/compare; do [ -d "$d" ] && suites+=("$d"); done
     say "pytest ${suites[*]}"
     # shellcheck disable=SC2086
-    python -m pytest "${suites[@]}" -q -p no:cacheprovider $HSBN_PYTEST_ARGS
+    python -m pytest "${suites[@]}" -q -p no:cacheprovider --timeout="$TEST_TIMEOUT" \
+      $HSBN_PYTEST_ARGS
   '
 fi
 
@@ -215,6 +227,10 @@ say "wheel $(basename "$WHEEL") from $BUILD/dist"
 unshare --mount --propagation private "$BASH" "$SELF" __ns "$WHEEL" "$WORK/hosts" \
   "$((SECONDS - START))"
 status=$?
+if [ -n "${HSBN_TORCH2_RUN:-}" ]; then
+  say "torch2: the command exited with status $status"
+  exit "$status"
+fi
 if [ "$status" -eq 0 ]; then
   say "torch2: PASS (the Python suite under torch 2.x)"
   exit 0
