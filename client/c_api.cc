@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "env.h"
 #include "hsbn/client.h"
 #include "hsbn/hsbn.h"
@@ -50,8 +51,12 @@ hsbn_result CopyOut(const std::string& text, char* buf, size_t buf_len, size_t* 
   return HSBN_OK;
 }
 
-constexpr char kBadScope[] =
-    "scope must be HSBN_SCOPE_NODE, _GLOBAL, _SHADOW, _GROUP, _AUTO, _RENORM or _LAGGED";
+const std::string& BadScope() {
+  static const std::string* text = new std::string(absl::StrCat(
+      "scope must be an hsbn_scope, 1 to ", hsbn::wire::kScopeCount, " (",
+      hsbn::wire::ScopeNames(), ")"));
+  return *text;
+}
 
 hsbn_result Invalid(const char* what) {
   g_last_error = what;
@@ -59,14 +64,12 @@ hsbn_result Invalid(const char* what) {
 }
 
 bool ToScope(hsbn_scope scope, hsbn::Scope* out) {
-  if (scope != HSBN_SCOPE_NODE && scope != HSBN_SCOPE_GLOBAL && scope != HSBN_SCOPE_SHADOW &&
-      scope != HSBN_SCOPE_GROUP && scope != HSBN_SCOPE_AUTO && scope != HSBN_SCOPE_RENORM &&
-      scope != HSBN_SCOPE_LAGGED) {
-    return false;
-  }
+  if (hsbn::wire::ScopeByApi(int(scope)) == nullptr) return false;
   *out = static_cast<hsbn::Scope>(int(scope));
   return true;
 }
+static_assert(HSBN_SCOPE_NODE == 1 && HSBN_SCOPE_LAGGED == hsbn::wire::kScopeCount,
+              "hsbn_scope is kScopes' API values");
 
 }  // namespace
 
@@ -221,6 +224,22 @@ hsbn_result hsbn_env_markdown(char* buf, size_t buf_len, size_t* needed) {
   return CopyOut(hsbn::env::Markdown(), buf, buf_len, needed);
 }
 
+int hsbn_scope_count(void) { return hsbn::wire::kScopeCount; }
+
+const char* hsbn_scope_name(int scope) {
+  const hsbn::wire::ScopeEntry* e = hsbn::wire::ScopeByApi(scope);
+  return e == nullptr ? nullptr : e->name;
+}
+
+int hsbn_scope_flags(int scope) {
+  const hsbn::wire::ScopeEntry* e = hsbn::wire::ScopeByApi(scope);
+  if (e == nullptr) return -1;
+  return (e->cross_node ? HSBN_SCOPE_CROSS_NODE : 0) |
+         (e->round_stats ? HSBN_SCOPE_ROUND_STATS : 0) |
+         (e->scope != hsbn::v1::SCOPE_UNSPECIFIED ? HSBN_SCOPE_ON_WIRE : 0) |
+         (e->late ? HSBN_SCOPE_LATE : 0) | (e->late_backward ? HSBN_SCOPE_LATE_BACKWARD : 0);
+}
+
 const char* hsbn_env_name(int i) {
   const auto table = hsbn::env::Table();
   if (i < 0 || size_t(i) >= table.size()) return nullptr;
@@ -247,7 +266,7 @@ hsbn_result hsbn_forward(hsbn_client* client, uint32_t op, uint64_t seq, hsbn_sc
   g_last_error.clear();
   hsbn::Scope s;
   if (client == nullptr) return Invalid("null client");
-  if (!ToScope(scope, &s)) return Invalid(kBadScope);
+  if (!ToScope(scope, &s)) return Invalid(BadScope().c_str());
   return Done(client->client->Forward(op, seq, s, channels, count, mean, m2, out_count, out_mean,
                                       out_m2));
 }
@@ -328,7 +347,7 @@ hsbn_result hsbn_backward(hsbn_client* client, uint32_t op, uint64_t seq, hsbn_s
   g_last_error.clear();
   hsbn::Scope s;
   if (client == nullptr) return Invalid("null client");
-  if (!ToScope(scope, &s)) return Invalid(kBadScope);
+  if (!ToScope(scope, &s)) return Invalid(BadScope().c_str());
   return Done(client->client->Backward(op, seq, s, channels, count, sum_dy, sum_dy_xmu,
                                        out_count, out_sum_dy, out_sum_dy_xmu));
 }
@@ -339,7 +358,7 @@ hsbn_result hsbn_round_start(hsbn_client* client, hsbn_phase phase, uint32_t op,
   g_last_error.clear();
   hsbn::Scope s;
   if (client == nullptr || out == nullptr) return Invalid("null client or output pointer");
-  if (!ToScope(scope, &s)) return Invalid(kBadScope);
+  if (!ToScope(scope, &s)) return Invalid(BadScope().c_str());
   if (phase != HSBN_PHASE_FORWARD && phase != HSBN_PHASE_BACKWARD) {
     return Invalid("phase must be HSBN_PHASE_FORWARD or HSBN_PHASE_BACKWARD");
   }
@@ -506,7 +525,7 @@ hsbn_result hsbn_set_auto_decision(hsbn_client* client, uint32_t op, hsbn_scope 
   g_last_error.clear();
   if (client == nullptr) return Invalid("null client");
   hsbn::Scope s;
-  if (!ToScope(scope, &s)) return Invalid(kBadScope);
+  if (!ToScope(scope, &s)) return Invalid(BadScope().c_str());
   return Done(client->client->SetAutoDecision(op, s));
 }
 

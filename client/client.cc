@@ -31,19 +31,21 @@
 
 namespace hsbn {
 
+static_assert(int(Scope::kNode) == 1 && int(Scope::kLagged) == wire::kScopeCount,
+              "hsbn::Scope is wire::kScopes' API values");
+
 const char* ScopeName(Scope scope) {
-  if (scope == Scope::kAuto) return "auto";
-  return wire::ScopeName(v1::Scope(int(scope)));
+  const wire::ScopeEntry* e = wire::ScopeByApi(int(scope));
+  return e == nullptr ? "unknown-scope" : e->name;
 }
 
 absl::StatusOr<Scope> ParseScope(const std::string& name) {
-  if (name == "auto") return Scope::kAuto;
-  v1::Scope s = wire::ParseScope(name);
-  if (s == v1::SCOPE_UNSPECIFIED) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("scope '", name, "' is not one of node, global, shadow, group, auto, renorm, lagged"));
+  const wire::ScopeEntry* e = wire::ScopeByName(name);
+  if (e == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("scope '", wire::Printable(name),
+                                                   "' is not one of ", wire::ScopeNames()));
   }
-  return Scope(int(s));
+  return Scope(e->api);
 }
 
 absl::Status AutoPolicy::Validate() const {

@@ -113,7 +113,33 @@ const char* PhaseName(v1::Phase phase) {
   }
 }
 
+static_assert([] {
+  for (int i = 0; i < kScopeCount; ++i) {
+    if (kScopes[i].api != i + 1) return false;
+    if (kScopes[i].late_backward && !kScopes[i].late) return false;
+  }
+  return true;
+}(), "kScopes: rows in API order from 1; late_backward implies late");
+
+const ScopeEntry* ScopeByApi(int api) {
+  return api >= 1 && api <= kScopeCount ? &kScopes[api - 1] : nullptr;
+}
+
+const ScopeEntry* ScopeByName(absl::string_view name) {
+  for (const ScopeEntry& e : kScopes) {
+    if (name == e.name) return &e;
+  }
+  return nullptr;
+}
+
+std::string ScopeNames() {
+  std::string out;
+  for (const ScopeEntry& e : kScopes) absl::StrAppend(&out, out.empty() ? "" : ", ", e.name);
+  return out;
+}
+
 const char* ScopeName(v1::Scope scope, const char* unknown) {
+  if (scope == v1::SCOPE_UNSPECIFIED) return unknown;
   for (const ScopeEntry& e : kScopes) {
     if (e.scope == scope) return e.name;
   }
@@ -121,10 +147,8 @@ const char* ScopeName(v1::Scope scope, const char* unknown) {
 }
 
 v1::Scope ParseScope(const std::string& name) {
-  for (const ScopeEntry& e : kScopes) {
-    if (name == e.name) return e.scope;
-  }
-  return v1::SCOPE_UNSPECIFIED;
+  const ScopeEntry* e = ScopeByName(name);
+  return e == nullptr ? v1::SCOPE_UNSPECIFIED : e->scope;
 }
 
 std::string RoundName(uint32_t op, uint64_t seq, v1::Phase phase) {

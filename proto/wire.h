@@ -9,6 +9,7 @@
 #define HSBN_WIRE_H_
 
 #include <cstdint>
+#include <iterator>
 #include <string>
 
 #include "absl/status/status.h"
@@ -44,19 +45,41 @@ const char* ReasonName(v1::Reason reason);
 
 const char* PhaseName(v1::Phase phase);   // "forward", "backward"
 
-// The scopes a round can have on the wire and their names: the one table ScopeName, ParseScope
-// and the metrics' labels read (auto is a client policy, never on the wire).
+// Every scope, one row each: the one table of what a scope is. Its value in the API (hsbn::Scope,
+// HSBN_SCOPE_*, Python's hsbn.SCOPES), its name, the wire value its rounds carry (auto is a
+// client policy: its rounds go as shadow, node, group or global, so SCOPE_UNSPECIFIED), and what
+// callers branch on. ScopeName, ParseScope, the metrics' labels, the client's names and checks,
+// the C ABI's hsbn_scope_* and through them Python read it. Adding a scope is a row here plus
+// its behaviour.
 struct ScopeEntry {
-  v1::Scope scope;
+  int api;          // hsbn::Scope / HSBN_SCOPE_* (1, 2, ...: the row's index + 1)
   const char* name;
+  v1::Scope scope;  // on the wire; SCOPE_UNSPECIFIED: never on the wire (auto)
+  bool cross_node;  // some round of it waits on other nodes (group tier or root)
+  bool round_stats; // its rounds are counted under its own name (auto's under the scope used)
+  bool late;        // forward answered with the node's statistics, the job's arrive later
+  bool late_backward;  // its backward rounds too (the job's sums arrive later)
 };
 inline constexpr ScopeEntry kScopes[] = {
-    {v1::SCOPE_NODE, "node"},     {v1::SCOPE_GLOBAL, "global"}, {v1::SCOPE_SHADOW, "shadow"},
-    {v1::SCOPE_GROUP, "group"},   {v1::SCOPE_RENORM, "renorm"}, {v1::SCOPE_LAGGED, "lagged"},
+    // api name      wire scope             cross  stats  late   late_backward
+    {1, "node", v1::SCOPE_NODE, false, true, false, false},
+    {2, "global", v1::SCOPE_GLOBAL, true, true, false, false},
+    {3, "shadow", v1::SCOPE_SHADOW, true, true, false, false},
+    {4, "group", v1::SCOPE_GROUP, true, true, false, false},
+    {5, "auto", v1::SCOPE_UNSPECIFIED, true, false, false, false},
+    {6, "renorm", v1::SCOPE_RENORM, true, true, true, false},
+    {7, "lagged", v1::SCOPE_LAGGED, true, true, true, true},
 };
-// kScopes' name of `scope`, or `unknown` for a value it does not hold.
+inline constexpr int kScopeCount = int(std::size(kScopes));
+// The row of API value `api`, or nullptr.
+const ScopeEntry* ScopeByApi(int api);
+// The row named `name` (any scope, auto too), or nullptr.
+const ScopeEntry* ScopeByName(absl::string_view name);
+// The names of every scope, ", "-separated, in API order (for "must be one of ..." errors).
+std::string ScopeNames();
+// kScopes' name of wire value `scope`, or `unknown` for a value no row carries.
 const char* ScopeName(v1::Scope scope, const char* unknown = "unknown-scope");
-// kScopes' scope of `name`; SCOPE_UNSPECIFIED if unknown.
+// kScopes' wire value of `name`; SCOPE_UNSPECIFIED if unknown or not on the wire (auto).
 v1::Scope ParseScope(const std::string& name);
 // "op 3, seq 7, forward"
 std::string RoundName(uint32_t op, uint64_t seq, v1::Phase phase);

@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "hsbn/client.h"
 #include "hsbn/hsbn.h"
+#include "wire.h"
 
 namespace hsbn::env {
 namespace {
@@ -210,3 +211,45 @@ TEST(EnvTable, MarkdownListsEveryVariable) {
 
 }  // namespace
 }  // namespace hsbn::env
+
+// The scope table (proto/wire.h, kScopes) is the one definition: the client's names and
+// parsing, the C ABI's hsbn_scope_* and the wire names all read it.
+TEST(ScopeTable, TheClientAndTheCAbiReadTheOneTable) {
+  ASSERT_EQ(hsbn_scope_count(), hsbn::wire::kScopeCount);
+  ASSERT_EQ(hsbn_scope_count(), 7);
+  std::vector<std::string> names;
+  for (int v = 1; v <= hsbn_scope_count(); ++v) {
+    const hsbn::wire::ScopeEntry& e = hsbn::wire::kScopes[v - 1];
+    ASSERT_NE(hsbn_scope_name(v), nullptr);
+    EXPECT_STREQ(hsbn_scope_name(v), e.name);
+    EXPECT_STREQ(hsbn::ScopeName(hsbn::Scope(v)), e.name);
+    absl::StatusOr<hsbn::Scope> parsed = hsbn::ParseScope(e.name);
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(int(*parsed), v);
+    const int flags = hsbn_scope_flags(v);
+    EXPECT_EQ((flags & HSBN_SCOPE_ON_WIRE) != 0, e.scope != hsbn::v1::SCOPE_UNSPECIFIED);
+    if (e.scope != hsbn::v1::SCOPE_UNSPECIFIED) {
+      EXPECT_STREQ(hsbn::wire::ScopeName(e.scope), e.name);
+    }
+    names.push_back(std::string(e.name) + ":" + std::to_string(flags));
+  }
+  // The properties, spelled out once more here on purpose: a change to the table is a change
+  // of behaviour that this test makes visible.
+  const int C = HSBN_SCOPE_CROSS_NODE, S = HSBN_SCOPE_ROUND_STATS, W = HSBN_SCOPE_ON_WIRE,
+            L = HSBN_SCOPE_LATE, B = HSBN_SCOPE_LATE_BACKWARD;
+  auto n = [](const char* name, int f) { return std::string(name) + ":" + std::to_string(f); };
+  EXPECT_EQ(names, (std::vector<std::string>{
+                       n("node", S | W), n("global", C | S | W), n("shadow", C | S | W),
+                       n("group", C | S | W), n("auto", C), n("renorm", C | S | W | L),
+                       n("lagged", C | S | W | L | B)}));
+  EXPECT_EQ(hsbn_scope_name(0), nullptr);
+  EXPECT_EQ(hsbn_scope_name(8), nullptr);
+  EXPECT_EQ(hsbn_scope_flags(-1), -1);
+  EXPECT_EQ(hsbn_scope_flags(8), -1);
+  absl::StatusOr<hsbn::Scope> bad = hsbn::ParseScope("Global");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(std::string(bad.status().message())
+                .find("is not one of node, global, shadow, group, auto, renorm, lagged"),
+            std::string::npos)
+      << bad.status();
+}

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define HSBN_ABI_VERSION 4
+#define HSBN_ABI_VERSION 5
 
 typedef enum hsbn_result {
   HSBN_OK = 0,
@@ -211,6 +211,22 @@ hsbn_result hsbn_env_markdown(char* buf, size_t buf_len, size_t* needed);
 
 /* HSBN_ABI_VERSION of the loaded library. */
 int hsbn_abi_version(void);
+
+/* (ABI 5) The scope table: every hsbn_scope value, 1 to hsbn_scope_count(), with its name and
+ * properties, from the one C++ table (proto/wire.h, kScopes) the library itself branches on. */
+enum {
+  HSBN_SCOPE_CROSS_NODE = 1,    /* some round of it waits on other nodes */
+  HSBN_SCOPE_ROUND_STATS = 2,   /* counted under its own name in hsbn_stats (not auto's) */
+  HSBN_SCOPE_ON_WIRE = 4,       /* its rounds carry it (auto's go as the scope it uses) */
+  HSBN_SCOPE_LATE = 8,          /* forward answered with the node's statistics; the job's follow
+                                   (hsbn_client_global_stats) */
+  HSBN_SCOPE_LATE_BACKWARD = 16 /* its backward too (hsbn_client_global_sums) */
+};
+int hsbn_scope_count(void);
+/* The name of `scope` ("node", "global", ...), or NULL for a value that is no scope. */
+const char* hsbn_scope_name(int scope);
+/* The HSBN_SCOPE_* flags of `scope` OR-ed, or -1 for a value that is no scope. */
+int hsbn_scope_flags(int scope);
 
 void hsbn_options_init(hsbn_options* options);
 

@@ -13,13 +13,14 @@ The native parts are looked up, in order:
      through PYTHONPATH=client/python.
 """
 
+import collections
 import ctypes
 import ctypes.util
 import glob
 import os
 import threading
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _NATIVE_DIR = os.path.join(_PACKAGE_DIR, "_native")
@@ -245,13 +246,7 @@ class AutoDecision(ctypes.Structure):
     ]
 
 
-SCOPE_NODE = 1
-SCOPE_GLOBAL = 2
-SCOPE_SHADOW = 3
-SCOPE_GROUP = 4
-SCOPE_AUTO = 5
-SCOPE_RENORM = 6  # HSBN_SCOPE_RENORM: node round; the global one off the critical path
-SCOPE_LAGGED = 7  # HSBN_SCOPE_LAGGED: as renorm, for forward and backward rounds
+# The scopes are not restated here: scope_table() reads the library's table (hsbn_scope_*).
 PHASE_FORWARD = 1
 PHASE_BACKWARD = 2
 
@@ -271,6 +266,9 @@ _SIGNATURES = {
     "hsbn_last_error_reason": (_c_int, []),
     "hsbn_reason_string": (ctypes.c_char_p, [_c_int]),
     "hsbn_abi_version": (_c_int, []),
+    "hsbn_scope_count": (_c_int, []),
+    "hsbn_scope_name": (ctypes.c_char_p, [_c_int]),
+    "hsbn_scope_flags": (_c_int, [_c_int]),
     "hsbn_check_layout": (_c_int, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_int64, ctypes.c_int64]),
     "hsbn_check_layout_groups": (_c_int, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -351,6 +349,31 @@ def lib():
             handle.hsbn_path = _loaded_path(handle, path) if os.sep not in path else path
             _lib = handle
     return _lib
+
+
+class ScopeInfo(collections.namedtuple(
+        "ScopeInfo", "value name cross_node round_stats on_wire late late_backward")):
+    """One row of the library's scope table (hsbn.h, hsbn_scope_flags): its hsbn_scope value,
+    its name, and whether some round of it waits on other nodes, whether its rounds are counted
+    under its own name, whether they carry it on the wire (auto's do not), whether its forward
+    is answered with the node's statistics and the job's follow, and its backward too."""
+
+
+_scopes = None
+
+
+def scope_table():
+    """The library's scopes, in value order (1, 2, ...): ScopeInfo rows, read once."""
+    global _scopes
+    if _scopes is None:
+        handle = lib()
+        rows = []
+        for v in range(1, handle.hsbn_scope_count() + 1):
+            f = handle.hsbn_scope_flags(v)
+            rows.append(ScopeInfo(v, handle.hsbn_scope_name(v).decode("ascii"), bool(f & 1),
+                                  bool(f & 2), bool(f & 4), bool(f & 8), bool(f & 16)))
+        _scopes = tuple(rows)
+    return _scopes
 
 
 def result_name(code):

@@ -7,6 +7,7 @@ the torchrun environment at the first synchronized forward.
 """
 
 import atexit
+import collections.abc
 import ctypes
 import dataclasses
 import json
@@ -24,12 +25,52 @@ from . import _lib
 from . import env as _env
 from .errors import ConfigurationError, UnavailableError, error_for, UNAVAILABLE
 
-SCOPES = {"node": _lib.SCOPE_NODE, "global": _lib.SCOPE_GLOBAL, "shadow": _lib.SCOPE_SHADOW,
-          "group": _lib.SCOPE_GROUP, "auto": _lib.SCOPE_AUTO, "renorm": _lib.SCOPE_RENORM,
-          "lagged": _lib.SCOPE_LAGGED}
-# Scopes rounds are sent (and counted) with; an "auto" round counts as what it sent.
-STAT_SCOPES = ("node", "global", "shadow", "group", "renorm", "lagged")
-_SCOPE_NAMES = {v: k for k, v in SCOPES.items()}
+class _Scopes(collections.abc.Mapping):
+    """name -> hsbn_scope value of every scope, read from the library's table on first use
+    (_lib.scope_table(); importing hsbn needs no library)."""
+
+    def _map(self):
+        return {s.name: s.value for s in _lib.scope_table()}
+
+    def __getitem__(self, name):
+        return self._map()[name]
+
+    def __iter__(self):
+        return iter(self._map())
+
+    def __len__(self):
+        return len(_lib.scope_table())
+
+    def __repr__(self):
+        return repr(self._map())
+
+
+class _Names(collections.abc.Sequence):
+    """The names of the library's scopes that have `flag` (a ScopeInfo field), on first use."""
+
+    def __init__(self, flag):
+        self._flag = flag
+
+    def _names(self):
+        return tuple(s.name for s in _lib.scope_table() if getattr(s, self._flag))
+
+    def __getitem__(self, i):
+        return self._names()[i]
+
+    def __len__(self):
+        return len(self._names())
+
+    def __repr__(self):
+        return repr(self._names())
+
+
+SCOPES = _Scopes()
+# Scopes rounds are counted under (an "auto" round counts as the scope it went as).
+STAT_SCOPES = _Names("round_stats")
+# Scopes whose forward is answered with the node's statistics, the job's following later.
+LATE_SCOPES = _Names("late")
+# Scopes with a round that waits on other nodes.
+CROSS_NODE_SCOPES = _Names("cross_node")
 PHASES = {"forward": _lib.PHASE_FORWARD, "backward": _lib.PHASE_BACKWARD}
 
 DEFAULT_ADDRESS = "unix:/tmp/hsbn.sock"
@@ -387,7 +428,7 @@ class Client:
         out_b = np.empty_like(b)
         out_count = ctypes.c_int64()
         dp = ctypes.POINTER(ctypes.c_double)
-        if scope in ("renorm", "lagged") and what == "forward":
+        if scope in LATE_SCOPES and what == "forward":
             self._renorm_channels[int(op) & 0xFFFFFFFF] = channels
         rnd = ctypes.c_void_p()
         rc = self._lib.hsbn_round_start(self._handle, phase, int(op), int(seq), scope_code,
@@ -610,7 +651,8 @@ class Client:
             raise error_for(rc, _lib.last_error())
         if not d.decided:
             return None
-        return {"scope": _SCOPE_NAMES.get(d.scope, "unknown"), "mean_shift": float(d.mean_shift),
+        names = {s.value: s.name for s in _lib.scope_table()}
+        return {"scope": names.get(d.scope, "unknown"), "mean_shift": float(d.mean_shift),
                 "log_var_ratio": float(d.log_var_ratio), "rounds": int(d.rounds),
                 "decided_at": int(d.decided_at)}
 

@@ -12,6 +12,7 @@ A round is keyed by (op, seq, phase). `op` names the layer:
 `seq` counts the layer's synchronized forward calls; its backward round reuses its forward's.
 """
 
+import collections.abc
 import hashlib
 import itertools
 import math
@@ -20,8 +21,25 @@ import threading
 from .. import client as _client
 from ..errors import ConfigurationError
 
-# Every scope a layer can have: "local" (no exchange) and the round scopes of hsbn.SCOPES.
-SCOPES = ("local",) + tuple(_client.SCOPES)
+
+class _LayerScopes(collections.abc.Sequence):
+    """Every scope a layer can have: "local" (no exchange), then the round scopes of
+    hsbn.SCOPES (the library's table, read on first use)."""
+
+    def _names(self):
+        return ("local",) + tuple(_client.SCOPES)
+
+    def __getitem__(self, i):
+        return self._names()[i]
+
+    def __len__(self):
+        return len(self._names())
+
+    def __repr__(self):
+        return repr(self._names())
+
+
+SCOPES = _LayerScopes()
 _AUTO_DECISIONS = ("node", "group", "global")
 _METADATA_KEY = "hsbn_auto"  # in a layer's state_dict metadata: its auto-scope decision
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..errors import (ConfigurationError, HsbnError, InvalidArgumentError, DEADLINE_EXCEEDED,
                       INVALID_ARGUMENT)
+from .. import client as _client
 from ._keys import _check_op_for_model
 
 
@@ -85,9 +86,7 @@ class _LayerCheck:
         self.model = model
         self.entries = tuple(entries)   # (qualified name, op, scope, channels), module order
         self.op = _check_op_for_model(model)
-        self.scope = ("global" if any(e[2] in ("global", "shadow", "group", "auto", "renorm",
-                                               "lagged")
-                                      for e in self.entries)
+        self.scope = ("global" if any(e[2] in _client.CROSS_NODE_SCOPES for e in self.entries)
                       else "node")
         self.digest = self._prefix_digest(len(self.entries))
 
