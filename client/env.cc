@@ -138,6 +138,10 @@ const std::vector<Var>& Vars() {
                     "Python: the hsbn-aggregator binary that LocalCluster, `hsbn run` and the "
                     "wheel's `hsbn-aggregator` command run (unset: the wheel's, then the build "
                     "tree's)")),
+      PythonOnly(Of("HSBN_TORCH_CUSTOM_OPS", Type::kFlag, "0",
+                    "Python, torch >= 2.4: 1: synchronized layers on CPU tensors run as torch "
+                    "custom ops, which torch.compile(fullgraph=True) and torch.export trace "
+                    "whole (hsbn.torch.use_custom_ops); 0: their autograd.Function")),
       PythonOnly(Choice("HSBN_TORCH_CPU_OPS", "torch|kernels", "torch",
                         "Python: the arithmetic of synchronized layers on CPU tensors")),
       PythonOnly(Choice("HSBN_TORCH_CUDA_OPS", "torch|kernels", "",

@@ -88,11 +88,12 @@ def _settings():
 @pytest.fixture(scope="module", autouse=True)
 def custom_ops():
     """The ops path is opt-in (hsbn.torch.use_custom_ops): on for this module's tests in this
-    process (the workers turn it on in compile_cases), off again for the rest of the suite."""
+    process (the workers turn it on in compile_cases), back to what it was for the rest of the suite."""
     import hsbn.torch
+    before = hsbn.torch.custom_ops_in_use()
     hsbn.torch.use_custom_ops(True)
     yield
-    hsbn.torch.use_custom_ops(False)
+    hsbn.torch.use_custom_ops(before)
 
 
 @pytest.fixture(scope="module")

@@ -223,16 +223,22 @@ def test_custom_ops_are_opt_in():
     import hsbn.torch
     from hsbn.errors import ConfigurationError
     from hsbn.torch import _custom_op
-    assert not hsbn.torch.custom_ops_in_use()
-    assert hsbn.torch.SyncBatchNorm.forward is hsbn.torch.SyncBatchNorm._forward_function
+    from hsbn import env as _env
+    # (a run with HSBN_TORCH_CUSTOM_OPS=1 has them on from its first layer)
+    asked = (_env.is_set("HSBN_TORCH_CUSTOM_OPS")
+             and _env.get("HSBN_TORCH_CUSTOM_OPS") == "1")
+    before = hsbn.torch.custom_ops_in_use()
+    assert before == asked
+    if not asked:
+        assert hsbn.torch.SyncBatchNorm.forward is hsbn.torch.SyncBatchNorm._forward_function
     if not _custom_op.ENABLED:
         with pytest.raises(ConfigurationError, match="torch.library.custom_op"):
             hsbn.torch.use_custom_ops(True)
         assert not hsbn.torch.custom_ops_in_use()
         return
     try:
-        hsbn.torch.use_custom_ops(True)
-        assert hsbn.torch.custom_ops_in_use()
+        hsbn.torch.use_custom_ops(not before)
+        assert hsbn.torch.custom_ops_in_use() == (not before)
     finally:
-        hsbn.torch.use_custom_ops(False)
-    assert not hsbn.torch.custom_ops_in_use()
+        hsbn.torch.use_custom_ops(before)
+    assert hsbn.torch.custom_ops_in_use() == before

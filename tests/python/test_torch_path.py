@@ -138,3 +138,29 @@ def test_python_m_hsbn_says_which_cuda_ops_are_used_and_why():
     # No GPU here: torch's ops, and the reason names where hsbn's kernels are the default.
     assert "CUDA BN ops      torch" in out.stdout, out.stdout + out.stderr
     assert "device check" in out.stdout and "compute capability 9.0" in out.stdout
+
+
+def test_hsbn_torch_custom_ops_env_turns_the_ops_on_or_is_refused_by_name():
+    # In a fresh process: the variable is read when the first layer is made.
+    code = ("import hsbn.torch, torch\n"
+            "try:\n"
+            "    hsbn.torch.SyncBatchNorm(4)\n"
+            "except hsbn.ConfigurationError as e:\n"
+            "    print('refused:', e)\n"
+            "else:\n"
+            "    print('in use:', hsbn.torch.custom_ops_in_use())\n")
+    import os
+    env = dict(os.environ, HSBN_TORCH_CUSTOM_OPS="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    from hsbn.torch import _custom_op
+    if _custom_op.ENABLED:  # torch >= 2.4
+        assert out.stdout.strip() == "in use: True", out.stdout
+    else:
+        assert out.stdout.startswith("refused: HSBN_TORCH_CUSTOM_OPS=1: torch "), out.stdout
+    env["HSBN_TORCH_CUSTOM_OPS"] = "0"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "in use: False", out.stdout + out.stderr
+    env["HSBN_TORCH_CUSTOM_OPS"] = "yes"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert "HSBN_TORCH_CUSTOM_OPS" in out.stdout, out.stdout + out.stderr

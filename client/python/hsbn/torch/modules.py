@@ -101,6 +101,7 @@ class SyncBatchNorm(_BatchNorm):
                  renorm_warmup=None, renorm_r_max=None, renorm_d_max=None, renorm_ramp=None,
                  lagged_damping=None, lagged_warmup=None):
         _check_process_group(process_group, "hsbn.torch.SyncBatchNorm")
+        _custom_ops_from_env()
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype)
         self.scope = _check_scope(scope)
@@ -484,18 +485,43 @@ SyncBatchNorm._forward_function = SyncBatchNorm.forward
 def use_custom_ops(flag=True):
     """Whether hsbn layers on CPU tensors run as torch custom ops (torch >= 2.4;
     _custom_op.py), which torch.compile(fullgraph=True) and torch.export trace whole, or as
-    their autograd.Function, which dynamo does not trace (the default). Opt-in for the process
-    until the ops pass the whole suite under torch 2.x: under Debian's torch 2.6 they still fail
-    layers without affine parameters or running statistics, torch.fx leaf tracing and the
-    no-host-read check of a step (issue #35). ConfigurationError on a torch without custom ops."""
+    their autograd.Function, which dynamo does not trace (the default; HSBN_TORCH_CUSTOM_OPS=1
+    turns them on at the first layer). Opt-in: the whole suite passes with them under Debian's
+    torch 2.6, but on torch 2.11 the multi-process compile cases did not finish (undiagnosed;
+    issue #35). ConfigurationError on a torch without custom ops."""
+    global _custom_ops_chosen
     if flag and not _custom_op.ENABLED:
         raise ConfigurationError(
             "hsbn.torch.use_custom_ops: torch %s has no torch.library.custom_op (torch >= 2.4 "
             "has it); hsbn layers keep their autograd.Function here" % torch.__version__)
+    _custom_ops_chosen = True
     SyncBatchNorm.forward = (SyncBatchNorm._forward_selecting if flag
                              else SyncBatchNorm._forward_function)
 
 
+_custom_ops_chosen = False  # use_custom_ops was called, or HSBN_TORCH_CUSTOM_OPS was read
+
+
+def _custom_ops_from_env():
+    """HSBN_TORCH_CUSTOM_OPS=1 turns the ops on, read when the process makes its first layer
+    (after an explicit use_custom_ops call it is not read)."""
+    global _custom_ops_chosen
+    if _custom_ops_chosen:
+        return
+    _custom_ops_chosen = True
+    from .. import env as _env
+    # (is_set first: a layer can be made where the native library is not, e.g. to load weights)
+    if _env.is_set("HSBN_TORCH_CUSTOM_OPS") and _env.get("HSBN_TORCH_CUSTOM_OPS") == "1":
+        if not _custom_op.ENABLED:
+            raise ConfigurationError(
+                "HSBN_TORCH_CUSTOM_OPS=1: torch %s has no torch.library.custom_op (torch >= 2.4 "
+                "has it); unset it, hsbn layers keep their autograd.Function here"
+                % torch.__version__)
+        use_custom_ops(True)
+
+
 def custom_ops_in_use():
-    """True after use_custom_ops(True)."""
+    """Whether a layer's forward runs the custom ops now: after use_custom_ops(True), or with
+    HSBN_TORCH_CUSTOM_OPS=1 and no use_custom_ops call."""
+    _custom_ops_from_env()
     return SyncBatchNorm.forward is SyncBatchNorm._forward_selecting
