@@ -46,13 +46,15 @@ class _Scopes(collections.abc.Mapping):
 
 
 class _Names(collections.abc.Sequence):
-    """The names of the library's scopes that have `flag` (a ScopeInfo field), on first use."""
+    """`prefix`, then the names of the library's scopes that have `flag` (a ScopeInfo field;
+    None: every scope), read on first use."""
 
-    def __init__(self, flag):
-        self._flag = flag
+    def __init__(self, flag, prefix=()):
+        self._flag, self._prefix = flag, tuple(prefix)
 
     def _names(self):
-        return tuple(s.name for s in _lib.scope_table() if getattr(s, self._flag))
+        return self._prefix + tuple(s.name for s in _lib.scope_table()
+                                    if self._flag is None or getattr(s, self._flag))
 
     def __getitem__(self, i):
         return self._names()[i]

@@ -12,7 +12,6 @@ A round is keyed by (op, seq, phase). `op` names the layer:
 `seq` counts the layer's synchronized forward calls; its backward round reuses its forward's.
 """
 
-import collections.abc
 import hashlib
 import itertools
 import math
@@ -22,24 +21,9 @@ from .. import client as _client
 from ..errors import ConfigurationError
 
 
-class _LayerScopes(collections.abc.Sequence):
-    """Every scope a layer can have: "local" (no exchange), then the round scopes of
-    hsbn.SCOPES (the library's table, read on first use)."""
-
-    def _names(self):
-        return ("local",) + tuple(_client.SCOPES)
-
-    def __getitem__(self, i):
-        return self._names()[i]
-
-    def __len__(self):
-        return len(self._names())
-
-    def __repr__(self):
-        return repr(self._names())
-
-
-SCOPES = _LayerScopes()
+# Every scope a layer can have: "local" (no exchange), then the round scopes of hsbn.SCOPES
+# (the library's table, read on first use).
+SCOPES = _client._Names(None, prefix=("local",))
 _AUTO_DECISIONS = ("node", "group", "global")
 _METADATA_KEY = "hsbn_auto"  # in a layer's state_dict metadata: its auto-scope decision
 
