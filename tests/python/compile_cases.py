@@ -15,6 +15,15 @@ def _np(t):
     return t.detach().to(device="cpu", dtype=torch.float64).numpy().copy()
 
 
+# Options that make renorm correct from its second call (its defaults wait 5 calls and ramp over
+# 20: a 6-step case would hardly leave the warm-up); lagged's defaults are lagged from its second.
+SCOPE_OPTIONS = {"renorm": {"renorm_warmup": 1, "renorm_ramp": 2}}
+
+
+def _bn(c, scope, **kw):
+    return hsbn.torch.SyncBatchNorm(c, scope=scope, **SCOPE_OPTIONS.get(scope, {}), **kw)
+
+
 class Explicit(nn.Module):
     """A model with its own forward: a stem, then two independent branches (as ResNet's
     downsample path), each with an hsbn layer, added."""
@@ -22,15 +31,14 @@ class Explicit(nn.Module):
     def __init__(self, scope, prefix="explicit"):
         super().__init__()
         self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn1 = hsbn.torch.SyncBatchNorm(4, scope=scope, name=prefix + ".bn1")
+        self.bn1 = _bn(4, scope, name=prefix + ".bn1")
         self.conv2 = nn.Conv2d(4, 6, 3, padding=1)
         # momentum=None (the cumulative average) is taken on the device by the ops; in local
         # scope it is F.batch_norm's, which reads num_batches_tracked on the host (a graph break,
         # as with torch's BatchNorm), so local keeps 0.1.
-        self.bn2 = hsbn.torch.SyncBatchNorm(6, scope=scope, name=prefix + ".bn2",
-                                            momentum=0.1 if scope == "local" else None)
+        self.bn2 = _bn(6, scope, name=prefix + ".bn2", momentum=0.1 if scope == "local" else None)
         self.conv3 = nn.Conv2d(4, 6, 1)
-        self.bn3 = hsbn.torch.SyncBatchNorm(6, scope=scope, name=prefix + ".bn3", affine=False)
+        self.bn3 = _bn(6, scope, name=prefix + ".bn3", affine=False)
         self.fc = nn.Linear(6, 3)
 
     def forward(self, x):
@@ -48,7 +56,7 @@ def build(kind, scope, prefix="explicit"):
         # torch's BatchNorm with momentum=None reads num_batches_tracked on the host (a graph
         # break), so the torch reference keeps momentum=0.1 there.
         bn = ((lambda c, momentum=0.1: nn.BatchNorm2d(c, momentum=0.1)) if kind == "torch_bn" else
-              (lambda c, **kw: hsbn.torch.SyncBatchNorm(c, scope=scope, **kw)))
+              (lambda c, **kw: _bn(c, scope, **kw)))
         return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), bn(4), nn.ReLU(),
                              nn.Conv2d(4, 6, 3, padding=1), bn(6, momentum=None), nn.ReLU(),
                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3))
@@ -110,14 +118,17 @@ def torch_model_drift(backend, settings, steps):
     return drift, nan
 
 
-def compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05, settings=None):
+def compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05, settings=None,
+                      eager_function=False):
     with _inductor_patch(settings):
-        return _compiled_vs_eager(kind, scope, steps, backend, eval_input, lr)
+        return _compiled_vs_eager(kind, scope, steps, backend, eval_input, lr, eager_function)
 
 
-def _compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05):
-    """Builds `kind` twice (same initial weights): one run eagerly, one through
-    torch.compile(fullgraph=True, backend=a counting `backend`). For each (x, g) of `steps`
+def _compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05,
+                       eager_function=False):
+    """Builds `kind` twice (same initial weights): one run eagerly (through the custom ops, or
+    with eager_function through each layer's autograd.Function, the path without ops), one
+    through torch.compile(fullgraph=True, backend=a counting `backend`). For each (x, g) of `steps`
     runs a training step on both (forward, backward of sum(out * g), SGD with lr), recording
     outputs and gradients; a step whose x is None switches to eval for one forward of
     eval_input under no_grad, then back to train. Returns both runs' records, final states,
@@ -129,6 +140,11 @@ def _compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05):
     counters.clear()
     # Named layers get a prefix per model: two layers of one name share round keys.
     eager, model = build(kind, scope, "eager"), build(kind, scope, "compiled")
+    if eager_function:
+        import types
+        for m in eager.modules():
+            if isinstance(m, hsbn.torch.SyncBatchNorm):
+                m.forward = types.MethodType(hsbn.torch.SyncBatchNorm._forward_function, m)
     cnt = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled = (model if backend == "eager" else torch.compile(model, backend=cnt, fullgraph=True))
     out = {"eager": {"y": [], "grads": []}, "compiled": {"y": [], "grads": []}, "frames": []}

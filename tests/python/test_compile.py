@@ -7,7 +7,8 @@ traces the whole model. Checked here, over 2 ranks (1 node x 2 workers, real agg
 0 graph breaks and no recompiles beyond torch's own BatchNorm's (one graph for training, one
 for eval) for an nn.Sequential, a model with an explicit forward and a converted torchvision
 ResNet-18; compiled equals eager (outputs, gradients, parameters after SGD, running
-statistics) in scopes local, node, global, shadow and auto; what changing batch sizes costs;
+statistics) in scopes local, node, global, shadow and auto, and over 2 nodes x 1 worker in
+renorm and lagged against their autograd.Function run eagerly; what changing batch sizes costs;
 torch.export.export(strict=True) in eval mode. On torch < 2.4 (Debian 12's 1.13) every test
 skips: the layer keeps its autograd.Function there, tested by the rest of the suite.
 
@@ -115,13 +116,13 @@ def _steps(rank, n, batch=4, hw=8, seed=0, eval_at=None):
     return steps
 
 
-def _run(pool, kind, scope, n=6, eval_at=3, hw=8, timeout=900):
+def _run(pool, kind, scope, n=6, eval_at=3, hw=8, timeout=900, eager_function=False):
     rng = np.random.default_rng(9)
     eval_input = rng.standard_normal((3, 3, hw, hw)).astype(np.float32)
     settings = _settings()
     return pool.call(compile_cases.compiled_vs_eager,
                      [(kind, scope, _steps(r, n, hw=hw, eval_at=eval_at), backend(), eval_input,
-                       0.05, settings) for r in range(RANKS)], timeout=timeout)
+                       0.05, settings, eager_function) for r in range(RANKS)], timeout=timeout)
 
 
 def _close(a, b, what):
@@ -196,6 +197,29 @@ def test_every_scope_compiled_equals_eager(pool, scope):
     results = _run(pool, "explicit", scope)
     _assert_compiled_whole(results, scope)
     _assert_equal_runs(results)
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """2 nodes x 1 worker: the late scopes' statistics then come from another node."""
+    with started(nodes=2, workers_per_node=1, round_timeout_ms=60000) as p:
+        yield p
+
+
+@pytest.mark.parametrize("kind", ["explicit", "sequential"])
+@pytest.mark.parametrize("scope", ["renorm", "lagged"])
+def test_late_scopes_compile_whole_and_equal_their_function(two_nodes, scope, kind):
+    # renorm and lagged run their autograd.Function's arithmetic inside the ops: compiled
+    # (ops) against eager through the Function itself, the path without ops.
+    results = _run(two_nodes, kind, scope, n=7, eval_at=3, eager_function=True)
+    _assert_compiled_whole_7(results, kind)
+    _assert_equal_runs(results)
+
+
+def _assert_compiled_whole_7(results, kind):
+    for r, res in enumerate(results):
+        assert res["graph_breaks"] == 0, (r, res["break_reasons"])
+        assert res["frames"] == [1, 1, 1, 2, 2, 2, 2], (kind, res["frames"])
 
 
 def test_changing_batch_size(pool):

@@ -52,11 +52,18 @@ def test_skewed_nodes_and_a_small_batch_say_yes_and_global(pool, tmp_path):
     assert r["cost"]["recommended_ms"] == pytest.approx(sum(
         e["cost_ms_per_step"][e["recommended"]] for e in r["layers"]))
     assert first["cost_ms_per_step"]["global"] == pytest.approx(2 * r["round_ms"]["global"])
+    # Node is beyond the thresholds, global within: lagged is offered at node rounds' cost.
+    assert first["alternative"] == "lagged"
+    assert first["cost_ms_per_step"]["lagged"] == pytest.approx(2 * r["round_ms"]["node"])
+    assert r["cost"]["alternative_ms"] == pytest.approx(sum(
+        e["cost_ms_per_step"][e["alternative"] or e["recommended"]] for e in r["layers"]))
+    assert "scope='lagged'" in r["summary"]
     assert r["smells"] == []
     assert "VERDICT: YES" in r["text"] and "'1', trained in node scope" in r["text"]
     # The batch column shows what the layer normalizes with as trained: its node's 16 values.
     row = next(line for line in r["text"].splitlines() if line.startswith("1 "))
     assert row.split()[1:3] == ["node", "16"], row
+    assert " global (" in row and " or lagged (" in row, row
     # The saved report renders without the job: text, JSON and a picture.
     path = tmp_path / "report.json"
     path.write_text(json.dumps({k: v for k, v in r.items()
@@ -86,6 +93,7 @@ def test_the_same_distribution_and_a_large_batch_say_no(pool):
     for e in r["layers"]:
         assert e["training_scope"] == "local" and not e["explains"]
         assert e["recommended"] == "local" and e["counts"]["local_mean"] == 4096
+        assert e["alternative"] is None
         assert e["divergence"]["local"]["mean_shift"] < 0.05
         assert e["divergence"]["local"]["log_var_ratio"] < 0.05
     assert r["cost"]["as_trained_ms"] == r["cost"]["recommended_ms"] == 0.0
@@ -173,7 +181,7 @@ def test_groups_that_hold_both_kinds_of_nodes_get_group_scope():
     assert r["verdict"] == "yes"
     for e in r["layers"]:
         assert e["training_scope"] == "node" and e["explains"]
-        assert e["recommended"] == "group", e
+        assert e["recommended"] == "group" and e["alternative"] == "lagged", e
         assert e["counts"]["group"] == 2 * e["counts"]["node"] == 2 * e["counts"]["local_mean"]
         assert e["divergence"]["group"]["mean_shift"] < 0.05 < e["divergence"]["node"][
             "mean_shift"]

@@ -114,6 +114,10 @@ class DoctorReport:
             cost = e["cost_ms_per_step"].get(e["recommended"])
             row += " %-9s %s%s" % ("YES" if e["explains"] else "no", e["recommended"],
                                    "" if cost is None else " (%.2f)" % cost)
+            alt = e.get("alternative")  # (absent in reports saved before it existed)
+            if alt:
+                cost = e["cost_ms_per_step"].get(alt)
+                row += " or %s%s" % (alt, "" if cost is None else " (%.2f)" % cost)
             lines.append(row)
         lines.append("")
         lines.append("batch: values per channel a layer normalizes with as trained (samples x "
@@ -131,8 +135,10 @@ class DoctorReport:
                 "%s %.3f ms" % (k, v) for k, v in tr.items()))
         c = d["cost"]
         lines.append("sync cost per step (2 rounds per layer and step): as trained %.2f ms, "
-                     "recommended %.2f ms, all global %.2f ms"
-                     % (c["as_trained_ms"], c["recommended_ms"], c["all_global_ms"]))
+                     "recommended %.2f ms, all global %.2f ms%s"
+                     % (c["as_trained_ms"], c["recommended_ms"], c["all_global_ms"],
+                        "" if c.get("alternative_ms") in (None, c["recommended_ms"]) else
+                        ", lagged where offered %.2f ms" % c["alternative_ms"]))
         lines.append("")
         if d["smells"]:
             lines.append("configuration smells (%d):" % len(d["smells"]))

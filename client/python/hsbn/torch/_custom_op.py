@@ -19,8 +19,9 @@ The ops (namespace "hsbn"):
     when momentum is None (cumulative average, factor 1/n taken on the device), else None.
     key: the layer key (an int, register()): the op finds the layer (and through it the client,
     round key `op`, round seq, cuda_ops and Python-side state) in this process's registry.
-    scope: any round scope ("node", "group", "global", "shadow", "auto", and by the same
-    signature "renorm" and "lagged" once their math is an op; "local" never needs it).
+    scope: any round scope ("node", "group", "global", "shadow", "auto", "renorm", "lagged";
+    "local" never needs it). renorm and lagged run their layer's autograd.Function's forward
+    and backward (_renorm.py, _lagged.py) inside the ops (see "Late scopes" below).
     training: True (a training forward: one forward round). False is reserved for a scope
     that exchanges in eval mode (none today) and refused.
     layout: the memory format of y (and of the backward's grad_x): 0 contiguous, 1 channels_last,
@@ -28,9 +29,10 @@ The ops (namespace "hsbn"):
     y: the normalized output, with x's dtype, dense in `layout`. mean, invstd: (C,) statistics the
     output was normalized with, in the op set's statistics dtype (_ops.py) on x's device: what
     backward needs. new_running_mean/var: the running statistics after this call's update (the
-    caller copies them into its buffers; (0,) without running statistics). meta: (3,) int64 on
-    the CPU: [round seq, this worker's count, the scope's count], for backward, read on the
-    host without a device wait. order_out: see "Order" below.
+    caller copies them into its buffers; (0,) without running statistics). meta: (4,) int64 on
+    the CPU: [round seq, this worker's count, the scope's count, running-statistics updates
+    the caller adds to num_batches_tracked (0 but for renorm and lagged)], for backward, read
+    on the host without a device wait. order_out: see "Order" below.
 
   hsbn::sync_batch_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor mean,
                                  Tensor invstd, Tensor meta, int key, str scope,
@@ -66,6 +68,14 @@ Why these forms:
     ordered by their data (each takes dy from the later layers' backward) and, between
     independent branches, by the backward graph, which autograd's order traced once and every
     rank compiles alike.
+  - Late scopes (renorm, lagged): their arithmetic is host-side float64 with per-layer state
+    (RenormState, LaggedState) and lives in RenormFunction and LaggedFunction. The forward op
+    runs the Function's forward with a stand-in ctx on copies of the running buffers, and keeps
+    what its backward needs but x and the weight (small (C,) tensors and host values) in the
+    layer's window of its last RECOMPUTE_WINDOW calls, keyed by round seq; the backward op
+    finds it by meta's seq and runs the Function's backward. One arithmetic, so the ops path
+    equals the eager one bit for bit; a backward more than RECOMPUTE_WINDOW calls of the layer
+    after its forward is refused by name (the eager path's lagged layer has the same window).
   - The fake implementations only make tensors of the right shapes, dtypes and strides: they
     never touch the aggregator or the layer.
   - Output strides come from the `layout` argument, never from the tensors the op is given:
@@ -75,6 +85,7 @@ Why these forms:
     differ from the layout the fake promised, which the compiled code reads.
 """
 
+import collections
 import itertools
 import threading
 import weakref
@@ -144,11 +155,111 @@ def _in_layout(t, layout):
 def _fake_like(x, layout):
     return torch.empty_like(x, memory_format=_FORMATS[layout])
 
+LATE_SCOPES = ("renorm", "lagged")  # scopes whose math is a layer Function run inside the ops
+LATE_WINDOW = 32                    # forward records kept per layer for their backward
+
+
+class _Ctx:
+    """A stand-in for an autograd.Function's ctx: what RenormFunction and LaggedFunction use."""
+
+    needs_input_grad = ()
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+def _late_records(layer):
+    recs = layer.__dict__.get("_late_ctx")
+    if recs is None:
+        recs = layer.__dict__["_late_ctx"] = collections.OrderedDict()
+    return recs
+
+
 
 if ENABLED:
     from ._function import (_NUMPY_DTYPES, _update_running, capturing, exchange,
                             forward_rows, refuse_capture)
     from ._ops import ops_for
+
+    def _late_forward(layer, x, weight, bias, running_mean, running_var, nbt, order, scope,
+                      momentum, eps, layout):
+        """sync_batch_norm for renorm and lagged: the layer's Function's forward (as
+        SyncBatchNorm._renorm_forward and _lagged_forward call it) on copies of the buffers."""
+        from ._lagged import LaggedFunction
+        from ._renorm import RenormFunction, recomputing
+        client, book = layer._prepare_round()
+        layer._input_dim = x.dim()
+        if layer.track_running_stats:
+            layer.samples_seen += x.numel() // max(1, x.shape[1])
+        seq = book.next_seq(layer.op)
+        layer._seq += 1
+        recompute = recomputing()
+        track = running_mean is not None
+        new_mean = running_mean.clone() if track else None
+        new_var = running_var.clone() if track else None
+        new_nbt = nbt.clone() if nbt is not None else None
+        cuda_ops = getattr(layer, "cuda_ops", None)
+        ctx = _Ctx()
+        updates = 0
+        if scope == "renorm":
+            factor = 0.0 if momentum is None else momentum
+            if track and not recompute and layer._renorm.uses_global(seq):
+                if new_nbt is not None:
+                    new_nbt.add_(1)
+                    updates = 1
+                    if momentum is None:
+                        factor = new_nbt
+            y = RenormFunction.forward(ctx, x, weight, bias, new_mean, new_var, eps, factor,
+                                       client, layer.op, seq, layer._renorm, recompute, cuda_ops)
+            mean, invstd = ctx.saved_tensors[3], ctx.saved_tensors[4]
+            count, total = ctx.hsbn[3], ctx.hsbn[4]
+        else:
+            y = LaggedFunction.forward(ctx, x, weight, bias, new_mean, new_var, new_nbt, eps,
+                                       momentum, client, layer.op, seq, layer._lagged,
+                                       recompute, cuda_ops)
+            mean, invstd = ctx.saved_tensors[2], ctx.saved_tensors[3]
+            count, total = ctx.hsbn[3], ctx.hsbn[7]
+            updates = ctx.running_updates if new_nbt is not None else 0
+        # Kept for the backward: all but x and the weight (its inputs there).
+        recs = _late_records(layer)
+        recs[seq] = (ctx.saved_tensors[2:], ctx.hsbn)
+        while len(recs) > LATE_WINDOW:
+            recs.popitem(last=False)
+        if not track:
+            new_mean, new_var = _empty(x.device), _empty(x.device)
+        sd = _stat_dtype(x, layer)
+        meta = torch.tensor([seq, count, total, updates], dtype=torch.int64)
+        return (_in_layout(y, layout), mean.to(sd).contiguous().clone(),
+                invstd.to(sd).contiguous().clone(), new_mean, new_var, meta, order + 1)
+
+    def _late_backward(layer, dy, x, weight, seq, scope, need_x, need_w, need_b, layout):
+        """sync_batch_norm_backward for renorm and lagged: the layer's Function's backward with
+        the forward's record."""
+        from ._lagged import LaggedFunction
+        from ._renorm import RenormFunction
+        rec = _late_records(layer).get(seq)
+        if rec is None:
+            raise RuntimeError(
+                "hsbn: %s (scope %r): no record of its forward round seq %d for this backward "
+                "(the custom ops keep the layer's last %d forwards; more calls of the layer ran "
+                "between this forward and its backward)" % (layer._label(), scope, seq,
+                                                             LATE_WINDOW))
+        small, hsbn = rec
+        ctx = _Ctx()
+        ctx.saved_tensors = (x, weight) + tuple(small)
+        ctx.hsbn = hsbn
+        ctx.needs_input_grad = (need_x, need_w, need_b)
+        fn = RenormFunction if scope == "renorm" else LaggedFunction
+        grad_x, grad_w, grad_b = fn.backward.__wrapped__(ctx, dy)[:3]
+        pdt = weight.dtype if weight is not None else dy.dtype
+        gx = (_in_layout(grad_x, layout) if need_x and grad_x is not None
+              else _empty(x.device, x.dtype))
+
+        def param_grad(g, need):
+            if not need or weight is None or g is None:
+                return _empty(x.device, pdt)
+            return g.to(device=weight.device, dtype=pdt).contiguous().clone()
+        return gx, param_grad(grad_w, need_w), param_grad(grad_b, need_b)
 
     @torch.library.custom_op(
         "hsbn::sync_batch_norm", mutates_args=(),
@@ -163,6 +274,9 @@ if ENABLED:
             raise ValueError("hsbn::sync_batch_norm: training=False is not implemented")
         if capturing(x):
             raise refuse_capture(layer._label(), scope)
+        if scope in LATE_SCOPES:
+            return _late_forward(layer, x, weight, bias, running_mean, running_var,
+                                 num_batches_tracked, order, scope, momentum, eps, layout)
         client, book = layer._prepare_round()
         layer._input_dim = x.dim()
         if layer.track_running_stats:
@@ -195,7 +309,7 @@ if ENABLED:
         y = _in_layout(ops.normalize(x, mean, invstd, weight, bias, eps), layout)
         if scope == "auto":
             layer._after_auto_round(client)
-        meta = torch.tensor([seq, count, total], dtype=torch.int64)
+        meta = torch.tensor([seq, count, total, 0], dtype=torch.int64)
         return (y, mean.to(sd).contiguous().clone(), invstd.to(sd).contiguous().clone(),
                 new_mean, new_var, meta, order + 1)
 
@@ -210,7 +324,7 @@ if ENABLED:
             new_mean, new_var = torch.empty_like(running_mean), torch.empty_like(running_var)
         else:
             new_mean, new_var = _empty(x.device), _empty(x.device)
-        meta = torch.empty(3, dtype=torch.int64, device="cpu")
+        meta = torch.empty(4, dtype=torch.int64, device="cpu")
         return (_fake_like(x, layout), mean, invstd, new_mean, new_var, meta,
                 torch.empty_like(order))
 
@@ -224,7 +338,10 @@ if ENABLED:
         layer = layer_for(key)
         # meta is a CPU tensor whatever x's device (the fake says so): reading it is no device
         # wait. Read through numpy, not Tensor.tolist, which the no-host-read check refuses.
-        seq, count, total = (int(v) for v in meta.numpy().tolist())
+        seq, count, total, _ = (int(v) for v in meta.numpy().tolist())
+        if scope in LATE_SCOPES:
+            return _late_backward(layer, dy, x, weight, seq, scope, need_x, need_w, need_b,
+                                  layout)
         ops = ops_for(x, getattr(layer, "cuda_ops", None))
         packed, grad_w, grad_b = ops.backward_reduce(dy, x, (mean, invstd), weight, need_w,
                                                      need_b)
@@ -291,10 +408,11 @@ if ENABLED:
 
 def layer_forward(layer, x):
     """The training forward of a synchronized layer through hsbn::sync_batch_norm (the caller
-    has checked x and incremented num_batches_tracked)."""
+    has checked x and, but for renorm and lagged, incremented num_batches_tracked)."""
     track = layer.track_running_stats and layer.running_mean is not None
-    nbt = layer.num_batches_tracked if track and layer.momentum is None else None
-    y, _, _, new_mean, new_var, _, order = torch.ops.hsbn.sync_batch_norm(
+    late = layer.scope in LATE_SCOPES
+    nbt = (layer.num_batches_tracked if track and (late or layer.momentum is None) else None)
+    y, _, _, new_mean, new_var, meta, order = torch.ops.hsbn.sync_batch_norm(
         x, layer.weight, layer.bias, layer.running_mean if track else None,
         layer.running_var if track else None, nbt, ORDER, layer._hsbn_key, layer.scope, True,
         layer.momentum, float(layer.eps), layout_code(x))
@@ -302,6 +420,8 @@ def layer_forward(layer, x):
         if track:
             layer.running_mean.copy_(new_mean)
             layer.running_var.copy_(new_var)
+            if late and nbt is not None:
+                nbt.add_(meta[3])
         ORDER.copy_(order)
     return y
 

@@ -361,10 +361,18 @@ def _report(client, levels, layers, batches, times, before, after, base, inner, 
                 for lv in levels}
         trains = lay.scope
         explains = (trains not in ("frozen", "global") and trains in div and not within(trains))
+        # Where only a cross-node level is close enough, scope "lagged" normalizes with the
+        # job's statistics (the other nodes' one call old) for node rounds on the critical path:
+        # the alternative to price next to it (docs/COMPARISON.md, "Which scope when").
+        alternative = None
+        if "node" in div and not within("node") and recommended in ("group", "global"):
+            alternative = "lagged"
+            cost["lagged"] = cost.get("node", float("nan"))
         entries.append({
             "name": lay.name, "kind": lay.kind, "channels": lay.c, "training_scope": trains,
             "counts": counts, "divergence": div, "running_spread": spread_of.get(lay.name),
             "explains": bool(explains), "recommended": recommended,
+            "alternative": alternative,
             "cost_ms_per_step": {k: (None if math.isnan(v) else v) for k, v in cost.items()},
             "momentum": lay.m.momentum, "track_running_stats": bool(lay.m.track_running_stats),
         })
@@ -381,7 +389,16 @@ def _report(client, levels, layers, batches, times, before, after, base, inner, 
     cost = {"as_trained_ms": step_cost(lambda e: e["training_scope"]
                                        if e["training_scope"] in levels else "local"),
             "recommended_ms": step_cost(lambda e: e["recommended"]),
+            "alternative_ms": step_cost(lambda e: e["alternative"] or e["recommended"]),
             "all_global_ms": step_cost(lambda e: "global")}
+    lagged_note = ""
+    if any(e["alternative"] for e in entries):
+        lagged_note = (
+            " Or scope='lagged' where the 'use' column offers it: node rounds only (about "
+            "%.2f ms of sync per step), the job's statistics with the other nodes' share one "
+            "call old; with its default damping it recovered 75-91 %% of the node-to-global "
+            "accuracy gap in hsbn's one-process study, never below node (docs/COMPARISON.md, "
+            "\"Which scope when\")." % cost["alternative_ms"])
     if not entries:
         summary = "The model has no BatchNorm layers."
     elif yes:
@@ -395,7 +412,7 @@ def _report(client, levels, layers, batches, times, before, after, base, inner, 
                    "all global." % (len(yes), len(entries), worst["name"],
                                     worst["training_scope"], d["mean_shift"],
                                     d["log_var_ratio"], cost["recommended_ms"],
-                                    cost["all_global_ms"]))
+                                    cost["all_global_ms"])) + lagged_note
     else:
         summary = ("Every BatchNorm layer normalizes with statistics within the thresholds of "
                    "the job's, so BatchNorm statistics do not explain a multi-GPU gap here%s."

@@ -280,12 +280,12 @@ class SyncBatchNorm(_BatchNorm):
             return leaf
         sync = self.training and self.scope != "local"
         compiling = torch.compiler.is_compiling()
-        if sync and self.scope in ("renorm", "lagged"):
-            return self._forward_function(input)  # not ops yet: a graph break under compile
         if sync:
             if not compiling and capturing(input):
                 raise refuse_capture(self._label(), self.scope)
-            if self.track_running_stats and self.num_batches_tracked is not None:
+            # renorm and lagged count their running-statistics updates inside the op.
+            if (self.track_running_stats and self.num_batches_tracked is not None
+                    and self.scope not in _custom_op.LATE_SCOPES):
                 self.num_batches_tracked.add_(1)
             return _custom_op.layer_forward(self, input)
         factor = 0.0 if self.momentum is None else self.momentum
