@@ -268,7 +268,7 @@ def test_fake_implementation_never_touches_the_aggregator():
         gx = torch.ops.hsbn.sync_batch_norm_backward(
             fake, fake.contiguous(memory_format=torch.channels_last), None, mean, invstd, meta,
             layer._hsbn_key, "global", True, False, False, 0)[0]
-    assert y.shape == (2, 4, 3, 3) and mean.shape == (4,) and meta.shape == (3,)
+    assert y.shape == (2, 4, 3, 3) and mean.shape == (4,) and meta.shape == (4,)
     assert y.is_contiguous() and not y_cl.is_contiguous()
     assert y_cl.is_contiguous(memory_format=torch.channels_last)
     assert gx.is_contiguous() and gx.shape == (2, 4, 3, 3)
