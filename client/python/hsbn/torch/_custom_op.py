@@ -168,6 +168,18 @@ class _Ctx:
         self.saved_tensors = tensors
 
 
+def _begin_round(layer, x):
+    """(client, round seq) of a synchronized training forward in an op, after the Python-side
+    notes the eager layer makes (input dimension, samples seen, its call count)."""
+    client, book = layer._prepare_round()
+    layer._input_dim = x.dim()
+    if layer.track_running_stats:
+        layer.samples_seen += x.numel() // max(1, x.shape[1])
+    seq = book.next_seq(layer.op)
+    layer._seq += 1
+    return client, seq
+
+
 def _late_records(layer):
     recs = layer.__dict__.get("_late_ctx")
     if recs is None:
@@ -187,12 +199,7 @@ if ENABLED:
         SyncBatchNorm._renorm_forward and _lagged_forward call it) on copies of the buffers."""
         from ._lagged import LaggedFunction
         from ._renorm import RenormFunction, recomputing
-        client, book = layer._prepare_round()
-        layer._input_dim = x.dim()
-        if layer.track_running_stats:
-            layer.samples_seen += x.numel() // max(1, x.shape[1])
-        seq = book.next_seq(layer.op)
-        layer._seq += 1
+        client, seq = _begin_round(layer, x)
         recompute = recomputing()
         track = running_mean is not None
         new_mean = running_mean.clone() if track else None
@@ -277,12 +284,7 @@ if ENABLED:
         if scope in LATE_SCOPES:
             return _late_forward(layer, x, weight, bias, running_mean, running_var,
                                  num_batches_tracked, order, scope, momentum, eps, layout)
-        client, book = layer._prepare_round()
-        layer._input_dim = x.dim()
-        if layer.track_running_stats:
-            layer.samples_seen += x.numel() // max(1, x.shape[1])
-        seq = book.next_seq(layer.op)
-        layer._seq += 1
+        client, seq = _begin_round(layer, x)
         factor = num_batches_tracked if momentum is None else momentum
         if momentum is None and num_batches_tracked is None:
             factor = 0.0
