@@ -517,6 +517,13 @@ class Client::Impl {
             "round ", round(), " is already in flight on this client; each (op, seq, phase) is "
             "one round"));
       }
+      // An Abort between this call's first check and here failed the rounds in pending_
+      // before ours was in it (it sets the flag before taking rounds_mu_, so it shows now);
+      // sent anyway, ours would wait for an answer the sidecar never gives an aborted rank.
+      if (absl::Status s = Aborted(); !s.ok()) {
+        Forget(*pending);
+        return s;
+      }
       // One write in flight per stream: wait for the previous one to complete.
       if (absl::Status s = AwaitWriteSlot(conn, deadline, [&] { return "round " + round(); });
           !s.ok()) {
@@ -634,7 +641,7 @@ class Client::Impl {
     // Nobody polls: see the frame out (a bounded wait, as a sync Write would).
     conn->polling = true;
     FlushAbortFrame(*conn);
-    Poll(conn, Clock::now() + std::chrono::seconds(1), [&] {
+    Poll(conn, Clock::now() + kAbortFlush, [&] {
       return (conn->abort_frame == nullptr && !conn->write_in_flight) || conn->broken;
     });
     conn->polling = false;
@@ -1307,6 +1314,8 @@ class Client::Impl {
 
   // How often a wait that cannot be woken (the transport decision) looks for an abort.
   static constexpr std::chrono::milliseconds kAbortCheck{200};
+  // How long a poller stays to see Abort's frame out (as a sync Write would, bounded).
+  static constexpr std::chrono::milliseconds kAbortFlush{1000};
   mutable absl::Mutex abort_mu_;  // a leaf lock
   absl::Status aborted_ ABSL_GUARDED_BY(abort_mu_);  // Abort's status; OK: not aborted
   std::atomic<bool> aborted_flag_{false};            // !aborted_.ok(), read without the lock
@@ -1349,10 +1358,14 @@ class Client::Impl {
   template <typename Stop>
   void Poll(const std::shared_ptr<RoundStream>& conn, Clock::time_point deadline, Stop stop)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(rounds_mu_) {
-    const auto sys_deadline = ToSystem(deadline);
-    const bool now_only = deadline <= Clock::now();
-    // A poller leaving with Abort's frame unwritten would strand it: it stays to write it.
+    auto sys_deadline = ToSystem(deadline);
+    bool now_only = deadline <= Clock::now();
+    // A poller leaving with Abort's frame unwritten would strand it: it stays to write it,
+    // past its deadline too (then only for that frame, bounded as Abort's own wait). Stranded,
+    // the frame never reaches the sidecar, and the job's other ranks wait for this one.
+    bool stranded = false;
     while (!stop() || (conn->abort_frame != nullptr && !conn->broken)) {
+      if (stranded && (conn->abort_frame == nullptr || conn->broken)) return;
       if (!conn->read_posted && !conn->read_failed) {
         conn->read_posted = true;
         conn->stream->Read(&conn->in, TagOf(kRead));
@@ -1365,7 +1378,14 @@ class Client::Impl {
       const auto got = now_only ? conn->cq.AsyncNext(&tag, &ok, gpr_inf_past(GPR_CLOCK_MONOTONIC))
                                 : conn->cq.AsyncNext(&tag, &ok, sys_deadline);
       rounds_mu_.Lock();
-      if (got != grpc::CompletionQueue::GOT_EVENT) return;  // TIMEOUT (SHUTDOWN: never here)
+      if (got != grpc::CompletionQueue::GOT_EVENT) {  // TIMEOUT (SHUTDOWN: never here)
+        if (stranded || conn->abort_frame == nullptr || conn->broken) return;
+        stranded = true;
+        now_only = false;
+        sys_deadline = ToSystem(Clock::now() + kAbortFlush);
+        FlushAbortFrame(*conn);
+        continue;
+      }
       switch (static_cast<Tag>(reinterpret_cast<intptr_t>(tag))) {
         case kRead:
           conn->read_posted = false;

@@ -1234,6 +1234,9 @@ void Job::ParentResult(const v1::Result& result, Actions* out) {
   auto copy = std::make_shared<v1::Result>(result);
   copy->clear_session();
   copy->set_scope(it->second.scope);  // what the members asked for, whatever the root says
+  // The answer to a forwarded round, never a late result (only a sidecar sends those, as its
+  // own copy above), whatever the parent's flag says: members would take it as one.
+  copy->clear_late();
   std::shared_ptr<const v1::Result> shared = copy;
   if (it->second.scope == v1::SCOPE_SHADOW) {
     // A group aggregator's shadow round: its sidecars were answered long ago; the global

@@ -366,7 +366,8 @@ TEST(Job, GlobalScopeIsForwardedAndAnsweredWithTheParentsResult) {
 }
 
 TEST(Job, ParentResultIsRelayedWithTheRoundsOwnScopeWhateverTheRootSays) {
-  // Found by tests/fuzz/fuzz_job: a root that answers with a scope outside the protocol's.
+  // Found by tests/fuzz/fuzz_job: a root that answers with a scope outside the protocol's,
+  // and (later) one that marks its answer late, which a forwarded round's answer never is.
   Fixture f(1, 2, 0, /*parent=*/true);
   Actions a = f.Send(0, Fwd(0, 0, 1, {1.0}, {0.0}, v1::SCOPE_GLOBAL));
   ASSERT_EQ(a.forwards.size(), 1u);
@@ -375,6 +376,7 @@ TEST(Job, ParentResultIsRelayedWithTheRoundsOwnScopeWhateverTheRootSays) {
   root.set_channels(1);
   root.set_count(2);
   root.set_scope(v1::Scope(-7));
+  root.set_late(true);
   *root.mutable_data() = *a.forwards[0].data;
   Actions b;
   f.job->ParentResult(root, &b);
@@ -383,6 +385,7 @@ TEST(Job, ParentResultIsRelayedWithTheRoundsOwnScopeWhateverTheRootSays) {
   EXPECT_EQ(f.sinks[0]->results[0].code(), 0);
   EXPECT_EQ(f.sinks[0]->results[0].scope(), v1::SCOPE_GLOBAL);
   EXPECT_EQ(f.sinks[0]->results[0].count(), 2);
+  EXPECT_FALSE(f.sinks[0]->results[0].late());
 }
 
 TEST(Job, LosingTheParentFailsForwardedRoundsAtOnce) {
