@@ -3,350 +3,18 @@
 #include <pthread.h>
 
 #include <algorithm>
-#include <cctype>
-#include <cstdio>
-#include <deque>
-#include <fstream>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "google/protobuf/util/json_util.h"
+#include "divergence.h"
 #include "grpcpp/security/credentials.h"
-#include "member_stream.h"
 #include "parent_link.h"
+#include "shm_transport.h"
 #include "wire.h"
 
 namespace hsbn::server {
 
-namespace {
-
-struct ResultTraits {
-  using Item = v1::Result;
-  using Frame = v1::ServerFrame;
-  static size_t Bytes(const v1::Result& r) {
-    return r.data().size() + r.message().size() + sizeof(v1::Result);
-  }
-  static void SetOne(v1::ServerFrame* frame, v1::Result&& r) {
-    *frame->mutable_result() = std::move(r);
-  }
-  static void AddToBatch(v1::ServerFrame* frame, v1::Result&& r) {
-    *frame->mutable_batch()->add_results() = std::move(r);
-  }
-};
-
-// The write side of one Exchange stream: a bounded StreamWriter of results (one write in
-// flight; batches for a peer that accepts them). Results are queued from any thread and Send
-// never blocks on the network. The stream ends with a graceful Finish once the client
-// half-closed (or the stream broke) and no write is in flight, or early with the status of
-// Terminate() or of an overflow (RESOURCE_EXHAUSTED: a reader too slow for --max-queued-bytes,
-// or the memory budget). Jobs may hold the outbox after the stream is gone; Send then does
-// nothing.
-class Outbox final : public MemberSink, public WatchedStream, public StreamWriter<ResultTraits> {
- public:
-  Outbox(grpc::ServerAsyncReaderWriter<v1::ServerFrame, v1::ClientFrame>* stream,
-         grpc::ServerContext* ctx, EventTag* write_tag, EventTag* finish_tag,
-         Aggregator* aggregator, WriterLimits limits)
-      : StreamWriter(std::move(limits)),
-        stream_(stream),
-        ctx_(ctx),
-        write_tag_(write_tag),
-        finish_tag_(finish_tag),
-        aggregator_(aggregator),
-        metrics_(aggregator->metrics()) {}
-
-  void Send(v1::Result result) override { Push(std::move(result)); }
-  void EnableBatches() override { StreamWriter::EnableBatches(); }
-
-  // The client half-closed or the stream broke (event thread).
-  void ReadDone() ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
-    read_done_ = true;
-    if (!writing() && !finishing_) FinishLocked();
-  }
-
-  // Ends the stream early with `status`, after the write in flight (if any).
-  void Terminate(const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
-    if (end_status_.ok()) end_status_ = status;
-    set_closed();
-    if (!writing() && !finishing_) FinishLocked();
-  }
-
-  // A write stalled past the write deadline: the peer does not read. Cancels the call (the
-  // write cannot complete, so no status can be sent); its read then fails, which reports its
-  // members gone.
-  bool CancelIfStalled(Clock::time_point now) override {
-    if (!Stalled(now)) return false;
-    ctx_->TryCancel();
-    return true;
-  }
-  void End(const absl::Status& status) override { Terminate(status); }
-
- protected:
-  bool StartWriteLocked(const v1::ServerFrame& frame) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (metrics_) metrics_->Sent(Metrics::Link::kMembers, frame.ByteSizeLong());
-    ++ops();  // counted here, not in the lambda: the lock analysis does not see into it
-    if (aggregator_->StartOp([&] { stream_->Write(frame, write_tag_); })) return true;
-    --ops();
-    return false;
-  }
-
-  void OverflowLocked(Overflow which) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const bool queue = which == Overflow::kQueue;
-    aggregator_->Refused(queue ? "queue_bytes" : "memory_budget");
-    if (end_status_.ok()) {
-      end_status_ = absl::ResourceExhaustedError(
-          queue
-              ? absl::StrCat("this stream's reader fell more than --max-queued-bytes=",
-                             limits().max_queued_bytes, " bytes of results behind; the "
-                             "aggregator dropped it (read results as they come)")
-              : std::string("the aggregator's memory budget (--memory-budget-bytes) is "
-                            "exhausted; this stream's queued results were dropped"));
-      end_status_ = wire::WithReason(
-          end_status_, queue ? v1::REASON_QUEUE_BYTES : v1::REASON_MEMORY_BUDGET);
-    }
-    if (!writing() && !finishing_) FinishLocked();
-  }
-
-  void IdleLocked() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if ((read_done_ || !end_status_.ok()) && !finishing_) FinishLocked();
-  }
-
- private:
-  void FinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    finishing_ = true;
-    const grpc::Status status = wire::ToGrpc(end_status_);
-    ++ops();
-    // Nothing starts once the queues are shutting down.
-    if (!aggregator_->StartOp([&] { stream_->Finish(status, finish_tag_); })) --ops();
-  }
-
-  grpc::ServerAsyncReaderWriter<v1::ServerFrame, v1::ClientFrame>* const stream_;
-  grpc::ServerContext* const ctx_;
-  EventTag* const write_tag_;
-  EventTag* const finish_tag_;
-  Aggregator* const aggregator_;
-  Metrics* const metrics_;
-  bool read_done_ ABSL_GUARDED_BY(mu_) = false;
-  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status end_status_ ABSL_GUARDED_BY(mu_);
-};
-
-// What a member stream's policy (MemberStream) asks of the aggregator.
-class StreamHost final : public MemberStreamHost {
- public:
-  explicit StreamHost(Aggregator* aggregator) : aggregator_(aggregator) {}
-  Registry& registry() override { return aggregator_->registry(); }
-  void Execute(const std::shared_ptr<Job>& job, Actions& actions) override {
-    aggregator_->Execute(actions, job->id());
-  }
-  void LogInvalid(const std::string& what) override { aggregator_->LogInvalid(what); }
-  void Refused(const char* reason) override { aggregator_->Refused(reason); }
-  void Leave(const SessionId& session) override {
-    v1::LeaveRequest req;
-    req.set_session(session.Bytes());
-    aggregator_->Leave(req);
-  }
-  void Aborted(const Registry::SessionRef& ref, const SessionId& session,
-               const std::string& reason) override {
-    aggregator_->MemberAborted(ref, session, reason);
-  }
-
- private:
-  Aggregator* const aggregator_;
-};
-
-// One Exchange stream: requested, then one read outstanding at a time until the client
-// half-closes or the stream breaks, writes through the outbox, a Finish, and the done
-// notification. Its events run on the event thread; it deletes itself when the last of its
-// operations has come back (Outbox::ReleaseOp). What each frame read may do is the
-// MemberStream's policy (member_stream.h).
-class ExchangeCall final {
- public:
-  // Requests the next Exchange call on `cq` (one request is always outstanding on each queue
-  // while serving; a call's events all come back on the queue it was requested on).
-  static void Request(Aggregator* aggregator, grpc::ServerCompletionQueue* cq) {
-    auto* call = new ExchangeCall(aggregator, cq);
-    call->ctx_.AsyncNotifyWhenDone(&call->done_tag_);
-    if (!aggregator->StartOp([&] {
-          aggregator->async_service()->RequestExchange(&call->ctx_, &call->stream_, cq, cq,
-                                                       &call->request_tag_);
-        })) {
-      delete call;  // never requested: no tag of it will come back
-    }
-  }
-
- private:
-  ExchangeCall(Aggregator* aggregator, grpc::ServerCompletionQueue* cq)
-      : aggregator_(aggregator),
-        cq_(cq),
-        metrics_(aggregator->metrics()),
-        outbox_(std::make_shared<Outbox>(&stream_, &ctx_, &write_tag_, &finish_tag_, aggregator,
-                                         aggregator->writer_limits())),
-        host_(aggregator),
-        policy_(&host_, outbox_, aggregator->options().max_unbound_bytes) {}
-
-  void OnRequest(bool ok) {
-    if (!ok) {  // the server is shutting down; the call never started (no done notification)
-      delete this;
-      return;
-    }
-    Request(aggregator_, cq_);
-    outbox_->AddOp();  // the done notification
-    aggregator_->WatchStream(outbox_);
-    StartRead();
-  }
-
-  // Starts the next read (not when the queues are shutting down).
-  void StartRead() {
-    outbox_->AddOp();
-    if (!aggregator_->StartOp([&] { stream_.Read(&in_, &read_tag_); })) {
-      outbox_->ReleaseOp();  // never the last: the caller holds an operation of this call
-    }
-  }
-
-  void OnRead(bool ok) {
-    if (!ok) {
-      aggregator_->StreamClosed(policy_.sessions());
-      outbox_->ReadDone();
-      Release();
-      return;
-    }
-    if (metrics_) metrics_->Received(Metrics::Link::kMembers, in_.ByteSizeLong());
-    if (absl::Status s = policy_.Read(in_); !s.ok()) {
-      outbox_->Terminate(s);
-      Release();
-      return;  // no more reads: the Finish ends the call
-    }
-    StartRead();
-    Release();
-  }
-
-  void OnWrite(bool ok) {
-    outbox_->WriteDone(ok);
-    Release();
-  }
-  void OnFinish(bool) { Release(); }
-  void OnDone(bool) { Release(); }
-
-  void Release() {
-    if (outbox_->ReleaseOp()) delete this;
-  }
-
-  Aggregator* const aggregator_;
-  grpc::ServerCompletionQueue* const cq_;
-  Metrics* const metrics_;
-  grpc::ServerContext ctx_;
-  grpc::ServerAsyncReaderWriter<v1::ServerFrame, v1::ClientFrame> stream_{&ctx_};
-  MemberTag<ExchangeCall> request_tag_{this, &ExchangeCall::OnRequest};
-  MemberTag<ExchangeCall> read_tag_{this, &ExchangeCall::OnRead};
-  MemberTag<ExchangeCall> write_tag_{this, &ExchangeCall::OnWrite};
-  MemberTag<ExchangeCall> finish_tag_{this, &ExchangeCall::OnFinish};
-  MemberTag<ExchangeCall> done_tag_{this, &ExchangeCall::OnDone};
-  std::shared_ptr<Outbox> outbox_;
-  v1::ClientFrame in_;
-  StreamHost host_;
-  MemberStream policy_;  // event thread only
-};
-
-// One unary call: requested; when it arrives the next one is requested and `Handle` runs on
-// the event thread, which (then or later, from the event thread) calls Finish; the finish's
-// completion deletes the call.
-template <typename Req, typename Resp>
-class UnaryCall final {
- public:
-  using RequestFn = void (v1::Aggregator::AsyncService::*)(
-      grpc::ServerContext*, Req*, grpc::ServerAsyncResponseWriter<Resp>*, grpc::CompletionQueue*,
-      grpc::ServerCompletionQueue*, void*);
-  using HandleFn = void (*)(Aggregator*, UnaryCall*);
-
-  static void Request(Aggregator* aggregator, grpc::ServerCompletionQueue* cq, RequestFn request,
-                      HandleFn handle) {
-    auto* call = new UnaryCall(aggregator, cq, request, handle);
-    if (!aggregator->StartOp([&] {
-          (aggregator->async_service()->*request)(&call->ctx_, &call->req, &call->writer_, cq,
-                                                   cq, &call->request_tag_);
-        })) {
-      delete call;
-    }
-  }
-
-  void Finish(const grpc::Status& status) {
-    if (!aggregator_->StartOp([&] { writer_.Finish(resp, status, &finish_tag_); })) delete this;
-  }
-
-  Req req;
-  Resp resp;
-
- private:
-  UnaryCall(Aggregator* aggregator, grpc::ServerCompletionQueue* cq, RequestFn request,
-            HandleFn handle)
-      : aggregator_(aggregator), cq_(cq), request_(request), handle_(handle) {}
-
-  void OnRequest(bool ok) {
-    if (!ok || aggregator_->draining()) {
-      delete this;
-      return;
-    }
-    Request(aggregator_, cq_, request_, handle_);
-    handle_(aggregator_, this);  // may delete this
-  }
-  void OnFinish(bool) { delete this; }
-
-  Aggregator* const aggregator_;
-  grpc::ServerCompletionQueue* const cq_;
-  const RequestFn request_;
-  const HandleFn handle_;
-  grpc::ServerContext ctx_;
-  grpc::ServerAsyncResponseWriter<Resp> writer_{&ctx_};
-  MemberTag<UnaryCall> request_tag_{this, &UnaryCall::OnRequest};
-  MemberTag<UnaryCall> finish_tag_{this, &UnaryCall::OnFinish};
-};
-
-using JoinCall = UnaryCall<v1::JoinRequest, v1::JoinResponse>;
-using LeaveCall = UnaryCall<v1::LeaveRequest, v1::LeaveResponse>;
-using StatusCall = UnaryCall<v1::StatusRequest, v1::StatusResponse>;
-
-void HandleJoin(Aggregator* aggregator, JoinCall* call) {
-  call->Finish(aggregator->Join(call->req, &call->resp));
-}
-
-void HandleLeave(Aggregator* aggregator, LeaveCall* call) {
-  call->Finish(aggregator->Leave(call->req));
-}
-
-void HandleStatus(Aggregator* aggregator, StatusCall* call) {
-  if (grpc::Status s = aggregator->AnswerStatus(call->req, &call->resp); !s.ok()) {
-    call->Finish(s);
-    return;
-  }
-  if (call->req.include_upstream() && aggregator->parent()) {
-    // Answered when the parent's reply arrives (on the event thread).
-    aggregator->parent()->Status(
-        call->req, [call](const grpc::Status& s, const v1::StatusResponse& up) {
-          if (s.ok()) {
-            *call->resp.mutable_upstream() = up;
-          } else {
-            call->resp.set_upstream_error(s.error_message());
-          }
-          call->Finish(grpc::Status::OK);
-        });
-    return;
-  }
-  call->Finish(grpc::Status::OK);
-}
-
-void RequestCalls(Aggregator* aggregator, grpc::ServerCompletionQueue* cq) {
-  ExchangeCall::Request(aggregator, cq);
-  JoinCall::Request(aggregator, cq, &v1::Aggregator::AsyncService::RequestJoin, &HandleJoin);
-  LeaveCall::Request(aggregator, cq, &v1::Aggregator::AsyncService::RequestLeave, &HandleLeave);
-  StatusCall::Request(aggregator, cq, &v1::Aggregator::AsyncService::RequestStatus,
-                      &HandleStatus);
-}
-
-}  // namespace
 
 
 namespace {
@@ -404,6 +72,23 @@ void Aggregator::Start(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>>
     }
     parent_ = std::make_unique<ParentLink>(this, std::move(link), cqs_[0].get());
   }
+  StartTransports();
+  ticker_ = std::thread([this] { TickLoop(); });
+  for (size_t i = 0; i < cqs_.size(); ++i) {
+    grpc::ServerCompletionQueue* cq = cqs_[i].get();
+    streams_->RequestCalls(cq);
+    events_.emplace_back([this, cq, i] { EventLoop(cq, i); });
+  }
+}
+
+void Aggregator::StartTransports() {
+  // Node role: the shared-memory node path first (it answers the Join's transport question
+  // and takes the parent's answers to the rounds it forwarded), else the streams say why not.
+  std::string note;
+  if (options_.role == AggregatorOptions::Role::kNode) {
+    note = options_.shm ? "grpc: the sidecar's shared-memory socket is not available"
+                        : "grpc: the sidecar runs with --shm=off";
+  }
   if (options_.role == AggregatorOptions::Role::kNode && options_.shm &&
       !options_.shm_socket.empty()) {
     ShmOptions shm;
@@ -415,19 +100,18 @@ void Aggregator::Start(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>>
     shm.has_parent = parent_ != nullptr;
     shm.round_timeout = options_.limits.round_timeout;
     shm.metrics = options_.metrics.get();
-    shm_ = std::make_unique<ShmTransport>(std::move(shm), &registry_, this);
-    if (absl::Status s = shm_->Start(); !s.ok()) {
+    auto transport = std::make_unique<ShmTransport>(std::move(shm), &registry_, this);
+    if (absl::Status s = transport->Start(); s.ok()) {
+      transports_.push_back(std::move(transport));
+      note.clear();
+    } else {
       Log(LogLevel::kWarn, absl::StrCat("shared-memory node path off: ", s.message(),
                                         "; node rounds use the gRPC stream"));
-      shm_.reset();
     }
   }
-  ticker_ = std::thread([this] { TickLoop(); });
-  for (size_t i = 0; i < cqs_.size(); ++i) {
-    grpc::ServerCompletionQueue* cq = cqs_[i].get();
-    RequestCalls(this, cq);
-    events_.emplace_back([this, cq, i] { EventLoop(cq, i); });
-  }
+  auto streams = std::make_unique<StreamTransport>(this, std::move(note));
+  streams_ = streams.get();
+  transports_.push_back(std::move(streams));
 }
 
 Aggregator::~Aggregator() {
@@ -476,7 +160,6 @@ void Aggregator::Shutdown(const std::string& why) {
   // Nothing is admitted any more before rounds fail: a rank whose round fails cannot join this
   // process again, so all ranks of a node meet at the next process on this address.
   std::vector<std::shared_ptr<Job>> jobs = registry_.Close(closing);
-  if (shm_) shm_->Shutdown(std::string(closing.message()));
   for (auto& job : jobs) {
     Actions actions;
     job->FailAll(closing, &actions);
@@ -484,47 +167,9 @@ void Aggregator::Shutdown(const std::string& why) {
     actions.aborts.clear();
     Execute(actions, job->id());
   }
-  // Every stream ends with the same status, so a member that was between rounds reads the
-  // reason (and the words) in its stream's final status, not a bare CANCELLED.
-  std::vector<std::shared_ptr<WatchedStream>> streams;
-  {
-    absl::MutexLock lock(&watch_mu_);
-    for (auto& weak : watched_) {
-      if (auto s = weak.lock()) streams.push_back(std::move(s));
-    }
-  }
-  for (auto& s : streams) s->End(closing);
+  // After the jobs' failures were queued: the streams end with the same status, after them.
+  for (auto& t : transports_) t->Shutdown(closing);
   if (parent_) parent_->Shutdown();
-}
-
-void Aggregator::WatchStream(std::weak_ptr<WatchedStream> stream) {
-  absl::MutexLock lock(&watch_mu_);
-  watched_.push_back(std::move(stream));
-}
-
-void Aggregator::CheckStreams(Clock::time_point now) {
-  std::vector<std::shared_ptr<WatchedStream>> live;
-  {
-    absl::MutexLock lock(&watch_mu_);
-    live.reserve(watched_.size());
-    for (auto it = watched_.begin(); it != watched_.end();) {
-      if (auto s = it->lock()) {
-        live.push_back(std::move(s));
-        ++it;
-      } else {
-        it = watched_.erase(it);
-      }
-    }
-  }
-  for (auto& s : live) {
-    if (s->CancelIfStalled(now)) {
-      Refused("write_deadline");
-      Log(LogLevel::kWarn, absl::StrCat("a stream's write waited longer than --write-deadline-ms=",
-                                        options_.write_deadline.count(),
-                                        " (its reader stopped reading); the stream was dropped"));
-    }
-  }
-  if (parent_) parent_->CheckStalled(now);
 }
 
 void Aggregator::TickLoop() {
@@ -536,17 +181,7 @@ void Aggregator::TickLoop() {
     if (stopping_) break;
     tick_mu_.Unlock();
     const Clock::time_point now = Clock::now();
-    for (const Registry::Dropped& d : registry_.Sweep(now)) {
-      if (d.expired) Refused("attach_timeout");
-      Log(LogLevel::kInfo,
-          absl::StrCat("job '", d.job->id(), "' dropped: ",
-                       d.expired ? "no member attached a stream within --attach-timeout-ms"
-                                 : "every member left or lost its stream"));
-      if (!options_.divergence_dir.empty()) SaveDivergence(*d.job);
-      if (shm_) shm_->DropJob(d.job->id());
-      // The root holds the job while this node is a member of it: leave, so it can drop it too.
-      if (parent_) parent_->Leave(d.job->id());
-    }
+    for (const Registry::Dropped& d : registry_.Sweep(now)) Dropped(d);
     for (auto& job : registry_.Jobs()) {
       Actions actions;
       job->Expire(now, &actions);
@@ -556,7 +191,8 @@ void Aggregator::TickLoop() {
     }
     if (now >= next_check) {
       next_check = now + std::chrono::milliseconds(100);
-      CheckStreams(now);
+      for (auto& t : transports_) t->Tick(now);
+      if (parent_) parent_->CheckStalled(now);
       LogFlushSuppressed();
       if (Metrics* m = options_.metrics.get()) m->SetMemoryUsed(registry_.budget()->used());
     }
@@ -564,51 +200,24 @@ void Aggregator::TickLoop() {
   }
 }
 
-namespace {
-// A job id as a file name: [A-Za-z0-9._-] kept, every other byte as %XX, and a leading '.'
-// escaped too, so no id can name a path outside the directory or a hidden file.
-std::string FileNameOf(const std::string& job_id) {
-  static const char kHex[] = "0123456789ABCDEF";
-  std::string out;
-  for (size_t i = 0; i < job_id.size(); ++i) {
-    const unsigned char c = static_cast<unsigned char>(job_id[i]);
-    if (std::isalnum(c) || c == '_' || c == '-' || (c == '.' && i > 0)) {
-      out.push_back(char(c));
-    } else {
-      out += '%';
-      out.push_back(kHex[c >> 4]);
-      out.push_back(kHex[c & 15]);
+void Aggregator::Dropped(const Registry::Dropped& d) {
+  if (d.expired) Refused("attach_timeout");
+  Log(LogLevel::kInfo,
+      absl::StrCat("job '", d.job->id(), "' dropped: ",
+                   d.expired ? "no member attached a stream within --attach-timeout-ms"
+                             : "every member left or lost its stream"));
+  if (!options_.divergence_dir.empty()) {
+    absl::StatusOr<std::string> saved = SaveDivergence(*d.job, options_.divergence_dir);
+    if (!saved.ok()) {
+      Log(LogLevel::kWarn, std::string(saved.status().message()));
+    } else if (!saved->empty()) {
+      Log(LogLevel::kInfo, absl::StrCat("job '", d.job->id(),
+                                        "': shadow divergence record written to ", *saved));
     }
   }
-  return out;
-}
-}  // namespace
-
-void Aggregator::SaveDivergence(const Job& job) {
-  v1::JobStatus status;
-  job.FillStatus(&status);
-  if (status.divergence_size() == 0) return;
-  std::string json;
-  google::protobuf::util::JsonPrintOptions print;
-  print.add_whitespace = true;
-  if (!google::protobuf::util::MessageToJsonString(status, &json, print).ok()) return;
-  const std::string path =
-      absl::StrCat(options_.divergence_dir, "/", FileNameOf(job.id()), ".divergence.json");
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << json << "\n";
-    if (!out) {
-      Log(LogLevel::kWarn, absl::StrCat("cannot write ", tmp, " (--divergence-dir)"));
-      return;
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    Log(LogLevel::kWarn, absl::StrCat("cannot rename ", tmp, " to ", path));
-    return;
-  }
-  Log(LogLevel::kInfo, absl::StrCat("job '", job.id(), "': shadow divergence record written to ",
-                                    path));
+  for (auto& t : transports_) t->JobDropped(d.job->id(), "the job ended at the sidecar");
+  // The root holds the job while this node is a member of it: leave, so it can drop it too.
+  if (parent_) parent_->Leave(d.job->id());
 }
 
 void Aggregator::LogInvalid(const std::string& what) {
@@ -678,7 +287,7 @@ void Aggregator::StreamClosed(const std::vector<SessionId>& sessions) {
     if (!registry_.Find(session, &ref)) continue;
     Actions actions;
     ref.job->MemberGone(ref.index, session, /*left=*/false, Clock::now(), &actions);
-    if (shm_) shm_->MemberGone(ref.job->id(), ref.index, /*left=*/false);
+    for (auto& t : transports_) t->MemberGone(ref.job->id(), ref.index, /*left=*/false, "");
     Execute(actions, ref.job->id());
   }
 }
@@ -687,12 +296,14 @@ void Aggregator::MemberAborted(const Registry::SessionRef& ref, const SessionId&
                                const std::string& reason) {
   Actions actions;
   ref.job->MemberGone(ref.index, session, /*left=*/false, Clock::now(), &actions, reason);
-  if (shm_) shm_->MemberGone(ref.job->id(), ref.index, /*left=*/false, reason);
+  for (auto& t : transports_) t->MemberGone(ref.job->id(), ref.index, /*left=*/false, reason);
   Execute(actions, ref.job->id());
 }
 
 void Aggregator::OnParentResult(const std::string& job_id, const v1::Result& result) {
-  if (shm_ && shm_->ParentResult(job_id, result)) return;
+  for (auto& t : transports_) {
+    if (t->ParentResult(job_id, result)) return;
+  }
   std::shared_ptr<Job> job = registry_.FindJob(job_id);
   if (!job) return;
   Actions actions;
@@ -706,7 +317,7 @@ bool Aggregator::NodeDown(const std::string& job_id, std::string* message) {
 }
 
 void Aggregator::OnParentLost(const absl::Status& status) {
-  if (shm_) shm_->ParentLost(status);
+  for (auto& t : transports_) t->ParentLost(status);
   for (auto& job : registry_.Jobs()) {
     Actions actions;
     job->ParentLost(status, &actions);
@@ -716,17 +327,17 @@ void Aggregator::OnParentLost(const absl::Status& status) {
 
 grpc::Status Aggregator::Join(const v1::JoinRequest& req, v1::JoinResponse* resp) {
   Actions actions;
-  if (shm_ && req.kind() == v1::MEMBER_KIND_WORKER) {
-    if (absl::Status s = shm_->CheckJoin(req); !s.ok()) return wire::ToGrpc(s);
+  for (auto& t : transports_) {
+    if (absl::Status s = t->CheckJoin(req); !s.ok()) return wire::ToGrpc(s);
   }
   absl::StatusOr<Registry::Joined> joined = registry_.Join(req, &actions);
   if (Metrics* m = options_.metrics.get()) m->JoinAnswered(joined.status().code());
   if (!joined.ok()) {
     const absl::Status& s = joined.status();
     Execute(actions, req.job_id());  // a layout refusal fails the job's rounds (Job::Refused)
-    if (shm_) {
-      std::shared_ptr<Job> job = registry_.FindJob(req.job_id());
-      if (job && !job->refusal().ok()) shm_->Refuse(req.job_id(), job->refusal());
+    if (std::shared_ptr<Job> job = registry_.FindJob(req.job_id());
+        job && !job->refusal().ok()) {
+      for (auto& t : transports_) t->Refused(req.job_id(), job->refusal());
     }
     switch (wire::ReasonOf(s)) {
       case v1::REASON_MAX_WORLD_SIZE: Refused("world_size"); break;
@@ -744,11 +355,12 @@ grpc::Status Aggregator::Join(const v1::JoinRequest& req, v1::JoinResponse* resp
   // The root holds the old run with this node's session in it: leave it, like a dropped job;
   // the new run's first forward joins the root again, with the new incarnation.
   if (joined->replaced && parent_) parent_->Leave(joined->replaced->id());
-  if (joined->replaced && shm_) {
-    shm_->DropJob(joined->replaced->id(),
-                  absl::StrCat("job '", joined->replaced->id(), "' was restarted: run ",
-                               req.incarnation(), " joined, so this round of run ",
-                               joined->replaced->layout().incarnation, " can never complete"));
+  if (joined->replaced) {
+    const std::string why = absl::StrCat(
+        "job '", joined->replaced->id(), "' was restarted: run ", req.incarnation(),
+        " joined, so this round of run ", joined->replaced->layout().incarnation,
+        " can never complete");
+    for (auto& t : transports_) t->JobDropped(joined->replaced->id(), why);
   }
   Log(LogLevel::kDebug, absl::StrCat("job '", req.job_id(), "': ",
                                      joined->job->MemberName(joined->index), " joined"));
@@ -760,46 +372,15 @@ grpc::Status Aggregator::Join(const v1::JoinRequest& req, v1::JoinResponse* resp
   resp->set_aggregator_id(options_.id);
   resp->set_accepts_batches(true);
   resp->set_role(RoleName(options_.role));
-  if (shm_ && req.kind() == v1::MEMBER_KIND_WORKER) {
-    shm_->Joined(req, joined->index, resp);
-  } else if (options_.role == AggregatorOptions::Role::kNode) {
-    resp->set_shm_note(options_.shm ? "grpc: the sidecar's shared-memory socket is not available"
-                                    : "grpc: the sidecar runs with --shm=off");
-  }
+  for (auto& t : transports_) t->Joined(req, joined->index, resp);
   return grpc::Status::OK;
 }
 
 std::string Aggregator::NodeTransport(const std::string& job_id) const {
-  if (options_.role != AggregatorOptions::Role::kNode) return "";
-  if (!shm_) {
-    return options_.shm ? "grpc: the sidecar's shared-memory socket is not available"
-                        : "grpc: the sidecar runs with --shm=off";
+  for (const auto& t : transports_) {
+    if (std::string note = t->Describe(job_id); !note.empty()) return note;
   }
-  return shm_->Describe(job_id);
-}
-
-void Aggregator::ShmToParent(const std::string& job_id, const shm::QueueEntry& item) {
-  std::shared_ptr<Job> job = registry_.FindJob(job_id);
-  if (!job || !parent_) return;
-  const RoundKey key{item.key.op, item.key.seq, v1::Phase(item.key.phase)};
-  std::shared_ptr<const std::string> token = job->token();
-  if (item.kind == shm::kPartial) {
-    // A renorm or lagged round's node answer is in the segment already; its global result
-    // comes back through the job, to every worker's stream.
-    if (item.scope == v1::SCOPE_RENORM || item.scope == v1::SCOPE_LAGGED) {
-      job->ExpectLate(key, uint32_t(item.channels), Clock::now());
-    }
-    auto data = std::make_shared<std::string>();
-    wire::PackPayload(item.data.data(), item.data.data() + item.channels, item.channels,
-                      data.get());
-    parent_->Forward(job_id, job->layout(), token,
-                     Actions::Forward{key, v1::Scope(item.scope), uint32_t(item.channels),
-                                      item.count, std::move(data), /*decide=*/nullptr});
-  } else {
-    parent_->Abort(job_id, job->layout(), token,
-                   Actions::Abort{key, wire::StatusFromCode(item.code, item.message,
-                                                           static_cast<v1::Reason>(item.reason))});
-  }
+  return "";
 }
 
 grpc::Status Aggregator::Leave(const v1::LeaveRequest& req) {
@@ -810,11 +391,13 @@ grpc::Status Aggregator::Leave(const v1::LeaveRequest& req) {
   Actions actions;
   std::string job_id;
   Registry::SessionRef ref;
-  const bool known = shm_ && registry_.Find(session, &ref);
+  const bool known = registry_.Find(session, &ref);
   if (absl::Status s = registry_.Leave(session, &actions, &job_id); !s.ok()) {
     return wire::ToGrpc(s);
   }
-  if (known) shm_->MemberGone(job_id, ref.index, /*left=*/true);
+  if (known) {
+    for (auto& t : transports_) t->MemberGone(job_id, ref.index, /*left=*/true, "");
+  }
   Execute(actions, job_id);
   return grpc::Status::OK;
 }
@@ -829,7 +412,7 @@ grpc::Status Aggregator::AnswerStatus(const v1::StatusRequest& req, v1::StatusRe
     v1::JobStatus* js = resp->add_jobs();
     job->FillStatus(js);
     js->set_node_transport(NodeTransport(job->id()));
-    if (shm_) shm_->AddCounts(job->id(), js);
+    for (auto& t : transports_) t->AddCounts(job->id(), js);
   }
   return grpc::Status::OK;
 }
@@ -837,7 +420,7 @@ grpc::Status Aggregator::AnswerStatus(const v1::StatusRequest& req, v1::StatusRe
 void Aggregator::FillStatus(const std::string& job_id, v1::StatusResponse* resp) {
   // A scrape (main.cc's state source) counts every round a worker was answered through shared
   // memory.
-  if (shm_) shm_->HarvestMetrics();
+  for (auto& t : transports_) t->HarvestMetrics();
   resp->set_aggregator_id(options_.id);
   resp->set_role(RoleName(options_.role));
   resp->set_uptime_s(std::chrono::duration<double>(Clock::now() - started_).count());
@@ -846,7 +429,7 @@ void Aggregator::FillStatus(const std::string& job_id, v1::StatusResponse* resp)
       v1::JobStatus* js = resp->add_jobs();
       job->FillStatus(js);
       js->set_node_transport(NodeTransport(job->id()));
-      if (shm_) shm_->AddCounts(job->id(), js);
+      for (auto& t : transports_) t->AddCounts(job->id(), js);
     }
   }
 }

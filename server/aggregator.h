@@ -7,11 +7,13 @@
 // stream to its root completes on the first queue, so no gRPC callback-API thread exists in
 // the process. Jobs and sessions live in a transport-independent Registry (registry.h): jobs
 // are created by their first Join and dropped when every member has gone or none is attached
-// for --attach-timeout-ms. Each member stream writes through a bounded StreamWriter
-// (stream_writer.h); the upstream link reaches this class only through UpstreamListener.
-// Rounds are reduced on the event thread when the last contribution arrives (or on
-// the deadline thread when they expire); results go out through each stream's outbox without
-// blocking, from whichever thread has them.
+// for --attach-timeout-ms. Rounds travel through transports (transport.h), which this class
+// tells of each event of the job lifecycle through one interface, naming none: the member
+// streams (stream_transport.h: the gRPC calls, every role) and, at a sidecar, the
+// shared-memory node path (shm_transport.h). The upstream link reaches this class only
+// through UpstreamListener. Rounds are reduced on the event thread when the last contribution
+// arrives (or on the deadline thread when they expire); results go out through each stream's
+// outbox without blocking, from whichever thread has them.
 //
 // In the node role (a sidecar) workers join it; rounds whose scope reaches above the node are
 // forwarded to the parent (--upstream) over one persistent stream shared by all jobs. In the
@@ -41,21 +43,12 @@
 #include "metrics.h"
 #include "parent_link.h"
 #include "registry.h"
-#include "shm_transport.h"
+#include "stream_transport.h"
 #include "stream_writer.h"
 #include "tokens.h"
+#include "transport.h"
 
 namespace hsbn::server {
-
-// A member stream, as the write-deadline timer sees it.
-class WatchedStream {
- public:
-  virtual ~WatchedStream() = default;
-  // Ends the stream if a write has waited past the write deadline; true if it did.
-  virtual bool CancelIfStalled(Clock::time_point now) = 0;
-  // Ends the stream with `status` once the write in flight (if any) completed.
-  virtual void End(const absl::Status& status) = 0;
-};
 
 struct AggregatorOptions {
   enum class Role { kNode, kGroup, kRoot };
@@ -93,7 +86,7 @@ struct AggregatorOptions {
 // "node", "group" or "root": the role's name in --role, Status and metrics.
 const char* RoleName(AggregatorOptions::Role role);
 
-class Aggregator final : public UpstreamListener, public ShmListener {
+class Aggregator final : public UpstreamListener, public TransportHost {
  public:
   explicit Aggregator(AggregatorOptions options);
   ~Aggregator() override;
@@ -134,8 +127,6 @@ class Aggregator final : public UpstreamListener, public ShmListener {
   void OnParentResult(const std::string& job_id, const v1::Result& result) override;
   void OnParentLost(const absl::Status& status) override;
   bool NodeDown(const std::string& job_id, std::string* message) override;
-  // ShmListener (called by the shared-memory transport's thread).
-  void ShmToParent(const std::string& job_id, const shm::QueueEntry& item) override;
 
   // The unary methods, run on the event thread.
   grpc::Status Join(const v1::JoinRequest& req, v1::JoinResponse* resp);
@@ -145,14 +136,12 @@ class Aggregator final : public UpstreamListener, public ShmListener {
   // Every job (or the one named), unfiltered: for this process's own metrics.
   void FillStatus(const std::string& job_id, v1::StatusResponse* resp);
 
-  // Used by the streams.
-  void Execute(Actions& actions, const std::string& job_id);
+  // Used by the streams and (TransportHost) every transport.
+  void Execute(Actions& actions, const std::string& job_id) override;
   void StreamClosed(const std::vector<SessionId>& sessions);
   // A worker's Abort frame: its session is gone, for `reason` (docs/PROTOCOL.md, "Abort").
   void MemberAborted(const Registry::SessionRef& ref, const SessionId& session,
                      const std::string& reason);
-  // Watches a member stream for writes stalled past the write deadline.
-  void WatchStream(std::weak_ptr<WatchedStream> stream);
   // Counts a refusal for lack of a resource (Metrics::Refused reasons).
   void Refused(const char* reason);
   // Logs invalid input from a client, escaped and rate-limited.
@@ -162,9 +151,10 @@ class Aggregator final : public UpstreamListener, public ShmListener {
 
  private:
   void TickLoop();
-  // Writes a finished job's shadow divergence record to --divergence-dir (if it has one).
-  void SaveDivergence(const Job& job);
-  void CheckStreams(Clock::time_point now);
+  // The transports of this role, in the order every event reaches them.
+  void StartTransports();
+  // A job the Registry dropped: its record saved, every transport and the parent told.
+  void Dropped(const Registry::Dropped& d);
   void EventLoop(grpc::ServerCompletionQueue* cq, size_t index);
 
   const AggregatorOptions options_;
@@ -172,16 +162,15 @@ class Aggregator final : public UpstreamListener, public ShmListener {
   Registry registry_;
   WriterLimits writer_limits_;
   std::unique_ptr<ParentLink> parent_;
-  std::unique_ptr<ShmTransport> shm_;  // node role with --shm=on; null otherwise
+  // Every event of the job lifecycle reaches each, in this order; set by Start, then fixed.
+  std::vector<std::unique_ptr<Transport>> transports_;
+  StreamTransport* streams_ = nullptr;  // the member streams, one of transports_
   // "shm", "grpc: <why>" or "pending": how the node's rounds of `job_id` travel (Status).
   std::string NodeTransport(const std::string& job_id) const;
 
   absl::Mutex tick_mu_;
   bool stopping_ ABSL_GUARDED_BY(tick_mu_) = false;
   std::thread ticker_;
-
-  absl::Mutex watch_mu_;
-  std::vector<std::weak_ptr<WatchedStream>> watched_ ABSL_GUARDED_BY(watch_mu_);
 
   v1::Aggregator::AsyncService service_;
   std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> cqs_;

@@ -444,10 +444,17 @@ static rlim_t RaiseOpenFileLimit() {
   return lim.rlim_cur;
 }
 
-int main(int argc, char** argv) {
-  // Signals are handled by sigwait at the end of main. Block them first, before anything (gRPC
-  // credentials, the server) can start a thread, so that every thread inherits the mask: a
-  // SIGTERM during start-up then waits for sigwait instead of killing the process.
+namespace {
+
+using hsbn::server::Aggregator;
+
+// main's steps. Each prints what is wrong (naming the flag and the fix) and returns false, or
+// an exit status; main then exits with status 2 for a command-line error, 1 for one of serving.
+
+// Signals are handled by sigwait at the end of main. Blocked first, before anything (gRPC
+// credentials, the server) can start a thread, so that every thread inherits the mask: a
+// SIGTERM during start-up then waits for sigwait instead of killing the process.
+sigset_t BlockSignals() {
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
@@ -455,6 +462,10 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  return signals;
+}
+
+void TuneProcess() {
   // Debian's Abseil is built with mutex deadlock detection on, and gRPC's locks are Abseil
   // mutexes: every lock then updates a global lock graph. The aggregator's lock order is fixed
   // by design; do not pay for the graph on every gRPC lock.
@@ -463,10 +474,13 @@ int main(int argc, char** argv) {
   // allocates and frees its buffers, and a trimmed heap page-faults on the next round.
   mallopt(M_TRIM_THRESHOLD, 64 << 20);
   mallopt(M_MMAP_THRESHOLD, 16 << 20);
-  AggregatorOptions options;
-  Settings settings;
-  if (const char* env_level = std::getenv("HSBN_LOG_LEVEL")) settings.log_level = env_level;
-  CLI::App app;
+}
+
+// Parses the command line into `settings` and `options`: -1 to go on, else the exit status
+// (--help and --version: 0; a bad flag: 2).
+int ParseFlags(CLI::App& app, int argc, char** argv, Settings* settings,
+               AggregatorOptions* options) {
+  if (const char* env_level = std::getenv("HSBN_LOG_LEVEL")) settings->log_level = env_level;
   app.description(kIntro);
   app.footer(kSignals);
   app.formatter(std::make_shared<HelpFormatter>());
@@ -474,7 +488,7 @@ int main(int argc, char** argv) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.set_help_flag();
   FlagTable table(&app);
-  AddFlags(table, &settings, &options);
+  AddFlags(table, settings, options);
   app.set_help_flag("--help,-h", "Show this text.")->group(kFlagsGroup);
   const std::string version =
       absl::StrCat("hsbn-aggregator ", hsbn::server::kHsbnVersion, " (commit ",
@@ -493,27 +507,31 @@ int main(int argc, char** argv) {
     std::cerr << "hsbn-aggregator: " << e.what() << " (see --help)\n";
     return 2;
   }
+  return -1;
+}
 
+// --role, --id, and the flags that belong to another role.
+bool ResolveRole(const CLI::App& app, const Settings& settings, AggregatorOptions* options) {
   const std::string& role = settings.role;
   if (role == "node") {
-    options.role = AggregatorOptions::Role::kNode;
+    options->role = AggregatorOptions::Role::kNode;
   } else if (role == "group") {
-    options.role = AggregatorOptions::Role::kGroup;
+    options->role = AggregatorOptions::Role::kGroup;
   } else if (role == "root") {
-    options.role = AggregatorOptions::Role::kRoot;
+    options->role = AggregatorOptions::Role::kRoot;
   } else {
     std::cerr << "hsbn-aggregator: --role must be node, group or root (see --help)\n";
-    return 2;
+    return false;
   }
-  if (options.role == AggregatorOptions::Role::kGroup && options.upstream.empty()) {
+  if (options->role == AggregatorOptions::Role::kGroup && options->upstream.empty()) {
     std::cerr << "hsbn-aggregator: --role=group needs --upstream=<root address>: a group "
                  "aggregator forwards its groups' global rounds to the root\n";
-    return 2;
+    return false;
   }
   if (app.count("--id") == 0) {
     char host[256] = "localhost";
     gethostname(host, sizeof host - 1);
-    options.id = absl::StrCat(role, "@", host);
+    options->id = absl::StrCat(role, "@", host);
   }
   // A flag of the other role would do nothing: say so instead of ignoring it.
   struct RoleFlag {
@@ -539,20 +557,22 @@ int main(int argc, char** argv) {
     if (app.count(f.flag) == 0 || absl::StrContains(f.roles, role)) continue;
     std::cerr << "hsbn-aggregator: " << f.flag << " is for --role=" << f.roles << " only ("
               << f.why << "); remove it from this --role=" << role << " command line\n";
-    return 2;
+    return false;
   }
-  if (!options.upstream.empty()) {
-    if (std::string e = AddressError("upstream", options.upstream, true, 1); !e.empty()) {
+  if (!options->upstream.empty()) {
+    if (std::string e = AddressError("upstream", options->upstream, true, 1); !e.empty()) {
       std::cerr << "hsbn-aggregator: " << e << "\n";
-      return 2;
+      return false;
     }
   }
-  const int event_threads = settings.event_threads;
-  const mode_t socket_mode = settings.socket_mode;
+  return true;
+}
+
+bool SetUpLogging(const Settings& settings, const AggregatorOptions& options) {
   LogLevel level = LogLevel::kInfo;
   if (!hsbn::server::ParseLogLevel(settings.log_level, &level)) {
     std::cerr << "hsbn-aggregator: HSBN_LOG_LEVEL must be debug, info, warn or error\n";
-    return 2;
+    return false;
   }
   hsbn::server::SetLogLevel(level);
   hsbn::server::SetLogName(options.id);
@@ -565,225 +585,247 @@ int main(int argc, char** argv) {
     });
   }
   hsbn::server::SetLogRateLimit(settings.log_lines_per_second);
+  return true;
+}
 
-  options.socket_mode = socket_mode;
-  options.shm = settings.shm == "on";
+// --listen (the role's default when not given) and --metrics-listen checked; the shared-memory
+// hand-off socket named: next to the first Unix socket (same directory, same mode), or an
+// abstract one (named at random) when the sidecar listens on TCP only.
+bool ResolveAddresses(const CLI::App& app, const Settings& settings, AggregatorOptions* options,
+                      std::vector<std::string>* listen) {
+  options->socket_mode = settings.socket_mode;
+  options->shm = settings.shm == "on";
   const std::string default_listen =
-      options.role == AggregatorOptions::Role::kNode ? "unix:/tmp/hsbn.sock" : "0.0.0.0:7070";
+      options->role == AggregatorOptions::Role::kNode ? "unix:/tmp/hsbn.sock" : "0.0.0.0:7070";
   const std::string listen_flag = app.count("--listen") == 0 ? default_listen : settings.listen;
-  std::vector<std::string> listen = absl::StrSplit(listen_flag, ',', absl::SkipEmpty());
-  if (listen.empty()) {
+  *listen = absl::StrSplit(listen_flag, ',', absl::SkipEmpty());
+  if (listen->empty()) {
     std::cerr << "hsbn-aggregator: --listen names no address\n";
-    return 2;
+    return false;
   }
-  for (const auto& l : listen) {
+  for (const auto& l : *listen) {
     if (std::string e = AddressError("listen", l, true, 0); !e.empty()) {
       std::cerr << "hsbn-aggregator: " << e << "\n";
-      return 2;
+      return false;
     }
   }
   if (!settings.metrics_listen.empty()) {
     if (std::string e = AddressError("metrics-listen", settings.metrics_listen, false, 0);
         !e.empty()) {
       std::cerr << "hsbn-aggregator: " << e << "\n";
-      return 2;
+      return false;
     }
   }
-  // The shared-memory hand-off socket: next to the first Unix socket (same directory, same
-  // mode), or an abstract one (named at random) when the sidecar listens on TCP only.
-  for (const auto& l : listen) {
+  for (const auto& l : *listen) {
     if (l.rfind("unix:", 0) == 0) {
-      options.shm_socket = l.substr(5) + ".shm";
+      options->shm_socket = l.substr(5) + ".shm";
       break;
     }
   }
-  if (options.shm_socket.empty()) {
+  if (options->shm_socket.empty()) {
     const hsbn::server::SessionId r = hsbn::server::SessionId::Random();
-    options.shm_socket = absl::StrCat("@hsbn-shm-", getpid(), "-", absl::Hex(r.hi));
+    options->shm_socket = absl::StrCat("@hsbn-shm-", getpid(), "-", absl::Hex(r.hi));
   }
+  return true;
+}
 
-  // TLS on the TCP listeners.
+// TLS on the TCP listeners (--tls-cert, --tls-key, --tls-client-ca).
+bool ServerCredentials(const Settings& settings, const std::vector<std::string>& listen,
+                       std::shared_ptr<grpc::ServerCredentials>* credentials) {
   const std::string& tls_cert = settings.tls_cert;
   const std::string& tls_key = settings.tls_key;
   const std::string& tls_client_ca = settings.tls_client_ca;
-  std::shared_ptr<grpc::ServerCredentials> tcp_credentials = grpc::InsecureServerCredentials();
+  *credentials = grpc::InsecureServerCredentials();
   if (tls_cert.empty() != tls_key.empty()) {
     std::cerr << "hsbn-aggregator: --tls-cert and --tls-key go together\n";
-    return 2;
+    return false;
   }
   if (!tls_client_ca.empty() && tls_cert.empty()) {
     std::cerr << "hsbn-aggregator: --tls-client-ca needs --tls-cert and --tls-key (mutual TLS "
                  "is TLS plus client certificates)\n";
-    return 2;
+    return false;
   }
-  if (!tls_cert.empty()) {
-    grpc::SslServerCredentialsOptions ssl(
-        tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
-                              : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-    grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-    if (!ReadPem("tls-cert", tls_cert, &pair.cert_chain)) return 2;
-    if (!ReadPem("tls-key", tls_key, &pair.private_key)) return 2;
-    ssl.pem_key_cert_pairs.push_back(std::move(pair));
-    if (!tls_client_ca.empty() && !ReadPem("tls-client-ca", tls_client_ca, &ssl.pem_root_certs)) {
-      return 2;
-    }
-    tcp_credentials = grpc::SslServerCredentials(ssl);
-    bool any_tcp = false;
-    for (const auto& l : listen) any_tcp = any_tcp || l.rfind("unix:", 0) != 0;
-    if (!any_tcp) {
-      Log(LogLevel::kWarn, "--tls-cert is set but every --listen address is a Unix socket, "
-                           "which stays plaintext; TLS is not used");
-    }
+  if (tls_cert.empty()) return true;
+  grpc::SslServerCredentialsOptions ssl(
+      tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                            : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  if (!ReadPem("tls-cert", tls_cert, &pair.cert_chain)) return false;
+  if (!ReadPem("tls-key", tls_key, &pair.private_key)) return false;
+  ssl.pem_key_cert_pairs.push_back(std::move(pair));
+  if (!tls_client_ca.empty() && !ReadPem("tls-client-ca", tls_client_ca, &ssl.pem_root_certs)) {
+    return false;
   }
+  *credentials = grpc::SslServerCredentials(ssl);
+  bool any_tcp = false;
+  for (const auto& l : listen) any_tcp = any_tcp || l.rfind("unix:", 0) != 0;
+  if (!any_tcp) {
+    Log(LogLevel::kWarn, "--tls-cert is set but every --listen address is a Unix socket, "
+                         "which stays plaintext; TLS is not used");
+  }
+  return true;
+}
 
-  // TLS to the upstream.
+// TLS to the upstream (--upstream-ca, --upstream-cert, --upstream-key, --upstream-tls-name).
+bool UpstreamCredentials(const Settings& settings, AggregatorOptions* options) {
   const std::string& up_ca = settings.upstream_ca;
   const std::string& up_cert = settings.upstream_cert;
   const std::string& up_key = settings.upstream_key;
-  const std::string& up_name = options.upstream_tls_name;
-  if (!up_ca.empty() || !up_cert.empty() || !up_key.empty() || !up_name.empty()) {
-    if (options.upstream.empty()) {
-      std::cerr << "hsbn-aggregator: --upstream-ca, --upstream-cert, --upstream-key and "
-                   "--upstream-tls-name configure the link to --upstream, which is not set\n";
-      return 2;
-    }
-    if (up_ca.empty()) {
-      std::cerr << "hsbn-aggregator: --upstream-cert, --upstream-key and --upstream-tls-name "
-                   "need --upstream-ca (the CA that signed the root's certificate)\n";
-      return 2;
-    }
-    if (up_cert.empty() != up_key.empty()) {
-      std::cerr << "hsbn-aggregator: --upstream-cert and --upstream-key go together\n";
-      return 2;
-    }
-    if (!ReadPem("upstream-ca", up_ca, &options.upstream_ca_pem)) return 2;
-    if (!up_cert.empty() && (!ReadPem("upstream-cert", up_cert, &options.upstream_cert_pem) ||
-                             !ReadPem("upstream-key", up_key, &options.upstream_key_pem))) {
-      return 2;
-    }
+  const std::string& up_name = options->upstream_tls_name;
+  if (up_ca.empty() && up_cert.empty() && up_key.empty() && up_name.empty()) return true;
+  if (options->upstream.empty()) {
+    std::cerr << "hsbn-aggregator: --upstream-ca, --upstream-cert, --upstream-key and "
+                 "--upstream-tls-name configure the link to --upstream, which is not set\n";
+    return false;
   }
+  if (up_ca.empty()) {
+    std::cerr << "hsbn-aggregator: --upstream-cert, --upstream-key and --upstream-tls-name "
+                 "need --upstream-ca (the CA that signed the root's certificate)\n";
+    return false;
+  }
+  if (up_cert.empty() != up_key.empty()) {
+    std::cerr << "hsbn-aggregator: --upstream-cert and --upstream-key go together\n";
+    return false;
+  }
+  if (!ReadPem("upstream-ca", up_ca, &options->upstream_ca_pem)) return false;
+  return up_cert.empty() || (ReadPem("upstream-cert", up_cert, &options->upstream_cert_pem) &&
+                             ReadPem("upstream-key", up_key, &options->upstream_key_pem));
+}
 
-  const rlim_t open_files = RaiseOpenFileLimit();
-
-  // Job tokens.
+// Job tokens (--token-file).
+bool LoadTokens(const Settings& settings, AggregatorOptions* options) {
   const std::string& token_file = settings.token_file;
   const bool allow_insecure = settings.allow_insecure_token_file;
-  if (!token_file.empty()) {
-    auto store = hsbn::server::TokenStore::Load(token_file, allow_insecure);
-    if (!store.ok()) {
-      std::cerr << "hsbn-aggregator: " << store.status().message() << "\n";
-      return 2;
-    }
-    options.tokens = *store;
-    Log(LogLevel::kInfo, absl::StrCat("job tokens required: ", options.tokens->size(),
-                                      " entr", options.tokens->size() == 1 ? "y" : "ies",
-                                      " in ", token_file));
-  } else if (allow_insecure) {
+  if (token_file.empty()) {
+    if (!allow_insecure) return true;
     std::cerr << "hsbn-aggregator: --allow-insecure-token-file without --token-file\n";
-    return 2;
+    return false;
   }
-
-  // Metrics.
-  const std::string& metrics_listen = settings.metrics_listen;
-  if (!metrics_listen.empty()) {
-    options.metrics = std::make_shared<hsbn::server::Metrics>(
-        role, !options.upstream.empty(), size_t(settings.metrics_max_jobs));
-    hsbn::server::MetricsLimits limits;
-    limits.max_jobs = options.max_jobs;
-    limits.max_open_rounds = options.limits.max_open_rounds;
-    limits.max_channels = options.limits.max_channels;
-    limits.max_world_size = options.max_world_size;
-    limits.memory_budget_bytes = options.memory_budget_bytes;
-    limits.max_queued_bytes = options.max_queued_bytes;
-    limits.max_unbound_bytes = options.max_unbound_bytes;
-    options.metrics->SetLimits(limits);
+  auto store = hsbn::server::TokenStore::Load(token_file, allow_insecure);
+  if (!store.ok()) {
+    std::cerr << "hsbn-aggregator: " << store.status().message() << "\n";
+    return false;
   }
+  options->tokens = *store;
+  Log(LogLevel::kInfo, absl::StrCat("job tokens required: ", options->tokens->size(), " entr",
+                                    options->tokens->size() == 1 ? "y" : "ies", " in ",
+                                    token_file));
+  return true;
+}
 
-  hsbn::server::Aggregator service(options);
-  // Stops the metrics endpoint (which reads `service`) before `service` goes, on every return.
-  struct StopMetrics {
-    std::shared_ptr<hsbn::server::Metrics> metrics;
-    ~StopMetrics() {
-      if (metrics) metrics->StopServing();
-    }
-  } stop_metrics{options.metrics};
+// Metrics (--metrics-listen): the registry, with the limits it reports; served later.
+void SetUpMetrics(const Settings& settings, AggregatorOptions* options) {
+  if (settings.metrics_listen.empty()) return;
+  options->metrics = std::make_shared<hsbn::server::Metrics>(
+      settings.role, !options->upstream.empty(), size_t(settings.metrics_max_jobs));
+  hsbn::server::MetricsLimits limits;
+  limits.max_jobs = options->max_jobs;
+  limits.max_open_rounds = options->limits.max_open_rounds;
+  limits.max_channels = options->limits.max_channels;
+  limits.max_world_size = options->max_world_size;
+  limits.memory_budget_bytes = options->memory_budget_bytes;
+  limits.max_queued_bytes = options->max_queued_bytes;
+  limits.max_unbound_bytes = options->max_unbound_bytes;
+  options->metrics->SetLimits(limits);
+}
+
+// The gRPC server and what serving needs of it.
+struct Listening {
+  std::unique_ptr<grpc::Server> server;
+  std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> cqs;  // one per event thread
+  std::vector<int> ports;               // per --listen address: the TCP port bound
+  std::vector<std::string> bound;       // the addresses served (TCP ports resolved)
+  std::vector<std::string> unix_paths;  // removed at exit
+};
+
+// The gRPC server, bound and started (BuildAndStart), its queues and ports in `out`; null when
+// it cannot serve (said).
+
+std::unique_ptr<grpc::Server> BuildServer(const Settings& settings,
+                                          const AggregatorOptions& options,
+                                          const std::vector<std::string>& listen,
+                                          std::shared_ptr<grpc::ServerCredentials> tcp,
+                                          Aggregator& service, Listening* out) {
   grpc::ServerBuilder builder;
   // The largest message a peer of this protocol sends: one contribution of --max-channels, or
   // a sidecar's batch (at most 4 MiB, parent_link.cc). Anything larger is refused by gRPC before
   // it is parsed, so a hostile stream cannot make the event thread parse a huge message.
-  {
-    const int64_t one = 16 * int64_t(options.limits.max_channels) + 4096;
-    const int64_t most = std::max<int64_t>(one, int64_t(4) << 20) + (64 << 10);
-    builder.SetMaxReceiveMessageSize(int(std::min<int64_t>(most, INT32_MAX)));
-  }
+  const int64_t one = 16 * int64_t(options.limits.max_channels) + 4096;
+  const int64_t most = std::max<int64_t>(one, int64_t(4) << 20) + (64 << 10);
+  builder.SetMaxReceiveMessageSize(int(std::min<int64_t>(most, INT32_MAX)));
   builder.SetMaxSendMessageSize(64 << 20);
   // Sidecars ping their root every 10 s on an idle link (parent_link.cc); allow it.
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
   // No SO_REUSEPORT: a second aggregator on a TCP port another one holds must fail to start,
   // as on a Unix socket, not share the port (sidecars would then split between the two).
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  std::vector<int> ports(listen.size(), 0);
-  std::vector<std::string> unix_paths;
+  out->ports.assign(listen.size(), 0);
   for (size_t i = 0; i < listen.size(); ++i) {
-    if (listen[i].rfind("unix:", 0) == 0) {
-      const std::string path = listen[i].substr(5);
-      if (!PrepareUnixSocket(path)) return 1;
-      unix_paths.push_back(path);
-    }
     const bool unix_socket = listen[i].rfind("unix:", 0) == 0;
-    builder.AddListeningPort(listen[i],
-                             unix_socket ? grpc::InsecureServerCredentials() : tcp_credentials,
-                             &ports[i]);
+    if (unix_socket) {
+      const std::string path = listen[i].substr(5);
+      if (!PrepareUnixSocket(path)) return nullptr;
+      out->unix_paths.push_back(path);
+    }
+    builder.AddListeningPort(listen[i], unix_socket ? grpc::InsecureServerCredentials() : tcp,
+                             &out->ports[i]);
   }
   builder.RegisterService(service.service());
   // One completion queue per event thread: a call's events all come back on the queue it was
   // accepted on, and its thread runs them; the sidecar's link to the root uses the first.
-  std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> cqs;
-  for (int i = 0; i < event_threads; ++i) cqs.push_back(builder.AddCompletionQueue());
+  for (int i = 0; i < settings.event_threads; ++i) out->cqs.push_back(builder.AddCompletionQueue());
   // Unix sockets get --socket-mode from the moment they exist: bind() creates the socket file
   // with mode 0777 & ~umask, so the umask is set to the complement of --socket-mode while the
   // server binds its ports (BuildAndStart binds on this thread), and restored after. A chmod
   // after bind would leave a window in which the socket had the umask's wider mode. Nothing
   // else in the process creates files meanwhile (the metrics endpoint and the ready file come
   // later), so the temporary umask touches only the sockets.
-  const mode_t saved_umask = umask(0777 & ~socket_mode);
+  const mode_t saved_umask = umask(0777 & ~settings.socket_mode);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   umask(saved_umask);
-  if (!server) {
-    for (const auto& l : listen) {
-      if (!absl::StartsWith(l, "unix:") && TcpAddressInUse(l)) {
-        std::cerr << "hsbn-aggregator: --listen=" << l << ": another process is already "
-                  << "listening on that port; stop it, or give this one another port\n";
-        return 1;
-      }
+  if (server) return server;
+  for (const auto& l : listen) {
+    if (!absl::StartsWith(l, "unix:") && TcpAddressInUse(l)) {
+      std::cerr << "hsbn-aggregator: --listen=" << l << ": another process is already "
+                << "listening on that port; stop it, or give this one another port\n";
+      return nullptr;
     }
-    std::cerr << "hsbn-aggregator: could not listen on --listen=" << listen_flag
-              << " (a host that is not this machine's, or a directory that does not exist?)\n";
-    return 1;
   }
-  service.Start(std::move(cqs));
-  std::vector<std::string> bound;
+  std::cerr << "hsbn-aggregator: could not listen on --listen=" << absl::StrJoin(listen, ",")
+            << " (a host that is not this machine's, or a directory that does not exist?)\n";
+  return nullptr;
+}
+
+// The addresses served, as bound: a Unix socket with --socket-mode, a TCP port resolved.
+bool CheckBound(const Settings& settings, const std::vector<std::string>& listen,
+                Listening* serving) {
+  const std::vector<int>& ports = serving->ports;
+  std::vector<std::string>* bound = &serving->bound;
   for (size_t i = 0; i < listen.size(); ++i) {
     if (listen[i].rfind("unix:", 0) == 0) {
       struct stat st;
       const std::string path = listen[i].substr(5);
-      if (stat(path.c_str(), &st) != 0 || (st.st_mode & 07777) != socket_mode) {
-        std::cerr << "hsbn-aggregator: " << path << " did not get --socket-mode "
-                  << std::oct << socket_mode << std::dec << " at bind; refusing to serve\n";
-        return 1;
+      if (stat(path.c_str(), &st) != 0 || (st.st_mode & 07777) != settings.socket_mode) {
+        std::cerr << "hsbn-aggregator: " << path << " did not get --socket-mode " << std::oct
+                  << settings.socket_mode << std::dec << " at bind; refusing to serve\n";
+        return false;
       }
-      bound.push_back(listen[i]);
+      bound->push_back(listen[i]);
     } else {
       if (ports[i] == 0) {
         std::cerr << "hsbn-aggregator: could not listen on " << listen[i] << "\n";
-        return 1;
+        return false;
       }
       const size_t colon = listen[i].rfind(':');
-      bound.push_back(absl::StrCat(listen[i].substr(0, colon), ":", ports[i]));
+      bound->push_back(absl::StrCat(listen[i].substr(0, colon), ":", ports[i]));
     }
   }
-  std::string joined;
-  for (const auto& b : bound) joined += (joined.empty() ? "" : ", ") + b;
+  return true;
+}
+
+// Serves the metrics (if asked), logs "ready: ...", and writes --ready-file.
+bool Announce(const Settings& settings, const AggregatorOptions& options, Aggregator& service,
+              const std::vector<std::string>& bound, rlim_t open_files) {
   std::string metrics_line;
   if (options.metrics) {
     options.metrics->SetStateSource([&service] {
@@ -791,17 +833,19 @@ int main(int argc, char** argv) {
       service.FillStatus("", &status);
       return status;
     });
-    auto served = options.metrics->Serve(metrics_listen);
+    auto served = options.metrics->Serve(settings.metrics_listen);
     if (!served.ok()) {
       std::cerr << "hsbn-aggregator: " << served.status().message() << "\n";
-      return 1;
+      return false;
     }
     metrics_line = absl::StrCat("metrics=http://", *served);
   }
   Log(LogLevel::kInfo,
-      absl::StrCat("ready: ", role, " aggregator listening on ", joined,
-                   tls_cert.empty() ? "" : (tls_client_ca.empty() ? " (TCP: TLS)"
-                                                                  : " (TCP: mutual TLS)"),
+      absl::StrCat("ready: ", settings.role, " aggregator listening on ",
+                   absl::StrJoin(bound, ", "),
+                   settings.tls_cert.empty()
+                       ? ""
+                       : (settings.tls_client_ca.empty() ? " (TCP: TLS)" : " (TCP: mutual TLS)"),
                    options.upstream.empty() ? "" : ", root at " + options.upstream,
                    options.upstream_ca_pem.empty() ? "" : " (TLS)",
                    metrics_line.empty() ? "" : ", " + metrics_line,
@@ -810,24 +854,27 @@ int main(int argc, char** argv) {
                        : absl::StrCat("; open files: at most ", uint64_t(open_files),
                                       " (one per member connection; docs/DEPLOY.md, Limits)")));
   const std::string& ready = settings.ready_file;
-  if (!ready.empty()) {
-    const std::string tmp = ready + ".tmp";
-    {
-      std::ofstream out(tmp);
-      for (const auto& b : bound) out << b << "\n";
-      if (!metrics_line.empty()) out << metrics_line << "\n";
-    }
-    if (std::rename(tmp.c_str(), ready.c_str()) != 0) {
-      std::cerr << "hsbn-aggregator: cannot write --ready-file " << ready << ": "
-                << std::strerror(errno) << "\n";
-      return 1;
-    }
+  if (ready.empty()) return true;
+  const std::string tmp = ready + ".tmp";
+  {
+    std::ofstream out(tmp);
+    for (const auto& b : bound) out << b << "\n";
+    if (!metrics_line.empty()) out << metrics_line << "\n";
   }
+  if (std::rename(tmp.c_str(), ready.c_str()) != 0) {
+    std::cerr << "hsbn-aggregator: cannot write --ready-file " << ready << ": "
+              << std::strerror(errno) << "\n";
+    return false;
+  }
+  return true;
+}
 
+// Until SIGTERM or SIGINT: SIGHUP reloads --token-file. Returns the stopping signal.
+int AwaitStop(const sigset_t& signals, const AggregatorOptions& options) {
   int sig = 0;
   for (;;) {
     sigwait(&signals, &sig);
-    if (sig != SIGHUP) break;
+    if (sig != SIGHUP) return sig;
     if (!options.tokens) {
       Log(LogLevel::kInfo, "SIGHUP: nothing to reload (no --token-file)");
       continue;
@@ -841,15 +888,56 @@ int main(int argc, char** argv) {
                                          "; the previous tokens stay in force"));
     }
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const sigset_t signals = BlockSignals();
+  TuneProcess();
+  AggregatorOptions options;
+  Settings settings;
+  CLI::App app;
+  if (int status = ParseFlags(app, argc, argv, &settings, &options); status >= 0) return status;
+  std::vector<std::string> listen;
+  std::shared_ptr<grpc::ServerCredentials> tcp_credentials;
+  if (!ResolveRole(app, settings, &options) || !SetUpLogging(settings, options) ||
+      !ResolveAddresses(app, settings, &options, &listen) ||
+      !ServerCredentials(settings, listen, &tcp_credentials) ||
+      !UpstreamCredentials(settings, &options)) {
+    return 2;
+  }
+  const rlim_t open_files = RaiseOpenFileLimit();
+  if (!LoadTokens(settings, &options)) return 2;
+  SetUpMetrics(settings, &options);
+
+  Aggregator service(options);
+  // Stops the metrics endpoint (which reads `service`) before `service` goes, on every return.
+  struct StopMetrics {
+    std::shared_ptr<hsbn::server::Metrics> metrics;
+    ~StopMetrics() {
+      if (metrics) metrics->StopServing();
+    }
+  } stop_metrics{options.metrics};
+  Listening serving;
+  serving.server = BuildServer(settings, options, listen, tcp_credentials, service, &serving);
+  if (!serving.server) return 1;
+  service.Start(std::move(serving.cqs));
+  if (!CheckBound(settings, listen, &serving) ||
+      !Announce(settings, options, service, serving.bound, open_files)) {
+    return 1;
+  }
+
+  const int sig = AwaitStop(signals, options);
   Log(LogLevel::kInfo, absl::StrCat("received ", sig == SIGTERM ? "SIGTERM" : "SIGINT",
                                     "; failing open rounds and stopping"));
   if (options.metrics) options.metrics->StopServing();
   service.Shutdown(sig == SIGTERM ? "SIGTERM" : "SIGINT");
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-  server->Wait();
+  serving.server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  serving.server->Wait();
   // Then the completion queue: drained on the event thread, every call state deleted.
   service.StopEvents();
-  for (const auto& path : unix_paths) unlink(path.c_str());
+  for (const auto& path : serving.unix_paths) unlink(path.c_str());
   Log(LogLevel::kInfo, "stopped");
   return 0;
 }

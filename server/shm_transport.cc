@@ -48,10 +48,12 @@ bool SendText(int fd, const std::string& text, const std::vector<int>& fds) {
 
 }  // namespace
 
-ShmTransport::ShmTransport(ShmOptions options, Registry* registry, ShmListener* listener)
-    : options_(std::move(options)), registry_(registry), listener_(listener) {}
+ShmTransport::ShmTransport(ShmOptions options, Registry* registry, TransportHost* host)
+    : options_(std::move(options)), registry_(registry), host_(host) {}
 
-ShmTransport::~ShmTransport() { Shutdown("the sidecar is shutting down"); }
+ShmTransport::~ShmTransport() {
+  Shutdown(absl::UnavailableError("the sidecar is shutting down"));
+}
 
 absl::Status ShmTransport::Start() {
   if (options_.socket.empty() || options_.socket.size() >= sizeof(sockaddr_un::sun_path)) {
@@ -92,7 +94,8 @@ absl::Status ShmTransport::Start() {
   return absl::OkStatus();
 }
 
-void ShmTransport::Shutdown(const std::string& why) {
+void ShmTransport::Shutdown(const absl::Status& closing) {
+  const std::string why(closing.message());
   {
     absl::MutexLock lock(&mu_);
     if (stopped_) return;
@@ -133,7 +136,8 @@ ShmTransport::NodeJob& ShmTransport::JobLocked(const std::string& job_id, int32_
 }
 
 absl::Status ShmTransport::CheckJoin(const v1::JoinRequest& req) {
-  // A new run of the job (a higher incarnation) replaces it, segment included (DropJob): its
+  if (req.kind() != v1::MEMBER_KIND_WORKER) return absl::OkStatus();
+  // A new run of the job (a higher incarnation) replaces it, segment included (JobDropped): its
   // workers choose their transport afresh.
   if (std::shared_ptr<Job> current = registry_->FindJob(req.job_id());
       current && req.incarnation() > current->layout().incarnation) {
@@ -152,6 +156,7 @@ absl::Status ShmTransport::CheckJoin(const v1::JoinRequest& req) {
 }
 
 void ShmTransport::Joined(const v1::JoinRequest& req, int32_t index, v1::JoinResponse* resp) {
+  if (req.kind() != v1::MEMBER_KIND_WORKER) return;
   absl::MutexLock lock(&mu_);
   if (stopped_) return;
   const int32_t ranks = req.local_world_size();
@@ -457,7 +462,30 @@ void ShmTransport::Doorbell(const std::string& job_id, int fd) {
       }
     }
   }
-  for (const shm::QueueEntry& item : items) listener_->ShmToParent(job_id, item);
+  std::shared_ptr<Job> job = registry_->FindJob(job_id);
+  if (!job) return;
+  // One item at a time, in the queue's order (Execute sends forwards before aborts).
+  for (const shm::QueueEntry& item : items) {
+    const RoundKey key{item.key.op, item.key.seq, v1::Phase(item.key.phase)};
+    Actions actions;
+    if (item.kind == shm::kPartial) {
+      // A renorm or lagged round's node answer is in the segment already; its global result
+      // comes back through the job, to every worker's stream.
+      if (item.scope == v1::SCOPE_RENORM || item.scope == v1::SCOPE_LAGGED) {
+        job->ExpectLate(key, uint32_t(item.channels), Clock::now());
+      }
+      auto data = std::make_shared<std::string>();
+      wire::PackPayload(item.data.data(), item.data.data() + item.channels, item.channels,
+                        data.get());
+      actions.forwards.push_back(Actions::Forward{key, v1::Scope(item.scope),
+                                                  uint32_t(item.channels), item.count,
+                                                  std::move(data), /*decide=*/nullptr});
+    } else {
+      actions.aborts.push_back(Actions::Abort{
+          key, wire::StatusFromCode(item.code, item.message, static_cast<v1::Reason>(item.reason))});
+    }
+    host_->Execute(actions, job_id);
+  }
 }
 
 void ShmTransport::HarvestMetrics() {
@@ -525,7 +553,7 @@ void ShmTransport::Tick() {
   for (int fd : stale) CloseConnLocked(fd);
 }
 
-void ShmTransport::Refuse(const std::string& job_id, const absl::Status& refusal) {
+void ShmTransport::Refused(const std::string& job_id, const absl::Status& refusal) {
   std::shared_ptr<shm::Segment> seg;
   {
     absl::MutexLock lock(&mu_);
@@ -557,7 +585,7 @@ void ShmTransport::MemberGone(const std::string& job_id, int32_t index, bool lef
   }
 }
 
-void ShmTransport::DropJob(const std::string& job_id, const std::string& why) {
+void ShmTransport::JobDropped(const std::string& job_id, const std::string& why) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return;

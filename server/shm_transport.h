@@ -12,8 +12,8 @@
 // cannot be made, every rank is told "grpc: <why>": a node's rounds never mix transports.
 //
 // Node rounds then run among the workers alone. Global and shadow partials arrive on the
-// doorbell; the transport's thread hands them to the aggregator (ShmListener), which forwards
-// them to the root through the parent link as for streamed rounds; the root's answers come back
+// doorbell; the transport's thread hands them to the aggregator (TransportHost::Execute), which
+// forwards them to the root through the parent link as for streamed rounds; the root's answers come back
 // through ParentResult and are written into the slots. A worker whose stream breaks is marked
 // gone in the segment (MemberGone), which fails the others' open rounds at once.
 //
@@ -39,16 +39,9 @@
 #include "metrics.h"
 #include "registry.h"
 #include "shm_segment.h"
+#include "transport.h"
 
 namespace hsbn::server {
-
-// What the transport asks of the aggregator.
-class ShmListener {
- public:
-  virtual ~ShmListener() = default;
-  // A node partial (kPartial) or a failed round (kAbort) of `job_id` for the parent.
-  virtual void ShmToParent(const std::string& job_id, const shm::QueueEntry& item) = 0;
-};
 
 struct ShmOptions {
   std::string socket;                 // a path, or "@name" (abstract)
@@ -61,45 +54,41 @@ struct ShmOptions {
   Metrics* metrics = nullptr;         // optional: where the segments' round counters go
 };
 
-class ShmTransport {
+class ShmTransport final : public Transport {
  public:
-  ShmTransport(ShmOptions options, Registry* registry, ShmListener* listener);
-  ~ShmTransport();
+  ShmTransport(ShmOptions options, Registry* registry, TransportHost* host);
+  ~ShmTransport() override;
 
   // Binds the socket and starts the thread.
   absl::Status Start();
-  // Invalidates every segment (open rounds fail UNAVAILABLE with `why`, the segment's text: at
-  // most shm::kTextBytes - 1 bytes of it) and stops the thread.
-  void Shutdown(const std::string& why);
-
   const std::string& socket() const { return options_.socket; }
-  // Before a worker's Join is admitted: FAILED_PRECONDITION when the job's node already uses
-  // shared memory and this worker does not offer it (its rounds could not meet the others'),
-  // unless it starts a new run of the job (a higher incarnation than the Registry's).
-  absl::Status CheckJoin(const v1::JoinRequest& req);
-  // After a worker's Join was admitted as local rank `index`: fills the response's shm fields.
-  void Joined(const v1::JoinRequest& req, int32_t index, v1::JoinResponse* resp);
-  // A process was refused joining `job_id` for its layout: its rounds fail with `refusal`.
-  void Refuse(const std::string& job_id, const absl::Status& refusal);
-  // The member's stream broke (left=false) or it left; `aborted` non-empty: it aborted, why.
+
+  // Transport (transport.h), as this transport reads each event:
+  // Shutdown: invalidates every segment (open rounds fail UNAVAILABLE with the status's
+  // message, the segment's text: at most shm::kTextBytes - 1 bytes of it) and stops the thread.
+  void Shutdown(const absl::Status& closing) override;
+  // CheckJoin: a worker's Join is refused (FAILED_PRECONDITION) when the job's node already
+  // uses shared memory and this worker does not offer it (its rounds could not meet the
+  // others'), unless it starts a new run of the job (a higher incarnation than the Registry's).
+  absl::Status CheckJoin(const v1::JoinRequest& req) override;
+  // Joined: fills a worker's shm fields (the socket, or "grpc: <why>").
+  void Joined(const v1::JoinRequest& req, int32_t index, v1::JoinResponse* resp) override;
+  void Refused(const std::string& job_id, const absl::Status& refusal) override;
+  // MemberGone: marks the rank gone in the segment, which fails the others' open rounds.
   void MemberGone(const std::string& job_id, int32_t index, bool left,
-                  const std::string& aborted = "");
-  // The Registry dropped the job (or replaced it by a new run of it): its segment is invalidated,
-  // and open rounds in it fail with `why`.
-  void DropJob(const std::string& job_id, const std::string& why = "the job ended at the sidecar");
-  // The root's answer to a round this transport forwarded; false if it is not one.
-  bool ParentResult(const std::string& job_id, const v1::Result& result);
-  // The link to the root broke: every forwarded round fails with `status`.
-  void ParentLost(const absl::Status& status);
-  // "shm", "grpc: <why>", "pending", or "" for a job this transport does not know.
-  std::string Describe(const std::string& job_id) const;
-  // Adds the rounds answered through the job's segment to its Status counters.
-  void AddCounts(const std::string& job_id, v1::JobStatus* status) const;
-  // Moves what the segments counted since the last call (rounds by scope, phase and code;
-  // non-finite values) into the Metrics' counters. Runs on every tick, when a segment is
-  // released, and should run before a scrape, so that a scrape sees every round a worker has
-  // been answered.
-  void HarvestMetrics() ABSL_LOCKS_EXCLUDED(mu_);
+                  const std::string& aborted) override;
+  // JobDropped: the job's segment is invalidated, and open rounds in it fail with `why`.
+  void JobDropped(const std::string& job_id, const std::string& why) override;
+  // ParentResult: written into the round's slots when this transport forwarded the round.
+  bool ParentResult(const std::string& job_id, const v1::Result& result) override;
+  void ParentLost(const absl::Status& status) override;
+  // Describe: "shm", "grpc: <why>", "pending", or "" for a job this transport does not know.
+  std::string Describe(const std::string& job_id) const override;
+  // AddCounts: the rounds answered through the job's segment.
+  void AddCounts(const std::string& job_id, v1::JobStatus* status) const override;
+  // HarvestMetrics: what the segments counted (rounds by scope, phase and code; non-finite
+  // values). Runs on every tick of this transport's thread and when a segment is released too.
+  void HarvestMetrics() override ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   enum class Decision { kPending, kShm, kGrpc };
@@ -146,7 +135,7 @@ class ShmTransport {
 
   const ShmOptions options_;
   Registry* const registry_;
-  ShmListener* const listener_;
+  TransportHost* const host_;
   int listen_fd_ = -1;
   int epoll_fd_ = -1;
   int wake_fd_ = -1;  // eventfd that stops the loop
