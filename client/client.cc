@@ -22,6 +22,8 @@
 #include "absl/time/time.h"
 #include "grpcpp/alarm.h"
 #include "grpcpp/grpcpp.h"
+#include "auto_scope.h"
+#include "round_stats.h"
 #include "env.h"
 #include "hsbn/status.h"
 #include "hsbn/v1/hsbn.grpc.pb.h"
@@ -30,145 +32,6 @@
 #include "wire.h"
 
 namespace hsbn {
-
-static_assert(int(Scope::kNode) == 1 && int(Scope::kLagged) == wire::kScopeCount,
-              "hsbn::Scope is wire::kScopes' API values");
-
-const char* ScopeName(Scope scope) {
-  const wire::ScopeEntry* e = wire::ScopeByApi(int(scope));
-  return e == nullptr ? "unknown-scope" : e->name;
-}
-
-absl::StatusOr<Scope> ParseScope(const std::string& name) {
-  const wire::ScopeEntry* e = wire::ScopeByName(name);
-  if (e == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("scope '", wire::Printable(name),
-                                                   "' is not one of ", wire::ScopeNames()));
-  }
-  return Scope(e->api);
-}
-
-absl::Status AutoPolicy::Validate() const {
-  if (warmup_rounds < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "auto scope: warmup_rounds (HSBN_AUTO_WARMUP) is ", warmup_rounds,
-        "; the decision needs at least 1 shadow round"));
-  }
-  if (!(max_mean_shift >= 0) || !std::isfinite(max_mean_shift)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "auto scope: max_mean_shift (HSBN_AUTO_MAX_MEAN_SHIFT) is ", max_mean_shift,
-        "; it must be a finite number >= 0"));
-  }
-  if (!(max_log_var_ratio >= 0) || !std::isfinite(max_log_var_ratio)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "auto scope: max_log_var_ratio (HSBN_AUTO_MAX_LOG_VAR_RATIO) is ", max_log_var_ratio,
-        "; it must be a finite number >= 0"));
-  }
-  if (recheck_every < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "auto scope: recheck_every (HSBN_AUTO_RECHECK_EVERY) is ", recheck_every,
-        "; 0 (never) or a number of rounds"));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<ClientOptions> ClientOptions::FromEnv() { return FromEnv(env::Source::Process()); }
-
-absl::StatusOr<ClientOptions> ClientOptions::FromEnv(const env::Source& source) {
-  ClientOptions o;
-  const std::pair<const char*, int32_t*> fields[] = {{"RANK", &o.rank},
-                                                      {"WORLD_SIZE", &o.world_size},
-                                                      {"LOCAL_RANK", &o.local_rank},
-                                                      {"LOCAL_WORLD_SIZE", &o.local_world_size},
-                                                      {"GROUP_RANK", &o.node_rank}};
-  for (auto& [name, field] : fields) {
-    absl::StatusOr<int64_t> v = env::Int(source, name);  // within int32 (the table's range)
-    if (!v.ok()) return v.status();
-    *field = int32_t(*v);
-  }
-  absl::StatusOr<std::string> text = env::Resolve(source, "HSBN_JOB_ID");
-  if (!text.ok()) return text.status();
-  o.job_id = *text;
-  if (text = env::Resolve(source, "HSBN_ADDRESS"); !text.ok()) return text.status();
-  o.address = *text;
-  absl::StatusOr<int64_t> v = env::Int(source, "HSBN_ROUND_TIMEOUT_MS");
-  if (!v.ok()) return v.status();
-  o.round_timeout = std::chrono::milliseconds(*v);
-  if (v = env::Int(source, "HSBN_CONNECT_TIMEOUT_MS"); !v.ok()) return v.status();
-  if (*v > 0) o.connect_timeout = std::chrono::milliseconds(*v);  // 0: the default
-  if (text = env::Resolve(source, "HSBN_TOKEN"); !text.ok()) return text.status();
-  o.token = *text;
-  absl::StatusOr<bool> strict = env::Flag(source, "HSBN_STRICT_FINITE");
-  if (!strict.ok()) return strict.status();
-  o.strict_finite = *strict;
-  if (v = env::Int(source, "HSBN_GROUP_NODES"); !v.ok()) return v.status();
-  o.group_nodes = int32_t(*v);
-  if (absl::Status s = AutoPolicyFromEnv(source, &o.auto_policy); !s.ok()) return s;
-  if (absl::Status s = IncarnationFromEnv(source, &o.incarnation); !s.ok()) return s;
-  if (text = env::Resolve(source, "HSBN_TRANSPORT"); !text.ok()) return text.status();
-  o.transport = *text;
-  if (absl::Status s = DebugFromEnv(source, &o); !s.ok()) return s;
-  if (absl::Status s = o.Validate(); !s.ok()) return s;
-  return o;
-}
-
-absl::Status DebugFromEnv(const env::Source& source, ClientOptions* options) {
-  absl::StatusOr<std::string> level = env::Resolve(source, "HSBN_DEBUG");
-  if (!level.ok()) return level.status();
-  absl::StatusOr<int64_t> slow = env::Int(source, "HSBN_DEBUG_SLOW_MS");
-  if (!slow.ok()) return slow.status();
-  options->debug = *level == "INFO";
-  options->debug_slow = std::chrono::milliseconds(*slow);
-  return absl::OkStatus();
-}
-
-absl::Status IncarnationFromEnv(uint64_t* incarnation) {
-  return IncarnationFromEnv(env::Source::Process(), incarnation);
-}
-
-absl::Status IncarnationFromEnv(const env::Source& source, uint64_t* incarnation) {
-  absl::StatusOr<int64_t> v = env::Int(source, "HSBN_INCARNATION");
-  if (!v.ok()) return v.status();
-  *incarnation = uint64_t(*v);
-  return absl::OkStatus();
-}
-
-absl::Status AutoPolicyFromEnv(AutoPolicy* policy) {
-  return AutoPolicyFromEnv(env::Source::Process(), policy);
-}
-
-absl::Status AutoPolicyFromEnv(const env::Source& source, AutoPolicy* policy) {
-  absl::StatusOr<int64_t> i = env::Int(source, "HSBN_AUTO_WARMUP");
-  if (!i.ok()) return i.status();
-  policy->warmup_rounds = *i;
-  absl::StatusOr<double> d = env::Number(source, "HSBN_AUTO_MAX_MEAN_SHIFT");
-  if (!d.ok()) return d.status();
-  policy->max_mean_shift = *d;
-  if (d = env::Number(source, "HSBN_AUTO_MAX_LOG_VAR_RATIO"); !d.ok()) return d.status();
-  policy->max_log_var_ratio = *d;
-  if (i = env::Int(source, "HSBN_AUTO_RECHECK_EVERY"); !i.ok()) return i.status();
-  policy->recheck_every = *i;
-  return absl::OkStatus();
-}
-
-absl::Status ClientOptions::Validate() const {
-  if (job_id.empty()) return absl::InvalidArgumentError("job_id (HSBN_JOB_ID) is empty");
-  if (address.empty()) return absl::InvalidArgumentError("address (HSBN_ADDRESS) is empty");
-  if (absl::Status s = env::CheckAddress(address, "HSBN_ADDRESS"); !s.ok()) return s;
-  if (connect_timeout.count() < 0 || connect_timeout.count() > client_internal::kMaxWaitMs) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "connect_timeout (HSBN_CONNECT_TIMEOUT_MS) is ", connect_timeout.count(),
-        " ms; it must be within [0, ", client_internal::kMaxWaitMs, "]"));
-  }
-  if (absl::Status s = auto_policy.Validate(); !s.ok()) return s;
-  if (!transport.empty() && transport != "auto" && transport != "grpc") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "transport (HSBN_TRANSPORT) is '", wire::Printable(transport, 64),
-        "'; expected auto (shared memory where the node can use it) or grpc"));
-  }
-  return wire::CheckWorkerLayout(rank, world_size, local_rank, local_world_size, node_rank,
-                                 /*max_world_size=*/0, group_nodes);
-}
 
 // How results reach the caller (leader/follower, no reader thread).
 //
@@ -378,7 +241,7 @@ class Client::Impl {
     // of a layer asks for the same scope, so a round still never mixes transports.
     const bool stream_only = scope == Scope::kAuto || scope == Scope::kGroup;
     if (scope == Scope::kAuto) {
-      if (absl::Status s = ResolveAuto(op, seq, phase, &scope, &decide, &request); !s.ok()) {
+      if (absl::Status s = auto_.Resolve(op, seq, phase, &scope, &decide, &request); !s.ok()) {
         return s;
       }
     }
@@ -476,8 +339,7 @@ class Client::Impl {
           auto r = shm->Start(shm::Key{op, seq, int32_t(phase)}, int32_t(wire_scope), channels, count,
                               a, b, deadline);
           if (!r.ok()) return r.status();
-          bytes_sent_.fetch_add(wire::PayloadBytes(std::min<int64_t>(channels, shm->max_channels())),
-                                std::memory_order_relaxed);
+          counters_.Sent(wire::PayloadBytes(std::min<int64_t>(channels, shm->max_channels())));
           auto pending = make_pending(*conn);
           pending->shm = std::move(shm);
           pending->shm_round = *r;
@@ -537,7 +399,7 @@ class Client::Impl {
       }
       conn->write_in_flight = true;
       conn->write_failed = false;
-      bytes_sent_.fetch_add(int64_t(frame.ByteSizeLong()), std::memory_order_relaxed);
+      counters_.Sent(int64_t(frame.ByteSizeLong()));
       conn->stream->Write(frame, TagOf(kWrite));  // serialised here: frame may go
       // Like a sync Write, see it complete when nobody else polls (usually it already has: the
       // transport writes inline). A failed write means the stream was dead before the
@@ -561,7 +423,7 @@ class Client::Impl {
     const auto since = Clock::now();
     auto p = Start(phase, op, seq, scope, channels, count, a, b);
     if (!p.ok()) {
-      Record(scope, phase, false, true, Clock::now() - since);
+      counters_.Record(scope, phase, false, true, Clock::now() - since);
       return p.status();
     }
     return Wait(**p, out_count, out_a, out_b, since);
@@ -656,7 +518,7 @@ class Client::Impl {
 
   // A wait's end, counted in the stats.
   absl::Status Waited(PendingRound& p, absl::Status s, Clock::time_point blocked_since) {
-    if (p.decide) s = TakeDecision(p, s);
+    if (p.decide) s = auto_.Take(p.op, p.seq, p.answer, s);
     const Clock::duration blocked = Clock::now() - blocked_since;
     if (options_.debug && blocked > options_.debug_slow) {
       Debug(absl::StrCat(
@@ -664,7 +526,7 @@ class Client::Impl {
           ") waited ", std::chrono::duration_cast<std::chrono::milliseconds>(blocked).count(),
           " ms: ", s.ok() ? std::string("ok") : absl::StatusCodeToString(s.code())));
     }
-    Record(p.scope, p.phase, s.ok(), !p.counted, blocked);
+    counters_.Record(p.scope, p.phase, s.ok(), !p.counted, blocked);
     p.counted = true;
     if (wire::ReasonOf(s) == v1::REASON_SHUTTING_DOWN) ForgetStoppedSidecar(p.generation);
     return s;
@@ -679,57 +541,6 @@ class Client::Impl {
       shm_.reset();
       conn_.reset();
     }
-  }
-
-  // Adds one blocked call to the stats; count_round: also count its round as completed (ok) or
-  // failed. Ignores scopes and phases that are not valid (refused calls).
-  void Record(Scope scope, Phase phase, bool ok, bool count_round, Clock::duration blocked) {
-    const int si = int(scope) - 1, pi = int(phase) - 1;
-    if (si < 0 || si >= ClientStats::kScopes || pi < 0 || pi >= ClientStats::kPhases) return;
-    absl::MutexLock lock(&stats_mu_);
-    Counters& c = counters_[si][pi];
-    if (count_round) ++(ok ? c.completed : c.failed);
-    c.blocked += blocked;
-    if (blocked > c.max_blocked) c.max_blocked = blocked;
-  }
-
-  ClientStats Stats() const {
-    ClientStats out;
-    const auto now = Clock::now();
-    absl::MutexLock lock(&stats_mu_);
-    for (int si = 0; si < ClientStats::kScopes; ++si) {
-      for (int pi = 0; pi < ClientStats::kPhases; ++pi) {
-        const Counters& c = counters_[si][pi];
-        RoundStats& r = out.rounds[si][pi];
-        r.completed = c.completed;
-        r.failed = c.failed;
-        r.blocked_seconds = Seconds(c.blocked);
-        r.max_blocked_seconds = Seconds(c.max_blocked);
-      }
-    }
-    out.global_stats.completed = global_.completed;
-    out.global_stats.failed = global_.failed;
-    out.global_stats.blocked_seconds = Seconds(global_.blocked);
-    out.global_stats.max_blocked_seconds = Seconds(global_.max_blocked);
-    out.global_stats_waited = global_waited_;
-    out.late_dropped = late_dropped_.load(std::memory_order_relaxed);
-    out.bytes_sent = bytes_sent_.load(std::memory_order_relaxed);
-    out.bytes_received = bytes_received_.load(std::memory_order_relaxed);
-    out.elapsed_seconds = Seconds(now - stats_since_);
-    out.transport = transport_;
-    return out;
-  }
-
-  void ResetStats() {
-    absl::MutexLock lock(&stats_mu_);
-    for (auto& row : counters_) {
-      for (Counters& c : row) c = Counters{};
-    }
-    global_ = Counters{};
-    global_waited_ = 0;
-    bytes_sent_.store(0, std::memory_order_relaxed);
-    bytes_received_.store(0, std::memory_order_relaxed);
-    stats_since_ = Clock::now();
   }
 
   // Waits for p until its deadline (fixed by the wait's first slice), or until `slice_end`
@@ -836,7 +647,7 @@ class Client::Impl {
                                    out_b, slice_end, pending);
       if (pending != nullptr && *pending) return s;
       if (s.ok()) {
-        bytes_received_.fetch_add(wire::PayloadBytes(p.channels), std::memory_order_relaxed);
+        counters_.Received(wire::PayloadBytes(p.channels));
       }
       if (s.code() == absl::StatusCode::kDeadlineExceeded && p.shm->Posted(p.shm_round)) {
         return s;  // the caller's own timeout: as on the stream, it may wait again
@@ -890,58 +701,6 @@ class Client::Impl {
     return client_internal::DeliverAnswer(p.answer, p.channels, out_count, out_a, out_b);
   }
 
-  // --- auto scope --------------------------------------------------------------------------------
-
-  absl::Status SetAutoPolicy(uint32_t op, const AutoPolicy& policy) {
-    if (absl::Status s = policy.Validate(); !s.ok()) return s;
-    absl::MutexLock lock(&auto_mu_);
-    AutoOp& a = auto_[op];
-    const AutoPolicy& now = a.has_policy ? a.policy : options_.auto_policy;
-    const bool same = now.warmup_rounds == policy.warmup_rounds &&
-                      now.max_mean_shift == policy.max_mean_shift &&
-                      now.max_log_var_ratio == policy.max_log_var_ratio &&
-                      now.recheck_every == policy.recheck_every;
-    if (a.started && !same) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "auto scope of op ", op, ": its policy cannot change after its first round"));
-    }
-    a.policy = policy;
-    a.has_policy = true;
-    return absl::OkStatus();
-  }
-
-  AutoDecision AutoDecisionOf(uint32_t op) const {
-    absl::MutexLock lock(&auto_mu_);
-    auto it = auto_.find(op);
-    return it == auto_.end() ? AutoDecision{} : it->second.last;
-  }
-
-  absl::Status SetAutoDecision(uint32_t op, Scope scope) {
-    if (scope != Scope::kNode && scope != Scope::kGroup && scope != Scope::kGlobal) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "auto scope of op ", op, ": a decision is node, group or global, not ",
-          ScopeName(scope)));
-    }
-    if (scope == Scope::kGroup && options_.group_nodes <= 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "auto scope of op ", op, ": the saved decision is group, but this job has no groups "
-          "(HSBN_GROUP_NODES is not set)"));
-    }
-    absl::MutexLock lock(&auto_mu_);
-    AutoOp& a = auto_[op];
-    if (a.open_decide >= 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "auto scope of op ", op, ": its decision round (seq ", a.open_decide,
-          ") is in flight"));
-    }
-    a.epochs.clear();
-    a.epochs.push_back(Epoch{-1, scope});
-    a.last = AutoDecision{};
-    a.last.decided = true;
-    a.last.scope = scope;
-    return absl::OkStatus();
-  }
-
   absl::StatusOr<v1::StatusResponse> Status(bool include_upstream) {
     // This client's own job, with its token: with tokens on that is all Status will show.
     v1::StatusRequest req;
@@ -957,6 +716,11 @@ class Client::Impl {
   }
 
   const ClientOptions options_;
+  client_internal::AutoScopes auto_{options_.auto_policy, options_.group_nodes};
+  client_internal::RoundCounters counters_;
+  ClientStats Stats() const {
+    return counters_.Snapshot(late_dropped_.load(std::memory_order_relaxed));
+  }
   // Written on (re)connect under mu_, read without it by rounds and info calls.
   std::atomic<int32_t> num_nodes_{0};
   std::atomic<int32_t> max_channels_{0};
@@ -976,12 +740,7 @@ class Client::Impl {
                                 &pending, &wait);
     if (done != nullptr) *done = !pending;
     if (pending) return absl::OkStatus();
-    absl::MutexLock lock(&stats_mu_);
-    ++(s.ok() ? global_.completed : global_.failed);
-    if (wait.waited) ++global_waited_;
-    const Clock::duration blocked = Clock::now() - wait.since;
-    global_.blocked += blocked;
-    if (blocked > global_.max_blocked) global_.max_blocked = blocked;
+    counters_.RecordGlobal(s.ok(), wait.waited, Clock::now() - wait.since);
     return s;
   }
 
@@ -1129,7 +888,7 @@ class Client::Impl {
     }
     conn->write_in_flight = true;
     conn->write_failed = false;
-    bytes_sent_.fetch_add(int64_t(frame->ByteSizeLong()), std::memory_order_relaxed);
+    counters_.Sent(int64_t(frame->ByteSizeLong()));
     conn->stream->Write(*frame, TagOf(kWrite));
     if (!conn->polling) AwaitWrite(conn, deadline);
     return absl::OkStatus();
@@ -1211,107 +970,6 @@ class Client::Impl {
   // Auto scope's state of one op. An epoch is a decision: `scope` applies to the op's rounds
   // after seq `decided_at` (all of them for a restored decision, decided_at = -1), except the
   // re-check samples and decision rounds of its policy.
-  struct Epoch {
-    int64_t decided_at;
-    Scope scope;
-  };
-  struct AutoOp {
-    AutoPolicy policy;
-    bool has_policy = false;
-    bool started = false;        // it made a round: its policy is fixed
-    std::vector<Epoch> epochs;   // in seq order, the last few
-    int64_t open_decide = -1;    // seq of a decision round started and not waited for
-    AutoDecision last;
-  };
-
-  // The wire scope of auto-scope round (op, seq, phase): a pure function of seq and the op's
-  // decisions so far, so every rank picks the same. Sets *decide (and *request) on a decision
-  // round's forward.
-  absl::Status ResolveAuto(uint32_t op, uint64_t seq_u, Phase phase, Scope* scope, bool* decide,
-                           v1::AutoDecide* request) {
-    absl::MutexLock lock(&auto_mu_);
-    AutoOp& a = auto_[op];
-    a.started = true;
-    const AutoPolicy& policy = a.has_policy ? a.policy : options_.auto_policy;
-    const int64_t seq = int64_t(seq_u & ((uint64_t(1) << 62) - 1));
-    const bool forward = phase == Phase::kForward;
-    const Scope sample = forward ? Scope::kShadow : Scope::kNode;  // shadow's answer is node's
-    auto decision_round = [&]() -> absl::Status {
-      if (a.open_decide >= 0 && a.open_decide != seq) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "auto scope of op ", op, ": round seq ", seq, " started before the decision round "
-            "(seq ", a.open_decide, ") was waited for; wait for it first, so that every rank "
-            "uses the same decision"));
-      }
-      *scope = Scope::kGlobal;
-      if (forward) {
-        *decide = true;
-        request->set_max_mean_shift(policy.max_mean_shift);
-        request->set_max_log_var_ratio(policy.max_log_var_ratio);
-        request->set_warmup_rounds(policy.warmup_rounds);
-        a.open_decide = seq;
-      }
-      return absl::OkStatus();
-    };
-    // The decision that governs seq: the last one made before it.
-    const Epoch* epoch = nullptr;
-    for (const Epoch& e : a.epochs) {
-      if (e.decided_at < seq) epoch = &e;
-      if (e.decided_at == seq) {  // the decision round itself (its backward, a retransmission)
-        *scope = Scope::kGlobal;
-        return absl::OkStatus();
-      }
-    }
-    if (epoch == nullptr) {
-      if (seq < policy.warmup_rounds) {
-        *scope = sample;
-        return absl::OkStatus();
-      }
-      return decision_round();
-    }
-    if (policy.recheck_every > 0) {
-      const int64_t k = seq - std::max<int64_t>(epoch->decided_at, 0);
-      if (k > 0 && k % policy.recheck_every == 0) {
-        const int64_t j = k / policy.recheck_every;
-        if (j <= policy.warmup_rounds) {
-          *scope = sample;
-          return absl::OkStatus();
-        }
-        if (j == policy.warmup_rounds + 1) return decision_round();
-      }
-    }
-    if (a.open_decide >= 0 && a.open_decide < seq && forward) return decision_round();
-    *scope = epoch->scope;
-    return absl::OkStatus();
-  }
-
-  // A decision round was waited for: keep its decision (the same in every rank's result).
-  absl::Status TakeDecision(PendingRound& p, absl::Status s) {
-    absl::MutexLock lock(&auto_mu_);
-    AutoOp& a = auto_[p.op];
-    if (a.open_decide == int64_t(p.seq)) a.open_decide = -1;
-    if (!s.ok()) return s;
-    const v1::Scope got = p.answer.decision.scope();
-    if (!p.answer.has_decision ||
-        (got != v1::SCOPE_NODE && got != v1::SCOPE_GLOBAL &&
-         !(got == v1::SCOPE_GROUP && options_.group_nodes > 0))) {
-      return absl::InternalError(absl::StrCat(
-          "round ", wire::RoundName(p.op, p.seq, v1::PHASE_FORWARD), ": the aggregator answered "
-          "the auto-scope decision round without a valid decision; check that the sidecars and "
-          "the root run the same hsbn version as this client"));
-    }
-    const Scope decided = Scope(int(got));
-    a.epochs.push_back(Epoch{int64_t(p.seq), decided});
-    if (a.epochs.size() > 8) a.epochs.erase(a.epochs.begin());
-    a.last.decided = true;
-    a.last.scope = decided;
-    a.last.mean_shift = p.answer.decision.mean_shift();
-    a.last.log_var_ratio = p.answer.decision.log_var_ratio();
-    a.last.rounds = p.answer.decision.rounds();
-    a.last.decided_at = int64_t(p.seq);
-    return s;
-  }
-
   // How often a wait that cannot be woken (the transport decision) looks for an abort.
   static constexpr std::chrono::milliseconds kAbortCheck{200};
   // How long a poller stays to see Abort's frame out (as a sync Write would, bounded).
@@ -1319,9 +977,6 @@ class Client::Impl {
   mutable absl::Mutex abort_mu_;  // a leaf lock
   absl::Status aborted_ ABSL_GUARDED_BY(abort_mu_);  // Abort's status; OK: not aborted
   std::atomic<bool> aborted_flag_{false};            // !aborted_.ok(), read without the lock
-
-  mutable absl::Mutex auto_mu_;  // a leaf lock
-  std::map<uint32_t, AutoOp> auto_ ABSL_GUARDED_BY(auto_mu_);
 
   std::chrono::milliseconds RoundTimeout() const {
     return client_internal::RoundWait(options_.round_timeout, aggregator_timeout_ms_.load());
@@ -1390,8 +1045,7 @@ class Client::Impl {
         case kRead:
           conn->read_posted = false;
           if (ok) {
-            bytes_received_.fetch_add(int64_t(conn->in.ByteSizeLong()),
-                                      std::memory_order_relaxed);
+            counters_.Received(int64_t(conn->in.ByteSizeLong()));
             Dispatch(*conn);
           } else {
             conn->read_failed = true;
@@ -1654,7 +1308,7 @@ class Client::Impl {
       v1::ClientFrame attach;
       attach.mutable_attach()->add_sessions(session_);
       attach.mutable_attach()->set_token(options_.token);
-      bytes_sent_.fetch_add(int64_t(attach.ByteSizeLong()), std::memory_order_relaxed);
+      counters_.Sent(int64_t(attach.ByteSizeLong()));
       conn->stream->Write(attach, TagOf(kWrite));
       attached = await(kWrite);
     }
@@ -1709,12 +1363,9 @@ class Client::Impl {
   }
 
   void SetTransport(const std::string& t) {
-    {
-      absl::MutexLock lock(&stats_mu_);
-      if (transport_ == t) return;
-      transport_ = t;
+    if (counters_.SetTransport(t) && t != "pending") {
+      Debug(absl::StrCat("node rounds travel by ", t));
     }
-    if (t != "pending") Debug(absl::StrCat("node rounds travel by ", t));
   }
 
   // HSBN_DEBUG=INFO: one line on stderr, prefixed with the rank (one write: lines of several
@@ -1759,22 +1410,6 @@ class Client::Impl {
   std::map<Key, GlobalWait> global_waits_ ABSL_GUARDED_BY(rounds_mu_);
   absl::CondVar late_cv_;  // a late result arrived, or the poller role is free
 
-  // Round statistics: a leaf lock, taken once per round, never while waiting.
-  struct Counters {
-    int64_t completed = 0;
-    int64_t failed = 0;
-    Clock::duration blocked{0};
-    Clock::duration max_blocked{0};
-  };
-  static double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-  mutable absl::Mutex stats_mu_;
-  Counters counters_[ClientStats::kScopes][ClientStats::kPhases] ABSL_GUARDED_BY(stats_mu_);
-  Counters global_ ABSL_GUARDED_BY(stats_mu_);  // GlobalStats calls
-  int64_t global_waited_ ABSL_GUARDED_BY(stats_mu_) = 0;
-  Clock::time_point stats_since_ ABSL_GUARDED_BY(stats_mu_) = Clock::now();
-  std::string transport_ ABSL_GUARDED_BY(stats_mu_);
-  std::atomic<int64_t> bytes_sent_{0};
-  std::atomic<int64_t> bytes_received_{0};
 };
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -1799,7 +1434,7 @@ absl::StatusOr<std::shared_ptr<PendingRound>> Client::Start(Phase phase, uint32_
                                                             const double* a, const double* b) {
   auto p = impl_->Start(phase, op, seq, scope, channels, count, a, b);
   // Start's own time is not blocked time (see RoundStats); a failed Start is a failed round.
-  if (!p.ok()) impl_->Record(scope, phase, false, true, Impl::Clock::duration::zero());
+  if (!p.ok()) impl_->counters_.Record(scope, phase, false, true, Impl::Clock::duration::zero());
   return p;
 }
 
@@ -1829,7 +1464,9 @@ absl::Status Client::WaitFor(PendingRound& round, std::chrono::milliseconds slic
 
 void Client::Abort(const std::string& reason) { impl_->Abort(reason); }
 
-ClientStats Client::Stats() const { return impl_->Stats(); }
+ClientStats Client::Stats() const {
+  return impl_->Stats();
+}
 
 absl::Status Client::GlobalStats(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
                                  double* out_mean, double* out_m2) {
@@ -1866,37 +1503,13 @@ bool Client::GlobalSumsReady(uint32_t op, uint64_t seq) {
 }
 
 absl::Status Client::SetAutoPolicy(uint32_t op, const AutoPolicy& policy) {
-  return impl_->SetAutoPolicy(op, policy);
+  return impl_->auto_.SetPolicy(op, policy);
 }
-AutoDecision Client::AutoDecisionOf(uint32_t op) const { return impl_->AutoDecisionOf(op); }
+AutoDecision Client::AutoDecisionOf(uint32_t op) const { return impl_->auto_.DecisionOf(op); }
 absl::Status Client::SetAutoDecision(uint32_t op, Scope scope) {
-  return impl_->SetAutoDecision(op, scope);
+  return impl_->auto_.SetDecision(op, scope);
 }
-void Client::ResetStats() { impl_->ResetStats(); }
-
-RoundStats& RoundStats::operator+=(const RoundStats& other) {
-  completed += other.completed;
-  failed += other.failed;
-  blocked_seconds += other.blocked_seconds;
-  if (other.max_blocked_seconds > max_blocked_seconds) {
-    max_blocked_seconds = other.max_blocked_seconds;
-  }
-  return *this;
-}
-
-RoundStats ClientStats::of(Scope scope) const {
-  RoundStats sum;
-  for (int pi = 0; pi < kPhases; ++pi) sum += rounds[int(scope) - 1][pi];
-  return sum;
-}
-
-RoundStats ClientStats::total() const {
-  RoundStats sum;
-  for (const auto& row : rounds) {
-    for (const RoundStats& r : row) sum += r;
-  }
-  return sum;
-}
+void Client::ResetStats() { impl_->counters_.Reset(); }
 
 absl::StatusOr<v1::StatusResponse> Client::Status(bool include_upstream) {
   return impl_->Status(include_upstream);

@@ -1,4 +1,4 @@
-// client/shm_channel.h — a worker's end of the shared-memory node path (proto/shm_segment.h).
+// client/shm_channel.h — a worker's end of the shared-memory node path (round/shm_segment.h).
 //
 // After Join, a worker whose sidecar offered shared memory opens a ShmChannel: it connects to
 // the sidecar's hand-off socket and presents its session (and token). The sidecar answers once
