@@ -103,9 +103,6 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
     names_seen = set()
     layers = []   # (qualified name, hsbn layer), module order
 
-    def key(qualified):
-        return "%s.%s" % (model, qualified) if qualified and model else (qualified or model)
-
     def convert(mod, qualified):
         out = mod
         if isinstance(mod, _BatchNorm) and not isinstance(mod, SyncBatchNorm):
@@ -134,8 +131,18 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
         if _wrapping_ddp(module) is not None:
             for _, layer in layers:
                 layer._hsbn_converted_under_ddp = True
-    # Key the layers by name. Two names whose hashes collide get deterministic second
-    # choices, the same on every rank that converts the same model.
+    _key_layers(model, layers)
+    if isinstance(layer_scopes, Mapping):
+        _check_layer_scopes_used(layer_scopes, names_seen)
+    return result
+
+
+def _key_layers(model, layers):
+    """Keys the converted layers by name, and gives them the model's layer check. Two names
+    whose hashes collide get deterministic second choices, the same on every rank that converts
+    the same model."""
+    def key(qualified):
+        return "%s.%s" % (model, qualified) if qualified and model else (qualified or model)
     taken = {}
     for qualified, layer in layers:
         if layer._key_source in ("name", "op"):
@@ -158,15 +165,16 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
         _client.set_op_label(check.op, "the layer check of model %r" % model)
     for qualified, layer in layers:
         layer._check = check if layer.scope != "local" else None
-    if isinstance(layer_scopes, Mapping):
-        unused = [k for k in layer_scopes
-                  if k not in names_seen and not any(fnmatch.fnmatchcase(n, k)
-                                                     for n in names_seen)]
-        if unused:
-            raise ConfigurationError(
-                "layer_scopes names no BatchNorm layer for %s; the layers are: %s"
-                % (", ".join(repr(k) for k in unused), ", ".join(sorted(names_seen)) or "none"))
-    return result
+
+
+def _check_layer_scopes_used(layer_scopes, names_seen):
+    """A layer_scopes mapping whose key names no layer (exactly or as a pattern) is a typo."""
+    unused = [k for k in layer_scopes
+              if k not in names_seen and not any(fnmatch.fnmatchcase(n, k) for n in names_seen)]
+    if unused:
+        raise ConfigurationError(
+            "layer_scopes names no BatchNorm layer for %s; the layers are: %s"
+            % (", ".join(repr(k) for k in unused), ", ".join(sorted(names_seen)) or "none"))
 
 
 def revert_sync_batchnorm(module):

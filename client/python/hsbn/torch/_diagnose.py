@@ -295,9 +295,9 @@ def _over_ranks(client, op, seq, values):
     return mean, var
 
 
-def _report(client, levels, layers, batches, times, before, after, base, inner, ddp,
-            max_shift, max_logvar):
-    per = ["shift", "logvar"]
+def _gather(client, levels, layers, base):
+    """Every rank's per-layer divergences and counts, and the running statistics' spread,
+    averaged over the ranks: (mean vector, {layer name: spread})."""
     # Per rank: per layer, per level below global, the averages; local count stats.
     vec = []
     for lay in layers:
@@ -321,14 +321,7 @@ def _report(client, levels, layers, batches, times, before, after, base, inner, 
             spread_layers.append(lay)
     smean, svar = (_over_ranks(client, DIGEST_OP, seq + (1 << 24), spread_in)
                    if spread_in else (None, None))
-    round_ms = {lv: 1e3 * statistics.median(t) for lv, t in times.items() if t}
-    training_ms = {}
-    for lv in ("node", "group", "global"):
-        done = before.get(scope=lv).completed
-        if done:
-            training_ms[lv] = 1e3 * before.get(scope=lv).blocked_seconds / done
-    entries, off, soff = [], 0, 0
-    spread_of = {}
+    spread_of, soff = {}, 0
     for lay in spread_layers:
         c = lay.c
         rm_var = svar[soff:soff + c]
@@ -338,85 +331,113 @@ def _report(client, levels, layers, batches, times, before, after, base, inner, 
             "mean": float(np.mean(np.sqrt(rm_var) / np.sqrt(rv_mean + lay.m.eps))),
             "log_var": float(np.mean(np.sqrt(lv_var)))}
         soff += 3 * c
-    for lay in layers:
-        div = {}
-        for lv in levels[:-1]:
-            div[lv] = {"mean_shift": float(mean[off]), "log_var_ratio": float(mean[off + 1])}
-            off += 2
-        local_mean, some_rank_one = float(mean[off]), bool(mean[off + 1] > 0)
+    return mean, spread_of
+
+
+def _layer_entry(lay, levels, digest, spread_of, round_ms, max_shift, max_logvar):
+    """One layer's row of the report from its slice of the averaged digest (_gather's vector:
+    2 values per level below global, then 2 count values)."""
+    div, off = {}, 0
+    for lv in levels[:-1]:
+        div[lv] = {"mean_shift": float(digest[off]), "log_var_ratio": float(digest[off + 1])}
         off += 2
-        div["global"] = {"mean_shift": 0.0, "log_var_ratio": 0.0}
-        counts = {"local_mean": local_mean, "some_rank_at_most_one": some_rank_one}
-        for lv in levels[1:]:
-            got = lay.level_counts.get(lv) or [0]
-            counts[lv] = float(np.mean(got))
+    local_mean, some_rank_one = float(digest[off]), bool(digest[off + 1] > 0)
+    div["global"] = {"mean_shift": 0.0, "log_var_ratio": 0.0}
+    counts = {"local_mean": local_mean, "some_rank_at_most_one": some_rank_one}
+    for lv in levels[1:]:
+        got = lay.level_counts.get(lv) or [0]
+        counts[lv] = float(np.mean(got))
 
-        def within(lv):
-            d = div[lv]
-            return d["mean_shift"] <= max_shift and d["log_var_ratio"] <= max_logvar
-        recommended = next(lv for lv in levels
-                           if lv == "global" or (within(lv) and not (lv == "local"
-                                                                    and some_rank_one)))
-        cost = {lv: (0.0 if lv == "local" else 2.0 * round_ms.get(lv, float("nan")))
-                for lv in levels}
-        trains = lay.scope
-        explains = (trains not in ("frozen", "global") and trains in div and not within(trains))
-        # Where only a cross-node level is close enough, scope "lagged" normalizes with the
-        # job's statistics (the other nodes' one call old) for node rounds on the critical path:
-        # the alternative to price next to it (docs/COMPARISON.md, "Which scope when").
-        alternative = None
-        if "node" in div and not within("node") and recommended in ("group", "global"):
-            alternative = "lagged"
-            cost["lagged"] = cost.get("node", float("nan"))
-        entries.append({
-            "name": lay.name, "kind": lay.kind, "channels": lay.c, "training_scope": trains,
-            "counts": counts, "divergence": div, "running_spread": spread_of.get(lay.name),
-            "explains": bool(explains), "recommended": recommended,
-            "alternative": alternative,
-            "cost_ms_per_step": {k: (None if math.isnan(v) else v) for k, v in cost.items()},
-            "momentum": lay.m.momentum, "track_running_stats": bool(lay.m.track_running_stats),
-        })
-    smells = _smells(inner, ddp, layers, entries)
-    yes = [e for e in entries if e["explains"]]
+    def within(lv):
+        d = div[lv]
+        return d["mean_shift"] <= max_shift and d["log_var_ratio"] <= max_logvar
+    recommended = next(lv for lv in levels
+                       if lv == "global" or (within(lv) and not (lv == "local"
+                                                                and some_rank_one)))
+    cost = {lv: (0.0 if lv == "local" else 2.0 * round_ms.get(lv, float("nan")))
+            for lv in levels}
+    trains = lay.scope
+    explains = (trains not in ("frozen", "global") and trains in div and not within(trains))
+    # Where only a cross-node level is close enough, scope "lagged" normalizes with the job's
+    # statistics (the other nodes' one call old) for node rounds on the critical path: the
+    # alternative to price next to it (docs/results/COMPARISON.md, "Which scope when").
+    alternative = None
+    if "node" in div and not within("node") and recommended in ("group", "global"):
+        alternative = "lagged"
+        cost["lagged"] = cost.get("node", float("nan"))
+    return {
+        "name": lay.name, "kind": lay.kind, "channels": lay.c, "training_scope": trains,
+        "counts": counts, "divergence": div, "running_spread": spread_of.get(lay.name),
+        "explains": bool(explains), "recommended": recommended,
+        "alternative": alternative,
+        "cost_ms_per_step": {k: (None if math.isnan(v) else v) for k, v in cost.items()},
+        "momentum": lay.m.momentum, "track_running_stats": bool(lay.m.track_running_stats),
+    }
 
+
+def _step_costs(entries, levels):
+    """Sync ms per step of the layers as trained, as recommended, with the lagged alternative
+    where offered, and all global."""
     def step_cost(pick):
         total = 0.0
         for e in entries:
-            lv = pick(e)
-            v = e["cost_ms_per_step"].get(lv)
+            v = e["cost_ms_per_step"].get(pick(e))
             total += v if v is not None else 0.0
         return total
-    cost = {"as_trained_ms": step_cost(lambda e: e["training_scope"]
+    return {"as_trained_ms": step_cost(lambda e: e["training_scope"]
                                        if e["training_scope"] in levels else "local"),
             "recommended_ms": step_cost(lambda e: e["recommended"]),
             "alternative_ms": step_cost(lambda e: e["alternative"] or e["recommended"]),
             "all_global_ms": step_cost(lambda e: "global")}
+
+
+def _summary(entries, yes, smells, cost):
+    """The report's one paragraph: the verdict, its largest reason, and what the fix costs."""
     lagged_note = ""
     if any(e["alternative"] for e in entries):
         lagged_note = (
             " Or scope='lagged' where the 'use' column offers it: node rounds only (about "
             "%.2f ms of sync per step), the job's statistics with the other nodes' share one "
             "call old; with its default damping it recovered 75-91 %% of the node-to-global "
-            "accuracy gap in hsbn's one-process study, never below node (docs/COMPARISON.md, "
-            "\"Which scope when\")." % cost["alternative_ms"])
+            "accuracy gap in hsbn's one-process study, never below node "
+            "(docs/results/COMPARISON.md, \"Which scope when\")." % cost["alternative_ms"])
     if not entries:
-        summary = "The model has no BatchNorm layers."
-    elif yes:
+        return "The model has no BatchNorm layers."
+    if yes:
         worst = max(yes, key=lambda e: e["divergence"][e["training_scope"]]["mean_shift"])
         d = worst["divergence"][worst["training_scope"]]
-        summary = ("%d of %d BatchNorm layers normalize with statistics further from the job's "
-                   "than the thresholds (largest: %r, trained in %s scope: mean shift %.3f, "
-                   "|log var ratio| %.3f), so BatchNorm can explain a multi-GPU gap. Use the "
-                   "'use' column per layer (hsbn.torch.convert_sync_batchnorm(..., "
-                   "layer_scopes=...)): about %.2f ms of sync per step, against %.2f ms for "
-                   "all global." % (len(yes), len(entries), worst["name"],
-                                    worst["training_scope"], d["mean_shift"],
-                                    d["log_var_ratio"], cost["recommended_ms"],
-                                    cost["all_global_ms"])) + lagged_note
-    else:
-        summary = ("Every BatchNorm layer normalizes with statistics within the thresholds of "
-                   "the job's, so BatchNorm statistics do not explain a multi-GPU gap here%s."
-                   % (" (but see the configuration smells)" if smells else ""))
+        return ("%d of %d BatchNorm layers normalize with statistics further from the job's "
+                "than the thresholds (largest: %r, trained in %s scope: mean shift %.3f, "
+                "|log var ratio| %.3f), so BatchNorm can explain a multi-GPU gap. Use the "
+                "'use' column per layer (hsbn.torch.convert_sync_batchnorm(..., "
+                "layer_scopes=...)): about %.2f ms of sync per step, against %.2f ms for "
+                "all global." % (len(yes), len(entries), worst["name"],
+                                 worst["training_scope"], d["mean_shift"],
+                                 d["log_var_ratio"], cost["recommended_ms"],
+                                 cost["all_global_ms"])) + lagged_note
+    return ("Every BatchNorm layer normalizes with statistics within the thresholds of the "
+            "job's, so BatchNorm statistics do not explain a multi-GPU gap here%s."
+            % (" (but see the configuration smells)" if smells else ""))
+
+
+def _report(client, levels, layers, batches, times, before, after, base, inner, ddp,
+            max_shift, max_logvar):
+    per = ["shift", "logvar"]
+    mean, spread_of = _gather(client, levels, layers, base)
+    round_ms = {lv: 1e3 * statistics.median(t) for lv, t in times.items() if t}
+    training_ms = {}
+    for lv in ("node", "group", "global"):
+        done = before.get(scope=lv).completed
+        if done:
+            training_ms[lv] = 1e3 * before.get(scope=lv).blocked_seconds / done
+    width = 2 * (len(levels) - 1) + 2  # one layer's values in the digest
+    entries = [_layer_entry(lay, levels, mean[i * width:(i + 1) * width], spread_of, round_ms,
+                            max_shift, max_logvar)
+               for i, lay in enumerate(layers)]
+    smells = _smells(inner, ddp, layers, entries)
+    yes = [e for e in entries if e["explains"]]
+    cost = _step_costs(entries, levels)
+    summary = _summary(entries, yes, smells, cost)
     return {
         "format": FORMAT, "verdict": "yes" if yes else "no", "summary": summary,
         "job": {"job_id": client.job_id, "world_size": client.world_size,
