@@ -12,7 +12,7 @@
 #                                           corpus in the tree (libFuzzer -merge=1: only inputs
 #                                           that add coverage)
 # Install what it needs with scripts/setup.sh (scripts/packages.txt: clang-14,
-# libclang-rt-14-dev, llvm-14). docs/RELIABILITY.md has the numbers of the last long runs.
+# libclang-rt-14-dev, llvm-14). docs/results/RELIABILITY.md has the numbers of the last long runs.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 seconds="${1:-30}"

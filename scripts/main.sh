@@ -21,7 +21,7 @@ for arg in "$@"; do
     fi
     echo "(Its flags are listed by examples/compare/hsbn_compare.py --help once python3-torch and"
     echo "python3-numpy are installed: scripts/setup.sh installs them. Topology: --nodes,"
-    echo "--workers-per-node; batch: --batch; seeds: --seeds; tasks: --task; docs/COMPARISON.md.)"
+    echo "--workers-per-node; batch: --batch; seeds: --seeds; tasks: --task; docs/results/COMPARISON.md.)"
     exit 0
   fi
 done

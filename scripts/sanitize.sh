@@ -10,7 +10,7 @@
 # Every sanitizer report of every process (tests, the aggregators and workers they start) is
 # written to <build>/sanitizer-logs/; the run fails if any is there. Suppressions are only for
 # code outside hsbn (Debian's uninstrumented gRPC, protobuf and Abseil) and live in
-# tests/sanitize/*.supp, each with its reason. docs/RELIABILITY.md says what was found.
+# tests/sanitize/*.supp, each with its reason. docs/results/RELIABILITY.md says what was found.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 what="${1:-asan}"

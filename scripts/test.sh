@@ -15,7 +15,7 @@
 #   HSBN_FUZZ_SECONDS=N          seconds per fuzzer in the fuzz smoke (default 20; 0: skip it)
 #   HSBN_SANITIZE=1              also run the whole ctest suite under ASan+UBSan (about 25 more
 #                                minutes on 2 cores: scripts/sanitize.sh asan; off by default so
-#                                CI stays near 25 minutes; docs/RELIABILITY.md)
+#                                CI stays near 25 minutes; docs/results/RELIABILITY.md)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 scripts/setup.sh || exit 1
@@ -63,7 +63,7 @@ else
   fi
 fi
 
-# Fuzzers and sanitizers (docs/RELIABILITY.md), where Debian's clang-14 is installed
+# Fuzzers and sanitizers (docs/results/RELIABILITY.md), where Debian's clang-14 is installed
 # (scripts/packages.txt has it): each fuzzer for a short while, and with HSBN_SANITIZE=1 the
 # whole ctest suite under ASan+UBSan. Each builds into a directory of its own (build-fuzz/,
 # build-asan/).

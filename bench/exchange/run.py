@@ -5,7 +5,7 @@ Starts every topology itself on this machine (aggregators, servers, worker proce
 same plan on each (see bench_common.h), pools the per-rank samples and writes:
   - a text table on stdout (latency per implementation, ratios of hsbn to every baseline, goals),
   - a JSON file with every row and the machine (--json),
-  - a Markdown report (--markdown) that docs/PERFORMANCE.md's "Exchange" section quotes.
+  - a Markdown report (--markdown) that docs/results/PERFORMANCE.md's "Exchange" section quotes.
 
 Every loop is bounded: rounds and steps are fixed counts, every launch has a wall-clock limit
 after which its processes are killed and the row is reported as failed.

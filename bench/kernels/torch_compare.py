@@ -8,7 +8,7 @@ Shapes are the ones users run (issue 14): (32,64,112,112), (32,2048,7,7), (2,256
 BatchNorm1d (4096,1024), C = 70000 with spatial size 3, each in fp32 / fp16 / bf16, NCHW and (4-d
 shapes) channels-last; plus one fp16 case of more than 2^32 elements (--no-huge leaves it out).
 
-Bytes are counted as in docs/PERFORMANCE.md: each tensor read or written once (moments: x;
+Bytes are counted as in docs/results/PERFORMANCE.md: each tensor read or written once (moments: x;
 normalize: x, y; backward reduce: x, dy; backward elementwise: x, dy, dx).
 
 Exit status 1 when a result differs beyond the tolerances below (docs/KERNELS.md): mean, invstd,

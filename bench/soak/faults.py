@@ -48,7 +48,7 @@ CAUSE = re.compile(r"rank \d+|node \d+|group \d+|root|sidecar|aggregator|upstrea
 GOOD_CODES = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "NOT_FOUND", "ALREADY_EXISTS",
               "FAILED_PRECONDITION", "CANCELLED", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"}
 # A restarted job (same job id, seq from 0, as under torchrun) meeting its previous
-# incarnation's rounds, still held by an aggregator: named, and counted apart (docs/RELIABILITY.md).
+# incarnation's rounds, still held by an aggregator: named, and counted apart (docs/results/RELIABILITY.md).
 STALE = "already completed with a different contribution"
 
 # -kill: SIGKILL, then a restart; -stop: SIGSTOP, then SIGCONT; -term: a polite stop (SIGTERM,

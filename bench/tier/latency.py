@@ -2,7 +2,7 @@
 """What a round costs through the group tier, side by side with the flat tree, in one run.
 
 Two LocalClusters of 4 nodes x 2 workers on this machine, the same links as the comparison's
-default (docs/COMPARISON.md, "Group tier"):
+default (docs/results/COMPARISON.md, "Group tier"):
   - flat: every sidecar reaches the root through a proxy delaying 1 ms each way;
   - tier: groups of 2 nodes, each sidecar reaches its group aggregator through a proxy delaying
     100 us each way, each group aggregator reaches the root through one delaying 1 ms.

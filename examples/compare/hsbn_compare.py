@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """hsbn's main job: compare local, node and global BatchNorm sync on Fashion-MNIST
 (classification and segmentation) on a simulated cluster on this machine. See --help and
-docs/COMPARISON.md.
+docs/results/COMPARISON.md.
 
     python3 examples/compare/hsbn_compare.py            # defaults: about 10 minutes, 2 cores
 """

@@ -1,5 +1,5 @@
 """Time of one training step (forward, backward, SGD) of a comparison model on one torch
-thread, to size a run before starting it (docs/COMPARISON.md, "Scaling up").
+thread, to size a run before starting it (docs/results/COMPARISON.md, "Scaling up").
 
   PYTHONPATH=examples/compare /usr/bin/python3 examples/compare/model_step_ms.py \\
       [--model resnet18] [--batch 4] [--steps 20]

@@ -22,11 +22,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 ALL_MODES = ["local", "node", "shadow", "group", "auto", "renorm", "global", "reference"]
 DIST_MODES = ["local", "node", "shadow", "group", "auto", "renorm", "global"]
 DEFAULT_MODES = ["local", "node", "group", "auto", "renorm", "global", "reference"]
-# The simulated cross-node link of the default run, in ms each way (docs/COMPARISON.md says
+# The simulated cross-node link of the default run, in ms each way (docs/results/COMPARISON.md says
 # why this value).
 LINK_DELAY_MS = 1
 # One rack hop, sidecar <-> group aggregator: TCP and gRPC framing through a top-of-rack switch
-# (docs/COMPARISON.md, "Group tier", says why 100 us).
+# (docs/results/COMPARISON.md, "Group tier", says why 100 us).
 GROUP_LINK_DELAY_US = 100
 DEFAULT_LR = {"cls": 0.05, "seg": 0.05}
 CHECK_FACTOR = 10.0
@@ -76,7 +76,7 @@ inputs, --precise-items each).
 
 Writes to --out: results.md (the table, per-layer divergence, the check), compare.png
 (learning curves, metric vs time per step), results.json and runs.csv (raw results).
-The defaults took 17 minutes on a shared 2-core machine (load average 28; docs/COMPARISON.md).
+The defaults took 17 minutes on a shared 2-core machine (load average 28; docs/results/COMPARISON.md).
 
 --sweep runs the study on classification instead: per-worker batch x skew cells
 (--sweep-batches, --sweep-skews), --sweep-seeds seeds per cell and --sweep-default-seeds in

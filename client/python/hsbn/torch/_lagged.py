@@ -62,7 +62,7 @@ from ._renorm import RecomputeError, _digest
 
 # The defaults, the one place to change them. damping: lambda, the weight of the lagged input
 # gradient against the node-local one (1.0: plain lagged). 0.5 from issue #41's one-process
-# study (docs/COMPARISON.md, "One-process study of lagged scopes"): plain lagged ends below node
+# study (docs/results/COMPARISON.md, "One-process study of lagged scopes"): plain lagged ends below node
 # in the fast default cell (-80 % of the gap, 0 of 10 seeds above node) where 0.5 recovers 91 %
 # (10 of 10); at 600 steps the two are within noise (82 % and 80 %); at 1,200 steps damping
 # costs (75 % against 85 %): 0.5 is the default that was never below node. warmup: the layer's

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The renorm tuning runs (docs/COMPARISON.md, "Renorm scope"): the sweep's default cell (4 nodes
+# The renorm tuning runs (docs/results/COMPARISON.md, "Renorm scope"): the sweep's default cell (4 nodes
 # x 2 workers, batch 4, skew 0.8, 1 ms link) on seeds 10-12, never the reported seeds 0-4.
 # node and global once (the baseline), then mode renorm once per setting. Writes one folder per
 # run here; tabulate.py reads them. Usage: run.sh [NAME=OPTIONS ...] (default: every setting).
