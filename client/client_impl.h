@@ -340,6 +340,9 @@ class Client::Impl {
     bool waited = false;  // the result was not there at the first look
   };
 
+  // The scope a late result's round was started with (for messages): what the result or its
+  // expectation says, else renorm for a forward and lagged for a backward.
+  Scope LateScopeOf(const Key& key) ABSL_LOCKS_EXCLUDED(rounds_mu_);
   absl::Status WaitGlobal(Phase phase, uint32_t op, uint64_t seq, int64_t channels,
                           int64_t* out_count, double* out_mean, double* out_m2,
                           Clock::time_point slice_end, bool* pending, GlobalWait* wait);

@@ -18,20 +18,19 @@ absl::Status Client::Impl::GlobalStats(Phase phase, uint32_t op, uint64_t seq, i
   return s;
 }
 
+Scope Client::Impl::LateScopeOf(const Key& key) {
+  absl::MutexLock lock(&rounds_mu_);
+  if (auto it = late_.find(key); it != late_.end()) return it->second.scope;
+  if (auto e = late_expected_.find(key); e != late_expected_.end()) return e->second;
+  return Phase(std::get<2>(key)) == Phase::kForward ? Scope::kRenorm : Scope::kLagged;
+}
+
 absl::Status Client::Impl::WaitGlobal(
     Phase phase, uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
     double* out_mean, double* out_m2, Clock::time_point slice_end, bool* pending,
     GlobalWait* wait) {
   const Key key{op, seq, int(phase)};
-  Scope scope = phase == Phase::kForward ? Scope::kRenorm : Scope::kLagged;
-  {
-    absl::MutexLock lock(&rounds_mu_);
-    if (auto it = late_.find(key); it != late_.end()) {
-      scope = it->second.scope;
-    } else if (auto e = late_expected_.find(key); e != late_expected_.end()) {
-      scope = e->second;
-    }
-  }
+  const Scope scope = LateScopeOf(key);
   auto what = [&] {
     return absl::StrCat("the global ", phase == Phase::kForward ? "statistics" : "sums",
                         " of ", ScopeName(scope), " round op ", op, ", seq ", seq);

@@ -550,33 +550,7 @@ absl::Status ParentLink::Send(Item& item) {
     return absl::OkStatus();
   }
   if (std::holds_alternative<LeaveItem>(item.what)) {  // never connects just to leave, nor waits
-    if (auto p = parked_.find(item.job_id); p != parked_.end()) {
-      p->second.push_back(std::move(item));  // after its Join, in order with its frames
-      return absl::OkStatus();
-    }
-    SessionId session;
-    if (conn_ && !conn_->broken()) {
-      auto it = conn_->session_of_job.find(item.job_id);
-      if (it != conn_->session_of_job.end()) {
-        session = it->second;
-        conn_->session_of_job.erase(it);
-      }
-    }
-    last_session_.erase(item.job_id);
-    {
-      absl::MutexLock lock(&mu_);
-      published_sessions_.erase(item.job_id);
-    }
-    if (!session.empty()) {
-      {
-        absl::MutexLock lock(&jobs_mu_);
-        job_of_session_.erase(session);
-      }
-      // On the stream, after the job's partials: the root reduces every one it was sent.
-      v1::ClientFrame leave;
-      leave.mutable_leave()->set_session(session.Bytes());
-      conn_->Send(std::move(leave));
-    }
+    SendLeave(item);
     return absl::OkStatus();
   }
   Frame& f = std::get<Frame>(item.what);
@@ -590,6 +564,52 @@ absl::Status ParentLink::Send(Item& item) {
     conn_->Send(std::move(f.frame));
     return absl::OkStatus();
   }
+  if (absl::Status s = EnsureConnected(); !s.ok()) return s;
+  if (auto p = parked_.find(item.job_id); p != parked_.end()) {
+    p->second.push_back(std::move(item));  // behind its job's Join in flight
+    return absl::OkStatus();
+  }
+  auto found = conn_->session_of_job.find(item.job_id);
+  if (found == conn_->session_of_job.end()) {
+    StartJoin(item.job_id, f);
+    parked_[item.job_id].push_back(std::move(item));
+    return absl::OkStatus();
+  }
+  SendJoined(item, found->second);
+  return absl::OkStatus();
+}
+
+void ParentLink::SendLeave(Item& item) {
+  if (auto p = parked_.find(item.job_id); p != parked_.end()) {
+    p->second.push_back(std::move(item));  // after its Join, in order with its frames
+    return;
+  }
+  SessionId session;
+  if (conn_ && !conn_->broken()) {
+    auto it = conn_->session_of_job.find(item.job_id);
+    if (it != conn_->session_of_job.end()) {
+      session = it->second;
+      conn_->session_of_job.erase(it);
+    }
+  }
+  last_session_.erase(item.job_id);
+  {
+    absl::MutexLock lock(&mu_);
+    published_sessions_.erase(item.job_id);
+  }
+  if (!session.empty()) {
+    {
+      absl::MutexLock lock(&jobs_mu_);
+      job_of_session_.erase(session);
+    }
+    // On the stream, after the job's partials: the root reduces every one it was sent.
+    v1::ClientFrame leave;
+    leave.mutable_leave()->set_session(session.Bytes());
+    conn_->Send(std::move(leave));
+  }
+}
+
+absl::Status ParentLink::EnsureConnected() {
   if (conn_ && conn_->broken()) {
     Unpublish();
     FailParked(absl::UnavailableError(absl::StrCat("the stream to the ", Parent(), " ", address_,
@@ -641,17 +661,6 @@ absl::Status ParentLink::Send(Item& item) {
                                       tls_ ? " (TLS)" : ""));
     if (metrics_) metrics_->SetUpstreamConnected(true);
   }
-  if (auto p = parked_.find(item.job_id); p != parked_.end()) {
-    p->second.push_back(std::move(item));  // behind its job's Join in flight
-    return absl::OkStatus();
-  }
-  auto found = conn_->session_of_job.find(item.job_id);
-  if (found == conn_->session_of_job.end()) {
-    StartJoin(item.job_id, f);
-    parked_[item.job_id].push_back(std::move(item));
-    return absl::OkStatus();
-  }
-  SendJoined(item, found->second);
   return absl::OkStatus();
 }
 

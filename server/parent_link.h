@@ -136,6 +136,11 @@ class ParentLink {
   }
   // Writer thread: sends `item` (or parks it until its job's Join at the parent completes).
   absl::Status Send(Item& item);
+  // Send's steps: a job's Leave (after its Join and frames when that Join is in flight; never
+  // connecting just to leave); the stream to the parent, reconnected when it broke (failing at
+  // once for 2 s after a failed connect, and after a short wait when the parent said it stops).
+  void SendLeave(Item& item);
+  absl::Status EnsureConnected();
   void StartJoin(const std::string& job_id, const Frame& first);
   void Joined(const std::string& job_id, const JoinDoneItem& done);
   void SendJoined(Item& item, const SessionId& session);

@@ -125,7 +125,7 @@ absl::Status Registry::CheckRequest(const v1::JoinRequest& req, const std::strin
   return absl::OkStatus();
 }
 
-absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Actions* out) {
+absl::Status Registry::CheckPeer(const v1::JoinRequest& req) const {
   const bool worker = req.kind() == v1::MEMBER_KIND_WORKER;
   if (req.protocol_version() != v1::PROTOCOL_VERSION_2) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -147,6 +147,28 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
         "aggregator ", options_.id, " is a node sidecar; only a root (--role=root) or a group "
         "aggregator (--role=group) accepts other aggregators. Check the sidecar's --upstream"));
   }
+  return absl::OkStatus();
+}
+
+JobLayout Registry::LayoutOf(const v1::JoinRequest& req) const {
+  const bool worker = req.kind() == v1::MEMBER_KIND_WORKER;
+  JobLayout layout;
+  layout.member_kind = req.kind();
+  layout.world_size = req.world_size();
+  layout.local_world_size = req.local_world_size();
+  layout.num_nodes = req.world_size() / req.local_world_size();
+  layout.node_rank = worker ? req.node_rank() : -1;
+  layout.strict_finite = req.strict_finite();
+  layout.group_nodes = req.group_nodes();
+  layout.incarnation = req.incarnation();
+  layout.member_nodes = worker ? 0 : std::max(1, req.member_nodes());
+  layout.group = options_.group_tier ? req.node_rank() / req.group_nodes() : -1;
+  return layout;
+}
+
+absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Actions* out) {
+  if (absl::Status s = CheckPeer(req); !s.ok()) return s;
+  const bool worker = req.kind() == v1::MEMBER_KIND_WORKER;
   const std::string who =
       worker                   ? absl::StrCat("rank ", req.rank())
       : req.member_nodes() > 1 ? absl::StrCat("the group aggregator of nodes ", req.node_rank(),
@@ -169,17 +191,7 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
         who, " of job '", req.job_id(), "': previous_session must be 16 bytes (a session from "
         "an earlier Join of this protocol version)"));
   }
-  JobLayout layout;
-  layout.member_kind = req.kind();
-  layout.world_size = req.world_size();
-  layout.local_world_size = req.local_world_size();
-  layout.num_nodes = req.world_size() / req.local_world_size();
-  layout.node_rank = worker ? req.node_rank() : -1;
-  layout.strict_finite = req.strict_finite();
-  layout.group_nodes = req.group_nodes();
-  layout.incarnation = req.incarnation();
-  layout.member_nodes = worker ? 0 : std::max(1, req.member_nodes());
-  layout.group = options_.group_tier ? req.node_rank() / req.group_nodes() : -1;
+  const JobLayout layout = LayoutOf(req);
   const int32_t index = worker                ? req.local_rank()
                         : options_.group_tier ? req.node_rank() % req.group_nodes()
                                               : req.node_rank() / layout.member_nodes;
@@ -192,64 +204,7 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
     // One critical section from finding (or creating) the job to registering the member, so
     // a sweep can never see a new job without members and drop it.
     absl::MutexLock lock(&mu_);
-    if (!closed_.ok()) return closed_;
-    auto it = jobs_.find(req.job_id());
-    if (it != jobs_.end() && layout.incarnation != it->second->layout().incarnation) {
-      const uint64_t current = it->second->layout().incarnation;
-      if (layout.incarnation < current) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            who, " of job '", req.job_id(), "' belongs to run (incarnation) ",
-            layout.incarnation, " but aggregator ", options_.id, " already serves run ", current,
-            " of that job: a process of an earlier run is still trying to join"));
-      }
-      // A new run of the job: the old one ends here, and none of its rounds, kept results or
-      // sessions can answer the new run (whose seqs start again from 0).
-      joined.replaced = it->second;
-      std::vector<SessionId> gone;
-      for (const auto& [session, ref] : sessions_) {
-        if (ref.job == joined.replaced) gone.push_back(session);
-      }
-      for (const SessionId& session : gone) sessions_.erase(session);
-      jobs_.erase(it);
-      it = jobs_.end();
-    }
-    std::shared_ptr<Job> job;
-    if (it == jobs_.end()) {
-      if (int32_t(jobs_.size()) >= options_.max_jobs) {
-        return wire::WithReason(
-            absl::ResourceExhaustedError(absl::StrCat(
-                "aggregator ", options_.id, " already serves ", jobs_.size(),
-                " jobs, its limit (--max-jobs); job '", req.job_id(), "' was refused")),
-            v1::REASON_MAX_JOBS);
-      }
-      JobLimits limits = options_.limits;
-      limits.budget = budget_;
-      job = std::make_shared<Job>(req.job_id(), layout, limits);
-    } else {
-      job = it->second;
-      if (absl::Status s = job->CheckLayout(layout, who); !s.ok()) {
-        TellJobLocked(*job, req, s, out);
-        return s;
-      }
-    }
-    while (sessions_.count(joined.session)) joined.session = SessionId::Random();
-    if (absl::Status s = job->AddMember(index, joined.session, previous, Clock::now(), out);
-        !s.ok()) {
-      return s;
-    }
-    if (it == jobs_.end()) {
-      jobs_.emplace(req.job_id(), job);
-      Log(LogLevel::kInfo, absl::StrCat("job '", req.job_id(), "' created: ", layout.world_size,
-                                        " workers on ", layout.num_nodes, " node(s)"));
-    }
-    if (!previous.empty()) {
-      auto prev = sessions_.find(previous);
-      if (prev != sessions_.end() && prev->second.job == job && prev->second.index == index) {
-        sessions_.erase(prev);
-      }
-    }
-    sessions_[joined.session] = SessionRef{job, index};
-    joined.job = std::move(job);
+    if (absl::Status s = AdmitLocked(req, who, layout, previous, &joined, out); !s.ok()) return s;
   }
   if (joined.replaced) {
     Log(LogLevel::kInfo, absl::StrCat("job '", req.job_id(), "': run ",
@@ -264,6 +219,72 @@ absl::StatusOr<Registry::Joined> Registry::Join(const v1::JoinRequest& req, Acti
   }
   if (!req.token().empty()) joined.job->SetToken(req.token());
   return joined;
+}
+
+absl::Status Registry::AdmitLocked(const v1::JoinRequest& req, const std::string& who,
+                                   const JobLayout& layout, const SessionId& previous,
+                                   Joined* joined_out, Actions* out) {
+  Joined& joined = *joined_out;
+  const int32_t index = joined.index;
+  if (!closed_.ok()) return closed_;
+  auto it = jobs_.find(req.job_id());
+  if (it != jobs_.end() && layout.incarnation != it->second->layout().incarnation) {
+    const uint64_t current = it->second->layout().incarnation;
+    if (layout.incarnation < current) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          who, " of job '", req.job_id(), "' belongs to run (incarnation) ",
+          layout.incarnation, " but aggregator ", options_.id, " already serves run ", current,
+          " of that job: a process of an earlier run is still trying to join"));
+    }
+    // A new run of the job: the old one ends here, and none of its rounds, kept results or
+    // sessions can answer the new run (whose seqs start again from 0).
+    joined.replaced = it->second;
+    std::vector<SessionId> gone;
+    for (const auto& [session, ref] : sessions_) {
+      if (ref.job == joined.replaced) gone.push_back(session);
+    }
+    for (const SessionId& session : gone) sessions_.erase(session);
+    jobs_.erase(it);
+    it = jobs_.end();
+  }
+  std::shared_ptr<Job> job;
+  if (it == jobs_.end()) {
+    if (int32_t(jobs_.size()) >= options_.max_jobs) {
+      return wire::WithReason(
+          absl::ResourceExhaustedError(absl::StrCat(
+              "aggregator ", options_.id, " already serves ", jobs_.size(),
+              " jobs, its limit (--max-jobs); job '", req.job_id(), "' was refused")),
+          v1::REASON_MAX_JOBS);
+    }
+    JobLimits limits = options_.limits;
+    limits.budget = budget_;
+    job = std::make_shared<Job>(req.job_id(), layout, limits);
+  } else {
+    job = it->second;
+    if (absl::Status s = job->CheckLayout(layout, who); !s.ok()) {
+      TellJobLocked(*job, req, s, out);
+      return s;
+    }
+  }
+  while (sessions_.count(joined.session)) joined.session = SessionId::Random();
+  if (absl::Status s = job->AddMember(index, joined.session, previous, Clock::now(), out);
+      !s.ok()) {
+    return s;
+  }
+  if (it == jobs_.end()) {
+    jobs_.emplace(req.job_id(), job);
+    Log(LogLevel::kInfo, absl::StrCat("job '", req.job_id(), "' created: ", layout.world_size,
+                                      " workers on ", layout.num_nodes, " node(s)"));
+  }
+  if (!previous.empty()) {
+    auto prev = sessions_.find(previous);
+    if (prev != sessions_.end() && prev->second.job == job && prev->second.index == index) {
+      sessions_.erase(prev);
+    }
+  }
+  sessions_[joined.session] = SessionRef{job, index};
+  joined.job = std::move(job);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Registry::SessionRef> Registry::Authorize(const SessionId& session,

@@ -94,6 +94,14 @@ class Registry {
 
  private:
   absl::Status CheckRequest(const v1::JoinRequest& req, const std::string& who) const;
+  // Join's steps: the peer speaks this protocol and is of the kind this role admits; the
+  // request's job layout; under mu_, the job found, replaced (a newer run) or created, and the
+  // member registered in it and in sessions_ (*joined: its index in, its session and job out).
+  absl::Status CheckPeer(const v1::JoinRequest& req) const;
+  JobLayout LayoutOf(const v1::JoinRequest& req) const;
+  absl::Status AdmitLocked(const v1::JoinRequest& req, const std::string& who,
+                           const JobLayout& layout, const SessionId& previous, Joined* joined,
+                           Actions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const RegistryOptions options_;
   const std::shared_ptr<MemoryBudget> budget_;
