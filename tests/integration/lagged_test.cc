@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "hsbn/client.h"
+#include "hsbn/v1/hsbn.pb.h"
 #include "local_cluster.h"
 #include "test_cluster.h"
 
@@ -380,6 +381,16 @@ TEST(Lagged, ALateResultForARoundThisClientDidNotStartIsDroppedNotKept) {
   auto replaced = Client::Connect(o);
   ASSERT_TRUE(replaced.ok()) << replaced.status();
   job[0] = std::move(*replaced);
+  // The sidecar relays the late result to the members attached when it arrives: wait until
+  // it has the new rank 0's stream (Connect returns once the attach frame is written, not
+  // once the sidecar has read it).
+  for (bool attached = false; !attached;) {
+    auto st = job[1]->Status(false);
+    ASSERT_TRUE(st.ok()) << st.status();
+    for (const auto& j : st->jobs()) {
+      for (const auto& m : j.members()) attached = attached || (m.index() == 0 && m.connected());
+    }
+  }
   c->root()->Signal(SIGCONT);
   std::vector<double> m(1), m2(1);
   int64_t count = 0;
