@@ -31,6 +31,10 @@ inline void CpuRelax() {
 #endif
 }
 
+std::string NameOf(const shm::Key& key) {
+  return wire::RoundName(key.op, key.seq, v1::Phase(key.phase));
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<ShmChannel>> ShmChannel::Open(ShmConfig config) {
@@ -346,8 +350,6 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
                                         : config_.round_timeout;
   const Clock::time_point aggregator_deadline = r.started + aggregator_wait;
   const Clock::time_point deadline = std::min(aggregator_deadline, client_deadline);
-  const uint64_t id = RoundId(r.slot, r.posted);
-  auto round = [&] { return wire::RoundName(r.key.op, r.key.seq, v1::Phase(r.key.phase)); };
   {
     absl::MutexLock lock(&mu_);
     // Waited for again after its caller's own timeout: it is no longer abandoned.
@@ -377,38 +379,16 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
         if (segment_->Withdraw(rank, r.slot, r.posted)) return release(AbortStatus());
         continue;  // an answer is there or being written: take it
       }
-      if (pending != nullptr && Clock::now() >= slice_end &&
-          Clock::now() < std::min(aggregator_deadline, client_deadline)) {
+      if (pending != nullptr && Clock::now() >= slice_end && Clock::now() < deadline) {
         *pending = true;
         return absl::OkStatus();
       }
       absl::Status fail = segment_->Blocked(&r.key, opts);
-      if (fail.ok() && !Alive()) {
-        fail = absl::UnavailableError(absl::StrCat(
-            "round ", round(), ": the node's sidecar is gone (it restarted or shut down), so the "
-            "job's shared-memory segment is no longer served; the next call rejoins"));
-      }
+      if (fail.ok() && !Alive()) fail = SidecarGone(r.key);
       const Clock::time_point now = Clock::now();
       if (fail.ok() && now >= deadline) {
-        if (now >= aggregator_deadline) {
-          wire::MemberNames member;
-          member.node_rank = config_.node_rank;
-          member.local_world_size = config_.local_world_size;
-          std::vector<std::string> names;
-          for (int32_t m : segment_->Missing(r.key)) names.push_back(member(m));
-          const wire::RoundRef ref{round(), config_.job_id};
-          fail = names.empty() ? wire::RootSilent(ref, aggregator_wait)
-                               : wire::TimedOut(ref, config_.round_timeout, names);
-        } else {
-          // The caller's own (shorter) timeout: as on the stream, the contribution stays, so
-          // the round can still complete for the other ranks; the slot is reclaimed once it
-          // does, or at the aggregator's deadline.
-          absl::MutexLock lock(&mu_);
-          abandoned_[r.slot] = Abandoned{r.posted, aggregator_deadline};
-          return absl::DeadlineExceededError(absl::StrCat(
-              "round ", round(), ": no answer through the node's shared memory within ",
-              client_timeout.count(), " ms"));
-        }
+        if (now < aggregator_deadline) return Abandon(r, aggregator_deadline, client_timeout);
+        fail = TimedOut(r.key, aggregator_wait);
       }
       if (!fail.ok()) {
         // As at the sidecar, the round fails for every rank that is in it, at once.
@@ -431,26 +411,9 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
     absl::Status status;
     int64_t count = 0;
     thread_local std::vector<double> data;  // reused: a round allocates nothing here
-    {
-      absl::MutexLock lock(&mu_);
-      if (auto it = stash_.find(id); it != stash_.end()) {
-        status = it->second.status;
-        count = it->second.count;
-        data = std::move(it->second.data);
-        stash_.erase(it);
-      } else if (segment_->Take(rank, r.slot, r.posted, r.channels, &status, &count, &data)) {
-        busy_[size_t(r.slot)] = false;
-      } else if ((segment_->State(rank, r.slot) & 0xffu) == shm::kDone ||
-                 segment_->State(rank, r.slot) == r.posted) {
-        continue;  // changed under us (a harvest in progress); look again
-      } else {
-        busy_[size_t(r.slot)] = false;
-        if (aborted_flag_.load()) return aborted_;  // Abort took the contribution back
-        return absl::UnavailableError(absl::StrCat(
-            "round ", round(), ": this rank's shared-memory slot was reset (the sidecar "
-            "re-admitted this rank, or a process of the job wrote into it); the round is lost"));
-      }
-    }
+    const Taken taken = TakeAnswer(r, &status, &count, &data);
+    if (taken == Taken::kAgain) continue;
+    if (taken == Taken::kLost) return status;
     if (aborted_flag_.load()) return AbortStatus();  // an answer that came too late
     // Adapt the spin: longer while results come within it, shorter when they do not.
     if (!slept) {
@@ -461,6 +424,66 @@ absl::Status ShmChannel::Wait(const ShmRound& r, Clock::time_point client_deadli
     }
     return Deliver(status, count, data, r.channels, out_count, out_a, out_b);
   }
+}
+
+ShmChannel::Taken ShmChannel::TakeAnswer(const ShmRound& r, absl::Status* status,
+                                         int64_t* count, std::vector<double>* data) {
+  const int32_t rank = config_.local_rank;
+  absl::MutexLock lock(&mu_);
+  if (auto it = stash_.find(RoundId(r.slot, r.posted)); it != stash_.end()) {
+    *status = it->second.status;
+    *count = it->second.count;
+    *data = std::move(it->second.data);
+    stash_.erase(it);
+    return Taken::kTaken;
+  }
+  if (segment_->Take(rank, r.slot, r.posted, r.channels, status, count, data)) {
+    busy_[size_t(r.slot)] = false;
+    return Taken::kTaken;
+  }
+  if ((segment_->State(rank, r.slot) & 0xffu) == shm::kDone ||
+      segment_->State(rank, r.slot) == r.posted) {
+    return Taken::kAgain;  // changed under us (a harvest in progress); look again
+  }
+  busy_[size_t(r.slot)] = false;
+  if (aborted_flag_.load()) {
+    *status = aborted_;  // Abort took the contribution back
+  } else {
+    *status = absl::UnavailableError(absl::StrCat(
+        "round ", NameOf(r.key), ": this rank's shared-memory slot was reset (the sidecar "
+        "re-admitted this rank, or a process of the job wrote into it); the round is lost"));
+  }
+  return Taken::kLost;
+}
+
+absl::Status ShmChannel::Abandon(const ShmRound& r, Clock::time_point aggregator_deadline,
+                                 std::chrono::milliseconds client_timeout) {
+  // The caller's own (shorter) timeout: as on the stream, the contribution stays, so the round
+  // can still complete for the other ranks; the slot is reclaimed once it does, or at the
+  // aggregator's deadline.
+  absl::MutexLock lock(&mu_);
+  abandoned_[r.slot] = Abandoned{r.posted, aggregator_deadline};
+  return absl::DeadlineExceededError(absl::StrCat(
+      "round ", NameOf(r.key), ": no answer through the node's shared memory within ",
+      client_timeout.count(), " ms"));
+}
+
+absl::Status ShmChannel::SidecarGone(const shm::Key& key) const {
+  return absl::UnavailableError(absl::StrCat(
+      "round ", NameOf(key), ": the node's sidecar is gone (it restarted or shut down), so the "
+      "job's shared-memory segment is no longer served; the next call rejoins"));
+}
+
+absl::Status ShmChannel::TimedOut(const shm::Key& key,
+                                  std::chrono::milliseconds aggregator_wait) const {
+  wire::MemberNames member;
+  member.node_rank = config_.node_rank;
+  member.local_world_size = config_.local_world_size;
+  std::vector<std::string> names;
+  for (int32_t m : segment_->Missing(key)) names.push_back(member(m));
+  const wire::RoundRef ref{NameOf(key), config_.job_id};
+  return names.empty() ? wire::RootSilent(ref, aggregator_wait)
+                       : wire::TimedOut(ref, config_.round_timeout, names);
 }
 
 }  // namespace hsbn::client_internal

@@ -117,6 +117,16 @@ class ShmChannel {
   void HarvestLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status Deliver(const absl::Status& s, int64_t count, const std::vector<double>& data,
                        int64_t channels, int64_t* out_count, double* out_a, double* out_b);
+  // Wait's steps. TakeAnswer takes a round's answer once its slot is no longer posted (from
+  // the stash or the slot): kAgain when the slot changed under it, kLost (with *status) when
+  // the answer is gone. Abandon records a wait given up at the caller's own timeout.
+  enum class Taken { kTaken, kAgain, kLost };
+  Taken TakeAnswer(const ShmRound& round, absl::Status* status, int64_t* count,
+                   std::vector<double>* data);
+  absl::Status Abandon(const ShmRound& round, Clock::time_point aggregator_deadline,
+                       std::chrono::milliseconds client_timeout);
+  absl::Status SidecarGone(const shm::Key& key) const;
+  absl::Status TimedOut(const shm::Key& key, std::chrono::milliseconds aggregator_wait) const;
 
   const ShmConfig config_;
   int sock_ = -1;

@@ -317,6 +317,7 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
   thread_local std::vector<uint32_t> posted;
   thread_local std::vector<double> buf;
   thread_local std::vector<int64_t> counts;
+  thread_local std::vector<double> result;  // reused: a round allocates nothing here
   idx.resize(size_t(n));
   posted.resize(size_t(n));
   counts.resize(size_t(n));
@@ -327,64 +328,26 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
   const uint32_t gen0 = GenOf(posted[0]);
   if (!Cas(&slot(0, idx[0])->claim, gen0 << 1, (gen0 << 1) | 1u)) return false;
 
-  // Names are built only for an error message.
-  auto round = [&] { return wire::RoundName(key.op, key.seq, v1::Phase(key.phase)); };
-  auto ref = [&] { return wire::RoundRef{round(), o.job_id}; };
-  const wire::MemberNames names = Names(o, n);
-  wire::RoundRules rules;
-  rules.forward = key.phase == v1::PHASE_FORWARD;
-  rules.group_allowed = false;
-  rules.strict_finite = o.strict_finite;
-  rules.max_channels = o.max_channels_limit;
-  rules.transport_cap = g_.max_channels;
   int32_t scope = 0;
   int64_t channels = 0;
-  absl::Status error;
-  for (int32_t r = 0; r < n && error.ok(); ++r) {
-    SlotHead* s = slot(r, idx[r]);
-    wire::ContributionView c;
-    c.scope = Read(&s->scope);
-    c.channels = Read(&s->channels);
-    c.count = Read(&s->count);
-    auto who = [&] { return names(r); };
-    error = wire::CheckFields(c, rules, who, round);
-    if (!error.ok()) break;
-    if (r == 0) {
-      scope = c.scope;
-      channels = c.channels;
-      buf.resize(size_t(n) * 2 * size_t(channels));
-    } else {
-      error = wire::CheckSameRound(c, channels, scope, who, [&] { return names(0); }, round);
-      if (!error.ok()) break;
-    }
-    counts[size_t(r)] = c.count;
-    double* mine = buf.data() + size_t(r) * 2 * size_t(channels);
-    std::memcpy(mine, data(s), size_t(channels) * 2 * sizeof(double));
-    if (Load(&s->state) != posted[r]) {
-      error = absl::AbortedError(absl::StrCat("round ", round(), " of job '", o.job_id, "': ",
-                                              names(r),
-                                              " withdrew its contribution while it was reduced "
-                                              "(its wait ended); the round failed"));
-      break;
-    }
-    // Checked on this process's copy: another process may still write the slot.
-    c.data = reinterpret_cast<const char*>(mine);
-    CountNonFinite(key.phase, wire::CountNonFinite(c.data, 2 * channels));
-    error = wire::CheckValues(c, rules, who, round);
-  }
-  thread_local std::vector<double> result;  // reused: a round allocates nothing here
+  absl::Status error = CopyChecked(key, idx, posted, o, &scope, &channels, &counts, &buf);
   int64_t count = 0;
   wire::ReduceFault fault;
   if (error.ok()) {
+    // Names are built only for an error message.
+    auto ref = [&] {
+      return wire::RoundRef{wire::RoundName(key.op, key.seq, v1::Phase(key.phase)), o.job_id};
+    };
     result.resize(2 * size_t(channels));
     error = wire::ReduceRound(
-        rules.forward, channels, n, [&](int i) { return counts[size_t(i)]; },
+        key.phase == v1::PHASE_FORWARD, channels, n, [&](int i) { return counts[size_t(i)]; },
         [&](int i, const double** ai, const double** bi) {
           *ai = buf.data() + size_t(i) * 2 * size_t(channels);
           *bi = *ai + channels;
           return counts[size_t(i)];
         },
-        names, o.strict_finite, ref, result.data(), result.data() + channels, &count, &fault);
+        Names(o, n), o.strict_finite, ref, result.data(), result.data() + channels, &count,
+        &fault);
   }
   // A failed round goes up if any rank asked for a scope that reaches the root: the other
   // nodes' ranks may wait there for this node's partial (ranks that disagree on the scope).
@@ -393,41 +356,11 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
     up = ReachesParent(Read(&slot(r, idx[r])->scope), o);
   }
   if (error.ok() && up) {
-    QueueEntry partial;
-    partial.key = key;
-    partial.kind = kPartial;
-    partial.scope = scope;
-    partial.channels = channels;
-    partial.count = count;
-    partial.data = result;
-    if (!Enqueue(partial, o)) {
-      error = absl::UnavailableError(absl::StrCat(
-          "round ", round(), " of job '", o.job_id, "': the node's sidecar did not take the "
-          "node partial (its queue stayed full, or it invalidated the segment)"));
-    } else if (scope == v1::SCOPE_GLOBAL) {
-      return true;  // the sidecar answers with the root's result
-    }
+    error = SendPartial(key, scope, channels, count, result, o);
+    if (error.ok() && scope == v1::SCOPE_GLOBAL) return true;  // the sidecar answers (root's)
   }
   if (!error.ok()) {
-    if (up) {
-      QueueEntry abort;
-      abort.key = key;
-      abort.kind = kAbort;
-      abort.code = int32_t(error.code());
-      abort.reason = int32_t(wire::ReasonOf(error));
-      abort.message = std::string(error.message());
-      Enqueue(abort, o);
-    }
-    const std::string message(error.message());
-    std::vector<bool> mine = BeginAll(idx, posted);
-    CountRound(scope != 0 ? scope : Read(&slot(0, idx[0])->scope), key.phase,
-               int32_t(error.code()));
-    for (int32_t r = 0; r < n; ++r) {
-      if (mine[size_t(r)]) {
-        Deliver(r, idx[r], posted[r], int32_t(error.code()), message, 0, 0, nullptr, nullptr,
-                int32_t(wire::ReasonOf(error)));
-      }
-    }
+    FailClaimed(key, idx, posted, scope, up, error, o);
     return true;
   }
   std::vector<bool> mine = BeginAll(idx, posted);
@@ -439,6 +372,96 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
     }
   }
   return true;
+}
+
+absl::Status Segment::CopyChecked(const Key& key, const std::vector<int32_t>& idx,
+                                  const std::vector<uint32_t>& posted, const ReduceOptions& o,
+                                  int32_t* scope, int64_t* channels,
+                                  std::vector<int64_t>* counts, std::vector<double>* buf) {
+  const int32_t n = g_.ranks;
+  // Names are built only for an error message.
+  auto round = [&] { return wire::RoundName(key.op, key.seq, v1::Phase(key.phase)); };
+  const wire::MemberNames names = Names(o, n);
+  wire::RoundRules rules;
+  rules.forward = key.phase == v1::PHASE_FORWARD;
+  rules.group_allowed = false;
+  rules.strict_finite = o.strict_finite;
+  rules.max_channels = o.max_channels_limit;
+  rules.transport_cap = g_.max_channels;
+  absl::Status error;
+  for (int32_t r = 0; r < n && error.ok(); ++r) {
+    SlotHead* s = slot(r, idx[r]);
+    wire::ContributionView c;
+    c.scope = Read(&s->scope);
+    c.channels = Read(&s->channels);
+    c.count = Read(&s->count);
+    auto who = [&] { return names(r); };
+    error = wire::CheckFields(c, rules, who, round);
+    if (!error.ok()) break;
+    if (r == 0) {
+      *scope = c.scope;
+      *channels = c.channels;
+      buf->resize(size_t(n) * 2 * size_t(*channels));
+    } else {
+      error = wire::CheckSameRound(c, *channels, *scope, who, [&] { return names(0); }, round);
+      if (!error.ok()) break;
+    }
+    (*counts)[size_t(r)] = c.count;
+    double* mine = buf->data() + size_t(r) * 2 * size_t(*channels);
+    std::memcpy(mine, data(s), size_t(*channels) * 2 * sizeof(double));
+    if (Load(&s->state) != posted[r]) {
+      return absl::AbortedError(absl::StrCat("round ", round(), " of job '", o.job_id, "': ",
+                                             names(r),
+                                             " withdrew its contribution while it was reduced "
+                                             "(its wait ended); the round failed"));
+    }
+    // Checked on this process's copy: another process may still write the slot.
+    c.data = reinterpret_cast<const char*>(mine);
+    CountNonFinite(key.phase, wire::CountNonFinite(c.data, 2 * *channels));
+    error = wire::CheckValues(c, rules, who, round);
+  }
+  return error;
+}
+
+absl::Status Segment::SendPartial(const Key& key, int32_t scope, int64_t channels,
+                                  int64_t count, const std::vector<double>& result,
+                                  const ReduceOptions& o) {
+  QueueEntry partial;
+  partial.key = key;
+  partial.kind = kPartial;
+  partial.scope = scope;
+  partial.channels = channels;
+  partial.count = count;
+  partial.data = result;
+  if (Enqueue(partial, o)) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat(
+      "round ", wire::RoundName(key.op, key.seq, v1::Phase(key.phase)), " of job '", o.job_id,
+      "': the node's sidecar did not take the node partial (its queue stayed full, or it "
+      "invalidated the segment)"));
+}
+
+void Segment::FailClaimed(const Key& key, const std::vector<int32_t>& idx,
+                          const std::vector<uint32_t>& posted, int32_t scope, bool up,
+                          const absl::Status& error, const ReduceOptions& o) {
+  if (up) {
+    QueueEntry abort;
+    abort.key = key;
+    abort.kind = kAbort;
+    abort.code = int32_t(error.code());
+    abort.reason = int32_t(wire::ReasonOf(error));
+    abort.message = std::string(error.message());
+    Enqueue(abort, o);
+  }
+  const std::string message(error.message());
+  std::vector<bool> mine = BeginAll(idx, posted);
+  CountRound(scope != 0 ? scope : Read(&slot(0, idx[0])->scope), key.phase,
+             int32_t(error.code()));
+  for (int32_t r = 0; r < g_.ranks; ++r) {
+    if (mine[size_t(r)]) {
+      Deliver(r, idx[r], posted[r], int32_t(error.code()), message, 0, 0, nullptr, nullptr,
+              int32_t(wire::ReasonOf(error)));
+    }
+  }
 }
 
 bool Segment::Enqueue(const QueueEntry& item, const ReduceOptions& o) {

@@ -259,6 +259,19 @@ class Segment {
                int64_t count, int64_t channels, const double* a, const double* b,
                int32_t reason = 0) const;
   bool Enqueue(const QueueEntry& item, const ReduceOptions& options);
+  // TryReduce's steps while it holds a round's claim. CopyChecked copies every rank's
+  // contribution into `buf` (rank r's 2 × channels doubles at r × 2 × channels) and checks it
+  // as the stream path does; SendPartial queues the node partial for the sidecar; FailClaimed
+  // answers every rank still waiting with `error` (and tells the sidecar when `up`).
+  absl::Status CopyChecked(const Key& key, const std::vector<int32_t>& idx,
+                           const std::vector<uint32_t>& posted, const ReduceOptions& options,
+                           int32_t* scope, int64_t* channels, std::vector<int64_t>* counts,
+                           std::vector<double>* buf);
+  absl::Status SendPartial(const Key& key, int32_t scope, int64_t channels, int64_t count,
+                           const std::vector<double>& result, const ReduceOptions& options);
+  void FailClaimed(const Key& key, const std::vector<int32_t>& idx,
+                   const std::vector<uint32_t>& posted, int32_t scope, bool up,
+                   const absl::Status& error, const ReduceOptions& options);
   // Counts one answered round in the header (Status's totals and the metric counters).
   void CountRound(int32_t scope, int32_t phase, int32_t code) const;
   void CountNonFinite(int32_t phase, int64_t values) const;

@@ -457,26 +457,40 @@ bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribu
     return true;
   }
   if (auto f = finished_.find(key); f != finished_.end()) {
-    const auto& hashes = f->second.contribution_hashes;
-    if (f->second.status.ok() && size_t(index) < hashes.size() &&
-        hashes[index] != ContributionHash(c.count(), c.data())) {
-      // Not a retransmission: the same key was reused for new data. Answering with the old
-      // result would be silently wrong.
-      TellSenderLocked(index, session, key,
-                       absl::InvalidArgumentError(absl::StrCat(
-                           MemberName(index), " sent a new contribution to round ", Describe(key),
-                           " of job '", id_, "', which already completed with a different "
-                           "contribution from it. Round keys (op, seq, phase) must not be reused "
-                           "in a job: count seq up on every call of a layer, or use a new "
-                           "HSBN_JOB_ID for a new run")),
-                       out);
-      return true;
-    }
-    SendFinishedLocked(index, session, key, f->second, out);  // late or repeated contribution
+    AnswerRepeatLocked(index, session, key, c, f->second, out);
     return true;
   }
   auto it = open_.find(key);
   Round* open = it == open_.end() ? nullptr : &it->second;
+  if (!AdmitLocked(index, session, key, c, open, out)) return true;
+  ++members_[index].contributions;
+  if (open == nullptr) open = OpenRoundLocked(index, session, key, c, now, out);
+  if (open != nullptr) FillSlotLocked(*open, index, session, c, out);
+  return true;
+}
+
+void Job::AnswerRepeatLocked(int32_t index, const SessionId& session, const RoundKey& key,
+                             const v1::Contribution& c, const Finished& finished, Actions* out) {
+  const auto& hashes = finished.contribution_hashes;
+  if (finished.status.ok() && size_t(index) < hashes.size() &&
+      hashes[index] != ContributionHash(c.count(), c.data())) {
+    // Not a retransmission: the same key was reused for new data. Answering with the old
+    // result would be silently wrong.
+    TellSenderLocked(index, session, key,
+                     absl::InvalidArgumentError(absl::StrCat(
+                         MemberName(index), " sent a new contribution to round ", Describe(key),
+                         " of job '", id_, "', which already completed with a different "
+                         "contribution from it. Round keys (op, seq, phase) must not be reused "
+                         "in a job: count seq up on every call of a layer, or use a new "
+                         "HSBN_JOB_ID for a new run")),
+                     out);
+    return;
+  }
+  SendFinishedLocked(index, session, key, finished, out);  // late or repeated contribution
+}
+
+bool Job::AdmitLocked(int32_t index, const SessionId& session, const RoundKey& key,
+                      const v1::Contribution& c, const Round* open, Actions* out) {
   absl::Status valid = ValidateLocked(index, c, open, out);
   if (valid.ok() && open == nullptr && layout_.keyed_groups()) {
     // At the root a group round and a round of another scope under the same (op, seq, phase)
@@ -491,12 +505,14 @@ bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribu
       FailRoundLocked(sibling->first, valid, /*tell_parent=*/true, out);
     }
   }
-  if (absl::Status s = valid; !s.ok()) {
+  if (!valid.ok()) {
     // The sender gets the error even if it has no slot in the open round (FailRoundLocked
     // answers the members whose slots are filled).
-    if (open == nullptr || !open->slots[index].filled) TellSenderLocked(index, session, key, s, out);
-    FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
-    return true;
+    if (open == nullptr || !open->slots[index].filled) {
+      TellSenderLocked(index, session, key, valid, out);
+    }
+    FailRoundLocked(key, valid, /*tell_parent=*/true, out, c.scope());
+    return false;
   }
   if (c.scope() == v1::SCOPE_LAGGED && c.phase() == v1::PHASE_BACKWARD &&
       (open == nullptr || !open->slots[index].filled)) {
@@ -506,128 +522,107 @@ bool Job::Contribute(int32_t index, const SessionId& session, const v1::Contribu
       out->round_failures.push_back(absl::StrCat("job '", id_, "': refused a contribution to "
                                                  "round ", Describe(key), ": ", s.ToString()));
       TellSenderLocked(index, session, key, s, out);
-      return true;
+      return false;
     }
   }
-  Member& member = members_[index];
-  ++member.contributions;
-  if (open == nullptr) {
-    int32_t lo = 0, hi = int32_t(members_.size());
-    if (key.group > 0) {
-      const int32_t per_group = layout_.group_nodes / std::max(1, layout_.member_nodes);
-      lo = (key.group - 1) * per_group;
-      hi = lo + per_group;
-    }
-    if (absl::Status s = BlockedLocked(key, lo, hi); !s.ok()) {
-      TellSenderLocked(index, session, key, s, out);
-      FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
-      return true;
-    }
-    if (int32_t(open_.size()) >= limits_.max_open_rounds) {
-      absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
-          "job '", id_, "' already has ", open_.size(),
-          " rounds in flight, the limit (--max-open-rounds); round ", Describe(key),
-          " was refused. Workers are out of step: some run far ahead of others"));
-      TellSenderLocked(index, session, key, s, out);
-      FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
-      return true;
-    }
-    const int64_t bytes = int64_t(sizeof(Round) + members_.size() * sizeof(Slot));
-    if (!ChargeLocked(bytes)) {
-      absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
-          "aggregator memory budget exhausted (--memory-budget-bytes): round ", Describe(key),
-          " of job '", id_, "' cannot open; jobs on this aggregator hold too much round data"));
-      out->refused.push_back("memory_budget");
-      TellSenderLocked(index, session, key, s, out);
-      FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
-      return true;
-    }
-    Round round;
-    round.key = key;
-    round.scope = c.scope();
-    round.channels = c.channels();
-    round.first_contributor = index;
-    round.slots.resize(members_.size());
-    round.lo = lo;
-    round.hi = hi;
-    if (c.has_decide()) round.decide = std::make_shared<const v1::AutoDecide>(c.decide());
-    round.charged = bytes;
-    round.opened = now;
-    round.deadline = now + limits_.round_timeout;
-    it = open_.emplace(key, std::move(round)).first;
-    open = &it->second;
-  }
-  Slot& slot = open->slots[index];
-  if (slot.filled) return true;  // an identical repeat of what it sent before
-  if (!ChargeLocked(int64_t(c.data().size()))) {
-    absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
-        "aggregator memory budget exhausted (--memory-budget-bytes): the contribution of ",
-        MemberName(index), " to round ", Describe(key), " of job '", id_,
-        "' cannot be held; jobs on this aggregator hold too much round data"));
-    out->refused.push_back("memory_budget");
-    TellSenderLocked(index, session, key, s, out);
-    FailRoundLocked(key, s, /*tell_parent=*/true, out, c.scope());
-    return true;
-  }
-  open->charged += int64_t(c.data().size());
-  slot.filled = true;
-  slot.count = c.count();
-  slot.data = c.data();
-  if (++open->filled == open->hi - open->lo) CompleteLocked(*open, out);
   return true;
 }
 
+void Job::RefuseLocked(int32_t index, const SessionId& session, const RoundKey& key,
+                       v1::Scope scope, const absl::Status& status, Actions* out) {
+  TellSenderLocked(index, session, key, status, out);
+  FailRoundLocked(key, status, /*tell_parent=*/true, out, scope);
+}
+
+Job::Round* Job::OpenRoundLocked(int32_t index, const SessionId& session, const RoundKey& key,
+                                 const v1::Contribution& c, Clock::time_point now,
+                                 Actions* out) {
+  int32_t lo = 0, hi = int32_t(members_.size());
+  if (key.group > 0) {
+    const int32_t per_group = layout_.group_nodes / std::max(1, layout_.member_nodes);
+    lo = (key.group - 1) * per_group;
+    hi = lo + per_group;
+  }
+  if (absl::Status s = BlockedLocked(key, lo, hi); !s.ok()) {
+    RefuseLocked(index, session, key, c.scope(), s, out);
+    return nullptr;
+  }
+  if (int32_t(open_.size()) >= limits_.max_open_rounds) {
+    RefuseLocked(index, session, key, c.scope(),
+                 absl::ResourceExhaustedError(absl::StrCat(
+                     "job '", id_, "' already has ", open_.size(),
+                     " rounds in flight, the limit (--max-open-rounds); round ", Describe(key),
+                     " was refused. Workers are out of step: some run far ahead of others")),
+                 out);
+    return nullptr;
+  }
+  const int64_t bytes = int64_t(sizeof(Round) + members_.size() * sizeof(Slot));
+  if (!ChargeLocked(bytes)) {
+    out->refused.push_back("memory_budget");
+    RefuseLocked(index, session, key, c.scope(),
+                 absl::ResourceExhaustedError(absl::StrCat(
+                     "aggregator memory budget exhausted (--memory-budget-bytes): round ",
+                     Describe(key), " of job '", id_, "' cannot open; jobs on this aggregator "
+                     "hold too much round data")),
+                 out);
+    return nullptr;
+  }
+  Round round;
+  round.key = key;
+  round.scope = c.scope();
+  round.channels = c.channels();
+  round.first_contributor = index;
+  round.slots.resize(members_.size());
+  round.lo = lo;
+  round.hi = hi;
+  if (c.has_decide()) round.decide = std::make_shared<const v1::AutoDecide>(c.decide());
+  round.charged = bytes;
+  round.opened = now;
+  round.deadline = now + limits_.round_timeout;
+  return &open_.emplace(key, std::move(round)).first->second;
+}
+
+void Job::FillSlotLocked(Round& open, int32_t index, const SessionId& session,
+                         const v1::Contribution& c, Actions* out) {
+  Slot& slot = open.slots[index];
+  if (slot.filled) return;  // an identical repeat of what it sent before
+  if (!ChargeLocked(int64_t(c.data().size()))) {
+    out->refused.push_back("memory_budget");
+    RefuseLocked(index, session, open.key, c.scope(),
+                 absl::ResourceExhaustedError(absl::StrCat(
+                     "aggregator memory budget exhausted (--memory-budget-bytes): the "
+                     "contribution of ", MemberName(index), " to round ", Describe(open.key),
+                     " of job '", id_, "' cannot be held; jobs on this aggregator hold too "
+                     "much round data")),
+                 out);
+    return;
+  }
+  open.charged += int64_t(c.data().size());
+  slot.filled = true;
+  slot.count = c.count();
+  slot.data = c.data();
+  if (++open.filled == open.hi - open.lo) CompleteLocked(open, out);
+}
+
 void Job::CompleteLocked(Round& round, Actions* out) {
-  const int64_t channels = round.channels;
   const bool lagged_backward =
       round.scope == v1::SCOPE_LAGGED && round.key.phase == v1::PHASE_BACKWARD;
-  const std::pair<uint32_t, uint64_t> lagged_key{round.key.op, round.key.seq};
-  // Above the sidecars a lagged backward partial is a sum around its member's forward mean;
-  // the members' sums are re-centred on this aggregator's forward mean before they are added.
   const LaggedForward* forward = nullptr;
-  if (lagged_backward && !layout_.workers()) {
-    auto f = lagged_.find(lagged_key);
-    if (f == lagged_.end()) {
-      round.waits_forward = true;  // KeepLaggedForwardLocked completes it
-      return;
-    }
-    if (!f->second.status.ok()) {
-      FailRoundLocked(round.key, f->second.status, /*tell_parent=*/true, out);
-      return;
-    }
-    forward = &f->second;
+  if (lagged_backward && !layout_.workers() && !LaggedForwardOfLocked(round, &forward, out)) {
+    return;
   }
   round.waits_forward = false;
+  const int64_t channels = round.channels;
   std::vector<double> scratch(4 * size_t(channels), 0.0);  // one allocation: a, b, sa, sb
   double* a = scratch.data();
   double* b = a + channels;
-  double* sa = b + channels;
-  double* sb = sa + channels;
   int64_t count = 0;
   wire::ReduceFault fault;
-  // Fixed order: member index lo, lo + 1, ... — the same bits for every member and every rerun,
-  // and the same reduction as the shared-memory node path (round.h).
-  absl::Status reduced = wire::ReduceRound(
-      round.key.phase == v1::PHASE_FORWARD, channels, int(round.hi - round.lo),
-      [&](int i) { return round.slots[size_t(round.lo + i)].count; },
-      [&](int i, const double** ai, const double** bi) {
-        const Slot& slot = round.slots[size_t(round.lo + i)];
-        wire::UnpackPayload(slot.data, channels, sa, sb);
-        if (forward != nullptr) {
-          // sum dy (x - center) = sum dy (x - mean_i) + (mean_i - center) sum dy
-          const double* mean_i = forward->means.data() + size_t(round.lo + i) * size_t(channels);
-          const double* center = forward->center.data();
-          for (int64_t ch = 0; ch < channels; ++ch) sb[ch] += (mean_i[ch] - center[ch]) * sa[ch];
-        }
-        *ai = sa;
-        *bi = sb;
-        return slot.count;
-      },
-      [&](int i) { return MemberName(round.lo + i); }, layout_.strict_finite,
-      [&] { return wire::RoundRef{Describe(round.key), id_}; }, a, b, &count, &fault);
+  absl::Status reduced = ReduceSlots(round, forward, scratch.data(), &count, &fault);
   if (lagged_backward) {
     // Its record's last use here (a repeat is answered from finished_).
-    if (auto f = lagged_.find(lagged_key); f != lagged_.end()) ForgetLaggedLocked(f);
+    auto f = lagged_.find({round.key.op, round.key.seq});
+    if (f != lagged_.end()) ForgetLaggedLocked(f);
     forward = nullptr;
   }
   if (!reduced.ok()) {
@@ -656,6 +651,68 @@ void Job::CompleteLocked(Round& round, Actions* out) {
   if (round.scope == v1::SCOPE_LAGGED && key.phase == v1::PHASE_FORWARD) {
     KeepLaggedForwardLocked(round, a, out);
   }
+  if (!AnswerNowLocked(round, forwards, result.get(), out)) return;  // the parent answers
+  if (round.decide) DecideRoundLocked(round, result.get(), out);
+  std::shared_ptr<const v1::Result> shared = result;
+  // At the root, shadow partials of sidecars are fire-and-forget: the nodes are not waiting.
+  // Group aggregators get the global statistics back, for their per-node record.
+  if (!(!layout_.workers() && round.scope == v1::SCOPE_SHADOW && layout_.member_nodes <= 1)) {
+    DeliverLocked(round, shared, out);
+  }
+  ++rounds_completed_;
+  out->outcomes.push_back(Actions::Outcome{round.scope, key.phase, absl::StatusCode::kOk,
+                                           round.opened});
+  std::vector<uint64_t> hashes = HashContributions(round);
+  EraseOpenLocked(open_.find(key));
+  FinishLocked(key, Finished{absl::OkStatus(), shared, std::move(hashes)});
+}
+
+bool Job::LaggedForwardOfLocked(Round& round, const LaggedForward** forward, Actions* out) {
+  // Above the sidecars a lagged backward partial is a sum around its member's forward mean;
+  // the members' sums are re-centred on this aggregator's forward mean before they are added.
+  auto f = lagged_.find({round.key.op, round.key.seq});
+  if (f == lagged_.end()) {
+    round.waits_forward = true;  // KeepLaggedForwardLocked completes it
+    return false;
+  }
+  if (!f->second.status.ok()) {
+    FailRoundLocked(round.key, f->second.status, /*tell_parent=*/true, out);
+    return false;
+  }
+  *forward = &f->second;
+  return true;
+}
+
+absl::Status Job::ReduceSlots(const Round& round, const LaggedForward* forward, double* scratch,
+                              int64_t* count, wire::ReduceFault* fault) const {
+  const int64_t channels = round.channels;
+  double* a = scratch;
+  double* b = a + channels;
+  double* sa = b + channels;
+  double* sb = sa + channels;
+  // Fixed order: member index lo, lo + 1, ... — the same bits for every member and every rerun,
+  // and the same reduction as the shared-memory node path (round.h).
+  return wire::ReduceRound(
+      round.key.phase == v1::PHASE_FORWARD, channels, int(round.hi - round.lo),
+      [&](int i) { return round.slots[size_t(round.lo + i)].count; },
+      [&](int i, const double** ai, const double** bi) {
+        const Slot& slot = round.slots[size_t(round.lo + i)];
+        wire::UnpackPayload(slot.data, channels, sa, sb);
+        if (forward != nullptr) {
+          // sum dy (x - center) = sum dy (x - mean_i) + (mean_i - center) sum dy
+          const double* mean_i = forward->means.data() + size_t(round.lo + i) * size_t(channels);
+          const double* center = forward->center.data();
+          for (int64_t ch = 0; ch < channels; ++ch) sb[ch] += (mean_i[ch] - center[ch]) * sa[ch];
+        }
+        *ai = sa;
+        *bi = sb;
+        return slot.count;
+      },
+      [&](int i) { return MemberName(round.lo + i); }, layout_.strict_finite,
+      [&] { return wire::RoundRef{Describe(round.key), id_}; }, a, b, count, fault);
+}
+
+bool Job::AnswerNowLocked(Round& round, bool forwards, v1::Result* result, Actions* out) {
   // At a sidecar, shadow, renorm and lagged rounds are answered with the node's statistics at
   // once; the global result of a renorm or lagged round follows as a late result
   // (DeliverLateLocked). Above the sidecars, a forwarded round waits for the parent's result:
@@ -669,11 +726,11 @@ void Job::CompleteLocked(Round& round, Actions* out) {
     // ours was forwarded), and its error names the missing nodes and ranks; ours is only the
     // backstop for a parent that does not answer at all.
     round.deadline = Clock::now() + wire::ForwardedBackstop(limits_.round_timeout);
-    return;
+    return false;
   }
   if (forwards) {
     result->set_scope(v1::SCOPE_NODE);  // answer with the node's statistics now
-    if (late_scope) ExpectLateLocked(key, round.channels, Clock::now());
+    if (late_scope) ExpectLateLocked(round.key, round.channels, Clock::now());
   } else if (late_scope && layout_.workers()) {
     // A job of one node: the node's statistics are the job's; its clients keep this answer as
     // the round's global statistics too, so no late result is sent.
@@ -685,33 +742,22 @@ void Job::CompleteLocked(Round& round, Actions* out) {
       (round.scope == v1::SCOPE_SHADOW || late_scope) && round.key.phase == v1::PHASE_FORWARD) {
     RecordDivergenceLocked(round, *result, out);
   }
-  if (round.decide) {
-    if (!layout_.workers()) {
-      *result->mutable_decision() = DecideLocked(key.op, *round.decide);
-      out->log.push_back(absl::StrCat(
-          "job '", id_, "': auto scope of op ", key.op, " decided at seq ", key.seq, ": ",
-          wire::ScopeName(result->decision().scope()), " (largest average mean shift ",
-          result->decision().mean_shift(), ", |log var ratio| ",
-          result->decision().log_var_ratio(), ", over ", result->decision().rounds(),
-          " shadow rounds)"));
-    } else {
-      // One node: node (group) and global are the same statistics.
-      v1::AutoDecision* d = result->mutable_decision();
-      d->set_scope(layout_.group_nodes > 0 ? v1::SCOPE_GROUP : v1::SCOPE_NODE);
-    }
+  return true;
+}
+
+void Job::DecideRoundLocked(const Round& round, v1::Result* result, Actions* out) {
+  if (layout_.workers()) {
+    // One node: node (group) and global are the same statistics.
+    v1::AutoDecision* d = result->mutable_decision();
+    d->set_scope(layout_.group_nodes > 0 ? v1::SCOPE_GROUP : v1::SCOPE_NODE);
+    return;
   }
-  std::shared_ptr<const v1::Result> shared = result;
-  // At the root, shadow partials of sidecars are fire-and-forget: the nodes are not waiting.
-  // Group aggregators get the global statistics back, for their per-node record.
-  if (!(!layout_.workers() && round.scope == v1::SCOPE_SHADOW && layout_.member_nodes <= 1)) {
-    DeliverLocked(round, shared, out);
-  }
-  ++rounds_completed_;
-  out->outcomes.push_back(Actions::Outcome{round.scope, key.phase, absl::StatusCode::kOk,
-                                           round.opened});
-  std::vector<uint64_t> hashes = HashContributions(round);
-  EraseOpenLocked(open_.find(key));
-  FinishLocked(key, Finished{absl::OkStatus(), shared, std::move(hashes)});
+  *result->mutable_decision() = DecideLocked(round.key.op, *round.decide);
+  out->log.push_back(absl::StrCat(
+      "job '", id_, "': auto scope of op ", round.key.op, " decided at seq ", round.key.seq, ": ",
+      wire::ScopeName(result->decision().scope()), " (largest average mean shift ",
+      result->decision().mean_shift(), ", |log var ratio| ", result->decision().log_var_ratio(),
+      ", over ", result->decision().rounds(), " shadow rounds)"));
 }
 
 bool Job::NodeDown(std::string* message) const {

@@ -335,7 +335,31 @@ class Job {
   int FailOpenRoundsLocked(Waits waits, Why why, bool tell_parent, Actions* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseOpenLocked(std::map<RoundKey, Round>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Contribute's steps: a contribution to a finished round, the checks that refuse one (false:
+  // refused, the sender told), opening its round (nullptr: refused), and its slot.
+  void AnswerRepeatLocked(int32_t index, const SessionId& session, const RoundKey& key,
+                          const v1::Contribution& c, const Finished& finished, Actions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool AdmitLocked(int32_t index, const SessionId& session, const RoundKey& key,
+                   const v1::Contribution& c, const Round* open, Actions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Round* OpenRoundLocked(int32_t index, const SessionId& session, const RoundKey& key,
+                         const v1::Contribution& c, Clock::time_point now, Actions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FillSlotLocked(Round& open, int32_t index, const SessionId& session,
+                      const v1::Contribution& c, Actions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the sender and fails the round `key` (it may not be open yet).
+  void RefuseLocked(int32_t index, const SessionId& session, const RoundKey& key,
+                    v1::Scope scope, const absl::Status& status, Actions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CompleteLocked(Round& round, Actions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // CompleteLocked's steps after the reduction: false when a forwarded round waits for its
+  // parent's answer; otherwise the answer's scope is set (and divergence recorded).
+  bool AnswerNowLocked(Round& round, bool forwards, v1::Result* result, Actions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds an auto round's decision to its answer.
+  void DecideRoundLocked(const Round& round, v1::Result* result, Actions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::vector<uint64_t> HashContributions(const Round& round);
   void FinishLocked(const RoundKey& key, Finished finished) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DeliverLocked(const Round& round, std::shared_ptr<const v1::Result> result, Actions* out)
@@ -436,6 +460,14 @@ class Job {
   std::deque<std::pair<uint32_t, uint64_t>> lagged_order_ ABSL_GUARDED_BY(mu_);
   void ForgetLaggedLocked(std::map<std::pair<uint32_t, uint64_t>, LaggedForward>::iterator it)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Above the sidecars: the forward record a lagged backward round re-centres on; false when
+  // the round waits for it (waits_forward) or failed for want of it.
+  bool LaggedForwardOfLocked(Round& round, const LaggedForward** forward, Actions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reduces the round's filled slots in member order into scratch's first 2 × channels
+  // (scratch holds 4 × channels); `forward` re-centres a lagged backward's sums.
+  absl::Status ReduceSlots(const Round& round, const LaggedForward* forward, double* scratch,
+                           int64_t* count, wire::ReduceFault* fault) const;
   int64_t late_dropped_ ABSL_GUARDED_BY(mu_) = 0;  // parent results nobody expected
   absl::flat_hash_map<uint32_t, std::string> names_ ABSL_GUARDED_BY(mu_);  // op -> layer name
   std::shared_ptr<const std::string> token_ ABSL_GUARDED_BY(mu_);

@@ -152,6 +152,39 @@ def _check_round(client, seq, layers, num_batches):
             % (count, len(layers), num_batches), INVALID_ARGUMENT)
 
 
+def _accumulate(lay, got, levels, eps):
+    """Adds one batch's statistics of every level (got: level -> (count, mean, m2)) to the
+    layer's record: counts, and each level's distance from the job's statistics."""
+    gn, gmean, gm2 = got["global"]
+    lay.batches += 1
+    lay.local_counts.append(got["local"][0])
+    for lv in levels[1:]:
+        lay.level_counts.setdefault(lv, []).append(got[lv][0])
+    if gn < 1:
+        return
+    gvar = gm2 / gn
+    for lv in levels[:-1]:
+        cnt, lmean, lm2 = got[lv]
+        if cnt < 1:
+            continue
+        s = lay.sums.setdefault(lv, [0.0, 0.0, 0])
+        shift, logvar = _distance(lmean, lm2 / cnt, gmean, gvar, eps)
+        s[0] += shift
+        s[1] += logvar
+        s[2] += 1
+
+
+def _normalized(x, module, gmean, gvar):
+    """x normalized with the job's statistics (and the layer's affine), as training does."""
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    gm = torch.from_numpy(gmean).to(x.device, x.dtype).view(shape)
+    inv = torch.from_numpy(1.0 / np.sqrt(gvar + module.eps)).to(x.device, x.dtype)
+    y = (x - gm) * inv.view(shape)
+    if module.affine:
+        y = y * module.weight.view(shape) + module.bias.view(shape)
+    return y
+
+
 def diagnose(model, batches, *, num_batches=None, forward=None, client=None,
              max_mean_shift=0.05, max_log_var_ratio=0.05):
     """Is a multi-GPU accuracy gap BatchNorm's fault here? Call it on every rank of the job at
@@ -208,31 +241,10 @@ def diagnose(model, batches, *, num_batches=None, forward=None, client=None,
                 if timed:
                     times[lv].append(time.perf_counter() - t0)
             gn, gmean, gm2 = got["global"]
-            lay.batches += 1
-            lay.local_counts.append(n)
-            for lv in levels[1:]:
-                lay.level_counts.setdefault(lv, []).append(got[lv][0])
-            if gn < 1:
-                return None
-            gvar = gm2 / gn
-            for lv in levels[:-1]:
-                cnt, lmean, lm2 = got[lv]
-                if cnt < 1:
-                    continue
-                s = lay.sums.setdefault(lv, [0.0, 0.0, 0])
-                shift, logvar = _distance(lmean, lm2 / cnt, gmean, gvar, module.eps)
-                s[0] += shift
-                s[1] += logvar
-                s[2] += 1
+            _accumulate(lay, got, levels, module.eps)
             if lay.scope == "frozen" or gn < 2:
                 return None   # an eval-mode layer keeps normalizing as it does in training
-            shape = [1, -1] + [1] * (x.dim() - 2)
-            gm = torch.from_numpy(gmean).to(x.device, x.dtype).view(shape)
-            inv = torch.from_numpy(1.0 / np.sqrt(gvar + module.eps)).to(x.device, x.dtype)
-            y = (x - gm) * inv.view(shape)
-            if module.affine:
-                y = y * module.weight.view(shape) + module.bias.view(shape)
-            return y
+            return _normalized(x, module, gmean, gm2 / gn)
         return hook
 
     handles = [lay.m.register_forward_hook(hook_for(lay)) for lay in layers]
