@@ -1,5 +1,5 @@
-// Client: starting and waiting for rounds on either transport, Abort, and the public API's
-// forwarding to Client::Impl (client_impl.h).
+// Client: starting and waiting for rounds (each transport's own steps are in stream.cc and
+// shm_rounds.cc), Abort, and the public API's forwarding to Client::Impl (client_impl.h).
 #include "client_impl.h"
 
 namespace hsbn {
@@ -49,7 +49,7 @@ absl::StatusOr<std::shared_ptr<PendingRound>> Client::Impl::Start(
     const double* a, const double* b) {
   if (absl::Status s = Aborted(); !s.ok()) return s;
   if (absl::Status s = CheckRound(phase, op, seq, scope, channels, a, b); !s.ok()) return s;
-  RoundRequest r{phase, op, seq, scope, scope, channels, count, a, b};
+  RoundRequest r{phase, op, seq, scope, scope, channels, count, a, b, false, {}, {}};
   // Group and auto-scope rounds take the stream even where the node has shared memory: the
   // segment carries neither a group nor a decision, and an auto layer's shadow partials must
   // reach the root ahead of its decision round, which one path keeps in order. Every rank
@@ -77,7 +77,7 @@ absl::StatusOr<std::shared_ptr<PendingRound>> Client::Impl::Start(
     std::shared_ptr<client_internal::ShmChannel> shm;
     std::string session;
     if (absl::Status s = CurrentConnection(&conn, &shm, &session); !s.ok()) return s;
-    if (shm != nullptr && !stream_only) {
+    if (!stream_only) {
       bool taken = false;
       auto pending = StartOnShm(r, conn, std::move(shm), &taken);
       if (!pending.ok() || taken) return pending;
@@ -103,7 +103,7 @@ absl::Status Client::Impl::CurrentConnection(std::shared_ptr<RoundStream>* conn,
   }
   // A sidecar that closed the shared-memory socket is gone (restarted): rejoin, as for a
   // broken stream, which nobody reads while rounds travel through shared memory.
-  if (!conn_ || conn_->broken || (shm_ && !shm_->AliveRecently())) {
+  if (!conn_ || conn_->broken || ShmGoneLocked()) {
     if (conn_) {
       Debug(conn_->broken ? "reconnecting: the stream to the sidecar broke"
                           : "reconnecting: the sidecar's shared-memory segment is gone");
@@ -126,129 +126,6 @@ std::shared_ptr<PendingRound> Client::Impl::NewPending(const RoundRequest& r,
   pending->channels = r.channels;
   pending->generation = via.generation;
   return pending;
-}
-
-absl::StatusOr<std::shared_ptr<PendingRound>> Client::Impl::StartOnShm(
-    const RoundRequest& r, const std::shared_ptr<RoundStream>& conn,
-    std::shared_ptr<client_internal::ShmChannel> shm, bool* taken) {
-  *taken = true;
-  if (!shm->decided()) {
-    // The sidecar answers once every local rank of the job presented its session. Wait
-    // briefly: when the other ranks are not there yet (they may be started by this very
-    // thread, as tests do), the round is sent at its Wait instead.
-    absl::Status s = shm->Await(std::min(r.deadline, Clock::now() + kDecisionWait));
-    if (s.code() == absl::StatusCode::kDeadlineExceeded) {
-      auto pending = NewPending(r, *conn);
-      pending->shm = std::move(shm);
-      pending->deferred_count = r.count;
-      pending->deferred.assign(r.a, r.a + r.channels);
-      pending->deferred.insert(pending->deferred.end(), r.b, r.b + r.channels);
-      return pending;
-    }
-    if (!s.ok()) return s;
-    absl::MutexLock lock(&mu_);
-    SetTransport(shm->note());
-    if (!shm->mapped() && shm_ == shm) shm_.reset();
-  }
-  // Every rank chooses by the channel count alone, so a round never mixes transports; one
-  // wider than the aggregator allows goes into the segment to fail there for all.
-  if (!shm->mapped() || (r.channels > shm->max_channels() &&
-                         !(max_channels_ > 0 && r.channels > max_channels_))) {
-    *taken = false;
-    return nullptr;
-  }
-  auto slot = shm->Start(shm::Key{r.op, r.seq, int32_t(r.phase)}, int32_t(r.wire_scope),
-                         r.channels, r.count, r.a, r.b, r.deadline);
-  if (!slot.ok()) return slot.status();
-  counters_.Sent(wire::PayloadBytes(std::min<int64_t>(r.channels, shm->max_channels())));
-  auto pending = NewPending(r, *conn);
-  pending->shm = std::move(shm);
-  pending->shm_round = *slot;
-  // Late global results come on the stream, which shared-memory rounds never read: take what
-  // has arrived, so that they cannot pile up at the sidecar (a stream more than
-  // --max-queued-bytes behind is ended) while nobody asks for them (a warm-up).
-  if (r.scope == Scope::kRenorm || r.scope == Scope::kLagged) DrainStream(conn);
-  return pending;
-}
-
-absl::StatusOr<std::shared_ptr<PendingRound>> Client::Impl::SendOnStream(
-    const RoundRequest& r, const std::shared_ptr<RoundStream>& conn, const std::string& session,
-    bool* retry) {
-  auto round = [&] { return wire::RoundName(r.op, r.seq, v1::Phase(int(r.phase))); };
-  v1::ClientFrame frame;
-  v1::Contribution* c = frame.mutable_contribution();
-  c->set_op(r.op);
-  c->set_seq(r.seq);
-  c->set_phase(v1::Phase(int(r.phase)));
-  c->set_scope(v1::Scope(int(r.wire_scope)));
-  if (r.decide) *c->mutable_decide() = r.decision;
-  c->set_channels(uint32_t(r.channels));
-  c->set_count(r.count);
-  wire::PackPayload(r.a, r.b, r.channels, c->mutable_data());
-  c->set_session(session);
-  auto pending = NewPending(r, *conn);
-  pending->decide = r.decide;
-  pending->conn = conn;
-  absl::ReleasableMutexLock lk(&rounds_mu_);
-  // Nobody polls: handle what is ready without blocking (results read meanwhile, and a stream
-  // closed meanwhile, which is replaced before sending). gRPC's poller handles one ready
-  // socket per pass, hence more than one pass. A sidecar stopped between rounds must be seen
-  // here, before our write: writing to its closed socket draws a reset that discards its final
-  // status (the words and reason SHUTTING_DOWN) unread. With 2 passes that happened in 1 of 75
-  // runs of test_failures' between-rounds test under load (the round failed "broke (Broken
-  // pipe)", reason unspecified); with 4, in none of 75.
-  if (!conn->polling) {
-    conn->polling = true;
-    for (int pass = 0; pass < 4 && !conn->broken; ++pass) {
-      Poll(conn, Clock::now(), [] { return false; });
-    }
-    conn->polling = false;
-    HandOff(*conn);
-    if (conn->broken) {
-      *retry = true;
-      return Broken(round());
-    }
-  }
-  const Key key{r.op, r.seq, int(r.phase)};
-  if (!pending_.emplace(key, pending).second) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "round ", round(), " is already in flight on this client; each (op, seq, phase) is "
-        "one round"));
-  }
-  // An Abort between Start's first check and here failed the rounds in pending_ before ours
-  // was in it (it sets the flag before taking rounds_mu_, so it shows now); sent anyway, ours
-  // would wait for an answer the sidecar never gives an aborted rank.
-  if (absl::Status s = Aborted(); !s.ok()) {
-    Forget(*pending);
-    return s;
-  }
-  // One write in flight per stream: wait for the previous one to complete.
-  if (absl::Status s = AwaitWriteSlot(conn, r.deadline, [&] { return "round " + round(); });
-      !s.ok()) {
-    Forget(*pending);
-    return s;
-  }
-  if (conn->broken) {  // our contribution was not sent
-    Forget(*pending);
-    *retry = true;
-    return Broken(round());
-  }
-  conn->write_in_flight = true;
-  conn->write_failed = false;
-  counters_.Sent(int64_t(frame.ByteSizeLong()));
-  conn->stream->Write(frame, TagOf(kWrite));  // serialised here: frame may go
-  // Like a sync Write, see it complete when nobody else polls (usually it already has: the
-  // transport writes inline). A failed write means the stream was dead before the
-  // contribution left: send it again on a new stream. When another thread polls, return at
-  // once; that thread sees the completion, and a failure fails the round at its Wait.
-  if (conn->polling) return pending;
-  AwaitWrite(conn, r.deadline);
-  if (!conn->write_in_flight && conn->write_failed) {
-    Forget(*pending);
-    *retry = true;
-    return Broken(round());
-  }
-  return pending;  // a write still in flight at the deadline fails the round at its Wait
 }
 
 absl::Status Client::Impl::Blocking(
@@ -295,48 +172,8 @@ void Client::Impl::Abort(const std::string& reason) {
   }
   aborted_flag_.store(true, std::memory_order_release);
   Debug(absl::StrCat("aborting: ", why));
-  std::shared_ptr<RoundStream> conn;
-  std::shared_ptr<client_internal::ShmChannel> shm;
-  std::string session;
-  {
-    absl::MutexLock lock(&mu_);
-    conn = conn_;
-    shm = shm_;
-    session = session_;
-  }
-  if (shm) shm->Abort(status);
-  if (!conn) return;
-  absl::MutexLock lk(&rounds_mu_);
-  for (auto it = pending_.begin(); it != pending_.end(); it = pending_.erase(it)) {
-    PendingRound& p = *it->second;
-    p.answer.status = status;
-    p.done = true;
-    if (p.waiting) p.cv.Signal();
-  }
-  conn->write_cv.SignalAll();
-  if (late_waiters_ > 0) late_cv_.SignalAll();  // GlobalStats waits end too
-  if (conn->broken) return;  // the sidecar already reports this rank as disconnected
-  conn->abort_frame = std::make_unique<v1::ClientFrame>();
-  v1::Abort* frame = conn->abort_frame->mutable_abort();
-  frame->set_session(session);
-  frame->set_code(int(absl::StatusCode::kAborted));
-  frame->set_message(why);
-  if (conn->polling) {
-    // The poller writes the frame when the slot is free; wake it from AsyncNext.
-    if (!conn->woken) {
-      conn->woken = true;
-      conn->wake.Set(&conn->cq, gpr_now(GPR_CLOCK_MONOTONIC), TagOf(kWake));
-    }
-    return;
-  }
-  // Nobody polls: see the frame out (a bounded wait, as a sync Write would).
-  conn->polling = true;
-  FlushAbortFrame(*conn);
-  Poll(conn, Clock::now() + kAbortFlush, [&] {
-    return (conn->abort_frame == nullptr && !conn->write_in_flight) || conn->broken;
-  });
-  conn->polling = false;
-  HandOff(*conn);
+  AbortShm(status);
+  AbortStream(status, why);
 }
 
 absl::Status Client::Impl::Aborted() const {
@@ -408,129 +245,17 @@ absl::Status Client::Impl::WaitUntil(
     absl::Status s = WaitResult(*p.restarted, out_count, out_a, out_b, slice_end, pending);
     if (pending != nullptr && *pending) return s;
     p.restarted.reset();
-    p.shm_waited = true;
-    p.shm_status = s;
+    p.waited = true;
+    p.outcome = s;
     return s;
   }
-  if (p.shm_waited) {
+  if (p.waited) {
     // Waited for before: its answer was taken then (a failed round fails again).
-    return p.shm_status.ok() ? absl::FailedPreconditionError("this round was already waited for")
-                             : p.shm_status;
+    return p.outcome.ok() ? absl::FailedPreconditionError("this round was already waited for")
+                          : p.outcome;
   }
-  if (p.shm && !p.deferred.empty()) {
-    return WaitDeferred(p, deadline, out_count, out_a, out_b, slice_end, pending);
-  }
-  if (p.shm) return WaitOnShm(p, deadline, out_count, out_a, out_b, slice_end, pending);
-  return WaitOnStream(p, deadline, out_count, out_a, out_b, slice_end, pending);
-}
-
-absl::Status Client::Impl::WaitDeferred(
-    PendingRound& p, Clock::time_point deadline, int64_t* out_count, double* out_a, double* out_b,
-    Clock::time_point slice_end, bool* pending) {
-  // Started before the node's transport was decided: decide, then start it for real.
-  std::shared_ptr<client_internal::ShmChannel> shm = p.shm;
-  absl::Status s;
-  for (;;) {  // in short slices, so that an abort ends it
-    s = shm->Await(std::min({deadline, slice_end, Clock::now() + kAbortCheck}));
-    if (s.code() != absl::StatusCode::kDeadlineExceeded || Clock::now() >= deadline) break;
-    if (absl::Status a = Aborted(); !a.ok()) {
-      s = a;
-      break;
-    }
-    if (pending != nullptr && Clock::now() >= slice_end) {
-      *pending = true;
-      return absl::OkStatus();
-    }
-  }
-  p.shm.reset();
-  if (!s.ok()) {
-    p.shm_waited = true;
-    p.shm_status = s;
-    return s;
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    SetTransport(shm->note());
-    if (!shm->mapped() && shm_ == shm) shm_.reset();
-  }
-  std::vector<double> in = std::move(p.deferred);
-  const int64_t ch = p.channels;
-  auto q = Start(p.phase, p.op, p.seq, p.scope, ch, p.deferred_count, in.data(),
-                 in.data() + ch);
-  if (!q.ok()) {
-    p.shm_waited = true;
-    p.shm_status = q.status();
-    return q.status();
-  }
-  p.restarted = *std::move(q);
-  return WaitUntil(p, deadline, out_count, out_a, out_b, slice_end, pending);
-}
-
-absl::Status Client::Impl::WaitOnShm(
-    PendingRound& p, Clock::time_point deadline, int64_t* out_count, double* out_a, double* out_b,
-    Clock::time_point slice_end, bool* pending) {
-  absl::Status s = p.shm->Wait(p.shm_round, deadline, RoundTimeout(), out_count, out_a,
-                               out_b, slice_end, pending);
-  if (pending != nullptr && *pending) return s;
-  if (s.ok()) {
-    counters_.Received(wire::PayloadBytes(p.channels));
-  }
-  if (s.code() == absl::StatusCode::kDeadlineExceeded && p.shm->Posted(p.shm_round)) {
-    return s;  // the caller's own timeout: as on the stream, it may wait again
-  }
-  p.shm.reset();
-  p.shm_waited = true;
-  p.shm_status = s;
-  return s;
-}
-
-absl::Status Client::Impl::WaitOnStream(
-    PendingRound& p, Clock::time_point deadline, int64_t* out_count, double* out_a, double* out_b,
-    Clock::time_point slice_end, bool* pending) {
-  // A slice that ends before the deadline may return "still open".
-  auto slice_over = [&] { return pending != nullptr && Clock::now() >= slice_end; };
-  if (!p.conn) return absl::FailedPreconditionError("this round was never sent");
-  {
-    absl::ReleasableMutexLock lk(&rounds_mu_);
-    RoundStream& conn = *p.conn;
-    while (!p.done) {
-      if (Clock::now() < deadline && slice_over()) {
-        if (!conn.polling) HandOff(conn);
-        *pending = true;
-        return absl::OkStatus();
-      }
-      if (Clock::now() >= deadline) {
-        Forget(p);
-        if (!conn.polling) HandOff(conn);
-        lk.Release();
-        return absl::DeadlineExceededError(absl::StrCat(
-            "round ", wire::RoundName(p.op, p.seq, v1::Phase(int(p.phase))),
-            ": no answer from the hsbn sidecar at ", options_.address, " within ",
-            RoundTimeout().count(), " ms"));
-      }
-      const auto until = std::min(deadline, slice_end);
-      if (!conn.polling) {
-        conn.polling = true;
-        Poll(p.conn, until, [&] { return p.done; });
-        conn.polling = false;
-        HandOff(conn);
-      } else {
-        p.waiting = true;
-        ++conn.waiters;
-        p.cv.WaitWithDeadline(&rounds_mu_, AbslTime(until));
-        --conn.waiters;
-        p.waiting = false;
-      }
-    }
-    if (!conn.polling) HandOff(conn);  // a hand-off meant for us may have raced our result
-  }
-  // Done: nobody else touches p now. A round that failed after this client aborted failed
-  // because of the abort (its Abort frame may have reached the sidecar before the round's
-  // contribution, which the sidecar then no longer knows): the caller gets the abort.
-  if (!p.answer.status.ok()) {
-    if (absl::Status aborted = Aborted(); !aborted.ok()) return aborted;
-  }
-  return client_internal::DeliverAnswer(p.answer, p.channels, out_count, out_a, out_b);
+  if (p.wait == nullptr) return absl::FailedPreconditionError("this round was never sent");
+  return (this->*p.wait)(p, deadline, out_count, out_a, out_b, slice_end, pending);
 }
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -2,7 +2,8 @@
 //
 // Client::Impl wires what a client is made of: its options (options.cc), the two transports of
 // its rounds — the stream to the sidecar (this header's RoundStream and PendingRound; the
-// stream's events in stream.cc) and the node's shared-memory segment (shm_channel.h) — auto
+// stream's events and rounds in stream.cc) and the node's shared-memory segment (shm_channel.h;
+// its rounds in shm_rounds.cc) — auto
 // scope's decisions (auto_scope.h), its counters (round_stats.h), the connection to the
 // sidecar (connect.cc) and the late global results of renorm and lagged rounds
 // (late_results.cc). Starting and waiting for a round, and Abort, are client.cc's.
@@ -127,8 +128,13 @@ class PendingRound {
   // Shared-memory rounds: the channel and the slot it was posted in (conn is null).
   std::shared_ptr<client_internal::ShmChannel> shm;
   client_internal::ShmRound shm_round;
-  bool shm_waited = false;  // a shared-memory round already waited for: its outcome
-  absl::Status shm_status;
+  // How its answer is waited for, set by the transport that started it (stream.cc,
+  // shm_rounds.cc): Client::Impl's WaitOnStream, WaitOnShm or WaitDeferred.
+  absl::Status (Client::Impl::*wait)(PendingRound&, std::chrono::steady_clock::time_point,
+                                     int64_t*, double*, double*,
+                                     std::chrono::steady_clock::time_point, bool*) = nullptr;
+  bool waited = false;  // a round already waited for to its end (not on the stream): outcome
+  absl::Status outcome;
   // Started before the node's transport was decided: the inputs, sent at Wait.
   std::vector<double> deferred;
   int64_t deferred_count = 0;
@@ -300,8 +306,9 @@ class Client::Impl {
   absl::Status WaitUntil(PendingRound& p, Clock::time_point deadline, int64_t* out_count,
                          double* out_a, double* out_b, Clock::time_point slice_end,
                          bool* pending);
-  // WaitUntil's three ways, by how the round travels: started before the node decided its
-  // transport (decide, then start it for real), through the segment, or on the stream.
+  // WaitUntil's three ways (PendingRound::wait), by how the round travels: started before the
+  // node decided its transport (decide, then start it for real), through the segment, or on
+  // the stream.
   absl::Status WaitDeferred(PendingRound& p, Clock::time_point deadline, int64_t* out_count,
                             double* out_a, double* out_b, Clock::time_point slice_end,
                             bool* pending);
@@ -311,6 +318,17 @@ class Client::Impl {
   absl::Status WaitOnStream(PendingRound& p, Clock::time_point deadline, int64_t* out_count,
                             double* out_a, double* out_b, Clock::time_point slice_end,
                             bool* pending);
+
+  // The node's shared-memory transport's part of the connection (shm_rounds.cc): choosing it
+  // from the join's answer (false: join again without offering it), a segment whose sidecar
+  // is gone, a sidecar that stopped politely, and Abort.
+  bool ChooseNodeTransportLocked(const v1::JoinResponse& resp) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool ShmGoneLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ShmStoppingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AbortShm(const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
+  // Abort on the stream (stream.cc): rounds in flight fail, and the Abort frame goes out.
+  void AbortStream(const absl::Status& status, const std::string& why)
+      ABSL_LOCKS_EXCLUDED(mu_, rounds_mu_);
 
   absl::StatusOr<v1::StatusResponse> Status(bool include_upstream);
 

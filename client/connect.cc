@@ -1,13 +1,11 @@
-// Joining the job at the sidecar and attaching the stream (and offering shared memory), the
-// polite stop of a sidecar, and the Status RPC.
+// Joining the job at the sidecar and attaching the stream (the node's shared memory is offered
+// and opened by shm_rounds.cc), the polite stop of a sidecar, and the Status RPC.
 #include "client_impl.h"
 
 namespace hsbn {
 
 absl::Status Client::Impl::StoppingLocked() {
-  if (shm_ != nullptr) {
-    if (absl::Status s = shm_->Stopping(); !s.ok()) return s;
-  }
+  if (absl::Status s = ShmStoppingLocked(); !s.ok()) return s;
   if (conn_ != nullptr && conn_->broken) {
     absl::MutexLock lock(&rounds_mu_);
     // A broken stream's final status is on its way (or here): read it, briefly, so that a
@@ -50,25 +48,9 @@ absl::Status Client::Impl::ConnectLocked() {
   max_channels_ = resp.max_channels();
   aggregator_timeout_ms_ = resp.round_timeout_ms();
   if (absl::Status s = AttachLocked(deadline); !s.ok()) return s;
-  // The node's transport: shared memory if the sidecar offers it and every local rank takes
-  // it (decided by the sidecar; awaited at the first round).
-  shm_.reset();
-  if (!OfferShm()) {
-    SetTransport(shm_unreachable_.empty()
-                     ? std::string("grpc: HSBN_TRANSPORT=grpc")
-                     : absl::StrCat("grpc: this worker cannot reach the sidecar's "
-                                    "shared-memory socket: ", shm_unreachable_));
-  } else if (resp.shm_socket().empty()) {
-    SetTransport(resp.shm_note().empty()
-                     ? std::string("grpc: the sidecar does not offer shared memory")
-                     : wire::Printable(resp.shm_note(), 512));
-  } else if (absl::Status opened = OpenShmLocked(resp);
-             !opened.ok() && shm_unreachable_.empty()) {
-    // Another host or container: tell the sidecar now, by joining again without the offer,
-    // so that the node takes the stream at once instead of after --shm-wait-ms.
-    shm_unreachable_ = std::string(opened.message());
-    return ConnectLocked();
-  }
+  // The node's transport, offered at the join (decided by the sidecar; awaited at the first
+  // round): false when this worker must join again without the offer.
+  if (!ChooseNodeTransportLocked(resp)) return ConnectLocked();
   return absl::OkStatus();
 }
 
@@ -164,32 +146,6 @@ absl::Status Client::Impl::AttachLocked(std::chrono::system_clock::time_point de
   }
   conn_ = std::move(conn);
   return absl::OkStatus();
-}
-
-absl::Status Client::Impl::OpenShmLocked(const v1::JoinResponse& resp) {
-  client_internal::ShmConfig config;
-  config.socket = resp.shm_socket();
-  config.session = session_;
-  config.token = options_.token;
-  config.job_id = options_.job_id;
-  config.local_rank = options_.local_rank;
-  config.local_world_size = options_.local_world_size;
-  config.node_rank = options_.node_rank;
-  config.num_nodes = resp.num_nodes();
-  config.strict_finite = options_.strict_finite;
-  config.max_channels = resp.max_channels();
-  config.round_timeout = std::chrono::milliseconds(
-      std::clamp<int64_t>(resp.round_timeout_ms(), 1, client_internal::kMaxWaitMs));
-  auto opened = client_internal::ShmChannel::Open(std::move(config));
-  if (!opened.ok()) return opened.status();
-  shm_ = std::move(*opened);
-  SetTransport("pending");
-  return absl::OkStatus();
-}
-
-bool Client::Impl::OfferShm() const {
-  if (!shm_unreachable_.empty()) return false;
-  return options_.transport != "grpc";
 }
 
 void Client::Impl::ForgetStoppedSidecar(uint64_t generation) {

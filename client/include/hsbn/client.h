@@ -300,6 +300,7 @@ class Client {
 
  private:
   class Impl;
+  friend class PendingRound;  // it names how Impl waits for it (client_impl.h)
   explicit Client(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
