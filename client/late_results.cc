@@ -75,6 +75,14 @@ absl::Status Client::Impl::WaitGlobal(
       wire::UnpackPayload(late.data, channels, out_mean, out_m2);
       return end(absl::OkStatus());
     }
+    if (late_expected_.count(key) == 0) {
+      // Neither here nor on its way: this client never started the round with a late scope
+      // (or its result was pushed out by kLateKept newer ones), so nothing can come.
+      return end(absl::FailedPreconditionError(absl::StrCat(
+          what(), ": this client did not start that round with renorm or lagged scope (or "
+          "its result is older than the last ", kLateKept, " kept), so none will come. Ask "
+          "only for rounds this client started with renorm or lagged scope")));
+    }
     if (absl::Status aborted = Aborted(); !aborted.ok()) return end(aborted);
     if (conn == nullptr || conn->broken) {
       const std::string why =

@@ -312,6 +312,41 @@ TEST(Renorm, LateResultsNobodyAsksForDoNotPileUpAtTheSidecar) {
 // Layer names reach the root, which shows them in its divergence record (renorm rounds are
 // recorded there like shadow rounds; a renorm round's global statistics arriving means the
 // root has recorded it).
+TEST(Renorm, GlobalStatsOfARoundNotStartedWithALateScopeFailNamingWhyInsteadOfWaiting) {
+  auto c = StartCluster(2, 1);
+  ASSERT_TRUE(c);
+  auto job = ConnectJob(*c, "renorm-not-late", "");
+  for (auto& p : job) ASSERT_TRUE(p);
+  std::vector<absl::Status> node(job.size()), never(job.size()), renorm(job.size());
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < job.size(); ++r) {
+    threads.emplace_back([&, r] {
+      std::vector<double> mean{double(r)}, m2{1.0}, om(1), om2(1);
+      int64_t count = 0;
+      absl::Status s = job[r]->Forward(3, 0, Scope::kNode, 1, 2, mean.data(), m2.data(), &count,
+                                       om.data(), om2.data());
+      // A node round (the op's earlier scope), and a round never started: no late result.
+      node[r] = s.ok() ? job[r]->GlobalStats(3, 0, 1, &count, om.data(), om2.data()) : s;
+      never[r] = job[r]->GlobalStats(3, 1, 1, &count, om.data(), om2.data());
+      s = job[r]->Forward(3, 2, Scope::kRenorm, 1, 2, mean.data(), m2.data(), &count, om.data(),
+                          om2.data());
+      renorm[r] = s.ok() ? job[r]->GlobalStats(3, 2, 1, &count, om.data(), om2.data()) : s;
+      if (renorm[r].ok() && count != 4) renorm[r] = absl::InternalError("wrong count");
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t r = 0; r < job.size(); ++r) {
+    EXPECT_EQ(node[r].code(), absl::StatusCode::kFailedPrecondition) << node[r];
+    EXPECT_NE(std::string(node[r].message())
+                  .find("did not start that round with renorm or lagged scope"),
+              std::string::npos)
+        << node[r];
+    EXPECT_EQ(never[r].code(), absl::StatusCode::kFailedPrecondition) << never[r];
+    EXPECT_TRUE(renorm[r].ok()) << renorm[r];  // the client is still in step
+  }
+  EXPECT_EQ(job[0]->Stats().global_stats.failed, 2);
+}
+
 TEST(Renorm, TheRootsDivergenceRecordNamesTheLayersTheWorkersNamed) {
   auto c = StartCluster(2, 2);
   ASSERT_TRUE(c);

@@ -85,3 +85,20 @@ def test_a_rerun_gives_the_same_bits_and_warmup_is_node_scope(pool):
         for s in (0, 1):
             assert first[r]["y"][s].tobytes() == node[r]["y"][s].tobytes(), (r, s)
         assert first[r]["y"][3].tobytes() != node[r]["y"][3].tobytes(), r
+
+
+def test_a_layer_whose_op_ran_another_scope_before_warms_up_again(pool):
+    # The same op first in node scope (a model rebuilt under the same layer names, or a scope
+    # switched mid-run, continues the op's seq), then in renorm: its first calls warm up
+    # (node scope, bit for bit) instead of asking for global statistics of node rounds, which
+    # have none; later calls use the job's statistics of their own earlier renorm calls.
+    op = 0x5eed0001
+    spec, data = renorm_case(33, renorm_warmup=2, renorm_ramp=0)
+    node_spec = dict(spec, scope="node")
+    node_spec.pop("renorm")
+    before = pool.call(hsbn_cases.bn_steps, [(node_spec, data[r], None, op) for r in range(4)])
+    after = pool.call(hsbn_cases.bn_steps, [(spec, data[r], None, op) for r in range(4)])
+    for r in (0, 1, 3):
+        for s in (0, 1):
+            assert after[r]["y"][s].tobytes() == before[r]["y"][s].tobytes(), (r, s)
+        assert after[r]["y"][3].tobytes() != before[r]["y"][3].tobytes(), r

@@ -244,6 +244,8 @@ class Client {
   // same bits), at most the round timeout: DEADLINE_EXCEEDED naming the round if the root does not answer,
   // the root's error if the round failed there, UNAVAILABLE if the stream to the sidecar broke.
   // A result stays available for later calls until 4096 newer ones (or 64 MiB) pushed it out.
+  // FAILED_PRECONDITION at once for a round this client did not start with renorm or lagged
+  // scope (or whose result was pushed out): no result can come for it.
   absl::Status GlobalStats(uint32_t op, uint64_t seq, int64_t channels, int64_t* out_count,
                            double* out_mean, double* out_m2);
   // GlobalStats in slices of at most `slice` (for callers that must stay interruptible): when

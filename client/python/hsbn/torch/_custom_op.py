@@ -209,6 +209,7 @@ if ENABLED:
         ctx = _Ctx()
         updates = 0
         if scope == "renorm":
+            layer._renorm.note_call(seq)
             factor = 0.0 if momentum is None else momentum
             if track and not recompute and layer._renorm.uses_global(seq):
                 if new_nbt is not None:

@@ -127,17 +127,35 @@ class RenormState:
         self.options = dict(options)
         self.average = None   # (mean, biased var) float64, with momentum < 1
         self.recent = collections.OrderedDict()  # node-statistics digest -> (r, d) or None
+        self.first_seq = None  # the round seq of the first of this layer's renorm calls in a row
+        self.last_seq = None
+
+    def note_call(self, seq):
+        """Records this layer's renorm call with round seq `seq` (every call, recomputations
+        too), before uses_global. Warm-up counts from the first of the layer's consecutive
+        renorm calls of its op: where the op's previous rounds had another scope (the layer's
+        scope switched to renorm mid-run, or a model rebuilt in the same process under the same
+        layer names), no call waits for the global statistics of a round that had none."""
+        last = getattr(self, "last_seq", None)  # absent in states pickled before it existed
+        if last is None or seq != last + 1:
+            self.first_seq = seq
+        self.last_seq = seq
+
+    def _calls_before(self, seq):
+        first = getattr(self, "first_seq", None)
+        return seq if first is None else seq - first
 
     def uses_global(self, seq):
         """Whether the call with round seq `seq` is corrected with global statistics."""
         o = self.options
-        return seq >= max(o["warmup"], o["lag"])
+        return self._calls_before(seq) >= max(o["warmup"], o["lag"])
 
     def limits(self, seq):
         """(r_max, d_max) at call `seq` (one that uses global statistics)."""
         o = self.options
         ramp = o["ramp"]
-        done = 1.0 if ramp <= 0 else min(1.0, (seq - max(o["warmup"], o["lag"]) + 1) / ramp)
+        done = (1.0 if ramp <= 0 else
+                min(1.0, (self._calls_before(seq) - max(o["warmup"], o["lag"]) + 1) / ramp))
         return 1.0 + (o["r_max"] - 1.0) * done, o["d_max"] * done
 
     def population(self, g_mean, g_var):

@@ -384,6 +384,7 @@ class SyncBatchNorm(_BatchNorm):
     def _renorm_forward(self, input, client, book):
         seq = book.next_seq(self.op)
         self._seq += 1
+        self._renorm.note_call(seq)
         recompute = recomputing()
         track = self.track_running_stats
         # The running statistics take the global statistics of seq - lag at the calls that use
