@@ -263,7 +263,8 @@ hsbn_result hsbn_forward(hsbn_client* client, uint32_t op, uint64_t seq, hsbn_sc
  * round (op, seq), started with HSBN_SCOPE_RENORM or HSBN_SCOPE_LAGGED on this client. Blocks until they arrive (every
  * worker of the job gets the same bits), at most the round timeout: DEADLINE_EXCEEDED naming
  * the round when the root does not answer, the root's error when the round failed there,
- * UNAVAILABLE when the stream to the sidecar broke. */
+ * UNAVAILABLE when the stream to the sidecar broke, FAILED_PRECONDITION at once for a round this
+ * client did not start with a late scope (or whose result 4096 newer ones pushed out). */
 hsbn_result hsbn_client_global_stats(hsbn_client* client, uint32_t op, uint64_t seq,
                                      int64_t channels, int64_t* out_count, double* out_mean,
                                      double* out_m2);

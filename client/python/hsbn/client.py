@@ -485,7 +485,9 @@ class Client:
         this client started with scope "renorm" or "lagged" (channels: its width; None: that of
         op's last renorm or lagged forward). Blocks until the root's result arrives (every
         worker of the job gets the same bits), at most the round timeout; raises the hsbn error
-        naming the round when the root does not answer or the round failed."""
+        naming the round when the root does not answer or the round failed, and
+        FailedPreconditionError at once for a round this client did not start with a late scope
+        (no result can come for it)."""
         return self._late(_lib.PHASE_FORWARD, op, seq, channels)
 
     def global_sums(self, op, seq, channels=None):
