@@ -119,27 +119,36 @@ def torch_model_drift(backend, settings, steps):
 
 
 def compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05, settings=None,
-                      eager_function=False):
+                      eager_function=False, resync=False, dtype="float32"):
     with _inductor_patch(settings):
-        return _compiled_vs_eager(kind, scope, steps, backend, eval_input, lr, eager_function)
+        return _compiled_vs_eager(kind, scope, steps, backend, eval_input, lr, eager_function,
+                                  resync, getattr(torch, dtype))
 
 
 def _compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05,
-                       eager_function=False):
+                       eager_function=False, resync=False, dtype=torch.float32):
     """Builds `kind` twice (same initial weights): one run eagerly (through the custom ops, or
     with eager_function through each layer's autograd.Function, the path without ops), one
     through torch.compile(fullgraph=True, backend=a counting `backend`). For each (x, g) of `steps`
     runs a training step on both (forward, backward of sum(out * g), SGD with lr), recording
     outputs and gradients; a step whose x is None switches to eval for one forward of
-    eval_input under no_grad, then back to train. Returns both runs' records, final states,
-    the compiled frame count after each step and dynamo's graph-break counters."""
+    eval_input under no_grad, then back to train. Models, inputs and upstream gradients are of
+    `dtype`. With resync, each step starts the compiled
+    model from the eager one's parameters and buffers (copied in place: no recompile), so a step
+    compares one step's arithmetic, not two trajectories that round-off may part. Returns both
+    runs' records, final states, the compiled frame count after each step and dynamo's
+    graph-break counters."""
     import torch._dynamo
     import torch._dynamo.testing
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
     counters.clear()
     # Named layers get a prefix per model: two layers of one name share round keys.
-    eager, model = build(kind, scope, "eager"), build(kind, scope, "compiled")
+    eager, model = build(kind, scope, "eager").to(dtype), build(kind, scope, "compiled").to(dtype)
+
+    def tensor(a):
+        return torch.from_numpy(a).to(dtype)
+
     if eager_function:
         import types
         for m in eager.modules():
@@ -151,17 +160,19 @@ def _compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05,
     opts = {name: torch.optim.SGD(m.parameters(), lr=lr) for name, m in
             (("eager", eager), ("compiled", model))}
     for x_np, g_np in steps:
+        if resync:
+            model.load_state_dict(eager.state_dict())
         for name, m, fn in (("eager", eager, eager), ("compiled", model, compiled)):
             if x_np is None:
                 m.eval()
                 with torch.no_grad():
-                    out[name]["y"].append(_np(fn(torch.from_numpy(eval_input))))
+                    out[name]["y"].append(_np(fn(tensor(eval_input))))
                 out[name]["grads"].append(None)
                 m.train()
                 continue
             opts[name].zero_grad()
-            y = fn(torch.from_numpy(x_np))
-            (y * torch.from_numpy(g_np)).sum().backward()
+            y = fn(tensor(x_np))
+            (y * tensor(g_np)).sum().backward()
             out[name]["y"].append(_np(y))
             out[name]["grads"].append({k: _np(p.grad) for k, p in m.named_parameters()
                                        if p.grad is not None})
