@@ -5,6 +5,7 @@ committed distributed runs. Seconds, no cluster, no native parts."""
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -164,6 +165,29 @@ def test_guard_damps_when_the_job_sums_grow():
     assert max(m.sim.signal) > 1.0 and min(m.sim.lams) < 1.0
 
 
+def test_guard_delay_acts_on_the_signal_calls_later():
+    # delay=2 (what the service can do) uses each call's signal one call later than delay=1:
+    # the same signals (dx_lag does not depend on lambda), lambdas shifted by one call.
+    runs = {}
+    for delay in (1, 2):
+        m = _bn("lagged-guard", {"tau": 1.0, "hold": 0.5, "delay": delay})
+        for k in range(6):
+            x, dy = _batch(50 + k)
+            _call(m, x * (1.0 + k) + 2 * k, dy)
+        runs[delay] = m.sim
+    assert runs[1].signal == runs[2].signal
+    assert len(set(runs[1].lams)) > 2  # the guard moved
+    assert runs[2].lams == [0.0] + runs[1].lams[:-1]
+    with pytest.raises(ValueError, match="delay"):
+        oneproc.parse_mode("lagged-guard:delay=0")
+
+
+def test_sim_modes_list_keeps_a_mode_s_options_together():
+    assert oneproc.split_modes("node, lagged-guard:tau=1,hold=0.9,delay=2,global") == [
+        "node", "lagged-guard:tau=1,hold=0.9,delay=2", "global"]
+    assert oneproc.parse_mode("lagged-guard:tau=1,hold=0.9,delay=2")[1]["delay"] == 2
+
+
 def test_mode_parsing():
     assert oneproc.parse_mode("lagged-damped:0.25") == ("lagged-damped", {"warmup": 1,
                                                                           "lam": 0.25})
@@ -228,3 +252,41 @@ def test_renorm_first_steps_equal_the_committed_distributed_renorm_run():
     got = oneproc.run_one(cfg, "cls", 0, "renorm", cli.initial_state("cls", 0), plan, arrays,
                           max_steps=10)
     assert np.abs(np.subtract(got["loss"], dist["loss"][:10])).max() < 2e-6
+
+
+def test_node_dx_sums_from_partials_equal_the_direct_sums():
+    # The guard's signal from one node's partials (what a root has) equals summing dx itself.
+    rng = np.random.default_rng(3)
+    n, c = 37, 5
+    x = torch.from_numpy(rng.standard_normal((n, c)) * 2 + 1)
+    dy = torch.from_numpy(rng.standard_normal((n, c)) + 0.3)
+    mu = torch.from_numpy(rng.standard_normal(c) * 0.5)
+    invstd = torch.from_numpy(rng.uniform(0.3, 2.0, c))
+    w = torch.from_numpy(rng.uniform(0.5, 1.5, c))
+    S1 = torch.from_numpy(rng.standard_normal(c) * 9)
+    S2 = torch.from_numpy(rng.standard_normal(c) * 7)
+    total = 4 * n
+    dx = w * invstd * (dy - S1 / total - (x - mu) * invstd ** 2 * S2 / total)
+    m = x.mean(0)
+    got = oneproc.node_dx_sums(n, m, ((x - m) ** 2).sum(0), dy.sum(0), (dy * (x - m)).sum(0),
+                               (dy * dy).sum(0), mu, invstd, w, S1, S2, total)
+    assert torch.allclose(got[0], dx.sum(0), rtol=1e-10, atol=1e-10)
+    assert torch.allclose(got[1], (dx * dx).sum(0), rtol=1e-10, atol=1e-10)
+    assert float((dx.sum(0)).abs().min()) > 1e-3  # lagged's sums do not vanish here
+
+
+def test_guard_signal_report_reads_the_committed_cells(capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("guard_signal",
+                                                  os.path.join(COMPARE, "guard_signal.py"))
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    assert gs.main([]) == 0
+    out = capsys.readouterr().out
+    for cell in ("oneproc-4x2", "oneproc-4x2-slow", "oneproc-4x2-slow1200"):
+        assert re.search(r"^%s +- lagged-guard +[-+]\d" % cell, out, re.M), out
+        assert re.search(r"^%s +c1\.1 +\d" % cell, out, re.M), out
+    runs = gs.load(os.path.join(COMPARE, "measured", "oneproc-4x2"))["runs"]
+    same = gs.paired(runs, "node", "node")
+    assert same[:3] == (0.0, 0.0, 0.0) and same[3] == 10
+    assert gs.paired(runs, "lagged-guard:delay=2", "node")[1] > 0  # above node, every seed

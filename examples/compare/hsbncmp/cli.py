@@ -181,7 +181,7 @@ def parse_args(argv=None):
     g.add_argument("--sim-modes", default=None, metavar="MODE,...",
                    help="one-process modes (default %s), from local, node, group, global, "
                         "renorm, lagged, lagged-fwd, lagged-damped:LAMBDA, lagged-guard; options "
-                        "after a colon, e.g. lagged:warmup=75, lagged-guard:tau=1"
+                        "after a colon, e.g. lagged:warmup=75, lagged-guard:tau=1,delay=2"
                         % "node,global,renorm,lagged,lagged-damped:0.25,lagged-damped:0.5,"
                           "lagged-guard")
     g.add_argument("--jobs", type=int, default=None,

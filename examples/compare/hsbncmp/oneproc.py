@@ -28,7 +28,7 @@ and backward are written out below in float64, per scope:
   lagged-guard      lagged forward, damped backward with L chosen per layer and per call
                     by the guard (Guard below) from what every rank knows one call later
 A mode takes options after a colon: lagged-damped:0.25, lagged:warmup=75,
-lagged-guard:tau=1,hold=0.9.
+lagged-guard:tau=1,hold=0.9,delay=2.
 
 What each rank's running statistics hold is simulated per rank (rank 0's: the headline metric;
 their pooled average, hsbn.torch.sync_running_stats with equal weights: the second one).
@@ -53,7 +53,11 @@ LAGGED = {"warmup": 1}
 # tau 8: in the default cell's fast regime plain lagged's signal s is 6-60 per layer (median
 # over calls; 7-9 in the last two layers), where lambda 0.25-0.5 worked best (issue #41), so
 # tau / s lands there; the slow regime is meant to show s below tau (trust).
-GUARD = {"warmup": 1, "tau": 8.0, "hold": 0.9, "lam_min": 0.0}
+# delay: the call whose signal sets lambda, counted back from the call that uses it. 1 is the
+# simulation's ideal; the service can do no better than 2: a call's sum dx exists only after
+# its backward round, so it travels with the next call's partials and comes back in that
+# call's late result.
+GUARD = {"warmup": 1, "tau": 8.0, "hold": 0.9, "lam_min": 0.0, "delay": 1}
 DEFAULT_MODES = ["node", "global", "renorm", "lagged", "lagged-damped:0.25",
                  "lagged-damped:0.5", "lagged-guard"]
 BASE_MODES = ("local", "node", "group", "global", "renorm", "lagged", "lagged-fwd",
@@ -81,12 +85,29 @@ def parse_mode(text):
         opts[key.strip()] = float(value)
     if base == "lagged-damped" and "lam" not in opts:
         raise ValueError("lagged-damped needs its lambda: lagged-damped:0.5")
+    if "delay" in opts:
+        if opts["delay"] != int(opts["delay"]) or opts["delay"] < 1:
+            raise ValueError("%s: delay must be a whole number of calls >= 1" % text)
+        opts["delay"] = int(opts["delay"])
     if "warmup" in opts:
         opts["warmup"] = int(opts["warmup"])
         if base.startswith("lagged") and opts["warmup"] < 1:
             raise ValueError("%s: warmup must be >= 1 (the first call has no previous one)"
                              % text)
     return base, opts
+
+
+def split_modes(text):
+    """'node,lagged-guard:tau=1,hold=0.9,global' -> ['node', 'lagged-guard:tau=1,hold=0.9',
+    'global']: a comma starts a new mode only where a mode's name follows; otherwise what
+    follows is one more option of the mode before."""
+    modes = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        if modes and item.partition(":")[0] not in BASE_MODES:
+            modes[-1] += "," + item
+        else:
+            modes.append(item)
+    return modes
 
 
 class Topology:
@@ -143,6 +164,7 @@ class LayerSim:
         self.signal = []        # guard: s per call
         self.lams = []          # lambda used per call (lagged family)
         self.hold = 0.0
+        self.pending = []       # guard: signals not yet acted on (its delay)
         self.updates_running = True
 
     # -- running statistics --------------------------------------------------------------------
@@ -333,11 +355,32 @@ def _backward(ctx, dy):
         s = float(torch.linalg.norm(tot) / max(float(torch.linalg.norm(size)), 1e-300))
         sim.signal.append(s)
         if mode == "lagged-guard":
-            sim.lam = Guard.next_lambda(sim, s)
+            sim.pending.append(s)
+            if len(sim.pending) >= sim.opts["delay"]:
+                sim.lam = Guard.next_lambda(sim, sim.pending.pop(0))
     if mode.startswith("lagged"):
         sim.prev_bwd = (s1.clone(), s2.clone(), mean.clone())
     dx = _unrows(dx, ctx.shape).to(ctx.dtype)
     return dx, grad_w.to(ctx.wdtype), grad_b.to(ctx.wdtype)
+
+
+def node_dx_sums(n, m, m2, sdy, sdy_xm, sdy2, mu, invstd, w, S1, S2, total):
+    """The guard's signal without a second exchange: one node's sum dx and sum dx^2 per channel
+    of lagged's input gradient dx = w invstd (dy - S1/total - (x - mu) invstd^2 S2/total), from
+    that node's partials alone: count n, mean m, m2 (forward), sum dy, sum dy (x - m) (backward,
+    around the node's own mean as the protocol sends it) and sum dy^2 (one more row), with the
+    merged mu, invstd and job sums S1, S2 the node used. A root that has every node's partials
+    of a call can so give every rank the job's sums of dx in that call's late result (a delay of
+    one call); without sum dy^2 the denominator needs sum dx^2 sent with the next call (two)."""
+    d = m - mu
+    sx, sx2 = n * d, m2 + n * d * d           # sum (x - mu), sum (x - mu)^2
+    sdx_mu = sdy_xm + d * sdy                 # sum dy (x - mu)
+    a = w * invstd
+    p, q = S1 / total, invstd * invstd * S2 / total
+    sum_dx = a * (sdy - n * p - q * sx)
+    sum_dx2 = a * a * (sdy2 + n * p * p + q * q * sx2 - 2 * p * sdy - 2 * q * sdx_mu
+                       + 2 * p * q * sx)
+    return sum_dx, sum_dx2
 
 
 class Guard:
@@ -584,7 +627,7 @@ CELL_KEYS = ("nodes", "workers_per_node", "batch", "skew", "lr", "train_size", "
 def run(args, command):
     """hsbn_compare.py --one-process: every seed × mode of the cell, --jobs processes."""
     try:
-        modes = [m.strip() for m in args.sim_modes.split(",") if m.strip()]
+        modes = split_modes(args.sim_modes)
         for m in modes:
             parse_mode(m)
     except ValueError as e:
