@@ -7,7 +7,9 @@ Reads the oneproc.json of each cell named (default: the fast 150-step cell and t
      seeds of its median within bins of call index: whether its level or its timing separates
      the regimes;
   2. paired differences (mean, 95 % t interval over seeds, points of accuracy by rank 0's running
-     statistics) of lagged-guard:delay=2, the delay the service can have, against the others.
+     statistics) of each guard variant run (lagged-guard:delay=2, the delay the service can
+     have; lagged-guard:drift=K, the drift guard) against the guard, damped 0.5, lagged and node;
+     with each variant's mean lambda per layer.
 
     python3 examples/compare/guard_signal.py [DIR ...]
 """
@@ -68,13 +70,29 @@ def main(argv):
     for name, runs in data:
         signal_table(name, runs)
     print()
-    print("paired: lagged-guard:delay=2 minus each mode (points, 95 % interval, seeds)")
+    print("paired: each guard variant minus each mode (points, 95 % interval, seeds)")
     for name, runs in data:
-        for other in ("lagged-guard", "lagged-damped:0.5", "lagged", "node"):
-            p = paired(runs, "lagged-guard:delay=2", other)
-            if p:
-                print("%-22s - %-18s %+.2f [%+.2f, %+.2f] (%d)" % ((name, other) + p))
+        variants = sorted({r["mode"] for r in runs if r["mode"].startswith("lagged-guard:")
+                           and "tau=" not in r["mode"]})
+        for v in variants:
+            for other in ("lagged-guard", "lagged-damped:0.5", "lagged", "node"):
+                p = paired(runs, v, other)
+                if p:
+                    print("%-22s %-32s - %-18s %+.2f [%+.2f, %+.2f] (%d)"
+                          % ((name, v, other) + p))
+            lams = mean_lambda(runs, v)
+            print("%-22s %-32s mean lambda per layer: %s" % (name, v, " / ".join(
+                "%.2f" % lams[k] for k in sorted(lams))))
     return 0
+
+
+def mean_lambda(runs, mode):
+    per = {}
+    for r in runs:
+        if r["mode"] == mode:
+            for layer, g in r["guard"].items():
+                per.setdefault(layer, []).append(g["lambda_mean"])
+    return {k: float(np.mean(v)) for k, v in per.items()}
 
 
 if __name__ == "__main__":

@@ -284,9 +284,29 @@ def test_guard_signal_report_reads_the_committed_cells(capsys):
     assert gs.main([]) == 0
     out = capsys.readouterr().out
     for cell in ("oneproc-4x2", "oneproc-4x2-slow", "oneproc-4x2-slow1200"):
-        assert re.search(r"^%s +- lagged-guard +[-+]\d" % cell, out, re.M), out
+        assert re.search(r"^%s +lagged-guard:delay=2 +- lagged-guard +[-+]\d" % cell, out,
+                         re.M), out
         assert re.search(r"^%s +c1\.1 +\d" % cell, out, re.M), out
     runs = gs.load(os.path.join(COMPARE, "measured", "oneproc-4x2"))["runs"]
     same = gs.paired(runs, "node", "node")
     assert same[:3] == (0.0, 0.0, 0.0) and same[3] == 10
     assert gs.paired(runs, "lagged-guard:delay=2", "node")[1] > 0  # above node, every seed
+
+
+def test_drift_guard_trusts_still_statistics_and_damps_moving_ones():
+    # drift=K: lambda from how far the exact global means moved over the K calls before, in
+    # standard deviations per call; 0.5 until K + 1 calls are known.
+    still = _bn("lagged-guard", {"drift": 2, "kappa": 0.05})
+    moving = _bn("lagged-guard", {"drift": 2, "kappa": 0.05})
+    x, dy = _batch(60)
+    for k in range(6):
+        _call(still, x, dy)
+        _call(moving, x + 0.2 * k, dy)  # 0.2 / sd per call
+    # Lagged calls are 1..5 (call 0 is the warm-up); calls 1 and 2 know fewer than 3 calls.
+    assert still.sim.lams[:2] == [0.5, 0.5] and moving.sim.lams[:2] == [0.5, 0.5]
+    assert still.sim.lams[2:] == [1.0] * 3 and still.sim.drift == [0.0] * 3
+    sd = torch.sqrt(x.transpose(0, 1).reshape(C, -1).var(1, unbiased=False) + 1e-5)
+    v = float(((0.2 / sd) ** 2).mean().sqrt())  # a shift leaves sd as it is
+    assert np.allclose(moving.sim.drift, [v] * 3, rtol=1e-12, atol=0)
+    assert np.allclose(moving.sim.lams[2:], [0.05 / v] * 3, rtol=1e-12, atol=0)
+    assert 0.05 / v < 0.5

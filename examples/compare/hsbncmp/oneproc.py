@@ -26,9 +26,11 @@ and backward are written out below in float64, per scope:
                     lagged statistics as its population ones (no clipping)
   lagged-damped:L   lagged forward, dx = L * lagged dx + (1 - L) * node-local dx
   lagged-guard      lagged forward, damped backward with L chosen per layer and per call
-                    by the guard (Guard below) from what every rank knows one call later
+                    by the guard (Guard below) from what every rank knows one call later;
+                    with drift=K, by the drift guard instead: L from how fast the layer's
+                    exact global statistics moved over the K calls before
 A mode takes options after a colon: lagged-damped:0.25, lagged:warmup=75,
-lagged-guard:tau=1,hold=0.9,delay=2.
+lagged-guard:tau=1,hold=0.9,delay=2, lagged-guard:drift=16,kappa=0.01.
 
 What each rank's running statistics hold is simulated per rank (rank 0's: the headline metric;
 their pooled average, hsbn.torch.sync_running_stats with equal weights: the second one).
@@ -57,7 +59,8 @@ LAGGED = {"warmup": 1}
 # simulation's ideal; the service can do no better than 2: a call's sum dx exists only after
 # its backward round, so it travels with the next call's partials and comes back in that
 # call's late result.
-GUARD = {"warmup": 1, "tau": 8.0, "hold": 0.9, "lam_min": 0.0, "delay": 1}
+GUARD = {"warmup": 1, "tau": 8.0, "hold": 0.9, "lam_min": 0.0, "delay": 1, "drift": 0,
+         "kappa": 0.015}
 DEFAULT_MODES = ["node", "global", "renorm", "lagged", "lagged-damped:0.25",
                  "lagged-damped:0.5", "lagged-guard"]
 BASE_MODES = ("local", "node", "group", "global", "renorm", "lagged", "lagged-fwd",
@@ -165,6 +168,8 @@ class LayerSim:
         self.lams = []          # lambda used per call (lagged family)
         self.hold = 0.0
         self.pending = []       # guard: signals not yet acted on (its delay)
+        self.history = []       # drift guard: (mean, sd) of the exact global statistics
+        self.drift = []         # drift guard: v per call
         self.updates_running = True
 
     # -- running statistics --------------------------------------------------------------------
@@ -265,6 +270,8 @@ def _forward(ctx, x, weight, bias, sim):
             sim._update(rm, rv)
     sim.prev_fwd = (cn, mean_n.clone(), m2_n.clone())
     sim.prev_global = (g_n, g_mean.clone(), g_m2.clone())
+    if mode == "lagged-guard" and o["drift"]:
+        sim.lam = Guard.drift_lambda(sim, g_mean, torch.sqrt(g_m2 / g_n + EPS))
     invstd = 1.0 / torch.sqrt(var + EPS)
     xhat = (xr - mean[:, None]) * invstd[:, None]
     if r_eff is not None:
@@ -354,7 +361,7 @@ def _backward(ctx, dy):
         size = torch.sqrt((dx_lag ** 2).sum(1).sum(0))
         s = float(torch.linalg.norm(tot) / max(float(torch.linalg.norm(size)), 1e-300))
         sim.signal.append(s)
-        if mode == "lagged-guard":
+        if mode == "lagged-guard" and not sim.opts["drift"]:
             sim.pending.append(s)
             if len(sim.pending) >= sim.opts["delay"]:
                 sim.lam = Guard.next_lambda(sim, sim.pending.pop(0))
@@ -392,6 +399,26 @@ class Guard:
     A peak hold reacts at once to growth and relaxes by `hold` per call; lambda = clip(tau /
     held, lam_min, 1): trust the stale share fully while the job's sums stay within tau of
     their noise size, damp in proportion beyond."""
+
+    @staticmethod
+    def drift_lambda(sim, mean, sd):
+        """The drift guard (a probe of a signal that sees the step size): lambda for this
+        call from how fast the layer's exact global statistics moved over the last K = drift
+        calls before it (what every rank has from late results), v = rms over channels of
+        (mean(t-1) - mean(t-1-K)) / sd(t-1-K), divided by K: sigma units per call.
+        lambda = clip(kappa / v, lam_min, 1); 0.5 until K + 1 calls are known."""
+        o = sim.opts
+        k = int(o["drift"])
+        h = sim.history
+        lam = 0.5
+        if len(h) > k:
+            (m1, _), (m0, s0) = h[-1], h[-1 - k]
+            v = float(((m1 - m0) / s0).square().mean().sqrt()) / k
+            sim.drift.append(v)
+            lam = float(min(1.0, max(o["lam_min"], o["kappa"] / max(v, 1e-12))))
+        h.append((mean.clone(), sd.clone()))
+        del h[:-k - 1]
+        return lam
 
     @staticmethod
     def next_lambda(sim, s):
@@ -520,7 +547,9 @@ def run_one(cfg, task, seed, mode_text, init, plan, arrays, progress=None, dtype
                                  else None,
                                  "signal_max": float(np.max(s.signal)) if s.signal else None,
                                  "lambda_mean": float(np.mean(s.lams)) if s.lams else None,
-                                 "lambda_min": float(np.min(s.lams)) if s.lams else None}
+                                 "lambda_min": float(np.min(s.lams)) if s.lams else None,
+                                 "drift_median": float(np.median(s.drift)) if s.drift
+                                 else None}
                         for s in lagged}
         out["signal"] = {s.name: [round(v, 4) for v in s.signal] for s in lagged}
         out["lambda"] = {s.name: [round(v, 4) for v in s.lams] for s in lagged}
