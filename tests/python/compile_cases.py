@@ -133,11 +133,11 @@ def _compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05,
     runs a training step on both (forward, backward of sum(out * g), SGD with lr), recording
     outputs and gradients; a step whose x is None switches to eval for one forward of
     eval_input under no_grad, then back to train. Models, inputs and upstream gradients are of
-    `dtype`. With resync, each step starts the compiled
-    model from the eager one's parameters and buffers (copied in place: no recompile), so a step
-    compares one step's arithmetic, not two trajectories that round-off may part. Returns both
-    runs' records, final states, the compiled frame count after each step and dynamo's
-    graph-break counters."""
+    `dtype`. With resync, each step starts the compiled model from the eager one's parameters
+    and buffers (copied in place: no recompile), so a step compares one step's arithmetic, not
+    two trajectories that round-off may part (the last step's running statistics and SGD update
+    are then the final states compared). Returns both runs' records, final states, the compiled
+    frame count after each step and dynamo's graph-break counters."""
     import torch._dynamo
     import torch._dynamo.testing
     torch._dynamo.reset()
