@@ -310,3 +310,20 @@ def test_drift_guard_trusts_still_statistics_and_damps_moving_ones():
     assert np.allclose(moving.sim.drift, [v] * 3, rtol=1e-12, atol=0)
     assert np.allclose(moving.sim.lams[2:], [0.05 / v] * 3, rtol=1e-12, atol=0)
     assert 0.05 / v < 0.5
+
+
+def test_drift_guard_model_wide_uses_the_drift_one_call_older():
+    # model=1: the largest v over the model's layers, each from statistics up to call t - 2
+    # (a service has them at every layer's call t without waiting): one call later than
+    # the layer's own v, the same value here where the drift is steady.
+    own = _bn("lagged-guard", {"drift": 2, "kappa": 0.05})
+    wide = _bn("lagged-guard", {"drift": 2, "kappa": 0.05, "model": 1})
+    wide.sim.model_drift = {}
+    x, dy = _batch(60)
+    for k in range(7):
+        _call(own, x + 0.2 * k, dy)
+        _call(wide, x + 0.2 * k, dy)
+    lam = own.sim.lams[-1]
+    assert lam < 0.5
+    assert np.allclose(own.sim.lams, [0.5, 0.5, lam, lam, lam, lam], rtol=1e-12, atol=0)
+    assert np.allclose(wide.sim.lams, [0.5, 0.5, 0.5, lam, lam, lam], rtol=1e-12, atol=0)

@@ -30,7 +30,7 @@ and backward are written out below in float64, per scope:
                     with drift=K, by the drift guard instead: L from how fast the layer's
                     exact global statistics moved over the K calls before
 A mode takes options after a colon: lagged-damped:0.25, lagged:warmup=75,
-lagged-guard:tau=1,hold=0.9,delay=2, lagged-guard:drift=16,kappa=0.01.
+lagged-guard:tau=1,hold=0.9,delay=2, lagged-guard:drift=16,kappa=0.01,model=1.
 
 What each rank's running statistics hold is simulated per rank (rank 0's: the headline metric;
 their pooled average, hsbn.torch.sync_running_stats with equal weights: the second one).
@@ -60,7 +60,7 @@ LAGGED = {"warmup": 1}
 # its backward round, so it travels with the next call's partials and comes back in that
 # call's late result.
 GUARD = {"warmup": 1, "tau": 8.0, "hold": 0.9, "lam_min": 0.0, "delay": 1, "drift": 0,
-         "kappa": 0.015}
+         "kappa": 0.015, "model": 0}
 DEFAULT_MODES = ["node", "global", "renorm", "lagged", "lagged-damped:0.25",
                  "lagged-damped:0.5", "lagged-guard"]
 BASE_MODES = ("local", "node", "group", "global", "renorm", "lagged", "lagged-fwd",
@@ -170,6 +170,7 @@ class LayerSim:
         self.pending = []       # guard: signals not yet acted on (its delay)
         self.history = []       # drift guard: (mean, sd) of the exact global statistics
         self.drift = []         # drift guard: v per call
+        self.model_drift = None  # drift guard, model=1: {layer: {call: v}}, one per model
         self.updates_running = True
 
     # -- running statistics --------------------------------------------------------------------
@@ -406,16 +407,27 @@ class Guard:
         call from how fast the layer's exact global statistics moved over the last K = drift
         calls before it (what every rank has from late results), v = rms over channels of
         (mean(t-1) - mean(t-1-K)) / sd(t-1-K), divided by K: sigma units per call.
-        lambda = clip(kappa / v, lam_min, 1); 0.5 until K + 1 calls are known."""
+        lambda = clip(kappa / v, lam_min, 1); 0.5 until K + 1 calls are known.
+        With model=1, v is the largest over the model's layers of their v one call older (from
+        statistics up to call t - 2): what every rank of a service has at every layer's call t
+        without waiting, since each layer fetched its late result of t - 2 at its call t - 1."""
         o = sim.opts
         k = int(o["drift"])
         h = sim.history
         lam = 0.5
+        t = sim.seq
         if len(h) > k:
             (m1, _), (m0, s0) = h[-1], h[-1 - k]
             v = float(((m1 - m0) / s0).square().mean().sqrt()) / k
             sim.drift.append(v)
-            lam = float(min(1.0, max(o["lam_min"], o["kappa"] / max(v, 1e-12))))
+            if sim.model_drift is not None:
+                sim.model_drift.setdefault(sim.name, {})[t] = v
+                older = [d.get(t - 1) for d in sim.model_drift.values()]
+                v = max(older) if older and None not in older else None
+                for d in sim.model_drift.values():
+                    d.pop(t - 3, None)
+            if v is not None:
+                lam = float(min(1.0, max(o["lam_min"], o["kappa"] / max(v, 1e-12))))
         h.append((mean.clone(), sd.clone()))
         del h[:-k - 1]
         return lam
@@ -497,6 +509,10 @@ def run_one(cfg, task, seed, mode_text, init, plan, arrays, progress=None, dtype
     model = models.build(task, cfg.get("model"))
     model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in init.items()})
     sims = convert(model, mode, opts, topo)
+    if mode == "lagged-guard" and opts.get("model"):
+        model_drift = {}
+        for sim in sims:
+            sim.model_drift = model_drift
     if dtype == "float64":
         model = model.double()
     lr0 = cfg["lr"][task] if isinstance(cfg["lr"], dict) else cfg["lr"]
