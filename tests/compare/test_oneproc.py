@@ -327,3 +327,20 @@ def test_drift_guard_model_wide_uses_the_drift_one_call_older():
     assert lam < 0.5
     assert np.allclose(own.sim.lams, [0.5, 0.5, lam, lam, lam, lam], rtol=1e-12, atol=0)
     assert np.allclose(wide.sim.lams, [0.5, 0.5, 0.5, lam, lam, lam], rtol=1e-12, atol=0)
+
+
+def test_step_guard_sees_the_layer_s_own_weight_move():
+    # step=K: lambda from ||gamma(t) - gamma(t-K)|| / ||gamma(t-K)|| / K, what the optimizer's
+    # steps did to the layer's own weight; 0.5 until K + 1 calls are known.
+    still = _bn("lagged-guard", {"step": 2, "kstep": 1e-3})
+    moving = _bn("lagged-guard", {"step": 2, "kstep": 1e-3})
+    x, dy = _batch(70)
+    for k in range(6):
+        _call(still, x, dy)
+        _call(moving, x, dy)
+        with torch.no_grad():
+            moving.weight.mul_(1.01)  # 1 % a call
+    v = (1.01 ** 2 - 1) / 2
+    assert still.sim.lams[:1] == [0.5] and still.sim.lams[1:] == [1.0] * 4
+    assert moving.sim.lams[:1] == [0.5]
+    assert np.allclose(moving.sim.lams[1:], [1e-3 / v] * 4, rtol=1e-9, atol=0)

@@ -28,9 +28,11 @@ and backward are written out below in float64, per scope:
   lagged-guard      lagged forward, damped backward with L chosen per layer and per call
                     by the guard (Guard below) from what every rank knows one call later;
                     with drift=K, by the drift guard instead: L from how fast the layer's
-                    exact global statistics moved over the K calls before
+                    exact global statistics moved over the K calls before; with step=K, by
+                    the step guard: L from how fast the layer's weight moved
 A mode takes options after a colon: lagged-damped:0.25, lagged:warmup=75,
-lagged-guard:tau=1,hold=0.9,delay=2, lagged-guard:drift=16,kappa=0.01,model=1.
+lagged-guard:tau=1,hold=0.9,delay=2, lagged-guard:drift=16,kappa=0.01,model=1,
+lagged-guard:step=16,kstep=2.5e-4.
 
 What each rank's running statistics hold is simulated per rank (rank 0's: the headline metric;
 their pooled average, hsbn.torch.sync_running_stats with equal weights: the second one).
@@ -60,7 +62,7 @@ LAGGED = {"warmup": 1}
 # its backward round, so it travels with the next call's partials and comes back in that
 # call's late result.
 GUARD = {"warmup": 1, "tau": 8.0, "hold": 0.9, "lam_min": 0.0, "delay": 1, "drift": 0,
-         "kappa": 0.015, "model": 0}
+         "kappa": 0.015, "model": 0, "step": 0, "kstep": 1e-3}
 DEFAULT_MODES = ["node", "global", "renorm", "lagged", "lagged-damped:0.25",
                  "lagged-damped:0.5", "lagged-guard"]
 BASE_MODES = ("local", "node", "group", "global", "renorm", "lagged", "lagged-fwd",
@@ -273,6 +275,8 @@ def _forward(ctx, x, weight, bias, sim):
     sim.prev_global = (g_n, g_mean.clone(), g_m2.clone())
     if mode == "lagged-guard" and o["drift"]:
         sim.lam = Guard.drift_lambda(sim, g_mean, torch.sqrt(g_m2 / g_n + EPS))
+    elif mode == "lagged-guard" and o["step"]:
+        sim.lam = Guard.step_lambda(sim, w)
     invstd = 1.0 / torch.sqrt(var + EPS)
     xhat = (xr - mean[:, None]) * invstd[:, None]
     if r_eff is not None:
@@ -362,7 +366,7 @@ def _backward(ctx, dy):
         size = torch.sqrt((dx_lag ** 2).sum(1).sum(0))
         s = float(torch.linalg.norm(tot) / max(float(torch.linalg.norm(size)), 1e-300))
         sim.signal.append(s)
-        if mode == "lagged-guard" and not sim.opts["drift"]:
+        if mode == "lagged-guard" and not (sim.opts["drift"] or sim.opts["step"]):
             sim.pending.append(s)
             if len(sim.pending) >= sim.opts["delay"]:
                 sim.lam = Guard.next_lambda(sim, sim.pending.pop(0))
@@ -430,6 +434,26 @@ class Guard:
                 lam = float(min(1.0, max(o["lam_min"], o["kappa"] / max(v, 1e-12))))
         h.append((mean.clone(), sd.clone()))
         del h[:-k - 1]
+        return lam
+
+    @staticmethod
+    def step_lambda(sim, w):
+        """The step guard (a probe): lambda for this call from how fast the layer's own
+        weight gamma moves, the optimizer's step as the layer sees it (the same bits on every
+        rank, no exchange): v = ||gamma(t) - gamma(t-K)|| / ||gamma(t-K)|| / K with K = step,
+        lambda = clip(kstep / v, lam_min, 1); 0.5 until K + 1 calls are known."""
+        import torch
+        o = sim.opts
+        k = int(o["step"])
+        h = sim.history
+        lam = 0.5
+        if len(h) >= k:
+            w0 = h[-k]
+            v = float(torch.linalg.norm(w - w0) / max(float(torch.linalg.norm(w0)), 1e-12)) / k
+            sim.drift.append(v)
+            lam = float(min(1.0, max(o["lam_min"], o["kstep"] / max(v, 1e-12))))
+        h.append(w.clone())
+        del h[:-k]
         return lam
 
     @staticmethod
