@@ -180,6 +180,10 @@ def test_guard_delay_acts_on_the_signal_calls_later():
     assert runs[2].lams == [0.0] + runs[1].lams[:-1]
     with pytest.raises(ValueError, match="delay"):
         oneproc.parse_mode("lagged-guard:delay=0")
+    with pytest.raises(ValueError, match="choose one"):
+        oneproc.parse_mode("lagged-guard:drift=16,step=16")
+    with pytest.raises(ValueError, match="whole number"):
+        oneproc.parse_mode("lagged-guard:step=2.5")
 
 
 def test_sim_modes_list_keeps_a_mode_s_options_together():

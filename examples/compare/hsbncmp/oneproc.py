@@ -90,6 +90,11 @@ def parse_mode(text):
         opts[key.strip()] = float(value)
     if base == "lagged-damped" and "lam" not in opts:
         raise ValueError("lagged-damped needs its lambda: lagged-damped:0.5")
+    if opts.get("drift") and opts.get("step"):
+        raise ValueError("%s: drift and step are two guards; choose one" % text)
+    for key in ("drift", "step"):
+        if key in opts and (opts[key] != int(opts[key]) or opts[key] < 0):
+            raise ValueError("%s: %s must be a whole number of calls" % (text, key))
     if "delay" in opts:
         if opts["delay"] != int(opts["delay"]) or opts["delay"] < 1:
             raise ValueError("%s: delay must be a whole number of calls >= 1" % text)
@@ -170,8 +175,8 @@ class LayerSim:
         self.lams = []          # lambda used per call (lagged family)
         self.hold = 0.0
         self.pending = []       # guard: signals not yet acted on (its delay)
-        self.history = []       # drift guard: (mean, sd) of the exact global statistics
-        self.drift = []         # drift guard: v per call
+        self.history = []       # drift guard: (mean, sd) of exact global statistics; step: gamma
+        self.drift = []         # drift or step guard: v per call (reported as drift_median)
         self.model_drift = None  # drift guard, model=1: {layer: {call: v}}, one per model
         self.updates_running = True
 
