@@ -9,7 +9,7 @@ Reads the oneproc.json of each cell named (default: the fast 150-step cell and t
   2. paired differences (mean, 95 % t interval over seeds, points of accuracy by rank 0's running
      statistics) of each guard variant run (lagged-guard:delay=2, the delay the service can
      have; lagged-guard:drift=K, the drift guard) against the guard, damped 0.5, lagged and node;
-     with each variant's mean lambda per layer.
+     with each variant's mean lambda per layer and, for the drift and step guards, their v.
 
     python3 examples/compare/guard_signal.py [DIR ...]
 """
@@ -83,7 +83,36 @@ def main(argv):
             lams = mean_lambda(runs, v)
             print("%-22s %-32s mean lambda per layer: %s" % (name, v, " / ".join(
                 "%.2f" % lams[k] for k in sorted(lams))))
+            first, last = lambda_phases(runs, v, 60)
+            print("%-22s %-32s mean lambda, first calls but the last 60: %.2f; last 60: %.2f"
+                  % (name, v, first, last))
+            drift = median_drift(runs, v)
+            if drift:
+                print("%-22s %-32s median drift or step v per layer: %s" % (
+                    name, v, " / ".join("%.2g" % drift[k] for k in sorted(drift))))
     return 0
+
+
+def lambda_phases(runs, mode, tail):
+    """Mean lambda over layers and seeds: over the calls before the last `tail`, over those."""
+    first, last = [], []
+    for r in runs:
+        if r["mode"] == mode:
+            for lams in r["lambda"].values():
+                first.extend(lams[:-tail])
+                last.extend(lams[-tail:])
+    return float(np.mean(first)), float(np.mean(last))
+
+
+def median_drift(runs, mode):
+    """Per layer, the median over seeds of the drift or step guard's median v (None-free)."""
+    per = {}
+    for r in runs:
+        if r["mode"] == mode:
+            for layer, g in r["guard"].items():
+                if g.get("drift_median") is not None:
+                    per.setdefault(layer, []).append(g["drift_median"])
+    return {k: float(np.median(v)) for k, v in per.items()}
 
 
 def mean_lambda(runs, mode):
