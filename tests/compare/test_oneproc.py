@@ -193,8 +193,8 @@ def test_sim_modes_list_keeps_a_mode_s_options_together():
 
 
 def test_mode_parsing():
-    assert oneproc.parse_mode("lagged-damped:0.25") == ("lagged-damped", {"warmup": 1,
-                                                                          "lam": 0.25})
+    assert oneproc.parse_mode("lagged-damped:0.25") == ("lagged-damped", {
+        "warmup": 1, "trip": 0.0, "trip_calls": 8, "lam": 0.25})
     assert oneproc.parse_mode("lagged:warmup=75")[1]["warmup"] == 75
     for bad in ("nosuch", "lagged-damped", "lagged:warmup=0"):
         with pytest.raises(ValueError):
@@ -348,3 +348,53 @@ def test_step_guard_sees_the_layer_s_own_weight_move():
     assert still.sim.lams[:1] == [0.5] and still.sim.lams[1:] == [1.0] * 4
     assert moving.sim.lams[:1] == [0.5]
     assert np.allclose(moving.sim.lams[1:], [1e-3 / v] * 4, rtol=1e-9, atol=0)
+
+
+def test_trip_sends_a_jumping_layer_exact_global_then_back():
+    # Calls 0-2 on one distribution, 3.. shifted by 20: call 4 knows call 3's statistics and
+    # trips, so calls 4 and 5 (trip_calls 2) equal global; call 6 is lagged again.
+    m = _bn("lagged:trip=1.0,trip_calls=2")
+    glob = _bn("global")
+    lag = _bn("lagged")
+    outs = []
+    for s in range(7):
+        x, dy = _batch(300 + s)
+        if s >= 3:
+            x = x + 20.0
+        outs.append((_call(m, x, dy), _call(glob, x, dy), _call(lag, x, dy)))
+    assert m.sim.trips == [4]
+    assert m.sim.exact_calls == 3          # the warm-up, 4 and 5
+    for s, (got, g, plain) in enumerate(outs):
+        exact = s in (0, 4, 5)
+        for a, b, c in zip(got[:2], g[:2], plain[:2]):
+            if exact:
+                assert torch.allclose(a, b, atol=1e-10), s
+            else:
+                assert torch.allclose(a, c, atol=1e-10), s
+    assert not torch.allclose(outs[4][0][0], outs[4][2][0], atol=1e-3)
+    assert max(m.sim.trip_v) > 1.0 > sorted(m.sim.trip_v)[-2]
+
+
+def test_trip_drift_is_the_clients_formula():
+    from hsbn.torch._lagged import trip_drift as client_drift
+    g = torch.Generator().manual_seed(7)
+    a = (40, torch.randn(C, generator=g, dtype=torch.float64),
+         torch.rand(C, generator=g, dtype=torch.float64) * 40)
+    b = (48, a[1] + 0.3, a[2] * 2.0)
+    ours = oneproc.trip_drift(a, b)
+    theirs = client_drift(*[(n, m.numpy(), q.numpy()) for n, m, q in (a, b)])
+    assert ours == pytest.approx(theirs, rel=1e-12) and ours > 0.3
+    assert oneproc.trip_drift(a, a) == 0.0
+
+
+def test_lr_spike_and_trip_options_are_checked():
+    assert oneproc.parse_spike("60:20:3") == [60, 20.0, 3]
+    assert oneproc.parse_spike(None) is None
+    for bad in ("60:20", "x:1:1", "1:0:1", "1:2:0", "-1:2:1", "1:nan:1"):
+        with pytest.raises(ValueError):
+            oneproc.parse_spike(bad)
+    assert oneproc.parse_mode("lagged-damped:0.5,trip=0.4")[1]["trip"] == 0.4
+    assert oneproc.parse_mode("lagged:trip=0.4,trip_calls=3")[1]["trip_calls"] == 3
+    for bad in ("lagged:trip=-1", "lagged:trip_calls=0", "lagged:trip_calls=1.5"):
+        with pytest.raises(ValueError):
+            oneproc.parse_mode(bad)

@@ -44,11 +44,12 @@ def run_case(pool, spec, data):
     return pool.call(hsbn_cases.bn_steps, [(spec, data[r]) for r in range(pool.world_size)])
 
 
-def lagged_reference(spec, data, node, damping=1.0):
+def lagged_reference(spec, data, node, damping=1.0, exact=(0,)):
     """{"y", "dx": {rank: [per call]}, "dw", "db": [per call, summed over the node]} of the
-    node's ranks: BatchNorm over the virtual batch of each call (module docstring); with
-    damping < 1 the input gradient of calls 1.. is damping * that + (1 - damping) * the
-    node-local one,
+    node's ranks: BatchNorm over the virtual batch of each call (module docstring), or over
+    the job's batch for the calls in `exact` (the warm-up, and those the trip guard sends
+    there); with damping < 1 the input gradient of the other calls is damping * that +
+    (1 - damping) * the node-local one,
     w invstd (dy - mean_node(dy) - (x - m_k) sum_node(dy (x - m_k)) / (M_k + n_k eps))."""
     eps = spec.get("eps", 1e-5)
     w = torch.from_numpy(spec["weight"])
@@ -56,7 +57,7 @@ def lagged_reference(spec, data, node, damping=1.0):
     mine = NODE_RANKS[node]
     out = {"y": {r: [] for r in mine}, "dx": {r: [] for r in mine}, "dw": [], "db": []}
     for s in range(len(data[0])):
-        rows = [(r, s) for r in mine] + [(r, s if s == 0 else s - 1) for r in ALL
+        rows = [(r, s) for r in mine] + [(r, s if s in exact else s - 1) for r in ALL
                                         if r not in mine]
         xs = [torch.from_numpy(data[r][t][0]) for r, t in rows]
         gs = [torch.from_numpy(data[r][t][1]) for r, t in rows]
@@ -75,7 +76,7 @@ def lagged_reference(spec, data, node, damping=1.0):
         xhat_k = (xk - mu) * invstd
         out["dw"].append((gk * xhat_k).sum(dims).numpy())
         out["db"].append(gk.sum(dims).numpy())
-        if damping != 1.0 and s > 0:  # the warm-up call is exact global, undamped
+        if damping != 1.0 and s not in exact:  # exact calls are exact global, undamped
             count_k = xk.numel() // xk.shape[1]
             m_k = xk.mean(dims, keepdim=True)
             mk2 = ((xk - m_k) ** 2).sum(dims, keepdim=True)
@@ -104,10 +105,10 @@ def lagged_case(seed, steps=4, repeat=False, **options):
     return spec, data
 
 
-def check_against(results, data, spec, damping=1.0, tol=TOL):
+def check_against(results, data, spec, damping=1.0, tol=TOL, exact=(0,)):
     worst = {}
     for node in range(NODES):
-        ref = lagged_reference(spec, data, node, damping)
+        ref = lagged_reference(spec, data, node, damping, exact)
         for s in range(len(data[0])):
             for r in NODE_RANKS[node]:
                 for key in ("y", "dx"):
@@ -182,16 +183,49 @@ def test_damping_mixes_the_node_local_gradient(pool):
     print("damped lagged (0.5) vs reference:", worst)
 
 
+def test_the_trip_guard_sends_a_jumping_layer_exact_global_for_its_calls_then_back(pool):
+    # Every rank's inputs move by 30 (many standard deviations) from call 3 on, as a learning-
+    # rate spike moves a layer's input. Call 4 is the first that knows call 3's job statistics
+    # (one call late): its check sees v (trip_drift of calls 2 and 3) far above lagged_trip,
+    # so calls 4 and 5 (lagged_trip_calls 2) are exact global, both passes, on every rank;
+    # call 6 sees calls 4 and 5 alike and goes back to lagged. Without the guard the same
+    # data gives the plain lagged calls.
+    spec, data = lagged_case(46, steps=8)
+    for r in ALL:
+        data[r] = [(x + 30.0 if s >= 3 else x, g) for s, (x, g) in enumerate(data[r])]
+    guarded = dict(spec, options=dict(spec["options"], lagged_trip=1.0, lagged_trip_calls=2))
+    results = run_case(pool, guarded, data)
+    worst = check_against(results, data, guarded, exact=(0, 4, 5))
+    print("lagged with a trip at call 4 vs reference:", worst)
+    for node in range(NODES):   # and not the plain lagged calls (the check can fail)
+        ref = lagged_reference(spec, data, node)
+        r = NODE_RANKS[node][-1]   # rank 2 has an empty batch
+        assert rel_err(results[r]["y"][4], ref["y"][r][4]) > 1e-3
+    off = dict(spec, options=dict(spec["options"], lagged_trip=0.0))
+    check_against(run_case(pool, off, data), data, off)
+    # A threshold above the jump: no trip.
+    high = dict(spec, options=dict(spec["options"], lagged_trip=1e6))
+    check_against(run_case(pool, high, data), data, high)
+
+
 def test_options_are_checked():
     for bad in (-0.1, 1.5, float("nan"), True, "1"):
         with pytest.raises(ConfigurationError, match="lagged_damping"):
             hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_damping=bad)
     with pytest.raises(ConfigurationError, match="lagged_warmup"):
         hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_warmup=0)
-    assert hsbn.torch.SyncBatchNorm(3, scope="lagged").lagged_options == {"damping": 0.5,
-                                                                          "warmup": 1}
-    bn = hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_damping=0.25)
-    assert bn.lagged_options == {"damping": 0.25, "warmup": 1}
+    for bad in (-1.0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ConfigurationError, match="lagged_trip"):
+            hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_trip=bad)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigurationError, match="lagged_trip_calls"):
+            hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_trip_calls=bad)
+    default = dict(hsbn.torch._lagged.DEFAULTS)
+    assert default["damping"] == 0.5 and default["warmup"] == 1 and default["trip_calls"] == 8
+    assert hsbn.torch.SyncBatchNorm(3, scope="lagged").lagged_options == default
+    bn = hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_damping=0.25, lagged_trip=2.5)
+    assert bn.lagged_options == dict(default, damping=0.25, trip=2.5)
+    assert bn.lagged_trips == []
     assert bn.lagged_damping == 0.25
     bn.lagged_damping = 0.75
     assert bn.lagged_damping == 0.75
@@ -199,7 +233,7 @@ def test_options_are_checked():
         bn.lagged_damping = 2.0
     m = hsbn.torch.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(2)),
                                           scope="lagged", lagged_damping=0.5, lagged_warmup=3)
-    assert m[0].lagged_options == {"damping": 0.5, "warmup": 3}
+    assert m[0].lagged_options == dict(default, damping=0.5, warmup=3)
     with pytest.raises(ConfigurationError, match="lagged_damping"):
         hsbn.torch.convert_sync_batchnorm(torch.nn.BatchNorm1d(2), lagged_damping=-1)
 
@@ -222,9 +256,9 @@ def _threads(fn, n=4, timeout=120):
     return out, errors
 
 
-def _layer(spec, client, op, checkpointed=False):
+def _layer(spec, client, op, checkpointed=False, **options):
     bn = hsbn.torch.SyncBatchNorm(spec["C"], scope="lagged", client=client, op=op,
-                                  lagged_damping=1.0).double()
+                                  **dict({"lagged_damping": 1.0}, **options)).double()
     with torch.no_grad():
         bn.weight.copy_(torch.from_numpy(spec["weight"]))
         bn.bias.copy_(torch.from_numpy(spec["bias"]))
@@ -275,6 +309,40 @@ def test_checkpointing_reuses_the_first_pass_and_changes_nothing(reentrant):
     assert st.lagged_recomputes == 4 * 4
     assert st.lagged_calls == 2 * 4 * 4
     assert st.lagged_exact == 2 * 4  # one warm-up call per layer and rank
+
+
+def test_trips_are_the_same_on_every_rank_counted_and_blind_to_recomputations():
+    # The jump of the trip test above, checkpointed (each call's recomputation is a lagged
+    # round of its own, with the first pass's statistics: the guard must compare training
+    # calls, not a call with its recomputation): one trip per rank, at call 4, with the same
+    # v on every rank, in sync_stats, and the bits of the same calls without checkpointing.
+    spec, data = lagged_case(47, steps=7)
+    for r in ALL:
+        data[r] = [(x + 30.0 if s >= 3 else x, g) for s, (x, g) in enumerate(data[r])]
+    opts = dict(lagged_trip=1.0, lagged_trip_calls=2)
+    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2, round_timeout_ms=20000) as c:
+        clients = [hsbn.Client.from_env(c.worker_env(r, job_id="lagged-trip"))
+                   for r in range(4)]
+        try:
+            hsbn.torch.reset_sync_stats()
+            layers = [_layer(spec, clients[r], 701, **opts) for r in range(4)]
+            plain, errors = _threads(lambda r: _calls(layers[r], data[r]))
+            assert not errors, errors
+            st = hsbn.torch.sync_stats()
+            ck_layers = [_layer(spec, clients[r], 702, **opts) for r in range(4)]
+            ckpt, errors = _threads(lambda r: _calls(ck_layers[r], data[r], checkpointed=True))
+            assert not errors, errors
+        finally:
+            for cl in clients:
+                cl.close()
+    assert st.lagged_trips == 4 and st.lagged_exact == 4 * 3   # warm-up, calls 4 and 5
+    for bn in layers + ck_layers:   # (training call, its round seq, v)
+        assert [t[:2] for t in bn.lagged_trips] == [(4, 4 if bn in layers else 8)]
+        assert bn.lagged_trips[0][2] == layers[0].lagged_trips[0][2] > 1.0
+    for r in ALL:
+        for key in ("y", "dx"):
+            for s in range(7):
+                assert ckpt[r][key][s].tobytes() == plain[r][key][s].tobytes(), (key, r, s)
 
 
 def test_a_killed_root_fails_the_call_naming_the_round_and_node_rounds_go_on():

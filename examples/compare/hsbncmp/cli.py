@@ -181,9 +181,13 @@ def parse_args(argv=None):
     g.add_argument("--sim-modes", default=None, metavar="MODE,...",
                    help="one-process modes (default %s), from local, node, group, global, "
                         "renorm, lagged, lagged-fwd, lagged-damped:LAMBDA, lagged-guard; options "
-                        "after a colon, e.g. lagged:warmup=75, lagged-guard:tau=1,delay=2"
+                        "after a colon, e.g. lagged:warmup=75, lagged-guard:tau=1,delay=2, "
+                        "lagged:trip=0.5,trip_calls=8 (the trip guard)"
                         % "node,global,renorm,lagged,lagged-damped:0.25,lagged-damped:0.5,"
                           "lagged-guard")
+    g.add_argument("--lr-spike", default=None, metavar="STEP:FACTOR:STEPS",
+                   help="a forced instability: the learning rate times FACTOR for STEPS steps "
+                        "from STEP on (one-process only), e.g. 60:20:3")
     g.add_argument("--jobs", type=int, default=None,
                    help="one-process runs at a time (default: the CPU count)")
     g = p.add_argument_group("the sweep (classification)")

@@ -53,7 +53,11 @@ F64 = None  # torch.float64, set on import of torch
 EPS = 1e-5
 BN_MOMENTUM = 0.1
 RENORM = {"warmup": 5, "ramp": 20, "r_max": 1.1, "d_max": 0.25}   # hsbn.torch's defaults
-LAGGED = {"warmup": 1}
+# trip: the trip guard (issue #41, and hsbn.torch's lagged_trip): a layer whose exact global
+# statistics moved more than `trip` between its last two known calls (v below, in units of the
+# older call's standard deviation) runs its next `trip_calls` calls exact global, both passes;
+# 0: off. Every rank knows v alike from late results at the call it decides (no extra delay).
+LAGGED = {"warmup": 1, "trip": 0.0, "trip_calls": 8}
 # tau 8: in the default cell's fast regime plain lagged's signal s is 6-60 per layer (median
 # over calls; 7-9 in the last two layers), where lambda 0.25-0.5 worked best (issue #41), so
 # tau / s lands there; the slow regime is meant to show s below tau (trust).
@@ -62,7 +66,7 @@ LAGGED = {"warmup": 1}
 # its backward round, so it travels with the next call's partials and comes back in that
 # call's late result.
 GUARD = {"warmup": 1, "tau": 8.0, "hold": 0.9, "lam_min": 0.0, "delay": 1, "drift": 0,
-         "kappa": 0.015, "model": 0, "step": 0, "kstep": 1e-3}
+         "kappa": 0.015, "model": 0, "step": 0, "kstep": 1e-3, "trip": 0.0, "trip_calls": 8}
 DEFAULT_MODES = ["node", "global", "renorm", "lagged", "lagged-damped:0.25",
                  "lagged-damped:0.5", "lagged-guard"]
 BASE_MODES = ("local", "node", "group", "global", "renorm", "lagged", "lagged-fwd",
@@ -99,12 +103,33 @@ def parse_mode(text):
         if opts["delay"] != int(opts["delay"]) or opts["delay"] < 1:
             raise ValueError("%s: delay must be a whole number of calls >= 1" % text)
         opts["delay"] = int(opts["delay"])
+    if "trip_calls" in opts:
+        if opts["trip_calls"] != int(opts["trip_calls"]) or opts["trip_calls"] < 1:
+            raise ValueError("%s: trip_calls must be a whole number of calls >= 1" % text)
+        opts["trip_calls"] = int(opts["trip_calls"])
+    if opts.get("trip", 0) < 0:
+        raise ValueError("%s: trip must be >= 0 (0: off)" % text)
     if "warmup" in opts:
         opts["warmup"] = int(opts["warmup"])
         if base.startswith("lagged") and opts["warmup"] < 1:
             raise ValueError("%s: warmup must be >= 1 (the first call has no previous one)"
                              % text)
     return base, opts
+
+
+def parse_spike(text):
+    """'60:20:3' -> [60, 20.0, 3] (from step 60, the learning rate times 20 for 3 steps);
+    None -> None. ValueError naming what is wrong."""
+    if text is None:
+        return None
+    parts = text.split(":")
+    try:
+        step, factor, length = int(parts[0]), float(parts[1]), int(parts[2])
+    except (ValueError, IndexError):
+        raise ValueError("%r is not STEP:FACTOR:STEPS, e.g. 60:20:3" % text) from None
+    if len(parts) != 3 or step < 0 or length < 1 or not math.isfinite(factor) or factor <= 0:
+        raise ValueError("%r: STEP >= 0, FACTOR > 0 and STEPS >= 1 are needed" % text)
+    return [step, factor, length]
 
 
 def split_modes(text):
@@ -179,6 +204,11 @@ class LayerSim:
         self.drift = []         # drift or step guard: v per call (reported as drift_median)
         self.model_drift = None  # drift guard, model=1: {layer: {call: v}}, one per model
         self.updates_running = True
+        self.prev_global2 = None  # trip guard: exact statistics of the call before prev_global
+        self.exact_until = 0    # trip guard: calls below this seq are exact global
+        self.trips = []         # trip guard: the seqs at which it tripped
+        self.exact_calls = 0    # lagged family: calls that ran exact global
+        self.trip_v = []        # trip guard: v per call
 
     # -- running statistics --------------------------------------------------------------------
     def _update(self, mean_rows, var_rows):
@@ -259,8 +289,17 @@ def _forward(ctx, x, weight, bias, sim):
     else:  # the lagged family
         r = nodes
         xr, cnt = xn, cn
-        if sim.seq < o["warmup"]:
+        if sim.prev_global2 is not None:   # v is recorded with the trip off too
+            v = trip_drift(sim.prev_global2, sim.prev_global)
+            sim.trip_v.append(v)
+        if o.get("trip") and sim.prev_global2 is not None:
+            if v > o["trip"] and sim.seq >= sim.exact_until:
+                sim.trips.append(sim.seq)
+            if v > o["trip"]:
+                sim.exact_until = sim.seq + o["trip_calls"]
+        if sim.seq < o["warmup"] or sim.seq < sim.exact_until:
             exact_global_now = True
+            sim.exact_calls += 1
             mean = g_mean[None].expand(nodes, c).clone()
             var = (g_m2 / g_n)[None].expand(nodes, c).clone()
         else:
@@ -277,6 +316,7 @@ def _forward(ctx, x, weight, bias, sim):
             rm, rv = sim._per_rank(pg_mean[None], (pg_m2 / (pg_n - 1))[None], 1)
             sim._update(rm, rv)
     sim.prev_fwd = (cn, mean_n.clone(), m2_n.clone())
+    sim.prev_global2 = sim.prev_global
     sim.prev_global = (g_n, g_mean.clone(), g_m2.clone())
     if mode == "lagged-guard" and o["drift"]:
         sim.lam = Guard.drift_lambda(sim, g_mean, torch.sqrt(g_m2 / g_n + EPS))
@@ -379,6 +419,19 @@ def _backward(ctx, dy):
         sim.prev_bwd = (s1.clone(), s2.clone(), mean.clone())
     dx = _unrows(dx, ctx.shape).to(ctx.dtype)
     return dx, grad_w.to(ctx.wdtype), grad_b.to(ctx.wdtype)
+
+
+def trip_drift(old, new):
+    """The trip guard's v: how far a layer's exact global statistics moved from call `old` to
+    call `new` (each (N, mean, m2)): the rms over channels of the move in units of the older
+    call's standard deviation, sqrt(((mu1 - mu0) / sd0)^2 + log(sd1 / sd0)^2). The same formula
+    as hsbn.torch's lagged_trip (client/python/hsbn/torch/_lagged.py, trip_drift)."""
+    import torch
+    (n0, m0, q0), (n1, m1, q1) = old, new
+    sd0 = torch.sqrt(q0 / n0 + EPS)
+    sd1 = torch.sqrt(q1 / n1 + EPS)
+    move = ((m1 - m0) / sd0) ** 2 + torch.log(sd1 / sd0) ** 2
+    return float(move.mean().sqrt())
 
 
 def node_dx_sums(n, m, m2, sdy, sdy_xm, sdy2, mu, invstd, w, S1, S2, total):
@@ -555,8 +608,10 @@ def run_one(cfg, task, seed, mode_text, init, plan, arrays, progress=None, dtype
         x, y = train.batch(torch, task, plan, arrays, step, ranks)
         if dtype == "float64":
             x = x.double()
+        spike = cfg.get("lr_spike")
+        boost = (spike[1] if spike and spike[0] <= step < spike[0] + spike[2] else 1.0)
         for g in opt.param_groups:
-            g["lr"] = lr0 * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+            g["lr"] = boost * lr0 * 0.5 * (1.0 + math.cos(math.pi * step / steps))
         out = model(x)
         loss = F.cross_entropy(out, y)
         opt.zero_grad()
@@ -596,6 +651,14 @@ def run_one(cfg, task, seed, mode_text, init, plan, arrays, progress=None, dtype
                                  "drift_median": float(np.median(s.drift)) if s.drift
                                  else None}
                         for s in lagged}
+        out["trip"] = {s.name: {"trips": s.trips, "exact_calls": s.exact_calls,
+                                "calls": s.seq,
+                                "v_median": float(np.median(s.trip_v)) if s.trip_v else None,
+                                "v_p99": float(np.quantile(s.trip_v, 0.99)) if s.trip_v
+                                else None,
+                                "v_max": float(np.max(s.trip_v)) if s.trip_v else None,
+                                "v_max_at": int(np.argmax(s.trip_v)) + 2 if s.trip_v else None}
+                       for s in lagged}
         out["signal"] = {s.name: [round(v, 4) for v in s.signal] for s in lagged}
         out["lambda"] = {s.name: [round(v, 4) for v in s.lams] for s in lagged}
     if record_first:
@@ -695,7 +758,7 @@ def markdown(analysis, analysis_pooled, cfg, command, wall, per_run_s):
 
 
 CELL_KEYS = ("nodes", "workers_per_node", "batch", "skew", "lr", "train_size", "steps",
-             "task", "model", "group_nodes")
+             "task", "model", "group_nodes", "lr_spike")
 
 
 def run(args, command):
@@ -707,6 +770,11 @@ def run(args, command):
     except ValueError as e:
         print("hsbn_compare: --sim-modes: %s" % e, file=sys.stderr)
         return 2
+    try:
+        spike = parse_spike(getattr(args, "lr_spike", None))
+    except ValueError as e:
+        print("hsbn_compare: --lr-spike: %s" % e, file=sys.stderr)
+        return 2
     task = "cls" if args.task in ("both", "cls") else "seg"
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     d = data.load(args.data_dir)
@@ -715,7 +783,8 @@ def run(args, command):
     cfg = {"nodes": args.nodes, "workers_per_node": args.workers_per_node,
            "batch": args.batch, "skew": args.skew, "lr": lr, "train_size": args.train_size,
            "group_nodes": args.group_nodes, "seeds": seeds, "modes": modes, "task": task,
-           "model": args.model, "renorm": RENORM, "lagged": LAGGED, "guard": GUARD}
+           "model": args.model, "renorm": RENORM, "lagged": LAGGED, "guard": GUARD,
+           "lr_spike": spike}
     jobs = []
     for seed in seeds:
         plan = data.make_plan(task, seed, d["train_y"], pool, args.nodes,

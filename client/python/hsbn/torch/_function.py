@@ -49,8 +49,10 @@ class SyncStats:
       their first pass's r and d.
     Scope "lagged" (docs/PYTORCH.md, "Lagged scope"):
     lagged_calls: training forward calls of lagged layers (recomputations not included).
-    lagged_exact: those that were exact global calls (warm-up, or sent there by the guard):
-      they waited for their own job statistics.
+    lagged_exact: those that were exact global calls (warm-up, or sent there by the trip
+      guard): they waited for their own job statistics.
+    lagged_trips: times a layer's trip guard tripped (each sends it exact global for its
+      lagged_trip_calls next calls; a trip while already exact only extends them).
     lagged_exact_backward: backward calls that waited for their own job sums (exact calls,
       and a first backward with no earlier one to take the other nodes' share from).
     lagged_waits: fetches of late results (statistics or sums) that had not arrived when
@@ -70,6 +72,7 @@ class SyncStats:
     lagged_calls: int = 0
     lagged_exact: int = 0
     lagged_exact_backward: int = 0
+    lagged_trips: int = 0
     lagged_waits: int = 0
     lagged_wait_seconds: float = 0.0
     lagged_recomputes: int = 0

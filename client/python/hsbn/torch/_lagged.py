@@ -67,15 +67,22 @@ from ._renorm import RecomputeError, _digest
 # (10 of 10); at 600 steps the two are within noise (82 % and 80 %); at 1,200 steps damping
 # costs (75 % against 85 %): 0.5 is the default that was never below node. warmup: the layer's
 # first calls that are exact global (>= 1: the first call has no earlier statistics).
-DEFAULTS = {"damping": 0.5, "warmup": 1}
+# trip, trip_calls: the trip guard. Before each training call a layer computes v, how far its
+# exact global statistics moved between its last two calls (trip_drift); v > trip sends it
+# exact global (both passes) for its next trip_calls calls, a trip while exact extends them.
+# 0 turns it off. TRIP_DEFAULT: from the one-process study (docs/results/COMPARISON.md, "The
+# trip guard").
+TRIP_DEFAULT = 0.0
+DEFAULTS = {"damping": 0.5, "warmup": 1, "trip": TRIP_DEFAULT, "trip_calls": 8}
 
 # Records kept per layer (first passes for recomputation, forward records for the backward).
 RECOMPUTE_WINDOW = 32
 
-_KEYWORDS = {"damping": "lagged_damping", "warmup": "lagged_warmup"}
+_KEYWORDS = {"damping": "lagged_damping", "warmup": "lagged_warmup", "trip": "lagged_trip",
+             "trip_calls": "lagged_trip_calls"}
 
 
-def lagged_options(damping=None, warmup=None, where=""):
+def lagged_options(damping=None, warmup=None, trip=None, trip_calls=None, where=""):
     """{option: value} with DEFAULTS for the ones given as None; ConfigurationError naming the
     keyword of a bad one."""
     out = dict(DEFAULTS)
@@ -90,7 +97,33 @@ def lagged_options(damping=None, warmup=None, where=""):
             raise ConfigurationError("lagged_warmup%s must be an int >= 1 (calls), not %r"
                                      % (where, warmup))
         out["warmup"] = warmup
+    if trip is not None:
+        if (isinstance(trip, bool) or not isinstance(trip, (int, float))
+                or not math.isfinite(trip) or trip < 0):
+            raise ConfigurationError("lagged_trip%s must be a number >= 0 (standard deviations "
+                                     "per call; 0: no trip guard), not %r" % (where, trip))
+        out["trip"] = float(trip)
+    if trip_calls is not None:
+        if isinstance(trip_calls, bool) or not isinstance(trip_calls, int) or trip_calls < 1:
+            raise ConfigurationError("lagged_trip_calls%s must be an int >= 1 (calls), not %r"
+                                     % (where, trip_calls))
+        out["trip_calls"] = trip_calls
     return out
+
+
+def trip_drift(old, new):
+    """The trip guard's v: how far a layer's exact global statistics moved from one call to the
+    next, old and new each the job's (N, mean, m2) float64: the rms over channels of
+    sqrt(((mean1 - mean0) / sd0)^2 + log(sd1 / sd0)^2), sd = sqrt(m2 / N + 1e-5). The same as
+    the one-process study's (examples/compare/hsbncmp/oneproc.py, trip_drift)."""
+    (n0, m0, q0), (n1, m1, q1) = old, new
+    if n0 <= 0 or n1 <= 0 or m0.shape != m1.shape or m0.size == 0:
+        return 0.0
+    sd0 = np.sqrt(q0 / n0 + 1e-5)
+    sd1 = np.sqrt(q1 / n1 + 1e-5)
+    move = np.square((m1 - m0) / sd0) + np.square(np.log(sd1 / sd0))
+    v = float(np.sqrt(np.mean(move)))
+    return v if math.isfinite(v) else math.inf
 
 
 class LaggedState:
@@ -98,9 +131,10 @@ class LaggedState:
     that are the same on every rank of a node (the job's for the running statistics), so the
     state is too. Not in the state_dict: a resumed run starts with its warm-up again.
 
-    The guard of issue #41 plugs in here: damping(seq) and exact(seq) are the only decisions,
+    The guards of issue #41 plug in here: damping(seq) and exact(seq) are the only decisions,
     and observe() sees every late result the layer uses (the same bits on every rank), so a
-    guard that sets them from what it observed decides alike on every rank."""
+    guard that sets them from what it observed decides alike on every rank. The trip guard
+    (check_trip) is one: it reads only the job's statistics of the layer's own calls."""
 
     def __init__(self, options):
         self.options = dict(options)
@@ -111,6 +145,11 @@ class LaggedState:
         self.last_bwd = None    # (seq, D_k, S_k around m_k) of the last backward
         self.pending = None     # seq of a lagged call whose global stats still go into running
         self.recent = collections.OrderedDict()  # node digest -> first pass's rows
+        self.seen = collections.OrderedDict()    # seq -> the job's (N, mean, m2), observed
+        self.train_seqs = collections.deque(maxlen=2)  # round seqs of the last training calls
+        self.exact_until = 0    # trip guard: training calls below this count are exact
+        self.trips = []         # trip guard: (training call, round seq, v) of each trip
+        self.last_v = None      # trip guard: v at the last check
 
     # --- the guard's decisions (plain: the options) -----------------------------------------
     def damping(self, seq):
@@ -118,10 +157,34 @@ class LaggedState:
 
     def exact(self, seq):
         """Whether call `seq` waits for its own job statistics (a global call)."""
-        return self.calls < self.options["warmup"] or self.last_fwd is None
+        return (self.calls < self.options["warmup"] or self.last_fwd is None
+                or self.calls < self.exact_until)
 
     def observe(self, what, seq, values):
         """Called with every late result used ("stats" or "sums"); for a guard."""
+        if what == "stats":
+            self.seen[seq] = values
+            self._trim(self.seen)
+
+    def check_trip(self, client, op, seq):
+        """The trip guard, before a training call decides exact(): v between the layer's last
+        two training calls (not recomputations: those repeat their first pass's statistics).
+        Fetching the last round's statistics first costs no wait the call would not have: a
+        lagged call merges them, an exact one waits for its own, which come after them."""
+        trip = self.options["trip"]
+        if not trip or len(self.train_seqs) < 2:
+            return
+        before, prev = self.train_seqs
+        new = self.glob(client, op, prev)
+        if before not in self.seen:
+            return
+        v = trip_drift(self.seen[before], new)
+        self.last_v = v
+        if v > trip:
+            if self.calls >= self.exact_until:
+                self.trips.append((self.calls, seq, v))
+                _count(lagged_trips=1)
+            self.exact_until = self.calls + self.options["trip_calls"]
 
     # --- records --------------------------------------------------------------------------
     def _trim(self, d):
@@ -224,6 +287,8 @@ class LaggedFunction(torch.autograd.Function):
                 info["merged"] = tuple(rows[4:7])
                 _count(lagged_recomputes=1)
                 return rows[:3]
+            state.check_trip(client, op, seq)
+            state.train_seqs.append(seq)
             exact = state.exact(seq)
             if track and state.pending is not None:
                 blends.append(state.glob(client, op, state.pending))
