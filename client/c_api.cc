@@ -306,6 +306,13 @@ hsbn_result hsbn_client_name_layers(hsbn_client* client, const uint32_t* ops,
   return Done(client->client->NameLayers(list));
 }
 
+hsbn_result hsbn_client_report_lagged_trip(hsbn_client* client, uint32_t op, uint64_t seq,
+                                           double drift, int64_t exact_calls) {
+  g_last_error.clear();
+  if (client == nullptr) return Invalid("null client");
+  return Done(client->client->ReportLaggedTrip(op, seq, drift, exact_calls));
+}
+
 int hsbn_client_global_stats_ready(hsbn_client* client, uint32_t op, uint64_t seq) {
   if (client == nullptr) return -1;
   return client->client->GlobalStatsReady(op, seq) ? 1 : 0;

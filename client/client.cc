@@ -328,6 +328,11 @@ absl::Status Client::GlobalStatsFor(uint32_t op, uint64_t seq, int64_t channels,
 absl::Status Client::NameLayers(const std::vector<std::pair<uint32_t, std::string>>& names) {
   return impl_->NameLayers(names);
 }
+
+absl::Status Client::ReportLaggedTrip(uint32_t op, uint64_t seq, double drift,
+                                      int64_t exact_calls) {
+  return impl_->ReportLaggedTrip(op, seq, drift, exact_calls);
+}
 bool Client::GlobalStatsReady(uint32_t op, uint64_t seq) {
   return impl_->GlobalStatsReady(Phase::kForward, op, seq);
 }

@@ -366,6 +366,7 @@ class Client::Impl {
                           Clock::time_point slice_end, bool* pending, GlobalWait* wait);
 
   absl::Status NameLayers(const std::vector<std::pair<uint32_t, std::string>>& names);
+  absl::Status ReportLaggedTrip(uint32_t op, uint64_t seq, double drift, int64_t exact_calls);
 
   // Writes a frame that is not a round on the stream (its session set here), waiting for the
   // write slot as Start does; a write that fails shows as a broken stream at the next call.

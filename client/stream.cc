@@ -154,6 +154,7 @@ absl::Status Client::Impl::SendFrame(v1::ClientFrame* frame, const char* what) {
     }
     conn = conn_;
     if (frame->has_layer_names()) frame->mutable_layer_names()->set_session(session_);
+    if (frame->has_lagged_trip()) frame->mutable_lagged_trip()->set_session(session_);
   }
   const auto deadline = Clock::now() + RoundTimeout();
   absl::MutexLock lock(&rounds_mu_);
@@ -183,6 +184,22 @@ absl::Status Client::Impl::NameLayers(const std::vector<std::pair<uint32_t, std:
     n->set_name(name);
   }
   return SendFrame(&frame, "layer names");
+}
+
+absl::Status Client::Impl::ReportLaggedTrip(uint32_t op, uint64_t seq, double drift,
+                                            int64_t exact_calls) {
+  if (std::isnan(drift) || drift < 0 || exact_calls < 1 || exact_calls > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lagged trip report for op ", op, ": drift ", drift, " must be >= 0 and exact_calls ",
+        exact_calls, " in [1, 2^30]"));
+  }
+  v1::ClientFrame frame;
+  v1::LaggedTrip* t = frame.mutable_lagged_trip();
+  t->set_op(op);
+  t->set_seq(seq);
+  t->set_drift(drift);
+  t->set_exact_calls(exact_calls);
+  return SendFrame(&frame, "a lagged trip report");
 }
 
 absl::Status Client::Impl::Broken(const std::string& round) const {

@@ -970,6 +970,11 @@ void Job::FillStatus(v1::JobStatus* s) const {
   };
   for (const auto& [k, acc] : divergence_) fill(k, acc, s->add_divergence());
   for (const auto& [k, acc] : group_divergence_) fill(k, acc, s->add_group_divergence());
+  for (const auto& [op, trip] : trips_) {
+    v1::LaggedTripStatus* t = s->add_lagged_trips();
+    *t = trip;
+    if (auto name = names_.find(op); name != names_.end()) t->set_layer(name->second);
+  }
 }
 
 }  // namespace hsbn::server

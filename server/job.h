@@ -234,6 +234,11 @@ class Job {
   static constexpr size_t kMaxNameBytes = 256;
   void NameLayers(const v1::LayerNames& names, Actions* out);
 
+  // A lagged layer's trip report (v1::LaggedTrip): counted once per (op, seq) for Status;
+  // InvalidArgument for a NaN or negative drift or exact_calls outside [1, 2^30],
+  // ResourceExhausted past kMaxNames ops or the budget (charged as names are). Changes no round.
+  absl::Status RecordTrip(const v1::LaggedTrip& trip);
+
   // The parent's answer to a round this aggregator forwarded. For a renorm or lagged round
   // (forwarded after its node answer) it goes to every member as the round's late global
   // result. An answer to a round this aggregator neither forwarded nor expects is dropped
@@ -470,6 +475,8 @@ class Job {
                            int64_t* count, wire::ReduceFault* fault) const;
   int64_t late_dropped_ ABSL_GUARDED_BY(mu_) = 0;  // parent results nobody expected
   absl::flat_hash_map<uint32_t, std::string> names_ ABSL_GUARDED_BY(mu_);  // op -> layer name
+  // op -> what RecordTrip counted (ordered: Status lists them by op).
+  std::map<uint32_t, v1::LaggedTripStatus> trips_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<const std::string> token_ ABSL_GUARDED_BY(mu_);
   bool reported_down_ ABSL_GUARDED_BY(mu_) = false;  // a sidecar that told its parent so
   std::string down_message_ ABSL_GUARDED_BY(mu_);    // what it said

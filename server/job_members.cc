@@ -1,5 +1,6 @@
 // Job's members: joining (and rejoining) and attaching a stream, when a job may be dropped, and
 // what a child aggregator reports besides its partials (an abort, layer names) (job.h).
+#include <cmath>
 #include <string>
 #include <utility>
 
@@ -125,6 +126,44 @@ void Job::NameLayers(const v1::LayerNames& names, Actions* out) {
     names_.emplace(n.op(), n.name());
     if (limits_.has_parent) out->names.push_back(n);
   }
+}
+
+absl::Status Job::RecordTrip(const v1::LaggedTrip& trip) {
+  if (std::isnan(trip.drift()) || trip.drift() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lagged trip report for op ", trip.op(), ": drift ", trip.drift(),
+                     " is not a number >= 0"));
+  }
+  if (trip.exact_calls() < 1 || trip.exact_calls() > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lagged trip report for op ", trip.op(), ": exact_calls ",
+                     trip.exact_calls(), " is outside [1, 2^30]"));
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = trips_.find(trip.op());
+  if (it == trips_.end()) {
+    if (trips_.size() >= kMaxNames) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("lagged trip report for op ", trip.op(), ": this job already has ",
+                       kMaxNames, " ops with trips recorded"));
+    }
+    const int64_t bytes = 96;
+    if (limits_.budget && !limits_.budget->TryChargeWithin(bytes, limits_.budget->limit() / 4)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("lagged trip report for op ", trip.op(), ": memory budget"));
+    }
+    held_ += bytes;
+    it = trips_.emplace(trip.op(), v1::LaggedTripStatus()).first;
+    it->second.set_op(trip.op());
+  } else if (trip.seq() <= it->second.last_seq()) {
+    return absl::OkStatus();  // another rank's report of a counted trip, or an older one
+  }
+  v1::LaggedTripStatus& t = it->second;
+  t.set_trips(t.trips() + 1);
+  t.set_last_seq(trip.seq());
+  t.set_last_drift(trip.drift());
+  t.set_exact_calls(trip.exact_calls());
+  return absl::OkStatus();
 }
 
 }  // namespace hsbn::server

@@ -56,6 +56,9 @@ void MemberStream::Handle(const v1::ClientFrame& frame) {
     case v1::ClientFrame::kLayerNames:
       HandleLayerNames(frame.layer_names());
       break;
+    case v1::ClientFrame::kLaggedTrip:
+      HandleLaggedTrip(frame.lagged_trip());
+      break;
     default:  // an empty frame, or a batch nested in a batch: nothing to do
       break;
   }
@@ -176,6 +179,18 @@ void MemberStream::HandleLayerNames(const v1::LayerNames& names) {
   Actions actions;
   ref->job->NameLayers(names, &actions);
   host_->Execute(ref->job, actions);
+}
+
+void MemberStream::HandleLaggedTrip(const v1::LaggedTrip& trip) {
+  SessionId session;
+  const Registry::SessionRef* ref = Bound(trip.session(), &session);
+  if (ref == nullptr) {
+    host_->LogInvalid("a lagged trip report on a session not attached to this stream");
+    return;
+  }
+  if (absl::Status s = ref->job->RecordTrip(trip); !s.ok()) {
+    host_->LogInvalid(absl::StrCat("refused: ", s.message()));
+  }
 }
 
 void MemberStream::HandleLeave(const v1::LeaveRequest& leave) {

@@ -90,6 +90,7 @@ class MemberStream {
   void HandleLeave(const v1::LeaveRequest& leave);
   // Any member's, on a session bound here.
   void HandleLayerNames(const v1::LayerNames& names);
+  void HandleLaggedTrip(const v1::LaggedTrip& trip);
   void Unbind(const SessionId& session);
 
   MemberStreamHost* const host_;

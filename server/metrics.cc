@@ -126,6 +126,12 @@ class Metrics::StateCollector final : public prometheus::Collectable {
         "hsbn_shadow_log_var_ratio_abs", "Shadow scope: mean of |log var_ratio|.");
     prometheus::MetricFamily shadow_rounds =
         family("hsbn_shadow_rounds", "Shadow rounds behind the divergence averages.");
+    prometheus::MetricFamily trips = family(
+        "hsbn_lagged_trips", "Lagged scope: times a layer's trip guard sent it exact global, "
+        "per job and layer (op), as its workers reported them to this sidecar.");
+    prometheus::MetricFamily trip_drift = family(
+        "hsbn_lagged_trip_drift", "Lagged scope: the drift v (standard deviations) of the "
+        "layer's last trip.");
     add(jobs, double(status.jobs_size()), {});
     std::vector<std::string> ids;
     for (const v1::JobStatus& j : status.jobs()) ids.push_back(j.job_id());
@@ -165,6 +171,13 @@ class Metrics::StateCollector final : public prometheus::Collectable {
           add(shadow_rounds, double(d.rounds()), l);
         }
       }
+      for (const v1::LaggedTripStatus& t : j.lagged_trips()) {
+        if (divergence_series++ >= kMaxDivergenceSeries) break;
+        std::vector<prometheus::ClientMetric::Label> l = {{"job_id", label},
+                                                          {"op", std::to_string(t.op())}};
+        add(trips, double(t.trips()), l);
+        add(trip_drift, t.last_drift(), l);
+      }
     }
     if (any_other) {
       add(open, other_open, {{"job_id", OtherLabel()}});
@@ -173,7 +186,7 @@ class Metrics::StateCollector final : public prometheus::Collectable {
     }
     std::vector<prometheus::MetricFamily> out;
     for (auto* f : {&jobs, &open, &members, &expected, &shift, &shift_max, &ratio, &log_ratio,
-                    &shadow_rounds}) {
+                    &shadow_rounds, &trips, &trip_drift}) {
       if (!f->metric.empty()) out.push_back(std::move(*f));
     }
     return out;

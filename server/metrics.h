@@ -145,7 +145,7 @@ class Metrics {
   // it is closed and its thread freed.
   static constexpr int kServeRequestTimeoutMs = 5000;
   // Most shadow divergence series (job, op, node) exported per scrape.
-  static constexpr size_t kMaxDivergenceSeries = 4096;
+  static constexpr size_t kMaxDivergenceSeries = 4096;  // lagged trip series share the cap
 
   // Most (job, member) timeout series kept; beyond it, timeouts count under
   // job_id="_other", member="_other".

@@ -47,7 +47,7 @@ def cell(d):
         len(j["config"]["seeds"])))
     rows = {r["mode"]: r for r in j["analysis"]["rows"]}
     runs = j["runs"]
-    tripped = [m for m in rows if "trip=" in m]
+    tripped = [m for m in rows if base_of(m) != m]
     shown = ["node", "global"] + sorted({base_of(m) for m in tripped} & set(rows)) + tripped
     print("%-30s %7s %22s %28s %28s %8s %6s" % ("mode", "acc %", "gap recovered", "vs no trip",
                                                 "vs node", "exact %", "trips"))

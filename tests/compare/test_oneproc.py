@@ -194,7 +194,7 @@ def test_sim_modes_list_keeps_a_mode_s_options_together():
 
 def test_mode_parsing():
     assert oneproc.parse_mode("lagged-damped:0.25") == ("lagged-damped", {
-        "warmup": 1, "trip": 0.0, "trip_calls": 8, "lam": 0.25})
+        "warmup": 1, "trip": 0.0, "trip_calls": 8, "trip_rel": 0.0, "lam": 0.25})
     assert oneproc.parse_mode("lagged:warmup=75")[1]["warmup"] == 75
     for bad in ("nosuch", "lagged-damped", "lagged:warmup=0"):
         with pytest.raises(ValueError):
@@ -398,3 +398,21 @@ def test_lr_spike_and_trip_options_are_checked():
     for bad in ("lagged:trip=-1", "lagged:trip_calls=0", "lagged:trip_calls=1.5"):
         with pytest.raises(ValueError):
             oneproc.parse_mode(bad)
+
+
+def test_relative_trip_waits_for_history_then_trips_on_the_layer_s_own_level():
+    # trip_rel=5: no trip before the 6th v (call 7) whatever v is; then a jump at call 8
+    # (known at call 9) trips against the level of the calls before.
+    m = _bn("lagged:trip_rel=5,trip_calls=2")
+    for s in range(12):
+        x, dy = _batch(400 + s)
+        if s == 1:
+            x = x * 3.0          # a jump early: v large at call 3, but no history yet
+        if s >= 8:
+            x = x + 20.0
+        _call(m, x, dy)
+    assert m.sim.trips == [9]
+    v = m.sim.trip_v
+    # v[k] is known at call k + 2: the early jump's v (calls 2 and 3) is far above the level
+    # the later calls set, and tripped nothing.
+    assert min(v[0], v[1]) > 5 * max(v[2:7]) and v[7] > 5 * max(v[2:7])

@@ -128,6 +128,23 @@ TEST(MetricsCounters, RefusalsAreCountedByAFixedSetOfReasons) {
   EXPECT_EQ(text.find("made up"), std::string::npos);
 }
 
+TEST(MetricsGauges, LaggedTripsPerJobAndOp) {
+  Metrics m("node", false);
+  m.SetStateSource([] {
+    v1::StatusResponse s;
+    v1::JobStatus* j = s.add_jobs();
+    j->set_job_id("t-job");
+    v1::LaggedTripStatus* t = j->add_lagged_trips();
+    t->set_op(7);
+    t->set_trips(3);
+    t->set_last_drift(2.5);
+    return s;
+  });
+  const std::string text = m.Text();
+  EXPECT_EQ(Sample(text, "hsbn_lagged_trips", L({{"job_id", "t-job"}, {"op", "7"}})), 3);
+  EXPECT_EQ(Sample(text, "hsbn_lagged_trip_drift", L({{"job_id", "t-job"}, {"op", "7"}})), 2.5);
+}
+
 TEST(MetricsGauges, MemoryLimitsAndBuildInfo) {
   Metrics m("node", false);
   MetricsLimits limits;

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import hsbn
+import hsbn.cli
 import hsbn.cluster
 import hsbn.torch
 import hsbn_cases
@@ -208,6 +209,17 @@ def test_the_trip_guard_sends_a_jumping_layer_exact_global_for_its_calls_then_ba
     check_against(run_case(pool, high, data), data, high)
 
 
+def test_the_relative_trip_guard_trips_on_a_jump_against_the_layer_s_own_level(pool):
+    # lagged_trip_rel: v against 5 times the layer's level of v, from its 6th v on (call 7):
+    # the inputs jump at call 7, call 8 knows it and trips, calls 8 and 9 are exact global.
+    spec, data = lagged_case(48, steps=11)
+    for r in ALL:
+        data[r] = [(x + 30.0 if s >= 7 else x, g) for s, (x, g) in enumerate(data[r])]
+    guarded = dict(spec, options=dict(spec["options"], lagged_trip_rel=5.0,
+                                      lagged_trip_calls=2))
+    check_against(run_case(pool, guarded, data), data, guarded, exact=(0, 8, 9))
+
+
 def test_options_are_checked():
     for bad in (-0.1, 1.5, float("nan"), True, "1"):
         with pytest.raises(ConfigurationError, match="lagged_damping"):
@@ -217,11 +229,15 @@ def test_options_are_checked():
     for bad in (-1.0, float("nan"), float("inf"), True, "1"):
         with pytest.raises(ConfigurationError, match="lagged_trip"):
             hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_trip=bad)
+    for bad in (-1.0, float("inf"), False):
+        with pytest.raises(ConfigurationError, match="lagged_trip_rel"):
+            hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_trip_rel=bad)
     for bad in (0, 1.5, True):
         with pytest.raises(ConfigurationError, match="lagged_trip_calls"):
             hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_trip_calls=bad)
     default = dict(hsbn.torch._lagged.DEFAULTS)
-    assert default["damping"] == 0.5 and default["warmup"] == 1 and default["trip_calls"] == 8
+    assert default["damping"] == 0.5 and default["warmup"] == 1 and default["trip_calls"] == 30
+    assert default["trip_rel"] == 4.0 and default["trip"] == 0.0
     assert hsbn.torch.SyncBatchNorm(3, scope="lagged").lagged_options == default
     bn = hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_damping=0.25, lagged_trip=2.5)
     assert bn.lagged_options == dict(default, damping=0.25, trip=2.5)
@@ -332,10 +348,25 @@ def test_trips_are_the_same_on_every_rank_counted_and_blind_to_recomputations():
             ck_layers = [_layer(spec, clients[r], 702, **opts) for r in range(4)]
             ckpt, errors = _threads(lambda r: _calls(ck_layers[r], data[r], checkpointed=True))
             assert not errors, errors
+            # Each sidecar counted each layer's trip once (four reports of it came), with the
+            # same v, in Status (as `hsbn status` prints it).
+            shown = {}
+            for node in (0, 2):
+                status = clients[node].status(include_upstream=False)
+                job = [j for j in status["jobs"] if j["jobId"] == "lagged-trip"][0]
+                shown[node] = {int(t["op"]): t for t in job["laggedTrips"]}
+                assert "lagged trip guard op 701: trips 1  last at seq 4" in "\n".join(
+                    hsbn.cli._fmt_status(status))
         finally:
             for cl in clients:
                 cl.close()
     assert st.lagged_trips == 4 and st.lagged_exact == 4 * 3   # warm-up, calls 4 and 5
+    for node in (0, 2):
+        assert sorted(shown[node]) == [701, 702]
+        for op, seq in ((701, 4), (702, 8)):
+            t = shown[node][op]
+            assert (int(t["trips"]), int(t["lastSeq"]), int(t["exactCalls"])) == (1, seq, 2)
+            assert float(t["lastDrift"]) == layers[0].lagged_trips[0][2]
     for bn in layers + ck_layers:   # (training call, its round seq, v)
         assert [t[:2] for t in bn.lagged_trips] == [(4, 4 if bn in layers else 8)]
         assert bn.lagged_trips[0][2] == layers[0].lagged_trips[0][2] > 1.0

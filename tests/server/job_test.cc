@@ -1020,6 +1020,64 @@ TEST(Job, LayerNamesAreBoundedChargedAndReleasedAndTheFirstNameStays) {
   EXPECT_EQ(budget->used(), 0);  // released with the job
 }
 
+TEST(Job, LaggedTripsCountOncePerOpAndSeqRefuseBadFieldsAndStayBounded) {
+  auto budget = std::make_shared<MemoryBudget>(64 << 10);
+  JobLimits limits;
+  limits.budget = budget;
+  {
+    Fixture f(1, 2, 0, /*parent=*/true, v1::MEMBER_KIND_WORKER, limits);
+    auto trip = [](uint32_t op, uint64_t seq, double drift, int64_t calls) {
+      v1::LaggedTrip t;
+      t.set_op(op);
+      t.set_seq(seq);
+      t.set_drift(drift);
+      t.set_exact_calls(calls);
+      return t;
+    };
+    Actions a;
+    v1::LayerNames names;
+    v1::LayerName* n = names.add_layers();
+    n->set_op(7);
+    n->set_name("net:bn1");
+    f.job->NameLayers(names, &a);
+    // Both ranks report the trip of call seq 4: one trip; a later one counts again; an older
+    // or repeated seq does not.
+    EXPECT_TRUE(f.job->RecordTrip(trip(7, 4, 2.5, 30)).ok());
+    EXPECT_TRUE(f.job->RecordTrip(trip(7, 4, 2.5, 30)).ok());
+    EXPECT_TRUE(f.job->RecordTrip(trip(7, 40, INFINITY, 8)).ok());
+    EXPECT_TRUE(f.job->RecordTrip(trip(7, 39, 1.0, 8)).ok());
+    for (double bad : {-1.0, double(NAN)}) {
+      absl::Status s = f.job->RecordTrip(trip(8, 5, bad, 8));
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+      EXPECT_NE(s.message().find("drift"), std::string::npos) << s;
+    }
+    for (int64_t bad : {int64_t{0}, int64_t{-3}, (int64_t{1} << 30) + 1}) {
+      absl::Status s = f.job->RecordTrip(trip(8, 5, 1.0, bad));
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+      EXPECT_NE(s.message().find("exact_calls"), std::string::npos) << s;
+    }
+    v1::JobStatus st;
+    f.job->FillStatus(&st);
+    ASSERT_EQ(st.lagged_trips_size(), 1);
+    const v1::LaggedTripStatus& t = st.lagged_trips(0);
+    EXPECT_EQ(t.op(), 7u);
+    EXPECT_EQ(t.layer(), "net:bn1");
+    EXPECT_EQ(t.trips(), 2);
+    EXPECT_EQ(t.last_seq(), 40u);
+    EXPECT_TRUE(std::isinf(t.last_drift()));
+    EXPECT_EQ(t.exact_calls(), 8);
+    // A flood of ops: bounded by kMaxNames and by the budget's quarter, refused past them.
+    int refused = 0;
+    for (uint32_t op = 100; op < 100 + 2 * Job::kMaxNames; ++op) {
+      refused += f.job->RecordTrip(trip(op, 1, 1.0, 8)).code() ==
+                 absl::StatusCode::kResourceExhausted;
+    }
+    EXPECT_GE(refused, int(Job::kMaxNames));
+    EXPECT_LE(budget->used(), 16 << 10);
+  }
+  EXPECT_EQ(budget->used(), 0);  // released with the job
+}
+
 TEST(Job, MemoryBudgetRefusesTheOffenderAndReturnsToZeroWhenTheJobEnds) {
   auto budget = std::make_shared<MemoryBudget>(64 << 10);
   JobLimits limits;

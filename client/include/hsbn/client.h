@@ -275,6 +275,13 @@ class Client {
   // After a sidecar restart they are not sent again: give them again to have them there.
   absl::Status NameLayers(const std::vector<std::pair<uint32_t, std::string>>& names);
 
+  // Lagged scope's trip guard: layer `op` went exact global at its call of round `seq`, after
+  // its job statistics moved by `drift` (>= 0, +Inf allowed), for `exact_calls` (>= 1) calls.
+  // Sent on the stream for the sidecar's Status and metrics (one trip per (op, seq), whichever
+  // rank's report comes first); changes no round. InvalidArgument for a NaN or negative drift
+  // or exact_calls < 1, here, before anything is sent.
+  absl::Status ReportLaggedTrip(uint32_t op, uint64_t seq, double drift, int64_t exact_calls);
+
   // Auto scope, per op. SetAutoPolicy: the op's policy (before its first auto round; a later
   // call with another policy is FAILED_PRECONDITION). AutoDecisionOf: what the op decided so
   // far. SetAutoDecision: restores a decision (node, group or global) saved from an earlier

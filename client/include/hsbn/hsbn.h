@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define HSBN_ABI_VERSION 5
+#define HSBN_ABI_VERSION 6
 
 typedef enum hsbn_result {
   HSBN_OK = 0,
@@ -278,6 +278,12 @@ hsbn_result hsbn_client_global_stats_for(hsbn_client* client, uint32_t op, uint6
  * record, which show op numbers otherwise; names change no round (hsbn::Client::NameLayers). */
 hsbn_result hsbn_client_name_layers(hsbn_client* client, const uint32_t* ops,
                                     const char* const* names, size_t n);
+/* (ABI 6) Reports that lagged layer `op`'s trip guard sent it exact global at its call of
+ * round seq, after its job statistics moved by `drift` (v; >= 0, +Inf allowed), for the next
+ * exact_calls (>= 1) calls: shown in the sidecar's Status and metrics
+ * (hsbn::Client::ReportLaggedTrip); changes no round. */
+hsbn_result hsbn_client_report_lagged_trip(hsbn_client* client, uint32_t op, uint64_t seq,
+                                           double drift, int64_t exact_calls);
 /* 1 when hsbn_client_global_stats(op, seq) would return at once, else 0 (-1: null client).
  * Never blocks. */
 int hsbn_client_global_stats_ready(hsbn_client* client, uint32_t op, uint64_t seq);

@@ -20,7 +20,7 @@ import glob
 import os
 import threading
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _NATIVE_DIR = os.path.join(_PACKAGE_DIR, "_native")
@@ -302,6 +302,8 @@ _SIGNATURES = {
                                               ctypes.POINTER(_c_int), _p_i64, _p_dbl, _p_dbl]),
     "hsbn_client_name_layers": (_c_int, [_p_void, ctypes.POINTER(_c_u32),
                                          ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t]),
+    "hsbn_client_report_lagged_trip": (_c_int, [_p_void, _c_u32, _c_u64, ctypes.c_double,
+                                                _c_i64]),
     "hsbn_client_reset_stats": (_c_int, [_p_void]),
     "hsbn_status_json": (_c_int, [_p_void, _c_int, ctypes.c_char_p, ctypes.c_size_t,
                                   ctypes.POINTER(ctypes.c_size_t)]),

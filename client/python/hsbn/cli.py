@@ -92,6 +92,12 @@ def _fmt_status(st, indent=""):
                  ("parent results dropped", "lateDropped"))]
         if any(n for _, n in late):
             lines.append("%s    %s" % (indent, "  ".join("%s %d" % (k, n) for k, n in late)))
+        for t in job.get("laggedTrips", []):
+            lines.append("%s    lagged trip guard %s: trips %s  last at seq %s (drift %.4g), "
+                         "exact global for %s calls"
+                         % (indent, t.get("layer") or "op %s" % t.get("op", 0),
+                            t.get("trips", 0), t.get("lastSeq", 0),
+                            float(t.get("lastDrift", 0)), t.get("exactCalls", 0)))
         if st.get("role") == "group":
             lines.append("%s    serves group %s (nodes %d-%d)"
                          % (indent, job.get("group", 0), first_node(job),

@@ -548,6 +548,16 @@ class Client:
         if rc != 0:
             raise error_for(rc, "naming layers failed: %s" % _lib.last_error())
 
+    def report_lagged_trip(self, op, seq, drift, exact_calls):
+        """Tells the sidecar that lagged layer `op`'s trip guard sent it exact global at its call
+        of round `seq` (drift: the v that tripped it, >= 0; exact_calls: >= 1) for its Status
+        and metrics; changes no round. hsbn.torch's lagged layers call it themselves."""
+        self._check_open()
+        rc = self._lib.hsbn_client_report_lagged_trip(self._handle, int(op) & 0xFFFFFFFF,
+                                                      int(seq), float(drift), int(exact_calls))
+        if rc != 0:
+            raise error_for(rc, "reporting a lagged trip failed: %s" % _lib.last_error())
+
     def global_stats_ready(self, op, seq):
         """True when global_stats(op, seq) would return at once (its result or its failure has
         arrived). Never blocks."""

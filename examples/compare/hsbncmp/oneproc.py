@@ -57,7 +57,12 @@ RENORM = {"warmup": 5, "ramp": 20, "r_max": 1.1, "d_max": 0.25}   # hsbn.torch's
 # statistics moved more than `trip` between its last two known calls (v below, in units of the
 # older call's standard deviation) runs its next `trip_calls` calls exact global, both passes;
 # 0: off. Every rank knows v alike from late results at the call it decides (no extra delay).
-LAGGED = {"warmup": 1, "trip": 0.0, "trip_calls": 8}
+# trip_rel: the relative form: v > trip_rel times the layer's level of v (an exponential
+# average over its calls before, weight TRIP_DECAY on the older level; trips from its
+# TRIP_HISTORY-th value on).
+LAGGED = {"warmup": 1, "trip": 0.0, "trip_calls": 8, "trip_rel": 0.0}
+TRIP_DECAY = 0.9
+TRIP_HISTORY = 5
 # tau 8: in the default cell's fast regime plain lagged's signal s is 6-60 per layer (median
 # over calls; 7-9 in the last two layers), where lambda 0.25-0.5 worked best (issue #41), so
 # tau / s lands there; the slow regime is meant to show s below tau (trust).
@@ -66,7 +71,8 @@ LAGGED = {"warmup": 1, "trip": 0.0, "trip_calls": 8}
 # its backward round, so it travels with the next call's partials and comes back in that
 # call's late result.
 GUARD = {"warmup": 1, "tau": 8.0, "hold": 0.9, "lam_min": 0.0, "delay": 1, "drift": 0,
-         "kappa": 0.015, "model": 0, "step": 0, "kstep": 1e-3, "trip": 0.0, "trip_calls": 8}
+         "kappa": 0.015, "model": 0, "step": 0, "kstep": 1e-3, "trip": 0.0, "trip_calls": 8,
+         "trip_rel": 0.0}
 DEFAULT_MODES = ["node", "global", "renorm", "lagged", "lagged-damped:0.25",
                  "lagged-damped:0.5", "lagged-guard"]
 BASE_MODES = ("local", "node", "group", "global", "renorm", "lagged", "lagged-fwd",
@@ -107,8 +113,9 @@ def parse_mode(text):
         if opts["trip_calls"] != int(opts["trip_calls"]) or opts["trip_calls"] < 1:
             raise ValueError("%s: trip_calls must be a whole number of calls >= 1" % text)
         opts["trip_calls"] = int(opts["trip_calls"])
-    if opts.get("trip", 0) < 0:
-        raise ValueError("%s: trip must be >= 0 (0: off)" % text)
+    for key in ("trip", "trip_rel"):
+        if opts.get(key, 0) < 0:
+            raise ValueError("%s: %s must be >= 0 (0: off)" % (text, key))
     if "warmup" in opts:
         opts["warmup"] = int(opts["warmup"])
         if base.startswith("lagged") and opts["warmup"] < 1:
@@ -209,6 +216,7 @@ class LayerSim:
         self.trips = []         # trip guard: the seqs at which it tripped
         self.exact_calls = 0    # lagged family: calls that ran exact global
         self.trip_v = []        # trip guard: v per call
+        self.trip_level = 0.0   # trip guard, relative form: the level of v before this call
 
     # -- running statistics --------------------------------------------------------------------
     def _update(self, mean_rows, var_rows):
@@ -292,10 +300,16 @@ def _forward(ctx, x, weight, bias, sim):
         if sim.prev_global2 is not None:   # v is recorded with the trip off too
             v = trip_drift(sim.prev_global2, sim.prev_global)
             sim.trip_v.append(v)
-        if o.get("trip") and sim.prev_global2 is not None:
-            if v > o["trip"] and sim.seq >= sim.exact_until:
+        if (o.get("trip") or o.get("trip_rel")) and sim.prev_global2 is not None:
+            over = bool(o.get("trip")) and v > o["trip"]
+            if o.get("trip_rel"):
+                over = over or (len(sim.trip_v) > TRIP_HISTORY
+                                and v > o["trip_rel"] * sim.trip_level)
+                sim.trip_level = (v if len(sim.trip_v) == 1 else
+                                  TRIP_DECAY * sim.trip_level + (1 - TRIP_DECAY) * v)
+            if over and sim.seq >= sim.exact_until:
                 sim.trips.append(sim.seq)
-            if v > o["trip"]:
+            if over:
                 sim.exact_until = sim.seq + o["trip_calls"]
         if sim.seq < o["warmup"] or sim.seq < sim.exact_until:
             exact_global_now = True

@@ -67,22 +67,27 @@ from ._renorm import RecomputeError, _digest
 # (10 of 10); at 600 steps the two are within noise (82 % and 80 %); at 1,200 steps damping
 # costs (75 % against 85 %): 0.5 is the default that was never below node. warmup: the layer's
 # first calls that are exact global (>= 1: the first call has no earlier statistics).
-# trip, trip_calls: the trip guard. Before each training call a layer computes v, how far its
-# exact global statistics moved between its last two calls (trip_drift); v > trip sends it
-# exact global (both passes) for its next trip_calls calls, a trip while exact extends them.
-# 0 turns it off. TRIP_DEFAULT: from the one-process study (docs/results/COMPARISON.md, "The
-# trip guard").
-TRIP_DEFAULT = 0.0
-DEFAULTS = {"damping": 0.5, "warmup": 1, "trip": TRIP_DEFAULT, "trip_calls": 8}
+# trip, trip_rel, trip_calls: the trip guard. Before each training call a layer computes v, how
+# far its exact global statistics moved between its last two calls (trip_drift); v > trip, or
+# v > trip_rel times the layer's level of v (an exponential average of its earlier v, weight
+# TRIP_DECAY on the older level, from its TRIP_HISTORY-th v on), sends it exact global (both
+# passes) for its next trip_calls calls; a trip while exact extends them. 0 turns a form off.
+# The defaults are the one-process study's (docs/results/COMPARISON.md, "The trip guard").
+TRIP_DECAY = 0.9
+TRIP_HISTORY = 5
+# trip_rel 4 with 30 calls: catches a learning-rate spike within 2-3 calls at about 1 % of calls
+# exact global in normal runs; the absolute trip (off) trades 20-37 % exact calls for accuracy.
+DEFAULTS = {"damping": 0.5, "warmup": 1, "trip": 0.0, "trip_rel": 4.0, "trip_calls": 30}
 
 # Records kept per layer (first passes for recomputation, forward records for the backward).
 RECOMPUTE_WINDOW = 32
 
 _KEYWORDS = {"damping": "lagged_damping", "warmup": "lagged_warmup", "trip": "lagged_trip",
-             "trip_calls": "lagged_trip_calls"}
+             "trip_rel": "lagged_trip_rel", "trip_calls": "lagged_trip_calls"}
 
 
-def lagged_options(damping=None, warmup=None, trip=None, trip_calls=None, where=""):
+def lagged_options(damping=None, warmup=None, trip=None, trip_calls=None, trip_rel=None,
+                   where=""):
     """{option: value} with DEFAULTS for the ones given as None; ConfigurationError naming the
     keyword of a bad one."""
     out = dict(DEFAULTS)
@@ -97,12 +102,15 @@ def lagged_options(damping=None, warmup=None, trip=None, trip_calls=None, where=
             raise ConfigurationError("lagged_warmup%s must be an int >= 1 (calls), not %r"
                                      % (where, warmup))
         out["warmup"] = warmup
-    if trip is not None:
-        if (isinstance(trip, bool) or not isinstance(trip, (int, float))
-                or not math.isfinite(trip) or trip < 0):
-            raise ConfigurationError("lagged_trip%s must be a number >= 0 (standard deviations "
-                                     "per call; 0: no trip guard), not %r" % (where, trip))
-        out["trip"] = float(trip)
+    for key, value, unit in (("trip", trip, "standard deviations per call"),
+                             ("trip_rel", trip_rel, "times the layer's level")):
+        if value is None:
+            continue
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value < 0):
+            raise ConfigurationError("lagged_%s%s must be a number >= 0 (%s; 0: off), not %r"
+                                     % (key, where, unit, value))
+        out[key] = float(value)
     if trip_calls is not None:
         if isinstance(trip_calls, bool) or not isinstance(trip_calls, int) or trip_calls < 1:
             raise ConfigurationError("lagged_trip_calls%s must be an int >= 1 (calls), not %r"
@@ -150,6 +158,8 @@ class LaggedState:
         self.exact_until = 0    # trip guard: training calls below this count are exact
         self.trips = []         # trip guard: (training call, round seq, v) of each trip
         self.last_v = None      # trip guard: v at the last check
+        self.checks = 0         # trip guard: v computed so far
+        self.level = 0.0        # trip guard, relative form: the level of v before this call
 
     # --- the guard's decisions (plain: the options) -----------------------------------------
     def damping(self, seq):
@@ -171,8 +181,8 @@ class LaggedState:
         two training calls (not recomputations: those repeat their first pass's statistics).
         Fetching the last round's statistics first costs no wait the call would not have: a
         lagged call merges them, an exact one waits for its own, which come after them."""
-        trip = self.options["trip"]
-        if not trip or len(self.train_seqs) < 2:
+        o = self.options
+        if not (o["trip"] or o["trip_rel"]) or len(self.train_seqs) < 2:
             return
         before, prev = self.train_seqs
         new = self.glob(client, op, prev)
@@ -180,11 +190,22 @@ class LaggedState:
             return
         v = trip_drift(self.seen[before], new)
         self.last_v = v
-        if v > trip:
-            if self.calls >= self.exact_until:
-                self.trips.append((self.calls, seq, v))
-                _count(lagged_trips=1)
-            self.exact_until = self.calls + self.options["trip_calls"]
+        self.checks += 1
+        over = not math.isfinite(v) or (o["trip"] > 0 and v > o["trip"])
+        if o["trip_rel"] and math.isfinite(v):
+            over = over or (self.checks > TRIP_HISTORY and v > o["trip_rel"] * self.level)
+            self.level = (v if self.checks == 1
+                          else TRIP_DECAY * self.level + (1.0 - TRIP_DECAY) * v)
+        if not over:
+            return
+        new_trip = self.calls >= self.exact_until
+        self.exact_until = self.calls + o["trip_calls"]
+        if new_trip:
+            self.trips.append((self.calls, seq, v))
+            _count(lagged_trips=1)
+            report = getattr(client, "report_lagged_trip", None)
+            if report is not None:   # for the sidecar's Status and metrics
+                report(op, seq, v, o["trip_calls"])
 
     # --- records --------------------------------------------------------------------------
     def _trim(self, d):

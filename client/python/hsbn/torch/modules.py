@@ -75,12 +75,13 @@ class SyncBatchNorm(_BatchNorm):
       renorm_lag, renorm_momentum, renorm_warmup, renorm_r_max, renorm_d_max, renorm_ramp:
         scope="renorm"'s options (None: the measured defaults of hsbn.torch._renorm.DEFAULTS);
         lag, warmup and ramp count this layer's training calls, not steps.
-      lagged_damping, lagged_warmup, lagged_trip, lagged_trip_calls: scope="lagged"'s options
-        (None: hsbn.torch._lagged.DEFAULTS: damping 0.5, half the lagged input gradient and half
-        the node-local one; warm-up 1 exact global call; trip guard off, 8 calls). With
-        lagged_trip > 0, a layer whose job statistics moved more than that many standard
-        deviations between its last two calls runs its next lagged_trip_calls calls exact
-        global (docs/PYTORCH.md, "Lagged scope").
+      lagged_damping, lagged_warmup, lagged_trip, lagged_trip_calls, lagged_trip_rel:
+        scope="lagged"'s options (None: hsbn.torch._lagged.DEFAULTS: damping 0.5, half the
+        lagged input gradient and half the node-local one; warm-up 1 exact global call; trip
+        guard relative 4, 30 calls, absolute off). A layer whose job statistics moved between
+        its last two calls more than lagged_trip_rel times its usual move, or more than
+        lagged_trip standard deviations, runs its next lagged_trip_calls calls exact global
+        (docs/PYTORCH.md, "Lagged scope").
       client: the hsbn.Client to use; None uses hsbn.default_client(), created from the
         environment at the first synchronized forward.
       name: the layer's round key; every rank must give the same layer the same name. Without
@@ -103,7 +104,7 @@ class SyncBatchNorm(_BatchNorm):
                  auto_recheck_every=None, renorm_lag=None, renorm_momentum=None,
                  renorm_warmup=None, renorm_r_max=None, renorm_d_max=None, renorm_ramp=None,
                  lagged_damping=None, lagged_warmup=None, lagged_trip=None,
-                 lagged_trip_calls=None):
+                 lagged_trip_calls=None, lagged_trip_rel=None):
         _check_process_group(process_group, "hsbn.torch.SyncBatchNorm")
         _custom_ops_from_env()
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
@@ -116,7 +117,7 @@ class SyncBatchNorm(_BatchNorm):
         self._renorm = RenormState(renorm_options(renorm_lag, renorm_momentum, renorm_warmup,
                                                   renorm_r_max, renorm_d_max, renorm_ramp))
         self._lagged = LaggedState(lagged_options(lagged_damping, lagged_warmup, lagged_trip,
-                                                  lagged_trip_calls))
+                                                  lagged_trip_calls, lagged_trip_rel))
         self._auto_restore = None   # a decision loaded from a state_dict, for the client
         self._register_state_dict_hook(_save_auto_decision)
         self.client = client
@@ -210,7 +211,8 @@ class SyncBatchNorm(_BatchNorm):
 
     @property
     def lagged_options(self):
-        """The lagged options of this layer ({"damping", "warmup", "trip", "trip_calls"}); used
+        """The lagged options of this layer ({"damping", "warmup", "trip", "trip_rel",
+        "trip_calls"}); used
         when its scope is "lagged"."""
         return dict(self._lagged.options)
 
