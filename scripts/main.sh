@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: installs what is missing, builds, then compares BatchNorm synchronization
-# scopes on Fashion-MNIST on this machine (examples/compare): local, node, group, auto, renorm
-# and global hsbn BatchNorm across 4 simulated nodes x 2 workers behind a simulated 1 ms cross-node
+# scopes on Fashion-MNIST on this machine (examples/compare): local, node, group, auto, renorm,
+# lagged and global hsbn BatchNorm across 4 simulated nodes x 2 workers behind a simulated 1 ms cross-node
 # link, and a one-process reference, for a classification and a segmentation task. Writes
 # results/compare/ (table, plot, JSON, CSV).
 # Arguments go to the comparison (scripts/main.sh --help, which installs and builds nothing).

@@ -9,6 +9,9 @@ Measured, per iteration, interleaved so that a loaded machine slows both alike:
   hsbn     hsbn.torch.SyncBatchNorm forward + backward (two rounds)
   rounds   the rounds' own time: blocked_seconds from Client.stats() (forward + backward)
   outside  hsbn - rounds: the layer's arithmetic and host work
+--scopes node,lagged,... measures a layer of each scope in the same iterations (one job with a
+root, so that renorm's and lagged's late results come; their fetches are not rounds, so they
+count as outside): what each scope's host work adds, side by side.
 Reported: medians over --iters iterations, and outside / bn (goal: at most 2), in wall time and
 in this thread's CPU time (bn_cpu, hsbn_cpu: steadier on a loaded machine; the rounds block
 without using this thread's CPU, so hsbn_cpu is the layer's own work plus the round calls'
@@ -52,19 +55,35 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--channels", type=int, default=256)
     ap.add_argument("--cpu-ops", choices=("torch", "kernels"), default="torch")
+    ap.add_argument("--scopes", default="node",
+                    help="comma-separated scopes to measure side by side (default node), from "
+                         "node, global, renorm, lagged")
+    ap.add_argument("--size", type=int, default=16,
+                    help="N = H = W of the input (default 16: N*H*W = 4096)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    scopes = [x for x in args.scopes.split(",") if x]
+    bad = [x for x in scopes if x not in ("node", "global", "renorm", "lagged")]
+    if bad or not scopes or len(set(scopes)) != len(scopes):
+        ap.error("--scopes takes distinct scopes from node, global, renorm, lagged; got %r"
+                 % args.scopes)
     torch.set_num_threads(args.threads)
     _ops.set_cpu_ops(args.cpu_ops)
     C = args.channels
     torch.manual_seed(0)
-    x0 = torch.randn(16, C, 16, 16) * 2 + 1
-    g = torch.randn(16, C, 16, 16)
+    n = args.size
+    x0 = torch.randn(n, C, n, n) * 2 + 1
+    g = torch.randn(n, C, n, n)
     ref = torch.nn.BatchNorm2d(C)
-    samples = {"bn": [], "hsbn": [], "rounds": [], "outside": [], "bn_cpu": [], "hsbn_cpu": []}
-    with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=1, root=False) as cluster:
+    samples = {"bn": [], "bn_cpu": []}
+    for sc in scopes:
+        for k in ("hsbn", "rounds", "outside", "hsbn_cpu"):
+            samples["%s:%s" % (k, sc)] = []
+    root = any(sc != "node" for sc in scopes)
+    with hsbn.cluster.LocalCluster(nodes=1, workers_per_node=1, root=root) as cluster:
         client = hsbn.Client.from_env(env=cluster.worker_env(0))
-        layer = hsbn.torch.SyncBatchNorm(C, scope="node", client=client, op=1)
+        layers = {sc: hsbn.torch.SyncBatchNorm(C, scope=sc, client=client, op=i + 1)
+                  for i, sc in enumerate(scopes)}
 
         def step(m):
             x = x0.detach().requires_grad_()
@@ -72,40 +91,45 @@ def main():
 
         for _ in range(10):  # warm-up: allocator, first rounds
             step(ref)
-            step(layer)
+            for layer in layers.values():
+                step(layer)
         for _ in range(args.iters):
             c0, t0 = time.thread_time(), time.perf_counter()
             step(ref)
             c1, t1 = time.thread_time(), time.perf_counter()
-            client.reset_stats()
-            c2, t2 = time.thread_time(), time.perf_counter()
-            step(layer)
-            c3, t3 = time.thread_time(), time.perf_counter()
-            rounds = client.stats().total.blocked_seconds
             samples["bn"].append(t1 - t0)
-            samples["hsbn"].append(t3 - t2)
-            samples["rounds"].append(rounds)
-            samples["outside"].append(t3 - t2 - rounds)
             samples["bn_cpu"].append(c1 - c0)
-            samples["hsbn_cpu"].append(c3 - c2)
+            for sc, layer in layers.items():
+                client.reset_stats()
+                c2, t2 = time.thread_time(), time.perf_counter()
+                step(layer)
+                c3, t3 = time.thread_time(), time.perf_counter()
+                rounds = client.stats().total.blocked_seconds
+                samples["hsbn:" + sc].append(t3 - t2)
+                samples["rounds:" + sc].append(rounds)
+                samples["outside:" + sc].append(t3 - t2 - rounds)
+                samples["hsbn_cpu:" + sc].append(c3 - c2)
         client.close()
     med = {k: statistics.median(v) * 1e6 for k, v in samples.items()}
-    ratio = med["outside"] / med["bn"]
-    ratio_cpu = med["hsbn_cpu"] / med["bn_cpu"]
-    print("C=%d, N*H*W=4096, float32, CPU ops %r, %d thread(s), %d iterations, medians (us):"
-          % (C, args.cpu_ops, args.threads, args.iters))
-    print("  BatchNorm2d fwd+bwd            %9.1f" % med["bn"])
-    print("  hsbn SyncBatchNorm fwd+bwd     %9.1f" % med["hsbn"])
-    print("    of which rounds (2)          %9.1f" % med["rounds"])
-    print("    outside the rounds           %9.1f" % med["outside"])
-    print("  outside / BatchNorm2d          %9.2f   (goal <= 2)" % ratio)
-    print("  thread CPU time: BatchNorm2d %.1f, hsbn %.1f, hsbn / BatchNorm2d %.2f"
-          % (med["bn_cpu"], med["hsbn_cpu"], ratio_cpu))
+    print("C=%d, N*H*W=%d, float32, CPU ops %r, %d thread(s), %d iterations, medians (us):"
+          % (C, n ** 3, args.cpu_ops, args.threads, args.iters))
+    print("  BatchNorm2d fwd+bwd            %9.1f   (thread CPU %.1f)" % (med["bn"],
+                                                                        med["bn_cpu"]))
+    out = dict(channels=C, size=n, cpu_ops=args.cpu_ops, threads=args.threads,
+               iters=args.iters, median_us=med, scopes={})
+    for sc in scopes:
+        ratio = med["outside:" + sc] / med["bn"]
+        ratio_cpu = med["hsbn_cpu:" + sc] / med["bn_cpu"]
+        print("  %-6s SyncBatchNorm fwd+bwd   %9.1f" % (sc, med["hsbn:" + sc]))
+        print("    of which rounds (2)          %9.1f" % med["rounds:" + sc])
+        print("    outside the rounds           %9.1f" % med["outside:" + sc])
+        print("    outside / BatchNorm2d        %9.2f   (goal <= 2)" % ratio)
+        print("    thread CPU time %.1f, / BatchNorm2d's %.2f" % (med["hsbn_cpu:" + sc],
+                                                                 ratio_cpu))
+        out["scopes"][sc] = dict(outside_over_bn=ratio, cpu_over_bn_cpu=ratio_cpu)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(channels=C, cpu_ops=args.cpu_ops, threads=args.threads,
-                           iters=args.iters, median_us=med, outside_over_bn=ratio,
-                           cpu_over_bn_cpu=ratio_cpu), f, indent=1)
+            json.dump(out, f, indent=1)
     return 0
 
 

@@ -130,6 +130,19 @@ def test_smoke_every_mode_both_tasks(tmp_path, native_parts):
                 assert 0 < r["renorm"]["global_uses"] < r["renorm"]["calls"]
                 assert 0.0 <= r["renorm"]["wait_share"] <= 1.0
         assert "of its forward calls had to wait" in md
+    if "lagged" in MODES:
+        for r in res["runs"]:
+            if r["mode"] == "lagged":
+                # 3 steps x 4 workers x the model's layers; the first call of each layer is
+                # the warm-up's exact global call, no trip in 3 calls.
+                assert r["lagged"]["calls"] > 0 and r["lagged"]["calls"] % 12 == 0
+                assert r["lagged"]["exact"] * 3 == r["lagged"]["calls"], r["lagged"]
+                assert r["lagged"]["trips"] == 0
+        for task in ("cls", "seg"):
+            s = res["summary"][task]["lagged"]
+            assert abs(s["exact_share"] - 1 / 3) < 1e-12 and s["trips"] == 0
+            assert s["norm_batch"] == res["summary"][task]["global"]["norm_batch"]
+        assert "of its training calls ran exact global" in md
 
 
 def test_a_tiny_sweep_pairs_seeds_and_writes_its_report(tmp_path, native_parts):
@@ -208,6 +221,41 @@ def test_sweep_analysis_of_renorm_pairs_target_and_paired_sync_ratio():
     assert abs(cell["summary"]["renorm"]["wait_share"] - 0.1) < 1e-12
     md = "\n".join(sweep.goals([cell], (4, 0.8)))
     assert "renorm − target" in md and "paired by seed = 1.13" in md
+
+
+def test_sweep_analysis_of_lagged_pairs_gap_share_and_goal():
+    """lagged − node paired by seed, the share of the paired node → global gap it recovers,
+    its sync ratio to node per seed, and the goal line (never below node, ≤ 1.2× node)."""
+    from hsbncmp import sweep
+    acc = {"node": [0.60, 0.62, 0.64], "lagged": [0.66, 0.67, 0.70],
+           "global": [0.70, 0.71, 0.72]}
+    sync = {"node": [10.0, 20.0, 40.0], "lagged": [10.5, 21.0, 44.0], "global": [30.0] * 3}
+    runs = []
+    for m in acc:
+        for s in range(3):
+            r = {"seed": s, "mode": m, "metric": acc[m][s], "metric_sync_stats": acc[m][s],
+                 "metric_precise_bn": acc[m][s], "sync_ms": sync[m][s], "step_ms": 50.0}
+            if m == "lagged":
+                r["lagged"] = {"calls": 100, "exact": 2 + s, "trips": s, "waits": 0,
+                               "exact_share": (2 + s) / 100, "wait_ms_per_step": 0.0}
+            runs.append(r)
+    cell = sweep.analyze([{"batch": 4, "skew": 0.8, "seeds": [0, 1, 2], "runs": runs}])[0]
+    p = cell["pairs"]
+    gain = np.mean(np.subtract(acc["lagged"], acc["node"]))
+    gap = np.mean(np.subtract(acc["global"], acc["node"]))
+    assert abs(p["lagged-node"]["mean"] - gain) < 1e-12
+    assert abs(p["lagged gap share"]["share"] - gain / gap) < 1e-12
+    ratio = cell["paired_sync_ratios"]["lagged/node"]
+    assert ratio["n"] == 3 and abs(ratio["mean"] - np.mean([1.05, 1.05, 1.1])) < 1e-12
+    assert abs(cell["summary"]["lagged"]["exact_share"] - 0.03) < 1e-12
+    assert cell["summary"]["lagged"]["trips"] == 1.0
+    md = "\n".join(sweep.goals([cell], (4, 0.8)))
+    assert "lagged − node = +5.67" in md and "→ **met**; it recovers 63% of" in md
+    assert "paired by seed = 1.07" in md and "3.0% of its" in md
+    # A seed below node makes the interval reach below 0: missed.
+    runs[3]["metric"] = 0.55
+    cell = sweep.analyze([{"batch": 4, "skew": 0.8, "seeds": [0, 1, 2], "runs": runs}])[0]
+    assert "points → **missed**" in "\n".join(sweep.goals([cell], (4, 0.8)))
 
 
 def test_check_fails_on_a_real_difference():
@@ -335,3 +383,40 @@ def test_a_torchvision_classifier_by_name(tmp_path, native_parts):
     bad = subprocess.run([sys.executable, SCRIPT, "--model", "no_such_net", "--task", "cls"],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert bad.returncode == 2 and "has no classifier of that name" in bad.stderr
+
+
+def test_service_against_one_process_pairs_seeds_of_the_chosen_cell(tmp_path):
+    """service_vs_oneproc.py: the sweep's rows of the chosen cell only, paired by seed with the
+    one-process runs (a mode with options quoted in the CSV), gap share and sync ratio."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "service_vs_oneproc", os.path.join(REPO, "examples", "compare", "service_vs_oneproc.py"))
+    svo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(svo)
+    svc, one = tmp_path / "svc", tmp_path / "one"
+    svc.mkdir()
+    one.mkdir()
+    acc = {"node": [0.60, 0.62], "lagged": [0.66, 0.69], "global": [0.70, 0.72]}
+    sync = {"node": [10.0, 20.0], "lagged": [11.0, 24.0], "global": [40.0, 40.0]}
+    with open(svc / "runs.csv", "w") as f:
+        f.write("task,seed,mode,batch,skew,metric,sync_ms,step_ms\n")
+        for m in acc:
+            for s in range(2):
+                f.write("cls,%d,%s,4,0.8,%.2f,%.1f,50\n" % (s, m, acc[m][s], sync[m][s]))
+                f.write("cls,%d,%s,2,0.8,0.10,1,50\n" % (s, m))   # another cell: ignored
+    ref = {"node": [0.61, 0.62], "lagged-damped:0.5,trip_rel=4": [0.65, 0.67],
+           "global": [0.70, 0.72]}
+    with open(one / "oneproc.csv", "w") as f:
+        f.write("seed,mode,steps,metric_rank0,metric_pooled,final_loss,run_s\n")
+        for m, v in ref.items():
+            for s in range(2):
+                f.write('%d,"%s",150,%.4f,%.4f,1.0,1.0\n' % (s, m, v[s], v[s]))
+    text = svo.report(str(svc), str(one), {"lagged": "lagged-damped:0.5,trip_rel=4"})
+    rows = {line.split()[0]: line for line in text.splitlines()[3:]}
+    assert set(rows) == {"node", "lagged", "global"}, text
+    # lagged: service 67.50, one-process 66.00, +1.50 paired; gap (6.5 / 10) = 65 %;
+    # sync / node per seed 1.1 and 1.2.
+    assert "67.50" in rows["lagged"] and "66.00" in rows["lagged"], rows["lagged"]
+    assert "+1.50 [" in rows["lagged"] and "65 %" in rows["lagged"], rows["lagged"]
+    assert "1.15 [" in rows["lagged"], rows["lagged"]
+    assert "-0.50 [" in rows["node"], rows["node"]

@@ -135,6 +135,26 @@ def group_case():
         client.close()
 
 
+def lagged_guard_case(trip, name):
+    """Trains 4 calls in lagged scope with the absolute trip guard at `trip` (0: off), the
+    batches of calls 2 and 3 shifted by 3 on every rank (a jump of the job's statistics), then
+    diagnoses; returns the report's dict, its text and each layer's own trip record."""
+    rank = int(os.environ["RANK"])
+    model = hsbn.torch.convert_sync_batchnorm(_net(), scope="lagged", name=name,
+                                              lagged_trip=trip, lagged_trip_rel=0.0,
+                                              lagged_trip_calls=2)
+    model.train()
+    batches = _batches(rank, 4, 2, 1.5, count=4)
+    for i, b in enumerate(batches):
+        model(b + (3.0 if i >= 2 else 0.0)).sum().backward()
+    report = hsbn.torch.diagnose(model, batches[:2])
+    out = report.as_dict()
+    out["text"] = report.text()
+    out["own"] = {n: m.lagged_trips for n, m in model.named_modules()
+                  if isinstance(m, hsbn.torch.SyncBatchNorm)}
+    return out
+
+
 def mismatched_call():
     """Rank 0 asks for one batch, the others for two: every rank must raise at the first
     round, before any layer's round."""

@@ -58,7 +58,8 @@ def test_skewed_nodes_and_a_small_batch_say_yes_and_global(pool, tmp_path):
     assert r["cost"]["alternative_ms"] == pytest.approx(sum(
         e["cost_ms_per_step"][e["alternative"] or e["recommended"]] for e in r["layers"]))
     assert "scope='lagged'" in r["summary"]
-    assert r["smells"] == []
+    assert r["smells"] == [] and r["lagged_guard"] == []
+    assert "lagged trip guard" not in r["text"]
     assert "VERDICT: YES" in r["text"] and "'1', trained in node scope" in r["text"]
     # The batch column shows what the layer normalizes with as trained: its node's 16 values.
     row = next(line for line in r["text"].splitlines() if line.startswith("1 "))
@@ -98,6 +99,31 @@ def test_the_same_distribution_and_a_large_batch_say_no(pool):
         assert e["divergence"]["local"]["log_var_ratio"] < 0.05
     assert r["cost"]["as_trained_ms"] == r["cost"]["recommended_ms"] == 0.0
     assert "VERDICT: NO" in r["text"] and "smells: none found" in r["text"]
+
+
+def test_the_lagged_trip_guard_is_reported_per_layer(pool):
+    # Inputs shifted from the third call on: with the absolute trip on, both layers trip at
+    # their fourth call (training call 3, counted from 0), whose last two training calls (the
+    # second and third) straddle the jump; the same on every rank.
+    out = pool.call(cases.lagged_guard_case, [(0.5, "doctor-trip")] * WORLD)
+    _same_on_every_rank([{k: v for k, v in o.items() if k != "own"} for o in out])
+    r = out[0]
+    guard = r["lagged_guard"]
+    assert [g["name"] for g in guard] == ["1", "4"], guard
+    for g in guard:
+        own = out[0]["own"][g["name"]]
+        assert g["trips"] == len(own) >= 1 and g["last_call"] == own[-1][0] == 3, (g, own)
+        assert g["last_drift"] == pytest.approx(own[-1][2]) and g["last_drift"] > 0.5
+        assert (g["trip"], g["trip_rel"], g["trip_calls"]) == (0.5, 0.0, 2)
+        assert all(o["own"] == out[0]["own"] for o in out)
+    assert "2 of 2 lagged layers tripped so far: 1 " in r["text"], r["text"]
+    assert "train it in global scope" in r["text"]
+    # Trip guard off: listed, no trip.
+    out = pool.call(cases.lagged_guard_case, [(0.0, "doctor-notrip")] * WORLD)
+    r = out[0]
+    assert [g["trips"] for g in r["lagged_guard"]] == [0, 0]
+    assert "(relative off, absolute off; a trip runs the layer exact global for 2 calls): " \
+           "0 of 2 lagged layers tripped so far" in r["text"], r["text"]
 
 
 def test_ranks_that_call_it_differently_all_fail_at_once(pool):

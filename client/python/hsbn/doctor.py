@@ -139,6 +139,22 @@ class DoctorReport:
                      % (c["as_trained_ms"], c["recommended_ms"], c["all_global_ms"],
                         "" if c.get("alternative_ms") in (None, c["recommended_ms"]) else
                         ", lagged where offered %.2f ms" % c["alternative_ms"]))
+        guard = d.get("lagged_guard") or []
+        if guard:
+            tripped = [g for g in guard if g["trips"]]
+            g0 = guard[0]
+            lines.append(
+                "lagged trip guard (relative %s, absolute %s; a trip runs the layer exact global "
+                "for %s calls): %d of %d lagged layers tripped so far%s"
+                % (g0["trip_rel"] or "off", g0["trip"] or "off", g0["trip_calls"], len(tripped),
+                   len(guard), "" if not tripped else ": " + ", ".join(
+                       "%s %d (last at call %d, drift %.3g)" % (g["name"], g["trips"],
+                                                               g["last_call"], g["last_drift"])
+                       for g in tripped[:6]) + (", ..." if len(tripped) > 6 else "")))
+            if tripped:
+                lines.append("  a layer that trips again and again has statistics that move "
+                             "too fast for one call's lag: train it in global scope "
+                             "(layer_scopes=...), or look for learning-rate spikes.")
         lines.append("")
         if d["smells"]:
             lines.append("configuration smells (%d):" % len(d["smells"]))

@@ -19,9 +19,10 @@ from . import data, models, report, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__)))))
-ALL_MODES = ["local", "node", "shadow", "group", "auto", "renorm", "global", "reference"]
-DIST_MODES = ["local", "node", "shadow", "group", "auto", "renorm", "global"]
-DEFAULT_MODES = ["local", "node", "group", "auto", "renorm", "global", "reference"]
+ALL_MODES = ["local", "node", "shadow", "group", "auto", "renorm", "lagged", "global",
+             "reference"]
+DIST_MODES = ["local", "node", "shadow", "group", "auto", "renorm", "lagged", "global"]
+DEFAULT_MODES = ["local", "node", "group", "auto", "renorm", "lagged", "global", "reference"]
 # The simulated cross-node link of the default run, in ms each way (docs/results/COMPARISON.md says
 # why this value).
 LINK_DELAY_MS = 1
@@ -53,6 +54,8 @@ on the same items in the same order, with the same global SGD batch, in each mod
              its statistics stayed close to the global ones, global where they did not
   renorm     node statistics renormalized toward the job's global statistics of the
              previous call, merged off the critical path (hsbn scope "renorm"; --renorm)
+  lagged     the job's statistics in both passes, the other nodes' share one call old, with
+             hsbn.torch's default damping and trip guard (hsbn scope "lagged")
   global     statistics of the global batch (hsbn scope "global")
   reference  one process, plain BatchNorm over the concatenated global batch
 Gradients are averaged with DDP over gloo. `global` must match `reference` up to
@@ -76,7 +79,8 @@ inputs, --precise-items each).
 
 Writes to --out: results.md (the table, per-layer divergence, the check), compare.png
 (learning curves, metric vs time per step), results.json and runs.csv (raw results).
-The defaults took 17 minutes on a shared 2-core machine (load average 28; docs/results/COMPARISON.md).
+The defaults took 17 minutes on a shared 2-core machine (load average 28; docs/results/COMPARISON.md),
+before lagged joined them (about 1/7 more runs).
 
 --sweep runs the study on classification instead: per-worker batch x skew cells
 (--sweep-batches, --sweep-skews), --sweep-seeds seeds per cell and --sweep-default-seeds in
@@ -308,8 +312,8 @@ def renorm_options(text):
 
 
 def _mode_available(mode):
-    """group, auto and renorm need an hsbn with those scopes."""
-    if mode not in ("group", "auto", "renorm"):
+    """group, auto, renorm and lagged need an hsbn with those scopes."""
+    if mode not in ("group", "auto", "renorm", "lagged"):
         return True
     import hsbn.client
     return mode in hsbn.client.SCOPES

@@ -38,6 +38,7 @@ What each rank's running statistics hold is simulated per rank (rank 0's: the he
 their pooled average, hsbn.torch.sync_running_stats with equal weights: the second one).
 """
 
+import csv
 import json
 import math
 import multiprocessing
@@ -867,12 +868,14 @@ def _write(out, command, cfg, runs, modes, wall):
                    "runs": sorted(runs, key=lambda r: (r["seed"], modes.index(r["mode"])))},
                   f, indent=1, default=float)
         f.write("\n")
-    with open(os.path.join(out, "oneproc.csv"), "w") as f:
-        f.write("seed,mode,steps,metric_rank0,metric_pooled,final_loss,run_s\n")
+    with open(os.path.join(out, "oneproc.csv"), "w", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")   # quotes a mode with options (commas)
+        w.writerow(["seed", "mode", "steps", "metric_rank0", "metric_pooled", "final_loss",
+                    "run_s"])
         for r in sorted(runs, key=lambda r: (r["seed"], modes.index(r["mode"]))):
-            f.write("%d,%s,%d,%.4f,%.4f,%.5f,%.2f\n" % (
-                r["seed"], r["mode"], r["steps"], r["metric"], r["metric_sync_stats"],
-                float(np.mean(r["loss"][-10:])), r["run_s"]))
+            w.writerow(["%d" % r["seed"], r["mode"], "%d" % r["steps"], "%.4f" % r["metric"],
+                        "%.4f" % r["metric_sync_stats"],
+                        "%.5f" % float(np.mean(r["loss"][-10:])), "%.2f" % r["run_s"]])
     return md
 
 

@@ -10,7 +10,8 @@ import numpy as np
 
 from . import data
 
-MODE_ORDER = ["local", "node", "shadow", "group", "auto", "renorm", "global", "reference"]
+MODE_ORDER = ["local", "node", "shadow", "group", "auto", "renorm", "lagged", "global",
+              "reference"]
 TASK_NAME = {"cls": "classification", "seg": "segmentation"}
 METRIC_NAME = {"cls": "test accuracy", "seg": "test mIoU"}
 
@@ -29,7 +30,7 @@ def norm_batch(mode, cfg):
     return {"local": b, "node": b * cfg["workers_per_node"], "shadow": b * cfg["workers_per_node"],
             "group": group, "auto": group if cfg.get("group_nodes", 0) > 1
             else b * cfg["workers_per_node"],
-            "renorm": b * cfg["workers_per_node"],
+            "renorm": b * cfg["workers_per_node"], "lagged": b * cfg["world"],
             "global": b * cfg["world"], "reference": b * cfg["world"],
             "reference-reversed": b * cfg["world"]}[mode]
 
@@ -39,6 +40,8 @@ def _norm_batch_text(mode, cfg):
         return "%d–%d" % (norm_batch("auto", cfg), norm_batch("global", cfg))
     if mode == "renorm":
         return "%d, toward %d" % (norm_batch("renorm", cfg), norm_batch("global", cfg))
+    if mode == "lagged":
+        return "%d, others 1 call old" % norm_batch("lagged", cfg)
     return "%d" % norm_batch(mode, cfg)
 
 
@@ -73,7 +76,30 @@ def summarize(runs, cfg):
             }
             if mode == "renorm":
                 out[task][mode].update(renorm_summary(rs))
+            if mode == "lagged":
+                out[task][mode].update(lagged_summary(rs))
     return out
+
+
+def lagged_summary(runs):
+    """Over lagged runs: the mean share of training calls that ran exact global (warm-up and
+    the trip guard's), trips per run, and the ms per step spent fetching late results."""
+    rr = [r["lagged"] for r in runs if r.get("lagged")]
+    if not rr:
+        return {"exact_share": None, "trips": None, "lagged_wait_ms": None}
+    return {"exact_share": float(np.mean([x["exact_share"] for x in rr])),
+            "trips": float(np.mean([x["trips"] for x in rr])),
+            "lagged_wait_ms": float(np.mean([x["wait_ms_per_step"] for x in rr]))}
+
+
+def lagged_line(s):
+    """One sentence on the lagged mode's exact calls and trips."""
+    if s.get("exact_share") is None:
+        return "lagged: no call counts (an hsbn without them)."
+    return ("lagged (hsbn.torch's defaults: damping, trip guard): %.1f%% of its training calls "
+            "ran exact global (the warm-up's and the trip guard's), %.1f trips per run; "
+            "%.2f ms per step fetching late results, inside its sync time."
+            % (100 * s["exact_share"], s["trips"], s["lagged_wait_ms"]))
 
 
 def renorm_summary(runs):
@@ -181,6 +207,10 @@ def markdown(summary, divergence, check, cfg, command, environment):
         if s is not None:
             lines.append("%s: %s" % (TASK_NAME[t].capitalize(), renorm_line(
                 cfg, s.get("wait_share"), s.get("global_use_share"))))
+            lines.append("")
+        s = summary[t].get("lagged")
+        if s is not None:
+            lines.append("%s: %s" % (TASK_NAME[t].capitalize(), lagged_line(s)))
             lines.append("")
     lines.append("The same models scored with other running statistics: the plain average of "
                  "every worker's (naive), pooled over the job by `hsbn.torch.sync_running_stats` "
@@ -303,7 +333,7 @@ def plot(path, runs, summary, cfg):
     tasks = cfg["tasks"]
     colors = {"local": "tab:red", "node": "tab:orange", "shadow": "tab:olive",
               "group": "tab:purple", "auto": "tab:green", "renorm": "tab:cyan",
-              "global": "tab:blue", "reference": "black"}
+              "lagged": "tab:brown", "global": "tab:blue", "reference": "black"}
     styles = {"reference": ":", "shadow": "--"}  # shadow computes what node does: dashed on it
     fig, axes = plt.subplots(len(tasks), 3, figsize=(15, 4.2 * len(tasks)), squeeze=False)
     for i, task in enumerate(tasks):

@@ -26,7 +26,7 @@ from . import data, kinks, models
 BN_EPS = 1e-5
 
 SCOPE = {"local": "local", "node": "node", "global": "global", "shadow": "shadow",
-         "group": "group", "auto": "auto", "renorm": "renorm"}
+         "group": "group", "auto": "auto", "renorm": "renorm", "lagged": "lagged"}
 
 
 # --- data --------------------------------------------------------------------------------------
@@ -326,6 +326,19 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
         renorm = {"calls": int(calls), "global_uses": int(uses), "waits": int(waits),
                   "wait_share": waits / calls if calls else 0.0,
                   "wait_ms_per_step": 1e3 * secs / (world * steps)}
+    lagged = None
+    if mode == "lagged":
+        # Summed over the workers, before the evaluations: training calls, those that ran
+        # exact global (warm-up and trips), trips, fetches of late results that had to wait,
+        # and the seconds spent in those fetches (inside the sync time above).
+        st = hsbn.torch.sync_stats()
+        counts = torch.tensor([st.lagged_calls, st.lagged_exact, st.lagged_trips,
+                               st.lagged_waits, st.lagged_wait_seconds], dtype=torch.float64)
+        dist.all_reduce(counts)
+        calls, exact, trips, waits, secs = counts.tolist()
+        lagged = {"calls": int(calls), "exact": int(exact), "trips": int(trips / world),
+                  "waits": int(waits), "exact_share": exact / calls if calls else 0.0,
+                  "wait_ms_per_step": 1e3 * secs / (world * steps)}
     xs_t, ys_t = arrays[task + "_test_x"], arrays[task + "_test_y"]
     final = _distributed_eval(torch, dist, model, task, xs_t, ys_t, rank, world, "rank0")
     final_avg = _distributed_eval(torch, dist, model, task, xs_t, ys_t, rank, world, "avg")
@@ -368,7 +381,7 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
         "step_ms": float(per_rank[:, 0].mean() * 1e3),
         "step_ms_max_rank": float(per_rank[:, 0].max() * 1e3),
         "sync_ms": float(per_rank[:, 1].mean() * 1e3),
-        "divergence": divergence, "renorm": renorm,
+        "divergence": divergence, "renorm": renorm, "lagged": lagged,
         "state": state_numpy(model),
         "first_step": first if mode in ("global", "node") else None,
     }

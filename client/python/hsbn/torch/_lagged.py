@@ -157,7 +157,6 @@ class LaggedState:
         self.train_seqs = collections.deque(maxlen=2)  # round seqs of the last training calls
         self.exact_until = 0    # trip guard: training calls below this count are exact
         self.trips = []         # trip guard: (training call, round seq, v) of each trip
-        self.last_v = None      # trip guard: v at the last check
         self.checks = 0         # trip guard: v computed so far
         self.level = 0.0        # trip guard, relative form: the level of v before this call
 
@@ -189,7 +188,6 @@ class LaggedState:
         if before not in self.seen:
             return
         v = trip_drift(self.seen[before], new)
-        self.last_v = v
         self.checks += 1
         over = not math.isfinite(v) or (o["trip"] > 0 and v > o["trip"])
         if o["trip_rel"] and math.isfinite(v):
