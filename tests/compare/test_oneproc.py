@@ -416,3 +416,17 @@ def test_relative_trip_waits_for_history_then_trips_on_the_layer_s_own_level():
     # v[k] is known at call k + 2: the early jump's v (calls 2 and 3) is far above the level
     # the later calls set, and tripped nothing.
     assert min(v[0], v[1]) > 5 * max(v[2:7]) and v[7] > 5 * max(v[2:7])
+    # With trip_hist=8 the level needs 8 v's first: the same jump (the 8th v) trips nothing.
+    m = _bn("lagged:trip_rel=5,trip_calls=2,trip_hist=8")
+    for s in range(12):
+        x, dy = _batch(400 + s)
+        if s == 1:
+            x = x * 3.0
+        if s >= 8:
+            x = x + 20.0
+        _call(m, x, dy)
+    assert m.sim.trips == [] and len(m.sim.trip_v) == 10
+    assert oneproc.parse_mode("lagged:trip_rel=4,trip_hist=20")[1]["trip_hist"] == 20
+    for bad in ("lagged:trip_hist=0", "lagged:trip_hist=2.5"):
+        with pytest.raises(ValueError):
+            oneproc.parse_mode(bad)

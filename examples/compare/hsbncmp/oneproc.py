@@ -60,7 +60,7 @@ RENORM = {"warmup": 5, "ramp": 20, "r_max": 1.1, "d_max": 0.25}   # hsbn.torch's
 # 0: off. Every rank knows v alike from late results at the call it decides (no extra delay).
 # trip_rel: the relative form: v > trip_rel times the layer's level of v (an exponential
 # average over its calls before, weight TRIP_DECAY on the older level; trips from its
-# TRIP_HISTORY-th value on).
+# (trip_hist + 1)-th value on, trip_hist TRIP_HISTORY unless given).
 LAGGED = {"warmup": 1, "trip": 0.0, "trip_calls": 8, "trip_rel": 0.0}
 TRIP_DECAY = 0.9
 TRIP_HISTORY = 5
@@ -110,10 +110,11 @@ def parse_mode(text):
         if opts["delay"] != int(opts["delay"]) or opts["delay"] < 1:
             raise ValueError("%s: delay must be a whole number of calls >= 1" % text)
         opts["delay"] = int(opts["delay"])
-    if "trip_calls" in opts:
-        if opts["trip_calls"] != int(opts["trip_calls"]) or opts["trip_calls"] < 1:
-            raise ValueError("%s: trip_calls must be a whole number of calls >= 1" % text)
-        opts["trip_calls"] = int(opts["trip_calls"])
+    for key in ("trip_calls", "trip_hist"):
+        if key in opts:
+            if opts[key] != int(opts[key]) or opts[key] < 1:
+                raise ValueError("%s: %s must be a whole number of calls >= 1" % (text, key))
+            opts[key] = int(opts[key])
     for key in ("trip", "trip_rel"):
         if opts.get(key, 0) < 0:
             raise ValueError("%s: %s must be >= 0 (0: off)" % (text, key))
@@ -304,7 +305,7 @@ def _forward(ctx, x, weight, bias, sim):
         if (o.get("trip") or o.get("trip_rel")) and sim.prev_global2 is not None:
             over = bool(o.get("trip")) and v > o["trip"]
             if o.get("trip_rel"):
-                over = over or (len(sim.trip_v) > TRIP_HISTORY
+                over = over or (len(sim.trip_v) > o.get("trip_hist", TRIP_HISTORY)
                                 and v > o["trip_rel"] * sim.trip_level)
                 sim.trip_level = (v if len(sim.trip_v) == 1 else
                                   TRIP_DECAY * sim.trip_level + (1 - TRIP_DECAY) * v)
