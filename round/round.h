@@ -154,24 +154,66 @@ int64_t ReduceInOrder(bool forward, int64_t channels, int n, Get get, double* a,
   return count;
 }
 
+// Value i of the doubles at `raw` (which may be unaligned), as its bits or as a double: one
+// unaligned load each (copying four at once into an array made GCC spill them to the stack).
+inline uint64_t LoadWord(const char* raw, int64_t i) {
+  uint64_t w;
+  std::memcpy(&w, raw + i * 8, sizeof w);
+  return w;
+}
+
+inline double LoadDouble(const char* raw, int64_t i) {
+  double v;
+  std::memcpy(&v, raw + i * 8, sizeof v);
+  return v;
+}
+
 // How many of the `n` doubles at `raw` are NaN or +-Inf (read with memcpy: `raw` may be
 // unaligned). Branch-free with independent accumulators, so that the common case (none) costs a
 // fraction of the merge.
 inline int64_t CountNonFinite(const char* raw, int64_t n) {
   constexpr uint64_t kExp = 0x7ff0000000000000ull;
-  uint64_t k[4] = {0, 0, 0, 0};
+  // Four named accumulators, not an array: GCC kept an array's in memory (a store per value).
+  uint64_t k0 = 0, k1 = 0, k2 = 0, k3 = 0;
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    uint64_t w[4];
-    std::memcpy(w, raw + i * 8, sizeof w);
-    for (int j = 0; j < 4; ++j) k[j] += uint64_t((w[j] & kExp) == kExp);
+    k0 += uint64_t((LoadWord(raw, i) & kExp) == kExp);
+    k1 += uint64_t((LoadWord(raw, i + 1) & kExp) == kExp);
+    k2 += uint64_t((LoadWord(raw, i + 2) & kExp) == kExp);
+    k3 += uint64_t((LoadWord(raw, i + 3) & kExp) == kExp);
   }
-  for (; i < n; ++i) {
-    uint64_t w;
-    std::memcpy(&w, raw + i * 8, sizeof w);
-    k[0] += uint64_t((w & kExp) == kExp);
+  for (; i < n; ++i) k0 += uint64_t((LoadWord(raw, i) & kExp) == kExp);
+  return int64_t(k0 + k1 + k2 + k3);
+}
+
+// Whether any of the `n` doubles at `raw` is NaN or +-Inf; whether any is below zero (-Inf
+// included, NaN not). Without a branch per value, four independent accumulators: the common
+// case (none) is a plain scan; a caller that gets true finds the first with its own loop.
+inline bool AnyNonFinite(const char* raw, int64_t n) {
+  constexpr uint64_t kExp = 0x7ff0000000000000ull;
+  uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    a0 |= uint64_t((LoadWord(raw, i) & kExp) == kExp);
+    a1 |= uint64_t((LoadWord(raw, i + 1) & kExp) == kExp);
+    a2 |= uint64_t((LoadWord(raw, i + 2) & kExp) == kExp);
+    a3 |= uint64_t((LoadWord(raw, i + 3) & kExp) == kExp);
   }
-  return int64_t(k[0] + k[1] + k[2] + k[3]);
+  for (; i < n; ++i) a0 |= uint64_t((LoadWord(raw, i) & kExp) == kExp);
+  return (a0 | a1 | a2 | a3) != 0;
+}
+
+inline bool AnyNegative(const char* raw, int64_t n) {
+  uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    a0 |= uint64_t(LoadDouble(raw, i) < 0);
+    a1 |= uint64_t(LoadDouble(raw, i + 1) < 0);
+    a2 |= uint64_t(LoadDouble(raw, i + 2) < 0);
+    a3 |= uint64_t(LoadDouble(raw, i + 3) < 0);
+  }
+  for (; i < n; ++i) a0 |= uint64_t(LoadDouble(raw, i) < 0);
+  return (a0 | a1 | a2 | a3) != 0;
 }
 
 // The values check every contribution passes before it is merged, on either transport: the
@@ -192,6 +234,11 @@ inline bool CheckContributionValues(const char* raw, int64_t channels, bool forw
   auto name = [&](int64_t i) {
     return absl::StrCat(i < channels ? name_a : name_b, "[", i < channels ? i : i - channels, "]");
   };
+  // The common case, every value fine, without a branch per value.
+  if (!(strict && AnyNonFinite(raw, 2 * channels)) &&
+      !(forward && AnyNegative(raw + channels * int64_t(sizeof(double)), channels))) {
+    return true;
+  }
   for (int64_t i = 0; strict && i < 2 * channels; ++i) {
     const double v = at(i);
     if (std::isfinite(v)) continue;

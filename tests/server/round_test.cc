@@ -44,6 +44,46 @@ TEST(RoundMerge, CountNonFiniteFindsEveryNaNAndInfAtEveryPosition) {
   EXPECT_EQ(CountNonFinite(reinterpret_cast<const char*>(fin.data()), int64_t(fin.size())), 0);
 }
 
+// The scan before the checks' per-value loops: for every special value at every position (against
+// the 4-wide unrolling, unaligned), each mode finds exactly what the per-value test finds, and
+// CheckContributionValues still names that value.
+TEST(RoundMerge, AnyNonFiniteAndAnyNegativeAgreeWithThePerValueTestAtEveryPosition) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const double values[] = {nan, -nan, inf, -inf, -1.0, -5e-324, -0.0, 0.0, 2.0,
+                           std::numeric_limits<double>::max()};
+  for (int n = 1; n <= 11; ++n) {
+    for (int at = 0; at < n; ++at) {
+      for (double x : values) {
+        std::vector<double> v(size_t(n), 0.5);
+        v[size_t(at)] = x;
+        std::vector<char> raw(size_t(n) * 8 + 3);
+        std::memcpy(raw.data() + 3, v.data(), size_t(n) * 8);
+        const char* p = raw.data() + 3;
+        const bool nonfinite = !std::isfinite(x), negative = x < 0;
+        EXPECT_EQ(AnyNonFinite(p, n), nonfinite) << n << " " << at << " " << x;
+        EXPECT_EQ(AnyNegative(p, n), negative) << n << " " << at << " " << x;
+        if (n % 2 == 0) {
+          // n / 2 channels: a forward round's m2 half is checked for negatives, the strict
+          // mode for NaN and Inf anywhere.
+          const int64_t c = n / 2;
+          std::string field, what;
+          const bool bad_m2 = at >= c && negative;
+          EXPECT_EQ(CheckContributionValues(p, c, true, false, &field, &what), !bad_m2);
+          if (bad_m2) {
+            EXPECT_EQ(field, absl::StrCat("m2[", at - c, "]"));
+          }
+          EXPECT_EQ(CheckContributionValues(p, c, false, true, &field, &what), !nonfinite);
+          if (nonfinite) {
+            EXPECT_EQ(field, at < c ? absl::StrCat("sum_dy[", at, "]")
+                                    : absl::StrCat("sum_dy_xmu[", at - c, "]"));
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(RoundMerge, CheckContributionValuesNamesTheFirstBadValue) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   std::string field, what;
