@@ -79,8 +79,8 @@ inputs, --precise-items each).
 
 Writes to --out: results.md (the table, per-layer divergence, the check), compare.png
 (learning curves, metric vs time per step), results.json and runs.csv (raw results).
-The defaults took 17 minutes on a shared 2-core machine (load average 28; docs/results/COMPARISON.md),
-before lagged joined them (about 1/7 more runs).
+The defaults took 17 minutes on a shared 2-core machine (load average 28;
+docs/results/COMPARISON.md), before lagged joined them (about 1/7 more runs).
 
 --sweep runs the study on classification instead: per-worker batch x skew cells
 (--sweep-batches, --sweep-skews), --sweep-seeds seeds per cell and --sweep-default-seeds in
@@ -186,8 +186,8 @@ def parse_args(argv=None):
                    help="one-process modes (default %s), from local, node, group, global, "
                         "renorm, lagged, lagged-fwd, lagged-damped:LAMBDA, lagged-guard; options "
                         "after a colon, e.g. lagged:warmup=75, lagged-guard:tau=1,delay=2, "
-                        "lagged:trip=0.5,trip_calls=8 (the trip guard), lagged:trip_rel=4,trip_hist=20 "
-                        "(its relative form)"
+                        "lagged:trip=0.5,trip_calls=8 (the trip guard), "
+                        "lagged:trip_rel=4,trip_hist=20 (its relative form)"
                         % "node,global,renorm,lagged,lagged-damped:0.25,lagged-damped:0.5,"
                           "lagged-guard")
     g.add_argument("--lr-spike", default=None, metavar="STEP:FACTOR:STEPS",

@@ -364,8 +364,8 @@ def plot(out_dir, analysis, default_cell):
     import matplotlib.pyplot as plt
 
     colors = {"local": "tab:red", "node": "tab:orange", "group": "tab:purple",
-              "auto": "tab:green", "renorm": "tab:cyan", "lagged": "tab:brown", "global": "tab:blue",
-              "shadow": "tab:olive"}
+              "auto": "tab:green", "renorm": "tab:cyan", "lagged": "tab:brown",
+              "global": "tab:blue", "shadow": "tab:olive"}
     skews = sorted({c["skew"] for c in analysis})
     fig, axes = plt.subplots(1, len(skews), figsize=(6 * len(skews), 4.2), squeeze=False)
     for ax, skew in zip(axes[0], skews):
