@@ -375,6 +375,35 @@ def test_trip_sends_a_jumping_layer_exact_global_then_back():
     assert max(m.sim.trip_v) > 1.0 > sorted(m.sim.trip_v)[-2]
 
 
+def test_trip_variants_damping_only_and_forward_only():
+    # The same jump: trip_lam=0 trips at 4 with no exact call, calls 4 and 5 back-propagate
+    # with lambda 0 (node-local) and forward as plain lagged; trip_fwd=1 forwards 4 and 5
+    # exact global and back-propagates them lagged.
+    damp = _bn("lagged:trip=1.0,trip_calls=2,trip_lam=0")
+    fwd = _bn("lagged:trip=1.0,trip_calls=2,trip_fwd=1")
+    glob = _bn("global")
+    lag = _bn("lagged")
+    outs = []
+    for s in range(7):
+        x, dy = _batch(300 + s)
+        if s >= 3:
+            x = x + 20.0
+        outs.append((_call(damp, x, dy), _call(fwd, x, dy), _call(glob, x, dy),
+                     _call(lag, x, dy)))
+    assert damp.sim.trips == [4] and fwd.sim.trips == [4]
+    assert damp.sim.exact_calls == 1 and fwd.sim.exact_calls == 3
+    assert damp.sim.lams == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]   # calls 1-6 (0 is the warm-up)
+    for s, (d, f, g, plain) in enumerate(outs):
+        assert torch.allclose(d[0], g[0] if s == 0 else plain[0], atol=1e-10), s
+        assert torch.allclose(f[0], g[0] if s in (0, 4, 5) else plain[0], atol=1e-10), s
+    # Forward-only: calls 4 and 5's input gradients are not global's (lagged backward).
+    assert not torch.allclose(outs[4][1][1], outs[4][2][1], atol=1e-6)
+    assert not torch.allclose(outs[4][0][1], outs[4][3][1], atol=1e-6)   # lambda 0 there
+    for bad in ("lagged:trip_lam=1.5", "lagged:trip_lam=-0.1"):
+        with pytest.raises(ValueError):
+            oneproc.parse_mode(bad)
+
+
 def test_trip_drift_is_the_clients_formula():
     from hsbn.torch._lagged import trip_drift as client_drift
     g = torch.Generator().manual_seed(7)

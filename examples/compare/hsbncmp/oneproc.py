@@ -60,7 +60,10 @@ RENORM = {"warmup": 5, "ramp": 20, "r_max": 1.1, "d_max": 0.25}   # hsbn.torch's
 # 0: off. Every rank knows v alike from late results at the call it decides (no extra delay).
 # trip_rel: the relative form: v > trip_rel times the layer's level of v (an exponential
 # average over its calls before, weight TRIP_DECAY on the older level; trips from its
-# (trip_hist + 1)-th value on, trip_hist TRIP_HISTORY unless given).
+# (trip_hist + 1)-th value on, trip_hist TRIP_HISTORY unless given). trip_lam=L: a trip sets the
+# backward's damping to L for the trip_calls calls instead of running them exact global (no
+# global round: the forward stays lagged). trip_fwd=1: a trip's calls are exact global in the
+# forward only, their backward lagged (one global round per call instead of two).
 LAGGED = {"warmup": 1, "trip": 0.0, "trip_calls": 8, "trip_rel": 0.0}
 TRIP_DECAY = 0.9
 TRIP_HISTORY = 5
@@ -118,6 +121,8 @@ def parse_mode(text):
     for key in ("trip", "trip_rel"):
         if opts.get(key, 0) < 0:
             raise ValueError("%s: %s must be >= 0 (0: off)" % (text, key))
+    if "trip_lam" in opts and not 0.0 <= opts["trip_lam"] <= 1.0:
+        raise ValueError("%s: trip_lam must be in [0, 1]" % text)
     if "warmup" in opts:
         opts["warmup"] = int(opts["warmup"])
         if base.startswith("lagged") and opts["warmup"] < 1:
@@ -215,6 +220,7 @@ class LayerSim:
         self.updates_running = True
         self.prev_global2 = None  # trip guard: exact statistics of the call before prev_global
         self.exact_until = 0    # trip guard: calls below this seq are exact global
+        self.lam_until = 0      # trip guard with trip_lam: calls below this seq use it
         self.trips = []         # trip guard: the seqs at which it tripped
         self.exact_calls = 0    # lagged family: calls that ran exact global
         self.trip_v = []        # trip guard: v per call
@@ -309,10 +315,14 @@ def _forward(ctx, x, weight, bias, sim):
                                 and v > o["trip_rel"] * sim.trip_level)
                 sim.trip_level = (v if len(sim.trip_v) == 1 else
                                   TRIP_DECAY * sim.trip_level + (1 - TRIP_DECAY) * v)
-            if over and sim.seq >= sim.exact_until:
+            until = sim.lam_until if "trip_lam" in o else sim.exact_until
+            if over and sim.seq >= until:
                 sim.trips.append(sim.seq)
             if over:
-                sim.exact_until = sim.seq + o["trip_calls"]
+                if "trip_lam" in o:   # no global round: the backward's damping instead
+                    sim.lam_until = sim.seq + o["trip_calls"]
+                else:
+                    sim.exact_until = sim.seq + o["trip_calls"]
         if sim.seq < o["warmup"] or sim.seq < sim.exact_until:
             exact_global_now = True
             sim.exact_calls += 1
@@ -350,7 +360,10 @@ def _forward(ctx, x, weight, bias, sim):
     ctx.sim = sim
     ctx.node_stats = (mean_n, 1.0 / torch.sqrt(m2_n / cn + EPS))
     ctx.seq = sim.seq
-    ctx.exact_global_now = exact_global_now
+    # trip_fwd: a trip's calls are exact in the forward only (one global round each); their
+    # backward stays lagged (the warm-up's stays exact).
+    ctx.exact_global_now = exact_global_now and not (
+        o.get("trip_fwd") and mode.startswith("lagged") and sim.seq >= o["warmup"])
     ctx.shape = shape
     ctx.dtype = x.dtype
     ctx.wdtype = weight.dtype
@@ -416,6 +429,8 @@ def _backward(ctx, dy):
             lam = sim.opts["lam"]
         else:
             lam = sim.lam
+        if ctx.seq < sim.lam_until:
+            lam = sim.opts["trip_lam"]
         sim.lams.append(lam)
         dx = dx_lag if lam == 1.0 else (dx_node if lam == 0.0 else
                                         lam * dx_lag + (1.0 - lam) * dx_node)
