@@ -57,6 +57,7 @@ class Launch:
         self.workdir = workdir
         self.deadline = time.monotonic() + timeout
         self.servers = []
+        self.server_names = []
         self.workers = []
         self.logs = []
 
@@ -72,6 +73,7 @@ class Launch:
     def server(self, cmd, name, ready_file=None, env=None):
         p = self._popen(cmd, name, env)
         self.servers.append(p)
+        self.server_names.append(name)
         if ready_file is None:
             return None
         while time.monotonic() < self.deadline:
@@ -300,7 +302,11 @@ class Bench:
                 server_cpu_us=(sum(b[0] - a[0] for a, b in zip(s0, s1)) * 1e6 / rounds
                                if s0 else 0.0),
                 server_csw=(sum(b[1] - a[1] for a, b in zip(s0, s1)) / rounds
-                            if s0 and all(x[1] is not None for x in s0 + s1) else None)))
+                            if s0 and all(x[1] is not None for x in s0 + s1) else None),
+                # Per server process (hsbn: "root", "node0", ...), CPU us per round.
+                server_cpu_us_by_process={
+                    n: (b[0] - a[0]) * 1e6 / rounds
+                    for n, a, b in zip(launch.server_names, s0, s1)}))
             if stats:
                 self.rows[-1].update(stats)
         for key, vals in sorted(pooled.items(), key=lambda kv: str(kv[0])):
@@ -748,6 +754,16 @@ def report(bench, params, machine, command):
                 fmt(r["server_csw"], 2) if r["server_cpu_us"] and r["server_csw"] is not None
                 else "—"))
         lines.append("")
+        per = [r for r in costs if r["impl"] == "hsbn" and r.get("server_cpu_us_by_process")]
+        if per:
+            lines.append("hsbn's server CPU per round by process (us; `/proc` of each aggregator, "
+                         "the same window): " + "; ".join(
+                             "%d workers, %d node%s: %s" % (
+                                 r["workers"], r["nodes"], "s" if r["nodes"] > 1 else "",
+                                 ", ".join("%s %s" % (n, fmt(v, 1)) for n, v in
+                                           sorted(r["server_cpu_us_by_process"].items())))
+                             for r in sorted(per, key=lambda r: (r["workers"], r["nodes"]))) + ".")
+            lines.append("")
     srv = [r for r in costs if r.get("srv_rounds")]
     if srv:
         lines.append("### Bare gRPC servers, their own counters per round (first stream to last)")
