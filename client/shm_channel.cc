@@ -199,6 +199,7 @@ shm::ReduceOptions ShmChannel::Reduce() const {
   o.doorbell = doorbell_;
   o.job_id = config_.job_id;
   o.max_channels_limit = config_.max_channels;
+  o.self = config_.local_rank;
   return o;
 }
 

@@ -365,7 +365,9 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
   }
   std::vector<bool> mine = BeginAll(idx, posted);
   CountRound(scope, key.phase, 0);
-  for (int32_t r = 0; r < n; ++r) {
+  // The waiting ranks first, this process's own answer last: it is not waiting.
+  for (int32_t k = 0; k < n; ++k) {
+    const int32_t r = o.self >= 0 && o.self < n ? (o.self + 1 + k) % n : k;
     if (mine[size_t(r)]) {
       Deliver(r, idx[r], posted[r], 0, "", count, channels, result.data(),
               result.data() + channels);

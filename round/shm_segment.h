@@ -175,6 +175,7 @@ struct ReduceOptions {
   int doorbell = -1;      // eventfd of the sidecar (global and shadow rounds)
   int64_t max_channels_limit = 0;  // the aggregator's --max-channels (JoinResponse)
   std::string job_id;
+  int32_t self = -1;      // the calling process's local rank: its own answer is written last
 };
 
 class Segment {
