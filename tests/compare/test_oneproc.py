@@ -350,18 +350,23 @@ def test_step_guard_sees_the_layer_s_own_weight_move():
     assert np.allclose(moving.sim.lams[1:], [1e-3 / v] * 4, rtol=1e-9, atol=0)
 
 
-def test_trip_sends_a_jumping_layer_exact_global_then_back():
-    # Calls 0-2 on one distribution, 3.. shifted by 20: call 4 knows call 3's statistics and
-    # trips, so calls 4 and 5 (trip_calls 2) equal global; call 6 is lagged again.
-    m = _bn("lagged:trip=1.0,trip_calls=2")
-    glob = _bn("global")
-    lag = _bn("lagged")
+def _jump(*layers):
+    """Seven calls of each layer on the same batches, shifted by 20 from call 3 on: per call,
+    the tuple of each layer's (output, input gradient)."""
     outs = []
     for s in range(7):
         x, dy = _batch(300 + s)
         if s >= 3:
             x = x + 20.0
-        outs.append((_call(m, x, dy), _call(glob, x, dy), _call(lag, x, dy)))
+        outs.append(tuple(_call(m, x, dy) for m in layers))
+    return outs
+
+
+def test_trip_sends_a_jumping_layer_exact_global_then_back():
+    # Calls 0-2 on one distribution, 3.. shifted by 20: call 4 knows call 3's statistics and
+    # trips, so calls 4 and 5 (trip_calls 2) equal global; call 6 is lagged again.
+    m = _bn("lagged:trip=1.0,trip_calls=2")
+    outs = _jump(m, _bn("global"), _bn("lagged"))
     assert m.sim.trips == [4]
     assert m.sim.exact_calls == 3          # the warm-up, 4 and 5
     for s, (got, g, plain) in enumerate(outs):
@@ -381,15 +386,7 @@ def test_trip_variants_damping_only_and_forward_only():
     # exact global and back-propagates them lagged.
     damp = _bn("lagged:trip=1.0,trip_calls=2,trip_lam=0")
     fwd = _bn("lagged:trip=1.0,trip_calls=2,trip_fwd=1")
-    glob = _bn("global")
-    lag = _bn("lagged")
-    outs = []
-    for s in range(7):
-        x, dy = _batch(300 + s)
-        if s >= 3:
-            x = x + 20.0
-        outs.append((_call(damp, x, dy), _call(fwd, x, dy), _call(glob, x, dy),
-                     _call(lag, x, dy)))
+    outs = _jump(damp, fwd, _bn("global"), _bn("lagged"))
     assert damp.sim.trips == [4] and fwd.sim.trips == [4]
     assert damp.sim.exact_calls == 1 and fwd.sim.exact_calls == 3
     assert damp.sim.lams == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]   # calls 1-6 (0 is the warm-up)
