@@ -3,7 +3,10 @@ package (client/python, unless installed) on sys.path, and the native parts pinn
 environment for the worker processes, as tests/python/conftest.py does."""
 
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -36,3 +39,54 @@ def native_parts():
     missing."""
     if NATIVE_ERROR:
         pytest.fail("hsbn's native parts are missing: " + NATIVE_ERROR, pytrace=False)
+
+
+def _python_descendants(pid):
+    """The Python processes below `pid` (the study's workers), from /proc."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry) as f:
+                stat = f.read()
+            with open("/proc/%s/cmdline" % entry, "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append((int(entry), cmdline))
+    out, todo = [], [pid]
+    while todo:
+        for child, cmdline in children.get(todo.pop(), []):
+            todo.append(child)
+            if b"python" in cmdline and b"resource_tracker" not in cmdline:
+                out.append(child)
+    return out
+
+
+def run_study(cmd, timeout):
+    """subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout), except
+    that a study still running at the timeout first prints every one of its Python processes'
+    stacks (SIGUSR1: hsbn_compare's hook) and the test fails showing them, with the output so
+    far; then the study's whole process group is killed."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid] + _python_descendants(proc.pid):
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                continue
+            time.sleep(1)  # one process's dump at a time in the shared stderr (failing anyway)
+        try:  # the dumps are written at once; the study itself does not end
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        pytest.fail("%s did not finish in %d s; its stacks (SIGUSR1) and output:\n"
+                    "--- stdout ---\n%s\n--- stderr ---\n%s"
+                    % (" ".join(cmd[:2]), timeout, out[-4000:], err[-20000:]), pytrace=False)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -4,13 +4,14 @@ and a smoke run of every mode on both tasks through a real LocalCluster."""
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import COMPARE, REPO
+from conftest import COMPARE, REPO, run_study
 from hsbncmp import cli, data
 
 SCRIPT = os.path.join(COMPARE, "hsbn_compare.py")
@@ -86,7 +87,7 @@ def test_smoke_every_mode_both_tasks(tmp_path, native_parts):
            "--seeds", "1", "--test-size", "48", "--evals", "2", "--out", str(out),
            "--modes", ",".join(MODES), "--group-nodes", "1", "--precise-items", "6",
            "--no-progress", "--renorm", "warmup=1,ramp=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = run_study(cmd, 300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for name in ("results.md", "results.json", "runs.csv", "compare.png"):
         assert (out / name).stat().st_size > 0, name
@@ -151,7 +152,7 @@ def test_a_tiny_sweep_pairs_seeds_and_writes_its_report(tmp_path, native_parts):
            "--steps", "2", "--test-size", "32", "--sweep-batches", "2,4", "--sweep-skews",
            "0.8", "--sweep-seeds", "1", "--sweep-default-seeds", "2", "--precise-items", "4",
            "--modes", "node,global,reference", "--out", str(out), "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+    proc = run_study(cmd, 900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for name in ("sweep.md", "sweep.json", "runs.csv", "gap_vs_batch.svg", "acc_vs_sync.svg"):
         assert (out / name).stat().st_size > 0, name
@@ -356,12 +357,38 @@ def test_a_perturbed_statistic_fails_the_main_jobs_check(tmp_path, native_parts)
            "--seeds", "1", "--test-size", "16", "--evals", "1", "--out", str(out), "--task",
            "cls", "--modes", "global,reference", "--precise-items", "2", "--no-progress",
            "--link-delay-ms", "0", "--perturb-mean", "1,0.01"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = run_study(cmd, 300)
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "FAIL: global does not match reference" in proc.stderr
     res = json.loads((out / "results.json").read_text())
     row = res["check"]["rows"][0]
     assert not row["pass"] and row["stats_gap"] > 1e-3 > row["stats_tolerance"]
+
+
+def test_sigusr1_prints_the_programs_stacks_and_it_goes_on(tmp_path, native_parts):
+    """kill -USR1 (--help's advice for a run that seems stuck): the program writes its Python
+    stacks to stderr, every thread's, and finishes its run as if nothing happened."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, SCRIPT, "--nodes", "2", "--workers-per-node", "1", "--steps", "1",
+           "--seeds", "1", "--test-size", "16", "--evals", "1", "--out", str(out), "--task",
+           "cls", "--modes", "global", "--precise-items", "2", "--no-progress",
+           "--link-delay-ms", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    try:
+        # Printed (and flushed: the workers' start flushes stdout) before the cluster's run.
+        for line in proc.stdout:
+            if "distributed runs in a LocalCluster" in line:
+                break
+        os.kill(proc.pid, signal.SIGUSR1)
+        rest, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, rest[-4000:] + err[-4000:]
+    assert "Current thread" in err and "hsbn_compare.py" in err, err[-4000:]
+    assert (out / "results.json").stat().st_size > 0
 
 
 def test_a_torchvision_classifier_by_name(tmp_path, native_parts):
@@ -373,7 +400,7 @@ def test_a_torchvision_classifier_by_name(tmp_path, native_parts):
            "--workers-per-node", "1", "--steps", "1", "--seeds", "1", "--test-size", "8",
            "--evals", "1", "--precise-items", "2", "--link-delay-ms", "0", "--modes",
            "global,reference", "--out", str(out), "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    proc = run_study(cmd, 600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     res = json.loads((out / "results.json").read_text())
     want = sum(p.numel() for p in torchvision.models.resnet18(num_classes=10).parameters())

@@ -96,27 +96,27 @@ class SmellNet(nn.Module):
 def smells_case():
     """A model with every smell: wrapped in DDP (broadcast_buffers=True) before conversion to
     node scope, a plain BatchNorm added afterwards, track_running_stats=False, momentum 0.99,
-    a frozen (eval-mode) layer, and a head that sees one sample per channel on rank 0."""
+    a frozen (eval-mode) layer, and a head that sees one sample per channel on rank 0.
+    The pool's worker joins gloo once and keeps it (destroy_process_group() can hang in torch
+    2.x, docs/PYTORCH.md; the worker leaves with os._exit)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        rank = int(os.environ["RANK"])
-        torch.manual_seed(0)
-        net = SmellNet()
-        ddp = DistributedDataParallel(net, broadcast_buffers=True)
-        hsbn.torch.convert_sync_batchnorm(net, scope="node", name="smelly")
-        net.plain = nn.BatchNorm2d(8)
-        net.train()
-        net.bn_frozen.eval()
-        g = torch.Generator().manual_seed(rank)
-        n = 1 if rank == 0 else 2
-        report = hsbn.torch.diagnose(ddp, [torch.randn(n, 3, 4, 4, generator=g)])
-        modes = {name: m.training for name, m in net.named_modules()}
-        return {"report": report.as_dict(), "modes": modes}
-    finally:
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    net = SmellNet()
+    ddp = DistributedDataParallel(net, broadcast_buffers=True)
+    hsbn.torch.convert_sync_batchnorm(net, scope="node", name="smelly")
+    net.plain = nn.BatchNorm2d(8)
+    net.train()
+    net.bn_frozen.eval()
+    g = torch.Generator().manual_seed(rank)
+    n = 1 if rank == 0 else 2
+    report = hsbn.torch.diagnose(ddp, [torch.randn(n, 3, 4, 4, generator=g)])
+    modes = {name: m.training for name, m in net.named_modules()}
+    return {"report": report.as_dict(), "modes": modes}
 
 
 def group_case():

@@ -112,34 +112,31 @@ def train_with_rank_zero_extras(initial_state, batches_by_rank):
     from torch.nn.parallel import DistributedDataParallel
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    try:
-        rank = dist.get_rank()
-        extras = {}
+    rank = dist.get_rank()
+    extras = {}
+    if rank == 0:
+        extras["direct"] = hsbn.torch.SyncBatchNorm(8)       # shifts the construction count
+        extras["teacher"] = hsbn.torch.convert_sync_batchnorm(hsbn_cases.SmallCNN(),
+                                                             name="teacher").eval()
+    model = hsbn_cases.SmallCNN()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in initial_state.items()})
+    model = hsbn.torch.convert_sync_batchnorm(model, scope="global")
+    if rank == 0:
+        extras["ema"] = copy.deepcopy(model).eval()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches_by_rank[rank]:
+        x, y = torch.from_numpy(x), torch.from_numpy(y)
         if rank == 0:
-            extras["direct"] = hsbn.torch.SyncBatchNorm(8)       # shifts the construction count
-            extras["teacher"] = hsbn.torch.convert_sync_batchnorm(hsbn_cases.SmallCNN(),
-                                                                 name="teacher").eval()
-        model = hsbn_cases.SmallCNN()
-        model.load_state_dict({k: torch.from_numpy(v) for k, v in initial_state.items()})
-        model = hsbn.torch.convert_sync_batchnorm(model, scope="global")
-        if rank == 0:
-            extras["ema"] = copy.deepcopy(model).eval()
-        ddp = DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-        for x, y in batches_by_rank[rank]:
-            x, y = torch.from_numpy(x), torch.from_numpy(y)
-            if rank == 0:
-                with torch.no_grad():
-                    extras["teacher"](x)
-                    for e, p in zip(extras["ema"].parameters(), model.parameters()):
-                        e.mul_(0.9).add_(p, alpha=0.1)
-                    extras["ema"](x)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-        return hsbn_cases.state_numpy(model)
-    finally:
-        dist.destroy_process_group()
+            with torch.no_grad():
+                extras["teacher"](x)
+                for e, p in zip(extras["ema"].parameters(), model.parameters()):
+                    e.mul_(0.9).add_(p, alpha=0.1)
+                extras["ema"](x)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return hsbn_cases.state_numpy(model)
 
 
 def ddp_broadcast_buffer_warnings():
@@ -150,21 +147,18 @@ def ddp_broadcast_buffer_warnings():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out = []
-    try:
-        for scope, broadcast in (("global", True), ("node", False), ("node", True),
-                                 ("shadow", True)):
-            torch.manual_seed(0)
-            model = hsbn.torch.convert_sync_batchnorm(hsbn_cases.SmallCNN(), scope=scope,
-                                                      name="%s-%s" % (scope, broadcast))
-            ddp = DistributedDataParallel(model, broadcast_buffers=broadcast)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                for _ in range(3):
-                    ddp(torch.randn(4, 3, 6, 6)).sum().backward()
-            out.append([str(w.message) for w in caught if "broadcast_buffers" in str(w.message)])
-        return out
-    finally:
-        dist.destroy_process_group()
+    for scope, broadcast in (("global", True), ("node", False), ("node", True),
+                             ("shadow", True)):
+        torch.manual_seed(0)
+        model = hsbn.torch.convert_sync_batchnorm(hsbn_cases.SmallCNN(), scope=scope,
+                                                  name="%s-%s" % (scope, broadcast))
+        ddp = DistributedDataParallel(model, broadcast_buffers=broadcast)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                ddp(torch.randn(4, 3, 6, 6)).sum().backward()
+        out.append([str(w.message) for w in caught if "broadcast_buffers" in str(w.message)])
+    return out
 
 
 def synchronized_forward():

@@ -92,6 +92,8 @@ EPILOG = """\
 scaling up: more data and steps (--train-size 60000 --epochs 3), more seeds (--seeds 5),
 a bigger topology (--nodes 4 --workers-per-node 8 on a machine with the cores for it).
 A smoke run: --steps 3 --seeds 1 --test-size 64 (a minute).
+A run that seems stuck: kill -USR1 PID of the program or of any of its workers prints that
+process's Python stacks (every thread) to stderr and lets it go on.
 """
 
 
@@ -436,6 +438,7 @@ _REF_PROGRESS = None
 
 def _ref_init(progress):
     global _REF_PROGRESS
+    train.dump_stacks_on_sigusr1()
     _REF_PROGRESS = progress
 
 
@@ -710,6 +713,7 @@ def _command(argv):
 
 def main(argv=None):
     args = parse_args(argv)
+    train.dump_stacks_on_sigusr1()
     try:
         data.check_data_dir(args.data_dir)
     except data.DataMissingError as e:

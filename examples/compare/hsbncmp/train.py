@@ -11,8 +11,10 @@ momentum 0.9, cosine-decayed learning rate, cross-entropy averaged over the glob
 averages the workers' gradients, whose losses are averages over equal-sized worker batches).
 """
 
+import faulthandler
 import math
 import os
+import signal
 import time
 
 import numpy as np
@@ -145,6 +147,14 @@ def _recording_forward(client, ops, record, perturb):
     return forward
 
 
+def dump_stacks_on_sigusr1():
+    """`kill -USR1 PID` prints this process's Python stacks (every thread) to stderr: how a
+    stalled study tells where each of its processes waits. Set in the main process and in
+    every worker (the tests send it before they give up on a run)."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 # --- distributed runs --------------------------------------------------------------------------
 
 def cluster_worker(cfg, jobs, inits, plans, cache, progress):
@@ -155,6 +165,7 @@ def cluster_worker(cfg, jobs, inits, plans, cache, progress):
     import hsbn
     import hsbn.torch
 
+    dump_stacks_on_sigusr1()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -170,8 +181,11 @@ def cluster_worker(cfg, jobs, inits, plans, cache, progress):
         results.append(_distributed_run(torch, dist, hsbn, cfg, task, seed, mode,
                                         inits[(task, seed)], plans[(task, seed)], arrays,
                                         client, rank, world, progress, j))
+    # No destroy_process_group(): the worker leaves gloo by exiting, after its result is sent.
+    # In torch 2.x ProcessGroupGloo's destructor joins its threads holding the GIL, while one
+    # of them may wait for the GIL to free a tensor whose Python object is gone (torch 2.6
+    # hung so here, once in ~30 runs on a loaded 2-core machine; docs/PYTORCH.md).
     dist.barrier()
-    dist.destroy_process_group()
     client.close()
     return results if rank == 0 else None
 
