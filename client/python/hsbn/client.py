@@ -29,8 +29,13 @@ class _Scopes(collections.abc.Mapping):
     """name -> hsbn_scope value of every scope, read from the library's table on first use
     (_lib.scope_table(); importing hsbn needs no library)."""
 
+    _cache = None
+
     def _map(self):
-        return {s.name: s.value for s in _lib.scope_table()}
+        # Built once: the library's table does not change (rounds look scopes up every call).
+        if self._cache is None:
+            self._cache = {s.name: s.value for s in _lib.scope_table()}
+        return self._cache
 
     def __getitem__(self, name):
         return self._map()[name]
@@ -51,13 +56,20 @@ class _Names(collections.abc.Sequence):
 
     def __init__(self, flag, prefix=()):
         self._flag, self._prefix = flag, tuple(prefix)
+        self._cache = None
 
     def _names(self):
-        return self._prefix + tuple(s.name for s in _lib.scope_table()
-                                    if self._flag is None or getattr(s, self._flag))
+        if self._cache is None:  # built once, as _Scopes'
+            self._cache = self._prefix + tuple(
+                s.name for s in _lib.scope_table()
+                if self._flag is None or getattr(s, self._flag))
+        return self._cache
 
     def __getitem__(self, i):
         return self._names()[i]
+
+    def __contains__(self, name):
+        return name in self._names()
 
     def __len__(self):
         return len(self._names())
