@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -41,30 +40,6 @@ def native_parts():
         pytest.fail("hsbn's native parts are missing: " + NATIVE_ERROR, pytrace=False)
 
 
-def _python_descendants(pid):
-    """The Python processes below `pid` (the study's workers), from /proc."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % entry) as f:
-                stat = f.read()
-            with open("/proc/%s/cmdline" % entry, "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        children.setdefault(ppid, []).append((int(entry), cmdline))
-    out, todo = [], [pid]
-    while todo:
-        for child, cmdline in children.get(todo.pop(), []):
-            todo.append(child)
-            if b"python" in cmdline and b"resource_tracker" not in cmdline:
-                out.append(child)
-    return out
-
-
 def run_study(cmd, timeout):
     """subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout), except
     that a study still running at the timeout first prints every one of its Python processes'
@@ -75,12 +50,8 @@ def run_study(cmd, timeout):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for pid in [proc.pid] + _python_descendants(proc.pid):
-            try:
-                os.kill(pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                continue
-            time.sleep(1)  # one process's dump at a time in the shared stderr (failing anyway)
+        from hsbncmp import cli
+        cli.dump_stacks([proc.pid] + cli.python_descendants(proc.pid))
         try:  # the dumps are written at once; the study itself does not end
             out, err = proc.communicate(timeout=10)
         except subprocess.TimeoutExpired:

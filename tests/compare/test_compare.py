@@ -391,6 +391,28 @@ def test_sigusr1_prints_the_programs_stacks_and_it_goes_on(tmp_path, native_part
     assert (out / "results.json").stat().st_size > 0
 
 
+def test_a_stalled_worker_stops_the_run_naming_the_stall(tmp_path, native_parts):
+    """--stall-minutes: a worker that hangs (--debug-stall-at-step) stops the run with exit
+    status 1 and a message naming the stall, after the processes' Python stacks (the stuck
+    worker's among them once it got there), and writes no results."""
+    cmd = [sys.executable, SCRIPT, "--nodes", "2", "--workers-per-node", "1", "--steps", "3",
+           "--seeds", "1", "--test-size", "16", "--evals", "1", "--out", str(tmp_path / "out"),
+           "--task", "cls", "--modes", "global", "--no-progress", "--link-delay-ms", "0",
+           "--stall-minutes", "0.1", "--debug-stall-at-step", "1"]
+    proc = run_study(cmd, 300)
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "hsbn_compare: no training step finished in" in proc.stderr, proc.stderr[-4000:]
+    assert "--stall-minutes 0.1 allows; the run stopped" in proc.stderr
+    assert "Current thread" in proc.stderr  # the stacks (the main process's at least)
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_stall_minutes_refuses_a_negative_value():
+    bad = subprocess.run([sys.executable, SCRIPT, "--stall-minutes", "-1"], capture_output=True,
+                         text=True, timeout=120, cwd=REPO)
+    assert bad.returncode == 2 and "--stall-minutes: -1.0 is not a number of minutes" in bad.stderr
+
+
 def test_a_torchvision_classifier_by_name(tmp_path, native_parts):
     """--model resnet18: torchvision's ResNet-18 in the comparison (one step, 2 nodes x 1
     worker), checked against the float64 reference like the small CNN."""

@@ -1,13 +1,16 @@
 """The comparison: flags, data preparation, the distributed runs in a LocalCluster, the
 one-process references, the global vs reference check, and the report."""
 
+import _thread
 import argparse
+import faulthandler
 import multiprocessing
 import os
 import platform
 import re
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -173,6 +176,11 @@ def parse_args(argv=None):
                    help="aggregators' round deadline (default 120000; workers on an "
                         "oversubscribed CPU can be slow)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--stall-minutes", type=float, default=30.0, metavar="M",
+                   help="stop the run when no training step finished for M minutes (default "
+                        "30; 0: never), after printing every process's Python stacks: a hang "
+                        "is named, not waited for")
+    g.add_argument("--debug-stall-at-step", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--perturb-mean", default=None, metavar="LAYER,K",
                    help="for testing the global vs reference check: in global's first step, "
                         "move BatchNorm layer LAYER's (index in module order) merged mean by K "
@@ -274,6 +282,9 @@ def parse_args(argv=None):
         args.renorm = renorm_options(args.renorm)
     except ValueError as e:
         p.error("--renorm: %s" % e)
+    if args.stall_minutes < 0 or args.stall_minutes != args.stall_minutes:
+        p.error("--stall-minutes: %r is not a number of minutes >= 0 (0: never)"
+                % args.stall_minutes)
     if args.perturb_mean is not None:
         try:
             layer, k = args.perturb_mean.split(",")
@@ -392,6 +403,93 @@ def _clock(seconds):
         return "?"
     seconds = int(seconds)
     return "%d:%02d" % (seconds // 60, seconds % 60)
+
+
+def python_descendants(pid):
+    """The Python processes below `pid` (workers), from /proc; multiprocessing's resource
+    tracker left out."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry) as f:
+                stat = f.read()
+            with open("/proc/%s/cmdline" % entry, "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append((int(entry), cmdline))
+    out, todo = [], [pid]
+    while todo:
+        for child, cmdline in children.get(todo.pop(), []):
+            todo.append(child)
+            if b"python" in cmdline and b"resource_tracker" not in cmdline:
+                out.append(child)
+    return out
+
+
+def dump_stacks(pids):
+    """SIGUSR1 to each of `pids` in turn (train.dump_stacks_on_sigusr1: its Python stacks to
+    the shared stderr), a second apart so that the dumps do not interleave."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            continue
+        time.sleep(1)
+
+
+class Watchdog:
+    """Stops a phase of the run (with it: `counter` [steps done, job index], as Progress) when no
+    step finished for `minutes` (0: never): prints why, this process's and every worker's
+    Python stacks, then interrupts the main thread; the phase's caller passes the
+    KeyboardInterrupt to stalled(), which turns it into SystemExit naming the stall."""
+
+    def __init__(self, counter, minutes, labels):
+        self.counter, self.limit, self.labels = counter, 60.0 * minutes, labels
+        self.fired = None
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        if self.limit > 0:
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+
+    def _loop(self):
+        last, since = int(self.counter[0]), time.monotonic()
+        while not self._stop.wait(min(5.0, self.limit / 4)):
+            done, now = int(self.counter[0]), time.monotonic()
+            if done != last:
+                last, since = done, now
+            elif now - since >= self.limit:
+                break
+        else:
+            return
+        job = int(self.counter[1])
+        label = self.labels[min(job, len(self.labels) - 1)] if self.labels else ""
+        self.fired = ("no training step finished in %s (%d steps done, %s): a hang, or steps "
+                      "slower than --stall-minutes %g allows; the run stopped" % (
+                          _clock(now - since), done, label, self.limit / 60.0))
+        print("hsbn_compare: %s. Every process's Python stacks follow." % self.fired,
+              file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        dump_stacks(python_descendants(os.getpid()))
+        _thread.interrupt_main()
+
+    def stalled(self):
+        """Called with a KeyboardInterrupt in flight: SystemExit(1) naming the stall when this
+        watchdog raised it; returns otherwise (a real Ctrl-C goes on)."""
+        if self.fired:
+            raise SystemExit("hsbn_compare: " + self.fired)
 
 
 # --- the parts ---------------------------------------------------------------------------------
@@ -632,7 +730,9 @@ def make_cfg(args, tasks, seeds, batch, skew):
                                                        or "auto" in args.modes),
             "group_link_delay_us": args.group_link_delay_us,
             "perturb_mean": args.perturb_mean, "model": args.model,
-            "renorm": dict(args.renorm) if "renorm" in args.modes else None}
+            "renorm": dict(args.renorm) if "renorm" in args.modes else None,
+            **({"debug_stall_at_step": args.debug_stall_at_step}
+               if args.debug_stall_at_step is not None else {})}
 
 
 def run_cell(args, cfg, d, pool, cache, label=""):
@@ -675,13 +775,18 @@ def run_cell(args, cfg, d, pool, cache, label=""):
         if tier:
             kwargs.update(group_tier=True, group_nodes=cfg["group_nodes"],
                           group_link_delay_us=cfg["group_link_delay_us"])
-        with hsbn.cluster.LocalCluster(nodes=cfg["nodes"],
-                                       workers_per_node=cfg["workers_per_node"],
-                                       round_timeout_ms=args.round_timeout_ms,
-                                       **kwargs) as cluster:
-            with Progress(counter, labels, totals, not args.no_progress):
-                out = cluster.run(train.cluster_worker, cfg, dist_jobs, inits, plans, cache,
-                                  counter)
+        watchdog = Watchdog(counter, args.stall_minutes, labels)
+        try:
+            with hsbn.cluster.LocalCluster(nodes=cfg["nodes"],
+                                           workers_per_node=cfg["workers_per_node"],
+                                           round_timeout_ms=args.round_timeout_ms,
+                                           **kwargs) as cluster:
+                with Progress(counter, labels, totals, not args.no_progress), watchdog:
+                    out = cluster.run(train.cluster_worker, cfg, dist_jobs, inits, plans,
+                                      cache, counter)
+        except KeyboardInterrupt:
+            watchdog.stalled()
+            raise
         runs += out[0]
     # The references run after the distributed runs: each gets global's first-step kink
     # decisions, for the float64 gradient on global's branch (the check).
@@ -700,8 +805,13 @@ def run_cell(args, cfg, d, pool, cache, label=""):
         labels = ["%sreference runs (%d at a time)" % (label, procs)]
         totals = [j[6]["steps"] for j in ref_jobs]
         print("hsbn_compare: %d one-process reference runs" % len(ref_jobs))
-        with Progress(counter, labels, totals, not args.no_progress):
-            runs += run_references([j + (0,) for j in ref_jobs], procs, counter)
+        watchdog = Watchdog(counter, args.stall_minutes, labels)
+        try:
+            with Progress(counter, labels, totals, not args.no_progress), watchdog:
+                runs += run_references([j + (0,) for j in ref_jobs], procs, counter)
+        except KeyboardInterrupt:
+            watchdog.stalled()
+            raise
     return runs
 
 

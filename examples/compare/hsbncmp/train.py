@@ -155,6 +155,12 @@ def dump_stacks_on_sigusr1():
         faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
+def _stall_forever():
+    """A worker that hangs (--debug-stall-at-step, for the tests of --stall-minutes)."""
+    import threading
+    threading.Event().wait()
+
+
 # --- distributed runs --------------------------------------------------------------------------
 
 def cluster_worker(cfg, jobs, inits, plans, cache, progress):
@@ -291,6 +297,8 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
     first = {"stats": {}}
     perturb = cfg.get("perturb_mean") if mode == "global" else None
     for step in range(steps):
+        if step == cfg.get("debug_stall_at_step") and rank == 0:
+            _stall_forever()  # tests of --stall-minutes
         x, y = batch(torch, task, plan, arrays, step, [rank])
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, task) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
