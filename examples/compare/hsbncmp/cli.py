@@ -345,7 +345,31 @@ def _cluster_has(parameter):
 
 # --- progress ----------------------------------------------------------------------------------
 
-class Progress:
+class _Watcher:
+    """A daemon thread that runs self._loop() for the length of a `with` block, when
+    self._wanted(); self._stop is set at the block's end, and self._ended() runs once the thread
+    has joined."""
+
+    def __enter__(self):
+        self.start = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = None
+        if self._wanted():
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+            self._ended()
+
+    def _ended(self):
+        pass
+
+
+class Progress(_Watcher):
     """A progress bar on stderr over a shared counter [steps done, current job] that the
     training processes advance."""
 
@@ -356,22 +380,13 @@ class Progress:
         self.total = sum(totals)
         self.enabled = enabled
         self.tty = sys.stderr.isatty()
-        self._stop = threading.Event()
-        self._thread = None
         self._last_pct = -1
 
-    def __enter__(self):
-        self.start = time.monotonic()
-        if self.enabled:
-            self._thread = threading.Thread(target=self._loop, daemon=True)
-            self._thread.start()
-        return self
+    def _wanted(self):
+        return self.enabled
 
-    def __exit__(self, *exc):
-        self._stop.set()
-        if self._thread:
-            self._thread.join()
-            self._draw(final=True)
+    def _ended(self):
+        self._draw(final=True)
 
     def _loop(self):
         while not self._stop.wait(0.5):
@@ -441,7 +456,7 @@ def dump_stacks(pids):
         time.sleep(1)
 
 
-class Watchdog:
+class Watchdog(_Watcher):
     """Stops a phase of the run (with it: `counter` [steps done, job index], as Progress) when no
     step finished for `minutes` (0: never): prints why, this process's and every worker's
     Python stacks, then interrupts the main thread; the phase's caller passes the
@@ -450,19 +465,9 @@ class Watchdog:
     def __init__(self, counter, minutes, labels):
         self.counter, self.limit, self.labels = counter, 60.0 * minutes, labels
         self.fired = None
-        self._stop = threading.Event()
-        self._thread = None
 
-    def __enter__(self):
-        if self.limit > 0:
-            self._thread = threading.Thread(target=self._loop, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        if self._thread:
-            self._thread.join()
+    def _wanted(self):
+        return self.limit > 0
 
     def _loop(self):
         last, since = int(self.counter[0]), time.monotonic()
