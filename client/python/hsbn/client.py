@@ -441,16 +441,16 @@ class Client:
         out_a = np.empty_like(a)
         out_b = np.empty_like(b)
         out_count = ctypes.c_int64()
-        dp = ctypes.POINTER(ctypes.c_double)
         if scope in LATE_SCOPES and what == "forward":
             self._renorm_channels[int(op) & 0xFFFFFFFF] = channels
         rnd = ctypes.c_void_p()
+        # The arrays' addresses as ints (_lib declares double* as void*); a, b, out_a and out_b
+        # stay referenced here until the calls return.
         rc = self._lib.hsbn_round_start(self._handle, phase, int(op), int(seq), scope_code,
-                                        channels, int(count), a.ctypes.data_as(dp),
-                                        b.ctypes.data_as(dp), ctypes.byref(rnd))
+                                        channels, int(count), a.ctypes.data, b.ctypes.data,
+                                        ctypes.byref(rnd))
         if rc == 0:
-            rc = self._wait(rnd, ctypes.byref(out_count), out_a.ctypes.data_as(dp),
-                            out_b.ctypes.data_as(dp))
+            rc = self._wait(rnd, ctypes.byref(out_count), out_a.ctypes.data, out_b.ctypes.data)
         if rc != 0:
             raise error_for(rc, "%s round of %s (op=%d, seq=%d, scope %s, rank %d of job %r) "
                             "failed: %s" % (what, op_label(op), op, seq, scope, self.rank,
@@ -526,8 +526,7 @@ class Client:
         a = np.empty(max(channels, 1), dtype=np.float64)
         b = np.empty_like(a)
         count = ctypes.c_int64()
-        dp = ctypes.POINTER(ctypes.c_double)
-        args = (ctypes.byref(count), a.ctypes.data_as(dp), b.ctypes.data_as(dp))
+        args = (ctypes.byref(count), a.ctypes.data, b.ctypes.data)
         done = ctypes.c_int(0)
         # In slices, as _wait: Ctrl-C raises here within a slice (and aborts the client).
         try:
