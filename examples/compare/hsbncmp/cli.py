@@ -421,10 +421,14 @@ def _clock(seconds):
 
 
 def python_descendants(pid):
-    """The Python processes below `pid` (workers), from /proc; multiprocessing's resource
-    tracker left out."""
+    """The Python processes below `pid` (workers), from /proc (none without one);
+    multiprocessing's resource tracker left out."""
     children = {}
-    for entry in os.listdir("/proc"):
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
         if not entry.isdigit():
             continue
         try:
