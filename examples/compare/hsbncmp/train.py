@@ -190,7 +190,7 @@ def cluster_worker(cfg, jobs, inits, plans, cache, progress):
     # No destroy_process_group(): the worker leaves gloo by exiting, after its result is sent.
     # In torch 2.x ProcessGroupGloo's destructor joins its threads holding the GIL, while one
     # of them may wait for the GIL to free a tensor whose Python object is gone (torch 2.6
-    # hung so here, once in ~30 runs on a loaded 2-core machine; docs/PYTORCH.md).
+    # hung so here twice in 46 runs on a loaded 2-core machine; docs/PYTORCH.md).
     dist.barrier()
     client.close()
     return results if rank == 0 else None
