@@ -428,6 +428,7 @@ class Bench:
                    "--ready-file=" + ready, "--id=node%d" % n]
             if upstream:
                 cmd.append("--upstream=" + upstream)
+            cmd += self.args.sidecar_flag or []
             addrs.append(launch.server(cmd, "node%d" % n, ready)[0])
         return addrs
 
@@ -874,6 +875,8 @@ def main():
     ap.add_argument("--resnet-steps", type=int, help="override timed ResNet-50 steps")
     ap.add_argument("--load-jobs", type=int, default=16, help="concurrent jobs in the throughput run")
     ap.add_argument("--aggregator", help="path of hsbn-aggregator (default: found in --build-dir)")
+    ap.add_argument("--sidecar-flag", action="append", metavar="FLAG",
+                    help="a flag for every hsbn sidecar (repeatable), e.g. --sidecar-flag=--shm-ring=4")
     ap.add_argument("--torch-python", default="/usr/bin/python3")
     ap.add_argument("--check", action="store_true",
                     help="exit 1 unless every row is well-formed with positive numbers")
