@@ -133,7 +133,6 @@ absl::Status ShmChannel::Await(Clock::time_point deadline) {
     {
       absl::MutexLock lock(&mu_);
       busy_.assign(size_t(segment_->geometry().ring), false);
-      own_.assign(size_t(segment_->geometry().ring), shm::Answer{});
     }
     if (config_.local_world_size > int32_t(std::thread::hardware_concurrency())) {
       max_spin_ns_ = 5000;  // waiters without cores of their own: spinning delays the last rank
@@ -201,65 +200,40 @@ shm::ReduceOptions ShmChannel::Reduce() const {
   o.job_id = config_.job_id;
   o.max_channels_limit = config_.max_channels;
   o.self = config_.local_rank;
-  o.per_rank_max = segment_ ? std::clamp<int32_t>(segment_->header()->per_rank_max, 0, shm::kPerRankLimit) : 0;
   return o;
 }
 
 void ShmChannel::HarvestLocked() {
   const int32_t rank = config_.local_rank;
   const Clock::time_point now = Clock::now();
-  const shm::ReduceOptions opts = Reduce();
   for (int32_t i = 0; i < segment_->geometry().ring; ++i) {
     if (!busy_[size_t(i)]) continue;
     const uint32_t w = segment_->State(rank, i);
-    shm::Answer& own = own_[size_t(i)];
     if (auto a = abandoned_.find(i); a != abandoned_.end()) {
       // Nobody waits for it: free it once answered, or at the aggregator's deadline.
       absl::Status ignored_status;
       int64_t ignored_count;
       std::vector<double> ignored_data;
       const uint32_t posted = a->second.posted;
-      const bool gathered = w == ((posted & ~0xffu) | shm::kGathered);
-      if (gathered) segment_->Release(rank, a->second.key);  // read by nobody here
-      if (own.ready || gathered ||
-          segment_->Take(rank, i, posted, 0, &ignored_status, &ignored_count, &ignored_data) ||
+      if (segment_->Take(rank, i, posted, 0, &ignored_status, &ignored_count, &ignored_data) ||
           (now >= a->second.deadline && segment_->Withdraw(rank, i, posted)) ||
           (w != posted && (w & 0xffu) != shm::kWriting &&
            w != ((posted & ~0xffu) | shm::kDone))) {
-        own.ready = false;
         busy_[size_t(i)] = false;
         abandoned_.erase(a);
       }
       continue;
     }
+    if ((w & 0xffu) != shm::kDone) continue;
+    const uint32_t posted = (w & ~0xffu) | shm::kPosted;
     Stashed s;
-    if (own.ready) {  // a per-rank round this rank claimed and computed in Start
-      s.posted = own.posted;
-      s.status = own.status;
-      s.count = own.count;
-      s.data = own.data;
-      own.ready = false;
-    } else if ((w & 0xffu) == shm::kGathered) {
-      s.posted = (w & ~0xffu) | shm::kPosted;
-      const shm::SlotHead* h = segment_->slot(rank, i);
-      const shm::Key key{__atomic_load_n(&h->op, __ATOMIC_RELAXED),
-                         __atomic_load_n(&h->seq, __ATOMIC_RELAXED),
-                         __atomic_load_n(&h->phase, __ATOMIC_RELAXED)};
-      if (!segment_->Collect(rank, i, s.posted, key, opts, &s.status, &s.count, &s.data)) {
-        continue;
-      }
-    } else if ((w & 0xffu) == shm::kDone) {
-      s.posted = (w & ~0xffu) | shm::kPosted;
-      // The stash keeps the raw payload; Wait checks it against the round's channels.
-      int64_t channels =
-          int64_t(__atomic_load_n(&segment_->slot(rank, i)->channels, __ATOMIC_RELAXED));
-      channels = std::clamp<int64_t>(channels, 0, segment_->geometry().max_channels);
-      if (!segment_->Take(rank, i, s.posted, channels, &s.status, &s.count, &s.data)) continue;
-    } else {
-      continue;
-    }
+    s.posted = posted;
+    // The stash keeps the raw payload; Wait checks it against the round's channels.
+    int64_t channels = int64_t(__atomic_load_n(&segment_->slot(rank, i)->channels, __ATOMIC_RELAXED));
+    channels = std::clamp<int64_t>(channels, 0, segment_->geometry().max_channels);
+    if (!segment_->Take(rank, i, posted, channels, &s.status, &s.count, &s.data)) continue;
     busy_[size_t(i)] = false;
-    stash_[RoundId(i, s.posted)] = std::move(s);
+    stash_[RoundId(i, posted)] = std::move(s);
   }
 }
 
@@ -323,20 +297,7 @@ absl::StatusOr<ShmRound> ShmChannel::Start(const shm::Key& key, int32_t scope, i
     r.started = Clock::now();
     r.posted = segment_->Post(rank, slot, key, scope, channels, count, a, b);
   }
-  // A per-rank round this rank completes: its own answer is computed here (no lock held: the
-  // other ranks reduce at the same time), and kept for its Wait.
-  thread_local shm::Answer mine;
-  mine.ready = false;
-  segment_->TryReduce(key, r.slot, opts, &mine);
-  if (mine.ready) {
-    absl::MutexLock lock(&mu_);
-    shm::Answer& own = own_[size_t(r.slot)];
-    own.ready = true;
-    own.posted = r.posted;
-    own.status = std::move(mine.status);
-    own.count = mine.count;
-    own.data.swap(mine.data);
-  }
+  segment_->TryReduce(key, r.slot, opts);
   return r;
 }
 
@@ -470,14 +431,6 @@ ShmChannel::Taken ShmChannel::TakeAnswer(const ShmRound& r, absl::Status* status
                                          int64_t* count, std::vector<double>* data) {
   const int32_t rank = config_.local_rank;
   absl::MutexLock lock(&mu_);
-  if (shm::Answer& own = own_[size_t(r.slot)]; own.ready && own.posted == r.posted) {
-    *status = std::move(own.status);
-    *count = own.count;
-    data->swap(own.data);
-    own.ready = false;
-    busy_[size_t(r.slot)] = false;
-    return Taken::kTaken;
-  }
   if (auto it = stash_.find(RoundId(r.slot, r.posted)); it != stash_.end()) {
     *status = it->second.status;
     *count = it->second.count;
@@ -485,8 +438,7 @@ ShmChannel::Taken ShmChannel::TakeAnswer(const ShmRound& r, absl::Status* status
     stash_.erase(it);
     return Taken::kTaken;
   }
-  if (segment_->Take(rank, r.slot, r.posted, r.channels, status, count, data) ||
-      segment_->Collect(rank, r.slot, r.posted, r.key, Reduce(), status, count, data)) {
+  if (segment_->Take(rank, r.slot, r.posted, r.channels, status, count, data)) {
     busy_[size_t(r.slot)] = false;
     return Taken::kTaken;
   }
@@ -511,7 +463,7 @@ absl::Status ShmChannel::Abandon(const ShmRound& r, Clock::time_point aggregator
   // can still complete for the other ranks; the slot is reclaimed once it does, or at the
   // aggregator's deadline.
   absl::MutexLock lock(&mu_);
-  abandoned_[r.slot] = Abandoned{r.key, r.posted, aggregator_deadline};
+  abandoned_[r.slot] = Abandoned{r.posted, aggregator_deadline};
   return absl::DeadlineExceededError(absl::StrCat(
       "round ", NameOf(r.key), ": no answer through the node's shared memory within ",
       client_timeout.count(), " ms"));

@@ -113,8 +113,7 @@ class ShmChannel {
  private:
   explicit ShmChannel(ShmConfig config) : config_(std::move(config)) {}
   shm::ReduceOptions Reduce() const;
-  // Takes the answers of this rank's DONE slots, and computes those of its GATHERED ones, into
-  // stash_ (frees the slots for new rounds). mu_ held.
+  // Takes the answers of DONE slots of this rank into stash_ (frees their slots). mu_ held.
   void HarvestLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status Deliver(const absl::Status& s, int64_t count, const std::vector<double>& data,
                        int64_t channels, int64_t* out_count, double* out_a, double* out_b);
@@ -150,11 +149,7 @@ class ShmChannel {
   absl::CondVar never_;  // no one signals it: a timed wait on it is a sleep that releases mu_
   std::vector<bool> busy_ ABSL_GUARDED_BY(mu_);  // slots owned by a round not yet waited for
   std::map<uint64_t, Stashed> stash_ ABSL_GUARDED_BY(mu_);  // by RoundId(slot, posted)
-  // Per slot: the answer this rank computed when it claimed a per-rank round (Start), until
-  // its Wait takes it (ready: set; reused buffers, so a round allocates nothing here).
-  std::vector<shm::Answer> own_ ABSL_GUARDED_BY(mu_);
   struct Abandoned {
-    shm::Key key;
     uint32_t posted;
     Clock::time_point deadline;  // the aggregator's: withdrawn then if still unanswered
   };

@@ -355,7 +355,6 @@ absl::Status LocalCluster::StartSidecar(int node) {
   } else if (!root_address_.empty()) {
     flags.push_back("--upstream=" + root_address_);
   }
-  flags.insert(flags.end(), options_.sidecar_flags.begin(), options_.sidecar_flags.end());
   std::string bound;
   auto p = StartAggregator(absl::StrCat("node", node), flags, &bound);
   if (!p.ok()) return p.status();

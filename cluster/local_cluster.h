@@ -60,7 +60,6 @@ struct ClusterOptions {
   std::string dir;         // sockets, ready files, logs; "" = a new temporary directory
   std::vector<std::string> extra_flags;  // given to every aggregator
   std::vector<std::string> root_flags;   // given to the root only (root-only flags)
-  std::vector<std::string> sidecar_flags;  // given to the sidecars only (node-only flags)
   bool root = true;        // start a root when nodes > 1
   // Simulated cross-node link: with link_proxy (or a link_delay_ms > 0) every sidecar reaches
   // the root through its own hsbn-linkproxy, which holds each chunk link_delay_ms in each

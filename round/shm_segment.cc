@@ -103,8 +103,7 @@ absl::StatusOr<Geometry> Geometry::Make(int64_t ranks, int64_t ring, int64_t max
   return g;
 }
 
-absl::StatusOr<std::unique_ptr<Segment>> Segment::Create(const Geometry& g, bool has_parent,
-                                                         int32_t per_rank_max) {
+absl::StatusOr<std::unique_ptr<Segment>> Segment::Create(const Geometry& g, bool has_parent) {
   const int fd = int(syscall(SYS_memfd_create, "hsbn-node-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (fd < 0) {
     return absl::UnavailableError(absl::StrCat("memfd_create failed: ", std::strerror(errno)));
@@ -129,7 +128,6 @@ absl::StatusOr<std::unique_ptr<Segment>> Segment::Create(const Geometry& g, bool
   h->max_channels = g.max_channels;
   h->queue = g.queue;
   h->has_parent = has_parent ? 1 : 0;
-  h->per_rank_max = std::clamp<int32_t>(per_rank_max, 0, kPerRankLimit);
   h->total_bytes = g.total_bytes;
   __atomic_store_n(&h->magic, kMagic, __ATOMIC_SEQ_CST);
   return seg;
@@ -205,7 +203,6 @@ uint32_t Segment::Post(int32_t rank, int32_t i, const Key& key, int32_t scope, i
   }
   Store(&s->claim, gen << 1);
   Store(&s->sleeping, 0);
-  Store(&s->readers, 0);
   const uint32_t posted = Word(gen, kPosted);
   __atomic_fetch_add(&header()->posts[rank], 1, __ATOMIC_RELAXED);
   // Sequentially consistent: of the ranks posting one round, the last to post sees every
@@ -314,7 +311,7 @@ void Segment::Deliver(int32_t rank, int32_t i, uint32_t posted, int32_t code,
   if (Load(&s->sleeping) != 0) FutexWake(&s->state);
 }
 
-bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o, Answer* mine) {
+bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o) {
   const int32_t n = g_.ranks;
   thread_local std::vector<int32_t> idx;
   thread_local std::vector<uint32_t> posted;
@@ -331,21 +328,26 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o, An
   const uint32_t gen0 = GenOf(posted[0]);
   if (!Cas(&slot(0, idx[0])->claim, gen0 << 1, (gen0 << 1) | 1u)) return false;
 
-  // Per-rank unless the sidecar answers the round (global on several nodes: the root's result).
-  bool per_rank = mine != nullptr && n <= o.per_rank_max && n <= kPerRankLimit && o.self >= 0 &&
-                  o.self < n;
-  for (int32_t r = 0; r < n && per_rank; ++r) {
-    per_rank = !(Read(&slot(r, idx[r])->scope) == v1::SCOPE_GLOBAL && o.num_nodes > 1);
-  }
-  if (per_rank) return Gather(key, idx, posted, o, mine);
-
   int32_t scope = 0;
   int64_t channels = 0;
   absl::Status error = CopyChecked(key, idx, posted, o, &scope, &channels, &counts, &buf);
   int64_t count = 0;
+  wire::ReduceFault fault;
   if (error.ok()) {
+    // Names are built only for an error message.
+    auto ref = [&] {
+      return wire::RoundRef{wire::RoundName(key.op, key.seq, v1::Phase(key.phase)), o.job_id};
+    };
     result.resize(2 * size_t(channels));
-    error = ReduceCopies(key, o, n, channels, counts, buf, &result, &count);
+    error = wire::ReduceRound(
+        key.phase == v1::PHASE_FORWARD, channels, n, [&](int i) { return counts[size_t(i)]; },
+        [&](int i, const double** ai, const double** bi) {
+          *ai = buf.data() + size_t(i) * 2 * size_t(channels);
+          *bi = *ai + channels;
+          return counts[size_t(i)];
+        },
+        Names(o, n), o.strict_finite, ref, result.data(), result.data() + channels, &count,
+        &fault);
   }
   // A failed round goes up if any rank asked for a scope that reaches the root: the other
   // nodes' ranks may wait there for this node's partial (ranks that disagree on the scope).
@@ -361,12 +363,12 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o, An
     FailClaimed(key, idx, posted, scope, up, error, o);
     return true;
   }
-  std::vector<bool> mine_slots = BeginAll(idx, posted);
+  std::vector<bool> mine = BeginAll(idx, posted);
   CountRound(scope, key.phase, 0);
   // The waiting ranks first, this process's own answer last: it is not waiting.
   for (int32_t k = 0; k < n; ++k) {
     const int32_t r = o.self >= 0 && o.self < n ? (o.self + 1 + k) % n : k;
-    if (mine_slots[size_t(r)]) {
+    if (mine[size_t(r)]) {
       Deliver(r, idx[r], posted[r], 0, "", count, channels, result.data(),
               result.data() + channels);
     }
@@ -374,201 +376,10 @@ bool Segment::TryReduce(const Key& key, int32_t hint, const ReduceOptions& o, An
   return true;
 }
 
-bool Segment::Gather(const Key& key, const std::vector<int32_t>& idx,
-                     const std::vector<uint32_t>& posted, const ReduceOptions& o,
-                     Answer* mine) {
-  const int32_t n = g_.ranks;
-  // Every slot leaves "posted" (BeginAll: its owner can no longer withdraw it) before any is
-  // GATHERED, so a rank that sees its own slot GATHERED finds every other one of the round.
-  std::vector<bool> held = BeginAll(idx, posted);
-  for (int32_t r = 0; r < n; ++r) {
-    if (held[size_t(r)]) continue;
-    // A rank withdrew before its slot left "posted": the round fails for the others, as when a
-    // claimer sees a withdrawal while it copies.
-    for (int32_t q = 0; q < n; ++q) {
-      if (held[size_t(q)]) Store(&slot(q, idx[q])->state, posted[q]);
-    }
-    bool up = false;
-    for (int32_t q = 0; q < n && !up; ++q) up = ReachesParent(Read(&slot(q, idx[q])->scope), o);
-    FailClaimed(key, idx, posted, 0, up,
-                absl::AbortedError(absl::StrCat(
-                    "round ", wire::RoundName(key.op, key.seq, v1::Phase(key.phase)), " of job '",
-                    o.job_id, "': ", Names(o, n)(r), " withdrew its contribution while it was "
-                    "reduced (its wait ended); the round failed")),
-                o);
-    return true;
-  }
-  const uint32_t full = n == 32 ? ~0u : (1u << n) - 1u;
-  thread_local std::vector<uint32_t> gen;
-  gen.assign(size_t(n), 0);
-  for (int32_t r = 0; r < n; ++r) {
-    SlotHead* s = slot(r, idx[r]);
-    gen[size_t(r)] = GenOf(posted[r]);
-    const uint32_t gathered = Word(gen[size_t(r)], kGathered);
-    Store(&s->state, gathered);
-    if (Load(&s->sleeping) != 0) FutexWake(&s->state);
-    // Every bit may be set already (a gone rank's, by its sidecar): then nobody else frees it.
-    if (Load(&s->readers) == full) Cas(&s->state, gathered, Word(gen[size_t(r)], kFree));
-  }
-  __atomic_fetch_add(&header()->per_rank, 1, __ATOMIC_RELAXED);
-  mine->ready = true;
-  Compute(key, idx, gen, o, o.self, true, &mine->status, &mine->count, &mine->data);
-  return true;
-}
-
-bool Segment::Collect(int32_t rank, int32_t i, uint32_t posted, const Key& key,
-                      const ReduceOptions& o, absl::Status* status, int64_t* count,
-                      std::vector<double>* data) {
-  const int32_t n = g_.ranks;
-  if (rank < 0 || rank >= n || n > kPerRankLimit || i < 0 || i >= g_.ring ||
-      Load(&slot(rank, i)->state) != Word(GenOf(posted), kGathered)) {
-    return false;
-  }
-  thread_local std::vector<int32_t> idx;
-  thread_local std::vector<uint32_t> gen;
-  idx.assign(size_t(n), -1);
-  gen.assign(size_t(n), 0);
-  for (int32_t r = 0; r < n; ++r) {
-    if (r == rank) {
-      idx[size_t(r)] = i;
-      gen[size_t(r)] = GenOf(posted);
-    } else {
-      FindGathered(r, key, rank, &idx[size_t(r)], &gen[size_t(r)]);
-    }
-  }
-  Compute(key, idx, gen, o, rank, false, status, count, data);
-  return true;
-}
-
-bool Segment::FindGathered(int32_t owner, const Key& key, int32_t reader, int32_t* index,
-                           uint32_t* gen) const {
-  for (int32_t i = 0; i < g_.ring; ++i) {
-    SlotHead* s = slot(owner, i);
-    const uint32_t w = Load(&s->state);
-    // WRITING: the claimer has not yet marked this one GATHERED; its contribution is final.
-    if (StateOf(w) != kGathered && StateOf(w) != kWriting) continue;
-    if (Read(&s->op) != key.op || Read(&s->seq) != key.seq || Read(&s->phase) != key.phase) {
-      continue;
-    }
-    if ((Load(&s->readers) >> reader) & 1u) continue;  // read already: not this round's
-    *index = i;
-    *gen = GenOf(w);
-    return true;
-  }
-  return false;
-}
-
-void Segment::Compute(const Key& key, const std::vector<int32_t>& idx,
-                      const std::vector<uint32_t>& gen, const ReduceOptions& o, int32_t self,
-                      bool duties, absl::Status* status, int64_t* count,
-                      std::vector<double>* data) {
-  const int32_t n = g_.ranks;
-  thread_local std::vector<double> buf;
-  thread_local std::vector<int64_t> counts;
-  thread_local std::vector<Copied> copies;
-  counts.resize(size_t(n));
-  CopyOut(idx, [&](int32_t r, uint32_t w) {
-            return GenOf(w) == gen[size_t(r)] &&
-                   (StateOf(w) == kGathered || StateOf(w) == kWriting);
-          },
-          [&](int32_t r) { ReadBy(r, idx[size_t(r)], gen[size_t(r)], self); }, &copies, &buf);
-  int32_t scope = 0;
-  int64_t channels = 0;
-  *count = 0;
-  *status = CheckCopies(key, copies, o, duties, &scope, &channels, &counts, &buf);
-  if (status->ok()) {
-    data->resize(2 * size_t(channels));
-    *status = ReduceCopies(key, o, n, channels, counts, buf, data, count);
-  }
-  if (!duties) return;
-  bool up = status->ok() && ReachesParent(scope, o);
-  for (int32_t r = 0; r < n && !status->ok() && !up; ++r) {
-    up = copies[size_t(r)].found && ReachesParent(copies[size_t(r)].scope, o);
-  }
-  if (up && status->ok()) {
-    *status = SendPartial(key, scope, channels, *count, *data, o);
-  } else if (up) {
-    QueueEntry abort;
-    abort.key = key;
-    abort.kind = kAbort;
-    abort.code = int32_t(status->code());
-    abort.reason = int32_t(wire::ReasonOf(*status));
-    abort.message = std::string(status->message());
-    Enqueue(abort, o);
-  }
-  CountRound(scope != 0 ? scope : copies[0].scope, key.phase, int32_t(status->code()));
-}
-
-void Segment::ReadBy(int32_t owner, int32_t i, uint32_t gen, int32_t rank) const {
-  if (rank < 0 || rank >= 32 || rank >= g_.ranks) return;
-  const uint32_t full = g_.ranks == 32 ? ~0u : (1u << g_.ranks) - 1u;
-  SlotHead* s = slot(owner, i);
-  const uint32_t bit = 1u << rank;
-  const uint32_t before = __atomic_fetch_or(&s->readers, bit, __ATOMIC_SEQ_CST);
-  // The last reader frees the slot (still WRITING: the claimer frees it once it is GATHERED).
-  if (before != full && (before | bit) == full) Cas(&s->state, Word(gen, kGathered), Word(gen, kFree));
-}
-
-void Segment::Release(int32_t rank, const Key& key) {
-  for (int32_t r = 0; r < g_.ranks; ++r) {
-    int32_t i;
-    uint32_t gen;
-    if (FindGathered(r, key, rank, &i, &gen)) ReadBy(r, i, gen, rank);
-  }
-}
-
-void Segment::ReleaseAll(int32_t rank) const {
-  if (rank < 0 || rank >= 32 || g_.ranks > 32) return;
-  for (int32_t r = 0; r < g_.ranks; ++r) {
-    for (int32_t i = 0; i < g_.ring; ++i) {
-      const uint32_t w = Load(&slot(r, i)->state);
-      if (StateOf(w) == kGathered) ReadBy(r, i, GenOf(w), rank);
-    }
-  }
-}
-
 absl::Status Segment::CopyChecked(const Key& key, const std::vector<int32_t>& idx,
                                   const std::vector<uint32_t>& posted, const ReduceOptions& o,
                                   int32_t* scope, int64_t* channels,
                                   std::vector<int64_t>* counts, std::vector<double>* buf) {
-  thread_local std::vector<Copied> copies;
-  CopyOut(idx, [&](int32_t r, uint32_t w) { return w == posted[size_t(r)]; }, [](int32_t) {},
-          &copies, buf);
-  return CheckCopies(key, copies, o, true, scope, channels, counts, buf);
-}
-
-template <typename Intact, typename Copied_>
-void Segment::CopyOut(const std::vector<int32_t>& idx, Intact intact, Copied_ copied,
-                      std::vector<Copied>* out, std::vector<double>* buf) const {
-  const int32_t n = g_.ranks;
-  out->assign(size_t(n), Copied{});
-  int64_t first = -1;
-  for (int32_t r = 0; r < n; ++r) {
-    if (idx[size_t(r)] < 0) continue;
-    SlotHead* s = slot(r, idx[size_t(r)]);
-    Copied& c = (*out)[size_t(r)];
-    c.found = true;
-    c.scope = Read(&s->scope);
-    c.channels = Read(&s->channels);
-    c.count = Read(&s->count);
-    if (r == 0) {
-      first = c.channels;
-      buf->resize(size_t(n) * 2 * size_t(std::min<int64_t>(first, g_.max_channels)));
-    }
-    // Only data of the round's width within the slot: CheckCopies refuses the others first.
-    if (c.channels == first && first > 0 && first <= g_.max_channels) {
-      std::memcpy(buf->data() + size_t(r) * 2 * size_t(first), data(s),
-                  size_t(first) * 2 * sizeof(double));
-    }
-    c.intact = intact(r, Load(&s->state));
-    copied(r);
-  }
-}
-
-absl::Status Segment::CheckCopies(const Key& key, const std::vector<Copied>& copies,
-                                  const ReduceOptions& o, bool count_nonfinite, int32_t* scope,
-                                  int64_t* channels, std::vector<int64_t>* counts,
-                                  std::vector<double>* buf) {
   const int32_t n = g_.ranks;
   // Names are built only for an error message.
   auto round = [&] { return wire::RoundName(key.op, key.seq, v1::Phase(key.phase)); };
@@ -581,61 +392,37 @@ absl::Status Segment::CheckCopies(const Key& key, const std::vector<Copied>& cop
   rules.transport_cap = g_.max_channels;
   absl::Status error;
   for (int32_t r = 0; r < n && error.ok(); ++r) {
-    const Copied& copy = copies[size_t(r)];
-    if (!copy.found) {
-      return absl::AbortedError(absl::StrCat(
-          "round ", round(), " of job '", o.job_id, "': ", names(r), "'s contribution left the "
-          "shared-memory segment before this rank read it (its slot was withdrawn or reset); "
-          "the round failed"));
-    }
+    SlotHead* s = slot(r, idx[r]);
     wire::ContributionView c;
-    c.scope = copy.scope;
-    c.channels = copy.channels;
-    c.count = copy.count;
+    c.scope = Read(&s->scope);
+    c.channels = Read(&s->channels);
+    c.count = Read(&s->count);
     auto who = [&] { return names(r); };
     error = wire::CheckFields(c, rules, who, round);
     if (!error.ok()) break;
     if (r == 0) {
       *scope = c.scope;
       *channels = c.channels;
+      buf->resize(size_t(n) * 2 * size_t(*channels));
     } else {
-      error = wire::CheckSameRound(c, *channels, *scope, who, [&] { return names(0); },
-                                   round);
+      error = wire::CheckSameRound(c, *channels, *scope, who, [&] { return names(0); }, round);
       if (!error.ok()) break;
     }
     (*counts)[size_t(r)] = c.count;
-    if (!copy.intact) {
+    double* mine = buf->data() + size_t(r) * 2 * size_t(*channels);
+    std::memcpy(mine, data(s), size_t(*channels) * 2 * sizeof(double));
+    if (Load(&s->state) != posted[r]) {
       return absl::AbortedError(absl::StrCat("round ", round(), " of job '", o.job_id, "': ",
                                              names(r),
                                              " withdrew its contribution while it was reduced "
                                              "(its wait ended); the round failed"));
     }
     // Checked on this process's copy: another process may still write the slot.
-    c.data = reinterpret_cast<const char*>(buf->data() + size_t(r) * 2 * size_t(*channels));
-    if (count_nonfinite) CountNonFinite(key.phase, wire::CountNonFinite(c.data, 2 * *channels));
+    c.data = reinterpret_cast<const char*>(mine);
+    CountNonFinite(key.phase, wire::CountNonFinite(c.data, 2 * *channels));
     error = wire::CheckValues(c, rules, who, round);
   }
   return error;
-}
-
-absl::Status Segment::ReduceCopies(const Key& key, const ReduceOptions& o, int32_t n,
-                                   int64_t channels, const std::vector<int64_t>& counts,
-                                   const std::vector<double>& buf, std::vector<double>* result,
-                                   int64_t* count) const {
-  // Names are built only for an error message.
-  auto ref = [&] {
-    return wire::RoundRef{wire::RoundName(key.op, key.seq, v1::Phase(key.phase)), o.job_id};
-  };
-  wire::ReduceFault fault;
-  return wire::ReduceRound(
-      key.phase == v1::PHASE_FORWARD, channels, n, [&](int i) { return counts[size_t(i)]; },
-      [&](int i, const double** ai, const double** bi) {
-        *ai = buf.data() + size_t(i) * 2 * size_t(channels);
-        *bi = *ai + channels;
-        return counts[size_t(i)];
-      },
-      Names(o, n), o.strict_finite, ref, result->data(), result->data() + channels, count,
-      &fault);
 }
 
 absl::Status Segment::SendPartial(const Key& key, int32_t scope, int64_t channels,
@@ -757,7 +544,6 @@ void Segment::WakeAll() const {
 
 void Segment::MarkGone(int32_t rank, uint32_t why) {
   if (rank < 0 || rank >= g_.ranks) return;
-  ReleaseAll(rank);  // it reads no more: the others' finished per-rank rounds free their slots
   // An aborted rank that then leaves or exits stays "aborted": its reason is the news.
   if (Load(&header()->gone[rank]) != 3 || why == 3) Store(&header()->gone[rank], why);
   __atomic_fetch_add(&header()->epoch, 1, __ATOMIC_SEQ_CST);
@@ -791,7 +577,6 @@ void Segment::Refuse(const absl::Status& status) {
 
 void Segment::Revive(int32_t rank) {
   if (rank < 0 || rank >= g_.ranks) return;
-  ReleaseAll(rank);
   for (int32_t i = 0; i < g_.ring; ++i) {
     SlotHead* s = slot(rank, i);
     Store(&s->state, Word((GenOf(Load(&s->state)) + 1) & 0xffffffu, kFree));

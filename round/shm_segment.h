@@ -7,9 +7,7 @@
 // contribution into a slot of its own ring; the worker that finds every local rank's
 // contribution for the round's key (op, seq, phase) claims the round, validates and reduces the
 // contributions in local-rank order with the aggregator's own reduction (round_merge.h) and
-// writes the result into every rank's slot, waking sleepers with a futex; or, for a per-rank
-// round (ReduceOptions::per_rank_max, off by default), marks every slot GATHERED and each rank
-// reduces the round from the slots for itself (TryReduce, Collect). A global or shadow
+// writes the result into every rank's slot, waking sleepers with a futex. A global or shadow
 // round's node partial goes into the sidecar's queue (a doorbell eventfd wakes it); the sidecar
 // forwards it to the root and writes the root's answer into the slots.
 //
@@ -45,11 +43,8 @@
 namespace hsbn::shm {
 
 constexpr uint64_t kMagic = 0x31766d68736e6268ull;  // "hbnshmv1"
-constexpr uint32_t kLayoutVersion = 6;  // 6: per-rank rounds (kGathered, readers)
+constexpr uint32_t kLayoutVersion = 5;  // 5: lagged scope's counters
 constexpr int32_t kMaxRanks = 256;        // local ranks a segment serves
-// Per-rank rounds (TryReduce) serve at most this many local ranks: a slot's readers word has a
-// bit per rank.
-constexpr int32_t kPerRankLimit = 32;
 constexpr int32_t kMaxRing = 256;         // slots per rank
 constexpr int32_t kMaxChannelCap = 1 << 20;
 constexpr size_t kTextBytes = 256;        // the header's text (why the segment is dead)
@@ -85,7 +80,6 @@ enum State : uint32_t {
   kDone = 3,     // the result (or error) is there for the owner
   kFilling = 4,  // queue: a reducer is writing the entry
   kReady = 5,    // queue: for the sidecar
-  kGathered = 6, // per-rank round: every rank posted it; each reduces it from the slots
 };
 
 // Queue entry kinds.
@@ -117,7 +111,6 @@ struct Header {
   uint32_t version;
   int32_t ranks, ring, max_channels, queue;
   int32_t has_parent;  // the sidecar has a root (--upstream)
-  int32_t per_rank_max;  // --shm-per-rank-max: rounds of at most this many ranks are per-rank
   uint64_t total_bytes;
   uint32_t dead;       // nonzero: the sidecar invalidated the segment; dead_text says why
   uint32_t epoch;      // bumped on every change of dead or gone
@@ -127,7 +120,6 @@ struct Header {
   uint64_t completed;        // rounds answered through the segment (for Status)
   uint64_t failed;
   uint64_t posts[kMaxRanks];  // contributions posted per local rank (for Status)
-  uint64_t per_rank;          // rounds reduced per rank (for Status)
   // For the sidecar's Prometheus counters: rounds answered through the segment by the round's
   // scope (node, global, shadow), phase and google.rpc.Code, and non-finite values seen per
   // phase (in contributions and in the root's results), as the stream path counts them.
@@ -148,8 +140,6 @@ struct SlotHead {
   uint32_t state;     // (generation << 8) | State
   uint32_t claim;     // (generation << 1) | claimed: who reduces the round (rank 0's slot)
   uint32_t sleeping;  // the owner sleeps on state (a waker must FUTEX_WAKE)
-  uint32_t readers;   // per-rank rounds: bit r set once local rank r copied the contribution;
-                      // the rank that sets the last bit frees the slot
   uint32_t kind;      // queue entries: Kind
   uint32_t op;
   int32_t phase;
@@ -177,15 +167,6 @@ struct QueueEntry {
   std::vector<double> data;  // 2 * channels: [a | b]
 };
 
-// A round's answer as the rank that computed it sees it (per-rank rounds).
-struct Answer {
-  bool ready = false;  // set: this is the caller's answer, and its slot needs no Take
-  uint32_t posted = 0;  // the caller's slot's posted state word (ShmChannel's bookkeeping)
-  absl::Status status;
-  int64_t count = 0;
-  std::vector<double> data;  // 2 * channels on success
-};
-
 // A round this worker reduced or had reduced: what the reducer saw and did.
 struct ReduceOptions {
   int32_t node_rank = 0;  // for names in errors ("rank 5 (node 1, local rank 1)")
@@ -195,16 +176,12 @@ struct ReduceOptions {
   int64_t max_channels_limit = 0;  // the aggregator's --max-channels (JoinResponse)
   std::string job_id;
   int32_t self = -1;      // the calling process's local rank: its own answer is written last
-  // Rounds of at most this many local ranks are per-rank (TryReduce); 0: none. The sidecar's
-  // --shm-per-rank-max, from the segment's header (ShmChannel::Reduce).
-  int32_t per_rank_max = 0;
 };
 
 class Segment {
  public:
   // Sidecar: a new sealed memfd of `g` (named for /proc only), mapped and initialised.
-  static absl::StatusOr<std::unique_ptr<Segment>> Create(const Geometry& g, bool has_parent,
-                                                         int32_t per_rank_max = 0);
+  static absl::StatusOr<std::unique_ptr<Segment>> Create(const Geometry& g, bool has_parent);
   // Worker: maps the segment behind `fd` (a descriptor it received; not closed here) and checks
   // its header against what this process knows: `ranks` local ranks, the descriptor's size.
   static absl::StatusOr<std::unique_ptr<Segment>> Map(int fd, int32_t ranks);
@@ -234,25 +211,10 @@ class Segment {
   // (RESOURCE_EXHAUSTED), as at the sidecar.
   uint32_t Post(int32_t rank, int32_t i, const Key& key, int32_t scope, int64_t channels,
                 int64_t count, const double* a, const double* b);
-  // The round of `key` is complete here if every rank posted it: claims it (once). A round of
-  // at most options.per_rank_max ranks that the sidecar does not answer (every scope but global on a
-  // multi-node job) is then marked GATHERED in every rank's slot: each rank reduces it from the
-  // slots itself (Collect; the claimer here, into `mine`, when `mine` is given and
-  // options.self is its rank), so no result is written back; the claimer alone counts it and
-  // queues its node partial or abort when it goes up. Otherwise the claimer reduces it and
-  // delivers the result or error to every rank, or queues the node partial (global: the
-  // sidecar answers). True if this call claimed it.
-  bool TryReduce(const Key& key, int32_t hint, const ReduceOptions& options,
-                 Answer* mine = nullptr);
-  // A GATHERED round's answer for `rank` (its slot `i`, posted as `posted`), reduced here from
-  // every rank's slot of `key` in local-rank order with the claimer's checks: the same bits
-  // and errors on every rank. False when that slot is not GATHERED with generation `posted`.
-  bool Collect(int32_t rank, int32_t i, uint32_t posted, const Key& key,
-               const ReduceOptions& options, absl::Status* status, int64_t* count,
-               std::vector<double>* data);
-  // `rank` gives up a GATHERED round of `key` without reducing it (its owner abandoned it):
-  // marks every slot of the round read by `rank`.
-  void Release(int32_t rank, const Key& key);
+  // The round of `key` is complete here if every rank posted it: claims it (once) and reduces
+  // it, delivering the result or error to every rank (node rounds, shadow answers) or queueing
+  // the node partial for the sidecar (global, shadow). True if this call reduced it.
+  bool TryReduce(const Key& key, int32_t hint, const ReduceOptions& options);
   // The owner takes its DONE slot's answer (validated against `channels`) and frees the slot.
   // False when the slot is not DONE with generation `posted`.
   bool Take(int32_t rank, int32_t i, uint32_t posted, int64_t channels, absl::Status* status,
@@ -311,44 +273,6 @@ class Segment {
   void FailClaimed(const Key& key, const std::vector<int32_t>& idx,
                    const std::vector<uint32_t>& posted, int32_t scope, bool up,
                    const absl::Status& error, const ReduceOptions& options);
-  // Per-rank rounds. Gather moves the claimed round's slots to GATHERED (or fails it for all
-  // when a rank withdrew first) and computes the claimer's answer; Compute copies every rank's
-  // contribution (slot idx[r], generation gen[r]; idx[r] < 0: not found), marks each read by
-  // `self` as soon as it is copied, checks and reduces; with `duties` (the claimer) it also
-  // counts the round and queues what goes up. ReadBy marks one slot read by `rank`.
-  struct Copied {  // one rank's contribution as copied out of its slot
-    int32_t scope = 0;
-    int64_t channels = 0, count = 0;
-    bool found = false;   // the round's slot of that rank was found
-    bool intact = false;  // it still held the round after the copy
-  };
-  bool Gather(const Key& key, const std::vector<int32_t>& idx,
-              const std::vector<uint32_t>& posted, const ReduceOptions& options, Answer* mine);
-  void Compute(const Key& key, const std::vector<int32_t>& idx, const std::vector<uint32_t>& gen,
-               const ReduceOptions& options, int32_t self, bool duties, absl::Status* status,
-               int64_t* count, std::vector<double>* data);
-  void ReadBy(int32_t owner, int32_t i, uint32_t gen, int32_t rank) const;
-  // `owner`'s slot of the round `key` that the claimer moved on and `reader` has not read.
-  bool FindGathered(int32_t owner, const Key& key, int32_t reader, int32_t* index,
-                    uint32_t* gen) const;
-  // CopyOut copies every found rank's fields and, when it has the round's width (rank 0's,
-  // within the cap), its data into `buf` (rank r's at r * 2 * width); `intact(r, state word)`
-  // says whether the slot still held the round after the copy; `copied(r)` runs after each.
-  // CheckCopies checks the copies in rank order as the stream path checks contributions (the
-  // first failure is the round's error); ReduceCopies reduces them.
-  template <typename Intact, typename Copied_>
-  void CopyOut(const std::vector<int32_t>& idx, Intact intact, Copied_ copied,
-               std::vector<Copied>* out, std::vector<double>* buf) const;
-  absl::Status CheckCopies(const Key& key, const std::vector<Copied>& copies,
-                           const ReduceOptions& options, bool count_nonfinite, int32_t* scope,
-                           int64_t* channels, std::vector<int64_t>* counts,
-                           std::vector<double>* buf);
-  absl::Status ReduceCopies(const Key& key, const ReduceOptions& options, int32_t n,
-                            int64_t channels, const std::vector<int64_t>& counts,
-                            const std::vector<double>& buf, std::vector<double>* result,
-                            int64_t* count) const;
-  // Marks every GATHERED slot read by `rank` (a rank that is gone or rejoined reads no more).
-  void ReleaseAll(int32_t rank) const;
   // Counts one answered round in the header (Status's totals and the metric counters).
   void CountRound(int32_t scope, int32_t phase, int32_t code) const;
   void CountNonFinite(int32_t phase, int64_t values) const;

@@ -95,7 +95,6 @@ void Aggregator::StartTransports() {
     shm.socket = options_.shm_socket;
     shm.socket_mode = options_.socket_mode;
     shm.ring = options_.shm_ring;
-    shm.per_rank_max = options_.shm_per_rank_max;
     shm.max_channels = std::min(options_.shm_max_channels, options_.limits.max_channels);
     shm.wait = options_.shm_wait;
     shm.has_parent = parent_ != nullptr;

@@ -79,7 +79,6 @@ struct AggregatorOptions {
   std::string shm_socket;
   mode_t socket_mode = 0660;
   int32_t shm_ring = 16;                           // --shm-ring
-  int32_t shm_per_rank_max = 0;                    // --shm-per-rank-max
   int32_t shm_max_channels = 8192;                 // --shm-max-channels
   std::chrono::milliseconds shm_wait{30000};       // --shm-wait-ms
 };

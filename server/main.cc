@@ -29,7 +29,6 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "aggregator.h"
-#include "shm_segment.h"
 #include "grpc/support/log.h"
 #include "grpcpp/grpcpp.h"
 #include "log.h"
@@ -316,9 +315,6 @@ void AddFlags(FlagTable& f, Settings* s, AggregatorOptions* o) {
         "channels make a 21 MiB segment.");
   f.Int("shm-ring", &o->shm_ring, 1, 256,
         "Rounds in flight per worker in the segment; a worker with more waits for a slot.");
-  f.Int("shm-per-rank-max", &o->shm_per_rank_max, 0, hsbn::shm::kPerRankLimit,
-        "Node rounds of at most this many local ranks are reduced by every rank for itself from "
-        "the segment (no result written back); larger ones by one rank for all. 0: never.");
   f.Millis("shm-wait-ms", &o->shm_wait, kInt32Max,
            "How long the sidecar waits for every local rank of a job to fetch the segment before "
            "the node falls back to the gRPC stream.");
@@ -552,7 +548,6 @@ bool ResolveRole(const CLI::App& app, const Settings& settings, AggregatorOption
       {"--shm", "node", "shared memory serves the trainers of one node"},
       {"--shm-max-channels", "node", "shared memory serves the trainers of one node"},
       {"--shm-ring", "node", "shared memory serves the trainers of one node"},
-      {"--shm-per-rank-max", "node", "shared memory serves the trainers of one node"},
       {"--shm-wait-ms", "node", "shared memory serves the trainers of one node"},
       {"--divergence-dir", "root or group",
        "shadow divergence is computed above the sidecars; give it to the root's (and the group "

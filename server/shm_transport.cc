@@ -238,7 +238,7 @@ void ShmTransport::MaybeDecideLocked(NodeJob& job, Clock::time_point now) {
                                        "the aggregator's memory budget (--memory-budget-bytes)"));
     return;
   }
-  auto seg = shm::Segment::Create(*g, options_.has_parent, options_.per_rank_max);
+  auto seg = shm::Segment::Create(*g, options_.has_parent);
   const int bell = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   epoll_event ev{};
   ev.events = EPOLLIN;
@@ -655,8 +655,6 @@ void ShmTransport::AddCounts(const std::string& job_id, v1::JobStatus* status) c
   const int64_t failed = int64_t(__atomic_load_n(&h->failed, __ATOMIC_RELAXED) & (~0ull >> 2));
   status->set_rounds_completed(status->rounds_completed() + done);
   status->set_rounds_failed(status->rounds_failed() + failed);
-  status->set_rounds_per_rank(
-      int64_t(__atomic_load_n(&h->per_rank, __ATOMIC_RELAXED) & (~0ull >> 2)));
   for (v1::MemberStatus& m : *status->mutable_members()) {
     if (m.index() < 0 || m.index() >= it->second.segment->geometry().ranks) continue;
     const uint64_t posts = __atomic_load_n(&h->posts[m.index()], __ATOMIC_RELAXED);

@@ -50,7 +50,6 @@ struct ShmOptions {
   int32_t max_channels = 8192;        // --shm-max-channels
   std::chrono::milliseconds wait{30000};  // --shm-wait-ms
   bool has_parent = false;
-  int32_t per_rank_max = 0;          // --shm-per-rank-max
   std::chrono::milliseconds round_timeout{30000};
   Metrics* metrics = nullptr;         // optional: where the segments' round counters go
 };

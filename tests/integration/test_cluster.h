@@ -16,16 +16,14 @@
 
 namespace hsbn::testing {
 
-// A root (when nodes > 1) and one sidecar per node; `flags` go to every aggregator,
-// `sidecar_flags` to the sidecars only. A failure is a test failure (and nullptr).
-inline std::unique_ptr<cluster::LocalCluster> StartCluster(
-    int nodes, int per_node, std::vector<std::string> flags = {},
-    std::vector<std::string> sidecar_flags = {}) {
+// A root (when nodes > 1) and one sidecar per node; `flags` go to every aggregator. A failure
+// is a test failure (and nullptr).
+inline std::unique_ptr<cluster::LocalCluster> StartCluster(int nodes, int per_node,
+                                                           std::vector<std::string> flags = {}) {
   cluster::ClusterOptions opts;
   opts.nodes = nodes;
   opts.workers_per_node = per_node;
   opts.extra_flags = std::move(flags);
-  opts.sidecar_flags = std::move(sidecar_flags);
   auto c = cluster::LocalCluster::Start(opts);
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? std::move(*c) : nullptr;

@@ -84,7 +84,6 @@ TEST(Flags, BadValuesAreRefusedWithStatus2NamingTheFlag) {
       {{"--role=node", "--metrics-max-jobs=0"}, "--metrics-max-jobs"},
       {{"--role=node", "--log-lines-per-second=0"}, "--log-lines-per-second"},
       {{"--role=node", "--log-level=loud"}, "--log-level"},
-      {{"--role=node", "--shm-per-rank-max=33"}, "--shm-per-rank-max"},
       {{"--role=node", "--socket-mode=banana"}, "--socket-mode"},
       {{"--role=node", "--allow-insecure-token-file=maybe"}, "--allow-insecure-token-file"},
       {{"--role=node", "--no-such-flag=1"}, "--no-such-flag"},
@@ -114,7 +113,6 @@ TEST(Flags, BadValuesAreRefusedWithStatus2NamingTheFlag) {
       {{"--role=node", "--divergence-dir=/tmp"}, "--divergence-dir is for --role=root or group only"},
       {{"--role=root", "--shm=off"}, "--shm is for --role=node only"},
       {{"--role=root", "--shm-ring=4"}, "--shm-ring is for --role=node only"},
-      {{"--role=root", "--shm-per-rank-max=2"}, "--shm-per-rank-max is for --role=node only"},
       {{"--role=root", "--upstream-ca=ca.pem"}, "--upstream-ca is for --role=node or group only"},
   };
   for (const auto& [flags, part] : cases) {
