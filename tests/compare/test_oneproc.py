@@ -456,3 +456,57 @@ def test_relative_trip_waits_for_history_then_trips_on_the_layer_s_own_level():
     for bad in ("lagged:trip_hist=0", "lagged:trip_hist=2.5"):
         with pytest.raises(ValueError):
             oneproc.parse_mode(bad)
+
+
+def test_ema_and_error_feedback_equal_global_on_a_repeated_batch():
+    # A repeated batch leaves the others' share unchanged: its average is that share, and the
+    # error to feed back is zero, so both stay exact from the second call.
+    glob = _bn("global")
+    x, dy = _batch(30)
+    mods = {mode: _bn(mode) for mode in ("lagged:ema=0.8", "lagged:ef=1",
+                                         "lagged-damped:1.0,ema=0.5,ef=0.5")}
+    for call in range(4):
+        want = _call(glob, x, dy)
+        for mode, m in mods.items():
+            got = _call(m, x, dy)
+            for a, b in zip(got, want):
+                assert torch.allclose(a, b, rtol=0, atol=1e-9), (mode, call)
+
+
+def test_ema_averages_the_stale_share_and_error_feedback_corrects_by_an_affine_term():
+    batches = [_batch(40 + k) for k in range(4)]
+    outs = {}
+    for mode in ("lagged", "lagged:ema=0", "lagged:ema=0.5", "lagged:ef=0", "lagged:ef=1"):
+        m = _bn(mode)
+        outs[mode] = [_call(m, x, dy) for x, dy in batches]
+    for same in ("lagged:ema=0", "lagged:ef=0"):  # B = 0 and F = 0 are plain lagged
+        for a, b in zip(outs[same], outs["lagged"]):
+            assert torch.allclose(a[1], b[1], rtol=0, atol=TOL), same
+    # The first call is exact global and the second has no error to feed back; the average
+    # of one call's share is that share: all equal to plain lagged up to the third call.
+    for mode in ("lagged:ema=0.5", "lagged:ef=1"):
+        for call in (0, 1):
+            assert torch.allclose(outs[mode][call][1], outs["lagged"][call][1], atol=TOL)
+        assert not torch.allclose(outs[mode][3][1], outs["lagged"][3][1], atol=1e-6), mode
+    # The forward is untouched by both.
+    assert torch.allclose(outs["lagged:ef=1"][3][0], outs["lagged"][3][0], atol=TOL)
+    # Error feedback changes each node's dx per channel by a + b * x (the fed-back constant
+    # and (x - mean) terms): a least-squares fit of that form leaves no residual.
+    x = batches[2][0]
+    diff = outs["lagged:ef=1"][2][1] - outs["lagged"][2][1]
+    xs = x.transpose(0, 1).reshape(C, NODES, -1)
+    ds = diff.transpose(0, 1).reshape(C, NODES, -1)
+    assert ds.abs().max() > 1e-6
+    for c in range(C):
+        for n in range(NODES):
+            a = torch.stack([torch.ones_like(xs[c, n]), xs[c, n]], 1)
+            coef = torch.linalg.lstsq(a, ds[c, n][:, None]).solution
+            assert (a @ coef - ds[c, n][:, None]).abs().max() < 1e-10
+
+
+def test_ema_and_ef_options_are_checked():
+    assert oneproc.parse_mode("lagged:ema=0.8")[1]["ema"] == 0.8
+    assert oneproc.parse_mode("lagged-damped:0.5,ef=1")[1]["ef"] == 1.0
+    for bad in ("lagged:ema=1", "lagged:ema=-0.1", "lagged:ef=2", "node:ema=0.5", "renorm:ef=1"):
+        with pytest.raises(ValueError):
+            oneproc.parse_mode(bad)

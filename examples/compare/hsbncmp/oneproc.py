@@ -32,7 +32,11 @@ and backward are written out below in float64, per scope:
                     the step guard: L from how fast the layer's weight moved
 A mode takes options after a colon: lagged-damped:0.25, lagged:warmup=75,
 lagged-guard:tau=1,hold=0.9,delay=2, lagged-guard:drift=16,kappa=0.01,model=1,
-lagged-guard:step=16,kstep=2.5e-4.
+lagged-guard:step=16,kstep=2.5e-4. Two more options of the lagged family change its backward's
+stale share: ema=B averages the other nodes' sum dy and sum dy x over their past calls
+(weight B on the older average) instead of taking their last call's; ef=F is error feedback:
+the error the stale share put into a call's dx (known one call later) is taken F times back out
+of the next call's dx.
 
 What each rank's running statistics hold is simulated per rank (rank 0's: the headline metric;
 their pooled average, hsbn.torch.sync_running_stats with equal weights: the second one).
@@ -123,6 +127,12 @@ def parse_mode(text):
             raise ValueError("%s: %s must be >= 0 (0: off)" % (text, key))
     if "trip_lam" in opts and not 0.0 <= opts["trip_lam"] <= 1.0:
         raise ValueError("%s: trip_lam must be in [0, 1]" % text)
+    if "ema" in opts and not 0.0 <= opts["ema"] < 1.0:
+        raise ValueError("%s: ema must be in [0, 1)" % text)
+    if "ef" in opts and not 0.0 <= opts["ef"] <= 1.0:
+        raise ValueError("%s: ef must be in [0, 1]" % text)
+    if ("ema" in opts or "ef" in opts) and not base.startswith("lagged"):
+        raise ValueError("%s: ema and ef are options of the lagged family" % text)
     if "warmup" in opts:
         opts["warmup"] = int(opts["warmup"])
         if base.startswith("lagged") and opts["warmup"] < 1:
@@ -225,6 +235,8 @@ class LayerSim:
         self.exact_calls = 0    # lagged family: calls that ran exact global
         self.trip_v = []        # trip guard: v per call
         self.trip_level = 0.0   # trip guard, relative form: the level of v before this call
+        self.ef_prev = None     # error feedback: (c1, c2) of the previous call, (R, C) each
+        self.ema_bwd = None     # ema: the averaged (sum dy, sum dy x) per node, (R, C) each
 
     # -- running statistics --------------------------------------------------------------------
     def _update(self, mean_rows, var_rows):
@@ -401,16 +413,31 @@ def _backward(ctx, dy):
     elif ctx.exact_global_now:
         # Warm-up: exact global (every unit's mean is the global one here).
         dx = dx_from(s1.sum(0)[None].expand_as(s1), s2.sum(0)[None].expand_as(s2), cnt * r)
+        sim.ef_prev = None  # no stale share, no error to feed back
     else:
         # The job's sums for node n: its own fresh ones and the others' of the previous call,
         # re-expressed on node n's mean: sum dy (x - mu_n) = P2_k + (c_k - mu_n) P1_k.
         p1, p2, pc = sim.prev_bwd
         S1 = torch.empty_like(s1)
         S2 = torch.empty_like(s2)
-        for n in range(r):
-            others = [k for k in range(r) if k != n]
-            S1[n] = s1[n] + p1[others].sum(0)
-            S2[n] = s2[n] + (p2[others] + (pc[others] - mean[n][None]) * p1[others]).sum(0)
+        if sim.opts.get("ema"):
+            # ema=B: the others' share is an exponential average over their past calls (weight
+            # B on the older average) of sum dy and sum dy x, instead of their last call's.
+            q1, q2 = p1, p2 + pc * p1
+            if sim.ema_bwd is not None:
+                b_ = sim.opts["ema"]
+                q1 = b_ * sim.ema_bwd[0] + (1 - b_) * q1
+                q2 = b_ * sim.ema_bwd[1] + (1 - b_) * q2
+            sim.ema_bwd = (q1, q2)
+            for n in range(r):
+                others = [k for k in range(r) if k != n]
+                S1[n] = s1[n] + q1[others].sum(0)
+                S2[n] = s2[n] + (q2[others] - mean[n][None] * q1[others]).sum(0)
+        else:
+            for n in range(r):
+                others = [k for k in range(r) if k != n]
+                S1[n] = s1[n] + p1[others].sum(0)
+                S2[n] = s2[n] + (p2[others] + (pc[others] - mean[n][None]) * p1[others]).sum(0)
         dx_lag = dx_from(S1, S2, cnt * r)
         # Node-local backward of the lagged forward, as Batch Renormalization's (renorm's)
         # backward: y = gamma (xhat_B r + d) + beta with r = sigma_B / sigma, d = (mu_B - mu) /
@@ -434,6 +461,21 @@ def _backward(ctx, dy):
         sim.lams.append(lam)
         dx = dx_lag if lam == 1.0 else (dx_node if lam == 0.0 else
                                         lam * dx_lag + (1.0 - lam) * dx_node)
+        if sim.opts.get("ef"):
+            # Error feedback (ef=F): the stale share put lam * w * invstd * (e1 / M + (x - mu_n)
+            # invstd^2 e2 / M) into this call's dx, e the job's fresh sums minus the ones used;
+            # the next call takes F times it back out. Every node knows e one call later (the
+            # others' partials of this call are the next call's stale share), so no round is
+            # added.
+            S1t = s1.sum(0)[None].expand_as(s1)
+            S2t = torch.stack([(s2 + (mean - mean[n][None]) * s1).sum(0) for n in range(r)])
+            M = cnt * r
+            c1 = lam * w_rows * invstd * (S1t - S1) / M
+            c2 = lam * w_rows * invstd ** 3 * (S2t - S2) / M
+            if sim.ef_prev is not None:
+                p_c1, p_c2 = sim.ef_prev
+                dx = dx - sim.opts["ef"] * (p_c1[:, None] + xmu * p_c2[:, None])
+            sim.ef_prev = (c1, c2)
         # The guard's signal, known on every rank one call later (each node sends its
         # sum dx_lag and sum dx_lag^2 per channel with its partials): how far the job's
         # lagged input gradients are from summing to zero per channel, in units of their
