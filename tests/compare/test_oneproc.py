@@ -507,6 +507,29 @@ def test_ema_averages_the_stale_share_and_error_feedback_corrects_by_an_affine_t
 def test_ema_and_ef_options_are_checked():
     assert oneproc.parse_mode("lagged:ema=0.8")[1]["ema"] == 0.8
     assert oneproc.parse_mode("lagged-damped:0.5,ef=1")[1]["ef"] == 1.0
-    for bad in ("lagged:ema=1", "lagged:ema=-0.1", "lagged:ef=2", "node:ema=0.5", "renorm:ef=1"):
+    for bad in ("lagged:ema=1", "lagged:ema=-0.1", "lagged:ef=2", "node:ema=0.5", "renorm:ef=1",
+                "lagged:exact_bwd=0.5", "global:exact_bwd=1"):
         with pytest.raises(ValueError):
             oneproc.parse_mode(bad)
+
+
+def test_exact_backward_sees_the_other_nodes_fresh_gradients_and_lagged_does_not():
+    batches = [_batch(50 + k) for k in range(3)]
+    x, dy = batches[2]
+    dy2 = dy.clone()
+    dy2[2 * WPN * B:3 * WPN * B] += 1.0  # node 2's upstream gradient at the last call
+    got = {}
+    for mode in ("lagged", "lagged:exact_bwd=1"):
+        for name, last in (("dy", dy), ("dy2", dy2)):
+            m = _bn(mode)
+            for xb, dyb in batches[:2]:
+                _call(m, xb, dyb)
+            got[mode, name] = _call(m, x, last)
+    node0 = slice(0, WPN * B)
+    # Lagged: node 0's input gradient uses node 2's sums of the call before, so it is unchanged.
+    assert torch.allclose(got["lagged", "dy"][1][node0], got["lagged", "dy2"][1][node0],
+                          rtol=0, atol=TOL)
+    # Exact backward: the job's fresh sums, so node 0's gradient moves; its forward is lagged's.
+    assert not torch.allclose(got["lagged:exact_bwd=1", "dy"][1][node0],
+                              got["lagged:exact_bwd=1", "dy2"][1][node0], atol=1e-6)
+    assert torch.allclose(got["lagged:exact_bwd=1", "dy"][0], got["lagged", "dy"][0], atol=TOL)

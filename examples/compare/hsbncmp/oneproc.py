@@ -36,7 +36,8 @@ lagged-guard:step=16,kstep=2.5e-4. Two more options of the lagged family change 
 stale share: ema=B averages the other nodes' sum dy and sum dy x over their past calls
 (weight B on the older average) instead of taking their last call's; ef=F is error feedback:
 the error the stale share put into a call's dx (known one call later) is taken F times back out
-of the next call's dx.
+of the next call's dx. exact_bwd=1 keeps the lagged forward and gives the backward the job's
+fresh sums (no stale share; a global round a call), to see what the backward's staleness costs.
 
 What each rank's running statistics hold is simulated per rank (rank 0's: the headline metric;
 their pooled average, hsbn.torch.sync_running_stats with equal weights: the second one).
@@ -131,8 +132,10 @@ def parse_mode(text):
         raise ValueError("%s: ema must be in [0, 1)" % text)
     if "ef" in opts and not 0.0 <= opts["ef"] <= 1.0:
         raise ValueError("%s: ef must be in [0, 1]" % text)
-    if ("ema" in opts or "ef" in opts) and not base.startswith("lagged"):
-        raise ValueError("%s: ema and ef are options of the lagged family" % text)
+    if "exact_bwd" in opts and opts["exact_bwd"] not in (0.0, 1.0):
+        raise ValueError("%s: exact_bwd is 0 or 1" % text)
+    if ({"ema", "ef", "exact_bwd"} & set(opts)) and not base.startswith("lagged"):
+        raise ValueError("%s: ema, ef and exact_bwd are options of the lagged family" % text)
     if "warmup" in opts:
         opts["warmup"] = int(opts["warmup"])
         if base.startswith("lagged") and opts["warmup"] < 1:
@@ -374,8 +377,9 @@ def _forward(ctx, x, weight, bias, sim):
     ctx.seq = sim.seq
     # trip_fwd: a trip's calls are exact in the forward only (one global round each); their
     # backward stays lagged (the warm-up's stays exact).
-    ctx.exact_global_now = exact_global_now and not (
-        o.get("trip_fwd") and mode.startswith("lagged") and sim.seq >= o["warmup"])
+    ctx.exact_global_now = (exact_global_now and not (
+        o.get("trip_fwd") and mode.startswith("lagged") and sim.seq >= o["warmup"])) or bool(
+        o.get("exact_bwd") and mode.startswith("lagged"))
     ctx.shape = shape
     ctx.dtype = x.dtype
     ctx.wdtype = weight.dtype
@@ -411,8 +415,10 @@ def _backward(ctx, dy):
     if not mode.startswith("lagged"):
         dx = dx_from(s1, s2, cnt)
     elif ctx.exact_global_now:
-        # Warm-up: exact global (every unit's mean is the global one here).
-        dx = dx_from(s1.sum(0)[None].expand_as(s1), s2.sum(0)[None].expand_as(s2), cnt * r)
+        # Warm-up: exact global (every unit's mean is the global one here; with exact_bwd the
+        # job's sums re-expressed on each node's lagged mean).
+        S2x = torch.stack([(s2 + (mean - mean[n][None]) * s1).sum(0) for n in range(r)])
+        dx = dx_from(s1.sum(0)[None].expand_as(s1), S2x, cnt * r)
         sim.ef_prev = None  # no stale share, no error to feed back
     else:
         # The job's sums for node n: its own fresh ones and the others' of the previous call,
