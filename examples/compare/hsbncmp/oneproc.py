@@ -408,6 +408,10 @@ def _backward(ctx, dy):
     else:
         grad_w = (dyr * xhat).sum(1).sum(0)
 
+    def job_s2():
+        # The job's fresh sum dy (x - mu_n) for each node n, from every node's s2 and s1.
+        return torch.stack([(s2 + (mean - mean[n][None]) * s1).sum(0) for n in range(r)])
+
     def dx_from(S1, S2, M):
         return w_rows[:, None] * invstd[:, None] * (
             dyr - S1[:, None] / M - xmu * (invstd ** 2)[:, None] * S2[:, None] / M)
@@ -417,8 +421,7 @@ def _backward(ctx, dy):
     elif ctx.exact_global_now:
         # Warm-up: exact global (every unit's mean is the global one here; with exact_bwd the
         # job's sums re-expressed on each node's lagged mean).
-        S2x = torch.stack([(s2 + (mean - mean[n][None]) * s1).sum(0) for n in range(r)])
-        dx = dx_from(s1.sum(0)[None].expand_as(s1), S2x, cnt * r)
+        dx = dx_from(s1.sum(0)[None].expand_as(s1), job_s2(), cnt * r)
         sim.ef_prev = None  # no stale share, no error to feed back
     else:
         # The job's sums for node n: its own fresh ones and the others' of the previous call,
@@ -474,7 +477,7 @@ def _backward(ctx, dy):
             # others' partials of this call are the next call's stale share), so no round is
             # added.
             S1t = s1.sum(0)[None].expand_as(s1)
-            S2t = torch.stack([(s2 + (mean - mean[n][None]) * s1).sum(0) for n in range(r)])
+            S2t = job_s2()
             M = cnt * r
             c1 = lam * w_rows * invstd * (S1t - S1) / M
             c2 = lam * w_rows * invstd ** 3 * (S2t - S2) / M
