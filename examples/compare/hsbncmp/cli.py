@@ -198,7 +198,8 @@ def parse_args(argv=None):
                         "after a colon, e.g. lagged:warmup=75, lagged-guard:tau=1,delay=2, "
                         "lagged:trip=0.5,trip_calls=8 (the trip guard), "
                         "lagged:trip_rel=4,trip_hist=20 (its relative form), lagged:ema=0.5 "
-                        "(the stale share averaged), lagged:ef=1 (error feedback)"
+                        "(the stale share averaged), lagged:ef=1 (error feedback), lagged:exact_bwd=1 "
+                        "(the job's fresh sums in the backward)"
                         % "node,global,renorm,lagged,lagged-damped:0.25,lagged-damped:0.5,"
                           "lagged-guard")
     g.add_argument("--lr-spike", default=None, metavar="STEP:FACTOR:STEPS",
