@@ -533,3 +533,58 @@ def test_exact_backward_sees_the_other_nodes_fresh_gradients_and_lagged_does_not
     assert not torch.allclose(got["lagged:exact_bwd=1", "dy"][1][node0],
                               got["lagged:exact_bwd=1", "dy2"][1][node0], atol=1e-6)
     assert torch.allclose(got["lagged:exact_bwd=1", "dy"][0], got["lagged", "dy"][0], atol=TOL)
+
+
+def _two_layer(mode):
+    """A Sequential of two BatchNorm2d, converted by oneproc.convert with mode's options."""
+    base, o = oneproc.parse_mode(mode)
+    model = torch.nn.Sequential(torch.nn.BatchNorm2d(C), torch.nn.BatchNorm2d(C)).double()
+    sims = oneproc.convert(model, base, o, oneproc.Topology(NODES, WPN, 2))
+    return model, sims
+
+
+def _run_two(mode, batches):
+    model, sims = _two_layer(mode)
+    outs = []
+    for x, dy in batches:
+        x = x.clone().requires_grad_(True)
+        mid = model[0](x)
+        mid.retain_grad()
+        model[1](mid).backward(dy)
+        outs.append((mid.detach(), x.grad, mid.grad))
+    return outs, sims
+
+
+def test_only_and_stop_place_the_lagged_calls():
+    batches = [_batch(70 + k) for k in range(4)]
+    got = {m: _run_two(m, batches) for m in ("global", "lagged", "lagged:only=2",
+                                             "lagged:only=1", "lagged:stop=2")}
+    # only=2: the first layer is exact global in both passes, so its output is global's; the
+    # second is lagged, so from the second call on the gradient reaching the first layer is
+    # not global's.
+    for call in range(4):
+        assert torch.allclose(got["lagged:only=2"][0][call][0], got["global"][0][call][0],
+                              rtol=0, atol=TOL)
+    assert not torch.allclose(got["lagged:only=2"][0][3][2], got["global"][0][3][2], atol=1e-6)
+    # only=1: the first layer is lagged (its output is plain lagged's), the second exact.
+    assert torch.allclose(got["lagged:only=1"][0][3][0], got["lagged"][0][3][0], rtol=0,
+                          atol=TOL)
+    assert not torch.allclose(got["lagged:only=1"][0][3][0], got["global"][0][3][0], atol=1e-6)
+    assert [s.exact_calls for s in got["lagged:only=1"][1]] == [1, 4]
+    # stop=2: calls 0 (the warm-up) and 2, 3 exact global; call 1 lagged.
+    stop = got["lagged:stop=2"]
+    assert [s.exact_calls for s in stop[1]] == [3, 3]
+    assert torch.allclose(stop[0][1][0], got["lagged"][0][1][0], rtol=0, atol=TOL)
+    for call in (2, 3):
+        assert torch.allclose(stop[0][call][0], got["global"][0][call][0], rtol=0, atol=TOL)
+        assert torch.allclose(stop[0][call][1], got["global"][0][call][1], rtol=0, atol=TOL)
+
+
+def test_only_and_stop_are_checked():
+    assert oneproc.parse_mode("lagged-damped:0.5,only=3")[1]["only"] == 3
+    for bad in ("lagged:only=0", "lagged:only=1.5", "node:only=1", "global:stop=5",
+                "lagged:stop=0"):
+        with pytest.raises(ValueError):
+            oneproc.parse_mode(bad)
+    with pytest.raises(ValueError, match="2 BatchNorm layers"):
+        _two_layer("lagged:only=3")

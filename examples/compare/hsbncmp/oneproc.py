@@ -38,6 +38,9 @@ stale share: ema=B averages the other nodes' sum dy and sum dy x over their past
 the error the stale share put into a call's dx (known one call later) is taken F times back out
 of the next call's dx. exact_bwd=1 keeps the lagged forward and gives the backward the job's
 fresh sums (no stale share; a global round a call), to see what the backward's staleness costs.
+Two more say where lagged's loss comes from: only=K runs lagged in the model's K-th BatchNorm
+(1-based, module order) and every other one exact global, both passes; stop=W runs calls W and
+later exact global (lagged only before; warmup=W is the converse).
 
 What each rank's running statistics hold is simulated per rank (rank 0's: the headline metric;
 their pooled average, hsbn.torch.sync_running_stats with equal weights: the second one).
@@ -132,6 +135,13 @@ def parse_mode(text):
         raise ValueError("%s: ema must be in [0, 1)" % text)
     if "ef" in opts and not 0.0 <= opts["ef"] <= 1.0:
         raise ValueError("%s: ef must be in [0, 1]" % text)
+    for key in ("only", "stop"):
+        if key in opts:
+            if not base.startswith("lagged"):
+                raise ValueError("%s: %s is an option of the lagged family" % (text, key))
+            if opts[key] != int(opts[key]) or opts[key] < 1:
+                raise ValueError("%s: %s must be a whole number >= 1" % (text, key))
+            opts[key] = int(opts[key])
     if "exact_bwd" in opts and opts["exact_bwd"] not in (0.0, 1.0):
         raise ValueError("%s: exact_bwd is 0 or 1" % text)
     if ({"ema", "ef", "exact_bwd"} & set(opts)) and not base.startswith("lagged"):
@@ -238,6 +248,7 @@ class LayerSim:
         self.exact_calls = 0    # lagged family: calls that ran exact global
         self.trip_v = []        # trip guard: v per call
         self.trip_level = 0.0   # trip guard, relative form: the level of v before this call
+        self.always_exact = False  # only=K: a layer other than the K-th, exact global throughout
         self.ef_prev = None     # error feedback: (c1, c2) of the previous call, (R, C) each
         self.ema_bwd = None     # ema: the averaged (sum dy, sum dy x) per node, (R, C) each
 
@@ -338,7 +349,8 @@ def _forward(ctx, x, weight, bias, sim):
                     sim.lam_until = sim.seq + o["trip_calls"]
                 else:
                     sim.exact_until = sim.seq + o["trip_calls"]
-        if sim.seq < o["warmup"] or sim.seq < sim.exact_until:
+        if (sim.seq < o["warmup"] or sim.seq < sim.exact_until or sim.always_exact
+                or sim.seq >= o.get("stop", math.inf)):
             exact_global_now = True
             sim.exact_calls += 1
             mean = g_mean[None].expand(nodes, c).clone()
@@ -639,6 +651,12 @@ def convert(model, mode, opts, topo):
             else:
                 swap(child, full + ".")
     swap(model)
+    if "only" in opts:
+        if opts["only"] > len(sims):
+            raise ValueError("only=%d: the model has %d BatchNorm layers"
+                             % (opts["only"], len(sims)))
+        for i, sim in enumerate(sims):
+            sim.always_exact = i + 1 != opts["only"]
     return sims
 
 
