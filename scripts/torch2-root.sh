@@ -34,7 +34,11 @@
 # missing build outputs, 77 skipped: it cannot run on this machine (not root, no
 # debootstrap/unshare/chroot, no Debian mirror reachable; the message says which).
 #
-#   HSBN_TORCH2_ROOT=DIR      where the root is kept (default /var/cache/hsbn/torch2-root)
+#   HSBN_TORCH2_SUITE=NAME    the Debian suite of the root (default trixie, torch 2.6; sid had
+#                             torch 2.14.1 / Python 3.14 on 2026-12-06: a moving target, not
+#                             part of scripts/test.sh)
+#   HSBN_TORCH2_ROOT=DIR      where the root is kept (default /var/cache/hsbn/torch2-root, and
+#                             /var/cache/hsbn/torch2-root-NAME for another suite)
 #   HSBN_TORCH2_MIRROR=URL    the Debian mirror (default http://deb.debian.org/debian)
 #   HSBN_TORCH2_REBUILD=1     make the root again
 #   HSBN_PYTEST_ARGS="..."    extra pytest arguments (e.g. "-k global -x"), as scripts/test.sh
@@ -48,10 +52,15 @@ REPO="$PWD"
 SELF="$REPO/scripts/$(basename "$0")"
 BUILD="${1:-${HSBN_BUILD_DIR:-build}}"
 case "$BUILD" in /*) ;; *) BUILD="$REPO/$BUILD" ;; esac
-ROOT="${HSBN_TORCH2_ROOT:-/var/cache/hsbn/torch2-root}"
+SUITE="${HSBN_TORCH2_SUITE:-trixie}"
+case "$SUITE" in
+  trixie) ROOT="${HSBN_TORCH2_ROOT:-/var/cache/hsbn/torch2-root}" ;;
+  *[!a-z0-9-]* | '') echo "torch2: HSBN_TORCH2_SUITE must be a Debian suite name (trixie, sid, ...), not '$SUITE'" >&2; exit 2 ;;
+  *) ROOT="${HSBN_TORCH2_ROOT:-/var/cache/hsbn/torch2-root-$SUITE}" ;;
+esac
 MIRROR="${HSBN_TORCH2_MIRROR:-http://deb.debian.org/debian}"
-SUITE=trixie
 MARKER=.hsbn-torch2-packages
+SUITE_MARKER=.hsbn-torch2-suite   # (absent in roots made before it existed: those are trixie)
 START=$SECONDS
 
 # What the suite needs in the root: torch 2.x and torchvision (the compare tests), numpy,
@@ -166,12 +175,24 @@ in_root() {
 }
 apt_install() {
   local dir="$1"; shift
-  in_root "$dir" /usr/bin/env DEBIAN_FRONTEND=noninteractive /bin/sh -c \
-    'apt-get update -qq && apt-get install -y -qq --no-install-recommends "$@" && apt-get clean' sh "$@"
+  in_root "$dir" /usr/bin/env DEBIAN_FRONTEND=noninteractive APT_VALID="$VALID" /bin/sh -c \
+    'apt-get update -qq $APT_VALID && apt-get install -y -qq --no-install-recommends "$@" && apt-get clean' \
+    sh "$@"
 }
+# Debian's moving suites (sid) carry a Valid-Until in their Release file; a mirror that serves
+# an older snapshot of them fails apt's check ("Release file ... is expired"), though its
+# signature still holds: for those, apt is told not to check the date (trixie has none).
+VALID=""
+[ "$SUITE" = trixie ] || VALID="-oAcquire::Check-Valid-Until=false"
 
 have=""
 [ -f "$ROOT/$MARKER" ] && have="$(cat "$ROOT/$MARKER")"
+have_suite=trixie
+[ -f "$ROOT/$SUITE_MARKER" ] && have_suite="$(cat "$ROOT/$SUITE_MARKER")"
+if [ -n "$have" ] && [ "$have_suite" != "$SUITE" ]; then
+  say "the root $ROOT is Debian $have_suite, not $SUITE: making it again"
+  have=""
+fi
 if [ "${HSBN_TORCH2_REBUILD:-0}" != 1 ] && [ -n "$have" ] && [ "$have" != "$want" ] \
    && [ -z "$(comm -23 <(echo "$have") <(echo "$want"))" ]; then
   added=$(comm -13 <(echo "$have") <(echo "$want") | xargs)
@@ -186,7 +207,7 @@ fi
 if [ "${HSBN_TORCH2_REBUILD:-0}" = 1 ] || [ "$have" != "$want" ]; then
   new="$ROOT.new"
   log="$(mktemp "${TMPDIR:-/tmp}/hsbn-torch2-root.XXXXXX")"
-  say "making the Debian 13 root $ROOT (debootstrap --variant=minbase $SUITE, then ${#PKGS[@]} packages; once, a few minutes; log $log)"
+  say "making the Debian $SUITE root $ROOT (debootstrap --variant=minbase $SUITE, then ${#PKGS[@]} packages; once, a few minutes; log $log)"
   rm -rf --one-file-system "$new"
   debootstrap --variant=minbase "$SUITE" "$new" "$MIRROR" >"$log" 2>&1 \
     || { tail -5 "$log"; rm -rf --one-file-system "$new"; skip "debootstrap $SUITE failed (no Debian mirror reachable at $MIRROR?); log: $log"; }
@@ -205,6 +226,7 @@ EOF
   mkdir -p "$new/hsbn"    # (where each run mounts the repository)
   apt_install "$new" "${PKGS[@]}" >>"$log" 2>&1 \
     || { tail -5 "$log"; rm -rf --one-file-system "$new"; die "apt-get install in the new root failed; log: $log"; }
+  echo "$SUITE" >"$new/$SUITE_MARKER"
   echo "$want" >"$new/$MARKER"
   rm -rf --one-file-system "$ROOT"
   mv "$new" "$ROOT"
