@@ -199,7 +199,9 @@ def parse_args(argv=None):
                         "lagged:trip=0.5,trip_calls=8 (the trip guard), "
                         "lagged:trip_rel=4,trip_hist=20 (its relative form), lagged:ema=0.5 "
                         "(the stale share averaged), lagged:ef=1 (error feedback), lagged:exact_bwd=1 "
-                        "(the job's fresh sums in the backward)"
+                        "(the job's fresh sums in the backward), lagged:only=2 (lagged in the "
+                        "second BatchNorm only, the others exact global), lagged:stop=300 (calls "
+                        "300 and later exact global)"
                         % "node,global,renorm,lagged,lagged-damped:0.25,lagged-damped:0.5,"
                           "lagged-guard")
     g.add_argument("--lr-spike", default=None, metavar="STEP:FACTOR:STEPS",
