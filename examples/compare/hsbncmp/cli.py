@@ -464,6 +464,10 @@ def dump_stacks(pids):
         time.sleep(1)
 
 
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 class Watchdog(_Watcher):
     """Stops a phase of the run (with it: `counter` [steps done, job index], as Progress) when no
     step finished for `minutes` (0: never): prints why, this process's and every worker's
@@ -473,9 +477,26 @@ class Watchdog(_Watcher):
     def __init__(self, counter, minutes, labels):
         self.counter, self.limit, self.labels = counter, 60.0 * minutes, labels
         self.fired = None
+        self._old_handler = None
 
     def _wanted(self):
         return self.limit > 0
+
+    # The interrupt is a SIGUSR2 sent to the main thread, whose handler (installed for the
+    # block, from the main thread) raises KeyboardInterrupt: it does not depend on SIGINT's
+    # disposition, which a parent can have set to ignored (a shell's background job: then both
+    # _thread.interrupt_main() and a SIGINT do nothing, and the run hung after naming its
+    # stall), and it interrupts a main thread blocked in a wait for the workers (EINTR).
+    def __enter__(self):
+        if self._wanted() and threading.current_thread() is threading.main_thread():
+            self._old_handler = signal.signal(signal.SIGUSR2, _raise_keyboard_interrupt)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        if self._old_handler is not None:
+            signal.signal(signal.SIGUSR2, self._old_handler)
+            self._old_handler = None
 
     def _loop(self):
         last, since = int(self.counter[0]), time.monotonic()
@@ -496,7 +517,10 @@ class Watchdog(_Watcher):
               file=sys.stderr, flush=True)
         faulthandler.dump_traceback(all_threads=True)
         dump_stacks(python_descendants(os.getpid()))
-        _thread.interrupt_main()
+        if self._old_handler is not None:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
+        else:  # (not entered from the main thread: the best it can do)
+            _thread.interrupt_main()
 
     def stalled(self):
         """Called with a KeyboardInterrupt in flight: SystemExit(1) naming the stall when this
