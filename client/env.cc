@@ -138,10 +138,13 @@ const std::vector<Var>& Vars() {
                     "Python: the hsbn-aggregator binary that LocalCluster, `hsbn run` and the "
                     "wheel's `hsbn-aggregator` command run (unset: the wheel's, then the build "
                     "tree's)")),
-      PythonOnly(Of("HSBN_TORCH_CUSTOM_OPS", Type::kFlag, "0",
+      PythonOnly(Of("HSBN_TORCH_CUSTOM_OPS", Type::kFlag, "",
                     "Python, torch >= 2.4: 1: synchronized layers on CPU tensors run as torch "
                     "custom ops, which torch.compile(fullgraph=True) and torch.export trace "
-                    "whole (hsbn.torch.use_custom_ops); 0: their autograd.Function")),
+                    "whole, eagerly too (hsbn.torch.use_custom_ops(True)); 0: their "
+                    "autograd.Function everywhere (unset, torch >= 2.4: the ops where "
+                    "torch.compile or torch.export traces the layer, the function eagerly; "
+                    "older torch: the function)")),
       PythonOnly(Choice("HSBN_TORCH_CPU_OPS", "torch|kernels", "torch",
                         "Python: the arithmetic of synchronized layers on CPU tensors")),
       PythonOnly(Choice("HSBN_TORCH_CUDA_OPS", "torch|kernels", "",

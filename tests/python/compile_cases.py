@@ -47,10 +47,11 @@ class Explicit(nn.Module):
         return self.fc(h.mean((2, 3)))
 
 
-def build(kind, scope, prefix="explicit"):
+def build(kind, scope, prefix="explicit", ops=True):
     """The model `kind` ("sequential", "explicit", "resnet18", "torch_bn": the sequential one
-    with torch.nn.BatchNorm2d) with hsbn layers of `scope`, initialized from seed 0."""
-    hsbn.torch.use_custom_ops(True)  # opt-in (issue #35); every case builds its models here
+    with torch.nn.BatchNorm2d) with hsbn layers of `scope`, initialized from seed 0; the
+    process's path is use_custom_ops(ops) whatever the environment says."""
+    hsbn.torch.use_custom_ops(ops)
     torch.manual_seed(0)
     if kind in ("sequential", "torch_bn"):
         # torch's BatchNorm with momentum=None reads num_batches_tracked on the host (a graph
@@ -119,16 +120,17 @@ def torch_model_drift(backend, settings, steps):
 
 
 def compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05, settings=None,
-                      eager_function=False, resync=False, dtype="float32"):
+                      eager_function=False, resync=False, dtype="float32", ops=True):
     with _inductor_patch(settings):
         return _compiled_vs_eager(kind, scope, steps, backend, eval_input, lr, eager_function,
-                                  resync, getattr(torch, dtype))
+                                  resync, getattr(torch, dtype), ops)
 
 
 def _compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05,
-                       eager_function=False, resync=False, dtype=torch.float32):
-    """Builds `kind` twice (same initial weights): one run eagerly (through the custom ops, or
-    with eager_function through each layer's autograd.Function, the path without ops), one
+                       eager_function=False, resync=False, dtype=torch.float32, ops=True):
+    """Builds `kind` twice (same initial weights) under use_custom_ops(ops): one run eagerly
+    (through the custom ops with ops=True, through each layer's autograd.Function, the path
+    without ops, with ops="compiled" or with eager_function), one
     through torch.compile(fullgraph=True, backend=a counting `backend`). For each (x, g) of `steps`
     runs a training step on both (forward, backward of sum(out * g), SGD with lr), recording
     outputs and gradients; a step whose x is None switches to eval for one forward of
@@ -137,14 +139,17 @@ def _compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05,
     and buffers (copied in place: no recompile), so a step compares one step's arithmetic, not
     two trajectories that round-off may part (the last step's running statistics and SGD update
     are then the final states compared). Returns both runs' records, final states, the compiled
-    frame count after each step and dynamo's graph-break counters."""
+    frame count after each step, dynamo's graph-break counters and how many hsbn ops each
+    run passed (ops_calls)."""
     import torch._dynamo
     import torch._dynamo.testing
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
     counters.clear()
     # Named layers get a prefix per model: two layers of one name share round keys.
-    eager, model = build(kind, scope, "eager").to(dtype), build(kind, scope, "compiled").to(dtype)
+    eager = build(kind, scope, "eager", ops).to(dtype)
+    model = build(kind, scope, "compiled", ops).to(dtype)
+    from hsbn.torch import _custom_op
 
     def tensor(a):
         return torch.from_numpy(a).to(dtype)
@@ -156,27 +161,17 @@ def _compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05,
                 m.forward = types.MethodType(hsbn.torch.SyncBatchNorm._forward_function, m)
     cnt = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled = (model if backend == "eager" else torch.compile(model, backend=cnt, fullgraph=True))
-    out = {"eager": {"y": [], "grads": []}, "compiled": {"y": [], "grads": []}, "frames": []}
+    out = {"eager": {"y": [], "grads": []}, "compiled": {"y": [], "grads": []}, "frames": [],
+           "ops_calls": {"eager": 0, "compiled": 0}}   # (hsbn ops run, by the order token)
     opts = {name: torch.optim.SGD(m.parameters(), lr=lr) for name, m in
             (("eager", eager), ("compiled", model))}
     for x_np, g_np in steps:
         if resync:
             model.load_state_dict(eager.state_dict())
         for name, m, fn in (("eager", eager, eager), ("compiled", model, compiled)):
-            if x_np is None:
-                m.eval()
-                with torch.no_grad():
-                    out[name]["y"].append(_np(fn(tensor(eval_input))))
-                out[name]["grads"].append(None)
-                m.train()
-                continue
-            opts[name].zero_grad()
-            y = fn(tensor(x_np))
-            (y * tensor(g_np)).sum().backward()
-            out[name]["y"].append(_np(y))
-            out[name]["grads"].append({k: _np(p.grad) for k, p in m.named_parameters()
-                                       if p.grad is not None})
-            opts[name].step()
+            order = int(_custom_op.ORDER)
+            _step(name, m, fn, x_np, g_np, out, opts, tensor, eval_input)
+            out["ops_calls"][name] += int(_custom_op.ORDER) - order
         out["frames"].append(cnt.frame_count)
     out["eager"]["state"] = _state(eager)
     out["compiled"]["state"] = _state(model)
@@ -187,6 +182,24 @@ def _compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05,
                            [m.samples_seen for m in layers])
     out["seqs"] = ([m._seq for m in eager_layers], [m._seq for m in layers])
     return out
+
+
+def _step(name, m, fn, x_np, g_np, out, opts, tensor, eval_input):
+    """One training step (or, for x_np None, one eval forward) of one of the two models."""
+    if x_np is None:
+        m.eval()
+        with torch.no_grad():
+            out[name]["y"].append(_np(fn(tensor(eval_input))))
+        out[name]["grads"].append(None)
+        m.train()
+        return
+    opts[name].zero_grad()
+    y = fn(tensor(x_np))
+    (y * tensor(g_np)).sum().backward()
+    out[name]["y"].append(_np(y))
+    out[name]["grads"].append({k: _np(p.grad) for k, p in m.named_parameters()
+                               if p.grad is not None})
+    opts[name].step()
 
 
 def batch_sizes(kind, scope, sizes, backend, settings=None):

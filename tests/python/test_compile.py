@@ -1,6 +1,6 @@
 """hsbn layers under torch.compile(fullgraph=True) and torch.export (torch >= 2.4, issue #35).
 
-With hsbn.torch.use_custom_ops(True) (opt-in; torch >= 2.4) a synchronized layer's training
+With hsbn.torch.use_custom_ops(True) (the default on torch >= 2.4) a synchronized layer's training
 forward and backward are the custom ops
 hsbn::sync_batch_norm and hsbn::sync_batch_norm_backward (hsbn/torch/_custom_op.py), so dynamo
 traces the whole model. Checked here, over 2 ranks (1 node x 2 workers, real aggregators):
@@ -90,8 +90,9 @@ def _settings():
 
 @pytest.fixture(scope="module", autouse=True)
 def custom_ops():
-    """The ops path is opt-in (hsbn.torch.use_custom_ops): on for this module's tests in this
-    process (the workers turn it on in compile_cases), back to what it was for the rest of the suite."""
+    """The ops path on for this module's tests in this process whatever HSBN_TORCH_CUSTOM_OPS
+    says (the workers turn it on in compile_cases), back to what it was for the rest of the
+    suite."""
     import hsbn.torch
     before = hsbn.torch.custom_ops_in_use()
     hsbn.torch.use_custom_ops(True)
@@ -119,13 +120,13 @@ def _steps(rank, n, batch=4, hw=8, seed=0, eval_at=None):
 
 
 def _run(pool, kind, scope, n=6, eval_at=3, hw=8, timeout=900, eager_function=False,
-         resync=False, dtype="float32"):
+         resync=False, dtype="float32", ops=True):
     rng = np.random.default_rng(9)
     eval_input = rng.standard_normal((3, 3, hw, hw)).astype(np.float32)
     settings = _settings()
     return pool.call(compile_cases.compiled_vs_eager,
                      [(kind, scope, _steps(r, n, hw=hw, eval_at=eval_at), backend(), eval_input,
-                       0.05, settings, eager_function, resync, dtype)
+                       0.05, settings, eager_function, resync, dtype, ops)
                       for r in range(pool.world_size)],
                      timeout=timeout)
 
@@ -180,6 +181,21 @@ def test_compiles_whole_and_equals_eager(pool, kind):
     results = _run(pool, kind, "global")
     _assert_compiled_whole(results, kind)
     _assert_equal_runs(results)
+    for r, res in enumerate(results):   # use_custom_ops(True): the ops eagerly too
+        assert res["ops_calls"]["eager"] > 0 and res["ops_calls"]["compiled"] > 0, r
+
+
+@pytest.mark.parametrize("kind", ["sequential", "explicit"])
+def test_the_default_path_compiles_whole_and_runs_the_function_eagerly(pool, kind):
+    # use_custom_ops("compiled"), the default where torch has custom ops: the compiled model
+    # runs hsbn's ops (whole, no graph break), the eager one its autograd.Function (no op
+    # passes the order token), and they agree.
+    results = _run(pool, kind, "global", ops="compiled")
+    _assert_compiled_whole(results, kind)
+    _assert_equal_runs(results)
+    for r, res in enumerate(results):
+        assert res["ops_calls"]["eager"] == 0, (r, res["ops_calls"])
+        assert res["ops_calls"]["compiled"] > 0, (r, res["ops_calls"])
 
 
 def test_torch_batchnorm_recompiles_alike(pool):

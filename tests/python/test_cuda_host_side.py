@@ -136,10 +136,13 @@ def test_the_layer_forward_is_opaque_to_dynamo_where_torch_has_dynamo():
     else:
         has_dynamo = True
     import hsbn.torch
-    if hsbn.torch.custom_ops_in_use():
-        # (HSBN_TORCH_CUSTOM_OPS=1: the forward dynamo traces through the ops; the function
-        # path it falls back to for other inputs is the opaque one checked below)
-        assert SyncBatchNorm.forward is SyncBatchNorm._forward_selecting
+    path = hsbn.torch.custom_ops_in_use()
+    if path:
+        # (the forward dynamo traces through to the ops: always with HSBN_TORCH_CUSTOM_OPS=1,
+        # where traced by default from torch 2.4; the function path they fall back to is the
+        # opaque one checked below)
+        assert SyncBatchNorm.forward is (SyncBatchNorm._forward_selecting if path is True
+                                         else SyncBatchNorm._forward_traced)
     # torch's disable marks what it wraps; without dynamo forward is the plain function.
     assert getattr(SyncBatchNorm._forward_function, "_torchdynamo_disable",
                    False) == has_dynamo
@@ -229,16 +232,30 @@ def test_zero_variance_without_eps_gives_an_infinite_invstd_without_a_warning():
 
 
 def test_torch_compile_runs_the_layer_eagerly_and_compiles_the_rest_once():
-    """Where torch has torch.compile (2.x): a compiled model with an hsbn layer on its default
-    path (the autograd.Function, opaque to dynamo) computes what the eager model computes, and
+    """Where torch has torch.compile (2.x): a compiled model with an hsbn layer on its function
+    path (the autograd.Function, opaque to dynamo: the default before torch 2.4, and with
+    HSBN_TORCH_CUSTOM_OPS=0 or use_custom_ops(False)) computes what the eager model computes, and
     its per-call Python state (samples_seen here) causes no recompilation: whatever is compiled
     is compiled at the first call only. Under torch 2.6 that is nothing for an nn.Sequential:
     the layer's graph break inside Sequential.forward makes dynamo skip the whole frame
-    (docs/PYTORCH.md; hsbn.torch.use_custom_ops traces it whole, test_compile.py)."""
-    import copy
+    (docs/PYTORCH.md; the custom ops, the default from torch 2.4, trace it whole:
+    test_compile.py)."""
     import hsbn.torch
     if not hasattr(torch, "compile"):
         pytest.skip("torch %s has no torch.compile" % torch.__version__)
+    before = hsbn.torch.custom_ops_in_use()
+    if before:
+        hsbn.torch.use_custom_ops(False)
+    try:
+        _compile_with_the_function_path()
+    finally:
+        if before:
+            hsbn.torch.use_custom_ops(before)
+
+
+def _compile_with_the_function_path():
+    import copy
+    import hsbn.torch
     graphs = []
 
     def backend(gm, example_inputs):

@@ -41,6 +41,10 @@ def test_the_constructor_takes_torchs_arguments_in_torchs_order():
     assert [(p.name, p.default) for p in ours[:len(torch_params)]] == \
         [(p.name, p.default) for p in torch_params]
     extra = ours[len(torch_params):]
+    # torch >= 2.14 has bias=True (keyword-only) after dtype, and so has hsbn on every torch.
+    if extra and extra[0].name == "bias":
+        assert extra[0].default is True and extra[0].kind == inspect.Parameter.KEYWORD_ONLY
+        extra = extra[1:]
     assert [p.name for p in extra] == ["scope", "client", "name", "op", "group_nodes",
                                       "auto_warmup", "auto_max_mean_shift",
                                       "auto_max_log_var_ratio", "auto_recheck_every",
@@ -218,28 +222,53 @@ def test_a_layer_check_passes_on_one_worker_and_is_made_once(client):
     assert s.get("global", "backward").completed == 1
 
 
-def test_custom_ops_are_opt_in():
-    # The ops path (torch >= 2.4) is chosen per process with hsbn.torch.use_custom_ops; by
-    # default every torch runs the autograd.Function, opaque to dynamo (issue #35).
+def test_custom_ops_are_the_default_where_torch_has_them():
+    # The ops path (torch >= 2.4) is chosen per process at its first layer: by default where
+    # torch has custom ops, the autograd.Function (opaque to dynamo) on older torch and with
+    # HSBN_TORCH_CUSTOM_OPS=0; hsbn.torch.use_custom_ops switches it (issue #35).
     import hsbn.torch
     from hsbn.errors import ConfigurationError
     from hsbn.torch import _custom_op
     from hsbn import env as _env
-    # (a run with HSBN_TORCH_CUSTOM_OPS=1 has them on from its first layer)
-    asked = (_env.is_set("HSBN_TORCH_CUSTOM_OPS")
-             and _env.get("HSBN_TORCH_CUSTOM_OPS") == "1")
+    value = _env.get("HSBN_TORCH_CUSTOM_OPS") if _env.is_set("HSBN_TORCH_CUSTOM_OPS") else ""
+    expected = (value == "1") if value else ("compiled" if _custom_op.ENABLED else False)
     before = hsbn.torch.custom_ops_in_use()
-    assert before == asked
-    if not asked:
-        assert hsbn.torch.SyncBatchNorm.forward is hsbn.torch.SyncBatchNorm._forward_function
+    assert before == expected and type(before) is type(expected)
+    SBN = hsbn.torch.SyncBatchNorm
+    assert SBN.forward is {True: SBN._forward_selecting, "compiled": SBN._forward_traced,
+                           False: SBN._forward_function}[expected]
+    with pytest.raises(ConfigurationError, match="True, False or"):
+        hsbn.torch.use_custom_ops("always")
     if not _custom_op.ENABLED:
-        with pytest.raises(ConfigurationError, match="torch.library.custom_op"):
-            hsbn.torch.use_custom_ops(True)
-        assert not hsbn.torch.custom_ops_in_use()
+        for flag in (True, "compiled"):
+            with pytest.raises(ConfigurationError, match="torch.library.custom_op"):
+                hsbn.torch.use_custom_ops(flag)
+        assert hsbn.torch.custom_ops_in_use() is False
         return
     try:
-        hsbn.torch.use_custom_ops(not before)
-        assert hsbn.torch.custom_ops_in_use() == (not before)
+        for flag in (True, False, "compiled"):
+            hsbn.torch.use_custom_ops(flag)
+            assert hsbn.torch.custom_ops_in_use() == flag
     finally:
         hsbn.torch.use_custom_ops(before)
     assert hsbn.torch.custom_ops_in_use() == before
+
+
+def test_bias_false_is_refused_by_name_and_true_is_torchs_default():
+    # torch 2.14 added bias=False (a weight without a bias) to BatchNorm; hsbn's layers take
+    # the keyword where torch does, and refuse False with affine by name instead of adding a
+    # bias the model did not ask for.
+    from hsbn.errors import ConfigurationError
+    layer = hsbn.torch.SyncBatchNorm(4, bias=True, scope="local")
+    assert layer.bias is not None and layer.weight is not None
+    assert hsbn.torch.SyncBatchNorm(4, affine=False, bias=False, scope="local").bias is None
+    with pytest.raises(ConfigurationError, match="bias=False"):
+        hsbn.torch.SyncBatchNorm(4, bias=False, scope="local")
+    with pytest.raises(ConfigurationError, match="True or False"):
+        hsbn.torch.SyncBatchNorm(4, bias="no", scope="local")
+    # A torch BatchNorm with a weight and no bias (what torch 2.14's bias=False makes, built
+    # here by hand so that every torch has one) is refused by convert_sync_batchnorm, naming it.
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4))
+    model[1].bias = None
+    with pytest.raises(ConfigurationError, match="'1' has a weight but no bias"):
+        hsbn.torch.convert_sync_batchnorm(model, scope="local")

@@ -140,7 +140,7 @@ def test_python_m_hsbn_says_which_cuda_ops_are_used_and_why():
     assert "device check" in out.stdout and "compute capability 9.0" in out.stdout
 
 
-def test_hsbn_torch_custom_ops_env_turns_the_ops_on_or_is_refused_by_name():
+def test_hsbn_torch_custom_ops_env_chooses_the_path_or_is_refused_by_name():
     # In a fresh process: the variable is read when the first layer is made.
     code = ("import hsbn.torch, torch\n"
             "try:\n"
@@ -150,10 +150,16 @@ def test_hsbn_torch_custom_ops_env_turns_the_ops_on_or_is_refused_by_name():
             "else:\n"
             "    print('in use:', hsbn.torch.custom_ops_in_use())\n")
     import os
-    env = dict(os.environ, HSBN_TORCH_CUSTOM_OPS="1")
+    from hsbn.torch import _custom_op
+    # Unset: the ops where traced (torch >= 2.4: "compiled"), the function on older torch.
+    env = {k: v for k, v in os.environ.items() if k != "HSBN_TORCH_CUSTOM_OPS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
-    from hsbn.torch import _custom_op
+    assert out.stdout.strip() == "in use: %s" % ("compiled" if _custom_op.ENABLED else False), \
+        out.stdout + out.stderr
+    env["HSBN_TORCH_CUSTOM_OPS"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
     if _custom_op.ENABLED:  # torch >= 2.4
         assert out.stdout.strip() == "in use: True", out.stdout
     else:

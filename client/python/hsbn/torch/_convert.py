@@ -115,6 +115,11 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
                 raise ConfigurationError(
                     "layer %r is a lazy BatchNorm that has not seen an input yet; run one "
                     "forward pass (or use BatchNorm*d) before converting" % qualified)
+            if mod.affine and mod.weight is not None and mod.bias is None:
+                raise ConfigurationError(
+                    "layer %r has a weight but no bias (torch >= 2.14's bias=False), which "
+                    "hsbn layers do not support yet; build it with bias=True to convert it"
+                    % qualified)
             names_seen.add(qualified)
             out = SyncBatchNorm(mod.num_features, mod.eps, mod.momentum, mod.affine,
                                 mod.track_running_stats,

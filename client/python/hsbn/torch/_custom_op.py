@@ -1,9 +1,10 @@
 """hsbn's synchronized BatchNorm as torch custom ops (torch >= 2.4), so that torch.compile
 (fullgraph=True) and torch.export trace through hsbn layers (issue #35).
 
-On torch >= 2.4 (torch.library.custom_op and register_fake), a training-mode layer whose scope
-exchanges statistics calls these ops instead of SyncBatchNormFunction; torch < 2.4 (Debian 12's
-1.13 among them) keeps SyncBatchNormFunction, unchanged, and ENABLED is False.
+On torch >= 2.4 (torch.library.custom_op and register_fake), a training-mode layer on CPU
+tensors whose scope exchanges statistics calls these ops instead of SyncBatchNormFunction where
+torch.compile or torch.export traces it (the default), or always (use_custom_ops(True)); torch
+< 2.4 (Debian 12's 1.13 among them) keeps SyncBatchNormFunction, unchanged, and ENABLED is False.
 
 The ops (namespace "hsbn"):
 

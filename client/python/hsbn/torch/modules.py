@@ -99,13 +99,14 @@ class SyncBatchNorm(_BatchNorm):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
                  track_running_stats=True, process_group=None, device=None, dtype=None, *,
-                 scope="global", client=None, name=None, op=None, group_nodes=None,
+                 bias=True, scope="global", client=None, name=None, op=None, group_nodes=None,
                  auto_warmup=None, auto_max_mean_shift=None, auto_max_log_var_ratio=None,
                  auto_recheck_every=None, renorm_lag=None, renorm_momentum=None,
                  renorm_warmup=None, renorm_r_max=None, renorm_d_max=None, renorm_ramp=None,
                  lagged_damping=None, lagged_warmup=None, lagged_trip=None,
                  lagged_trip_calls=None, lagged_trip_rel=None):
         _check_process_group(process_group, "hsbn.torch.SyncBatchNorm")
+        _check_bias(bias, affine, "hsbn.torch.SyncBatchNorm")
         _custom_ops_from_env()
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype)
@@ -284,6 +285,15 @@ class SyncBatchNorm(_BatchNorm):
             return self._forward_ops(input)
         return self._forward_function(input)
 
+    def _forward_traced(self, input):
+        """forward by default where torch has custom ops (use_custom_ops("compiled")): the ops
+        path when torch.compile or torch.export traces the layer on CPU tensors, the function
+        when it runs eagerly (cheaper in host time; docs/PYTORCH.md)."""
+        if isinstance(input, torch.fx.Proxy) or (torch.compiler.is_compiling()
+                                                 and input.device.type == "cpu"):
+            return self._forward_ops(input)
+        return self._forward_function(input)
+
     def _forward_ops(self, input):
         """forward on torch >= 2.4: traceable by dynamo (torch.compile(fullgraph=True),
         torch.export); a synchronized training forward is the custom op hsbn::sync_batch_norm
@@ -340,7 +350,8 @@ class SyncBatchNorm(_BatchNorm):
 
     @opaque_to_dynamo  # its rounds and Python-side state are not for tracing (docs/PYTORCH.md)
     def forward(self, input):
-        """The default forward, on every torch: SyncBatchNormFunction, opaque to dynamo (also
+        """The function path: SyncBatchNormFunction, opaque to dynamo; the forward on torch < 2.4,
+        and eagerly by default on later torch (also
         SyncBatchNorm._forward_function, which the ops path calls for what it does not take)."""
         leaf = self._fx_leaf_or_check(input)
         if leaf is not None:
@@ -491,51 +502,76 @@ def _save_auto_decision(module, state_dict, prefix, local_metadata):
         local_metadata[_METADATA_KEY] = dict(module._auto_decision)
 
 
-# The function path under its second name; use_custom_ops(True) makes _forward_selecting the
-# forward (the ops path for CPU inputs, torch >= 2.4).
+# The function path under its second name; use_custom_ops makes _forward_selecting (the ops
+# path for CPU inputs, torch >= 2.4) or _forward_traced (the ops where traced) the forward.
 SyncBatchNorm._forward_function = SyncBatchNorm.forward
 
 
+def _check_bias(bias, affine, where):
+    """torch 2.14's BatchNorm takes bias=False (a weight without a bias); hsbn's layers do not
+    yet: refused by name rather than given a bias the model did not ask for."""
+    if bias not in (True, False):
+        raise ConfigurationError("%s: bias must be True or False, not %r" % (where, bias))
+    if not bias and affine:
+        raise ConfigurationError(
+            "%s: bias=False (a weight without a bias, torch >= 2.14) is not supported by hsbn "
+            "layers yet; keep bias=True, or use affine=False and a scale of your own" % where)
+
+
 def use_custom_ops(flag=True):
-    """Whether hsbn layers on CPU tensors run as torch custom ops (torch >= 2.4;
-    _custom_op.py), which torch.compile(fullgraph=True) and torch.export trace whole, or as
-    their autograd.Function, which dynamo does not trace (the default; HSBN_TORCH_CUSTOM_OPS=1
-    turns them on at the first layer). Opt-in: the whole suite passes with them under Debian's
-    torch 2.6, but on torch 2.11 the multi-process compile cases did not finish (undiagnosed;
-    issue #35). ConfigurationError on a torch without custom ops."""
+    """Which path hsbn layers on CPU tensors take (torch >= 2.4 for the ops; _custom_op.py):
+    True: torch custom ops, eager and traced, which torch.compile(fullgraph=True) and
+    torch.export trace whole; "compiled": the ops where torch.compile or torch.export traces the
+    layer, the autograd.Function where it runs eagerly (the default where torch has custom ops:
+    the function costs less host time eagerly); False: the autograd.Function everywhere, which
+    dynamo does not trace (the default on older torch). HSBN_TORCH_CUSTOM_OPS=1 / 0 choose True /
+    False at the first layer. CUDA inputs keep the function either way (the ops path has not
+    run on a GPU; issue #35). ConfigurationError for the ops on a torch without them."""
     global _custom_ops_chosen
+    if flag not in (True, False, "compiled"):
+        raise ConfigurationError("hsbn.torch.use_custom_ops: True, False or \"compiled\", not %r"
+                                 % (flag,))
     if flag and not _custom_op.ENABLED:
         raise ConfigurationError(
             "hsbn.torch.use_custom_ops: torch %s has no torch.library.custom_op (torch >= 2.4 "
             "has it); hsbn layers keep their autograd.Function here" % torch.__version__)
     _custom_ops_chosen = True
-    SyncBatchNorm.forward = (SyncBatchNorm._forward_selecting if flag
-                             else SyncBatchNorm._forward_function)
+    SyncBatchNorm.forward = (SyncBatchNorm._forward_traced if flag == "compiled" else
+                             SyncBatchNorm._forward_selecting if flag else
+                             SyncBatchNorm._forward_function)
 
 
 _custom_ops_chosen = False  # use_custom_ops was called, or HSBN_TORCH_CUSTOM_OPS was read
 
 
 def _custom_ops_from_env():
-    """HSBN_TORCH_CUSTOM_OPS=1 turns the ops on, read when the process makes its first layer
-    (after an explicit use_custom_ops call it is not read)."""
+    """Chooses the path when the process makes its first layer, unless use_custom_ops chose it
+    before: HSBN_TORCH_CUSTOM_OPS=1 the ops (refused on a torch without them), 0 the
+    function, unset "compiled" where torch has the ops, else the function."""
     global _custom_ops_chosen
     if _custom_ops_chosen:
         return
-    _custom_ops_chosen = True
     from .. import env as _env
     # (is_set first: a layer can be made where the native library is not, e.g. to load weights)
-    if _env.is_set("HSBN_TORCH_CUSTOM_OPS") and _env.get("HSBN_TORCH_CUSTOM_OPS") == "1":
-        if not _custom_op.ENABLED:
-            raise ConfigurationError(
-                "HSBN_TORCH_CUSTOM_OPS=1: torch %s has no torch.library.custom_op (torch >= 2.4 "
-                "has it); unset it, hsbn layers keep their autograd.Function here"
-                % torch.__version__)
-        use_custom_ops(True)
+    value = _env.get("HSBN_TORCH_CUSTOM_OPS") if _env.is_set("HSBN_TORCH_CUSTOM_OPS") else ""
+    _custom_ops_chosen = True
+    if value == "1" and not _custom_op.ENABLED:
+        raise ConfigurationError(
+            "HSBN_TORCH_CUSTOM_OPS=1: torch %s has no torch.library.custom_op (torch >= 2.4 "
+            "has it); unset it, hsbn layers keep their autograd.Function here"
+            % torch.__version__)
+    if value:
+        use_custom_ops(value == "1")
+    else:
+        use_custom_ops("compiled" if _custom_op.ENABLED else False)
 
 
 def custom_ops_in_use():
-    """Whether a layer's forward runs the custom ops now: after use_custom_ops(True), or with
-    HSBN_TORCH_CUSTOM_OPS=1 and no use_custom_ops call."""
+    """The path layers on CPU tensors take now, as use_custom_ops takes it: True (the ops,
+    eager and traced), "compiled" (the ops where traced, the function eagerly) or False (the
+    function)."""
     _custom_ops_from_env()
-    return SyncBatchNorm.forward is SyncBatchNorm._forward_selecting
+    forward = SyncBatchNorm.forward
+    if forward is SyncBatchNorm._forward_selecting:
+        return True
+    return "compiled" if forward is SyncBatchNorm._forward_traced else False
