@@ -588,3 +588,60 @@ def test_only_and_stop_are_checked():
             oneproc.parse_mode(bad)
     with pytest.raises(ValueError, match="2 BatchNorm layers"):
         _two_layer("lagged:only=3")
+
+
+def _conv_bn(mode):
+    base, o = oneproc.parse_mode(mode)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Conv2d(C, C, 3, padding=1, bias=False),
+                                torch.nn.BatchNorm2d(C)).double()
+    sims = oneproc.convert(model, base, o, oneproc.Topology(NODES, WPN, 2))
+    return model, sims
+
+
+def _run_conv_bn(mode, batches):
+    """Per call: (conv weight gradient, input gradient, BatchNorm weight gradient), no update."""
+    model, sims = _conv_bn(mode)
+    out = []
+    for x, dy in batches:
+        x = x.clone().requires_grad_(True)
+        model.zero_grad(set_to_none=False)
+        model(x).backward(dy)
+        oneproc.apply_wfix(sims)
+        out.append((model[0].weight.grad.clone(), x.grad, model[1].weight.grad.clone()))
+    return out
+
+
+def test_wfix_corrects_the_convolution_s_weight_gradient_now_or_a_step_late():
+    batches = [_batch(90 + k) for k in range(4)]
+    got = {m: _run_conv_bn(m, batches) for m in (
+        "lagged", "lagged:exact_bwd=1", "lagged:wfix=1", "lagged:wfix=2",
+        "lagged:wfix=1,wfix_mean=1")}
+    lag, exact = got["lagged"], got["lagged:exact_bwd=1"]
+    for call in range(1, 4):
+        # Lagged and exact_bwd differ in the convolution's gradient (the stale share)...
+        assert not torch.allclose(lag[call][0], exact[call][0], atol=1e-6)
+        # ...wfix=1 takes exact_bwd's there, and leaves the input and BatchNorm gradients
+        # lagged's (it corrects the weight gradient only).
+        w1 = got["lagged:wfix=1"][call]
+        assert torch.allclose(w1[0], exact[call][0], rtol=0, atol=1e-10)
+        assert torch.allclose(w1[1], lag[call][1], rtol=0, atol=TOL)
+        assert torch.allclose(w1[2], lag[call][2], rtol=0, atol=TOL)
+        # wfix=2 adds the previous call's correction (none after the exact warm-up call).
+        before = exact[call - 1][0] - lag[call - 1][0] if call > 1 else 0
+        assert torch.allclose(got["lagged:wfix=2"][call][0], lag[call][0] + before, rtol=0,
+                              atol=1e-10)
+        # wfix_mean: the sum dy term only, a part of the correction.
+        wm = got["lagged:wfix=1,wfix_mean=1"][call][0]
+        assert not torch.allclose(wm, lag[call][0], atol=1e-6)
+        assert not torch.allclose(wm, exact[call][0], atol=1e-6)
+
+
+def test_wfix_options_are_checked():
+    assert oneproc.parse_mode("lagged:wfix=2")[1]["wfix"] == 2
+    for bad in ("lagged:wfix=3", "lagged:wfix=0.5", "node:wfix=1", "lagged:wfix_mean=1",
+                "lagged:wfix=1,wfix_mean=2"):
+        with pytest.raises(ValueError):
+            oneproc.parse_mode(bad)
+    with pytest.raises(ValueError, match="does not follow a Conv2d"):
+        _two_layer("lagged:wfix=1")

@@ -201,7 +201,9 @@ def parse_args(argv=None):
                         "(the stale share averaged), lagged:ef=1 (error feedback), lagged:exact_bwd=1 "
                         "(the job's fresh sums in the backward), lagged:only=2 (lagged in the "
                         "second BatchNorm only, the others exact global), lagged:stop=300 (calls "
-                        "300 and later exact global)"
+                        "300 and later exact global), lagged:wfix=2 (the convolution's weight gradient "
+                        "before each BatchNorm corrected to the job's fresh sums a step late; "
+                        "wfix=1 the same step, wfix_mean=1 the sum dy term only)"
                         % "node,global,renorm,lagged,lagged-damped:0.25,lagged-damped:0.5,"
                           "lagged-guard")
     g.add_argument("--lr-spike", default=None, metavar="STEP:FACTOR:STEPS",

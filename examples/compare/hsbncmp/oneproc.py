@@ -144,8 +144,15 @@ def parse_mode(text):
             opts[key] = int(opts[key])
     if "exact_bwd" in opts and opts["exact_bwd"] not in (0.0, 1.0):
         raise ValueError("%s: exact_bwd is 0 or 1" % text)
-    if ({"ema", "ef", "exact_bwd"} & set(opts)) and not base.startswith("lagged"):
-        raise ValueError("%s: ema, ef and exact_bwd are options of the lagged family" % text)
+    if "wfix" in opts:
+        if opts["wfix"] not in (1.0, 2.0):
+            raise ValueError("%s: wfix is 1 (this step) or 2 (the next step)" % text)
+        opts["wfix"] = int(opts["wfix"])
+    if "wfix_mean" in opts and (opts["wfix_mean"] not in (0.0, 1.0) or "wfix" not in opts):
+        raise ValueError("%s: wfix_mean is 0 or 1, with wfix" % text)
+    if ({"ema", "ef", "exact_bwd", "wfix"} & set(opts)) and not base.startswith("lagged"):
+        raise ValueError("%s: ema, ef, exact_bwd and wfix are options of the lagged family"
+                         % text)
     if "warmup" in opts:
         opts["warmup"] = int(opts["warmup"])
         if base.startswith("lagged") and opts["warmup"] < 1:
@@ -251,6 +258,10 @@ class LayerSim:
         self.always_exact = False  # only=K: a layer other than the K-th, exact global throughout
         self.ef_prev = None     # error feedback: (c1, c2) of the previous call, (R, C) each
         self.ema_bwd = None     # ema: the averaged (sum dy, sum dy x) per node, (R, C) each
+        self.conv = None        # wfix: the Conv2d right before the layer, its input this call,
+        self.conv_in = None     # and the corrections of its weight gradient (this step's,
+        self.wfix_new = None    # the previous step's)
+        self.wfix_old = None
 
     # -- running statistics --------------------------------------------------------------------
     def _update(self, mean_rows, var_rows):
@@ -482,6 +493,19 @@ def _backward(ctx, dy):
         sim.lams.append(lam)
         dx = dx_lag if lam == 1.0 else (dx_node if lam == 0.0 else
                                         lam * dx_lag + (1.0 - lam) * dx_node)
+        if sim.opts.get("wfix") and sim.conv is not None:
+            # wfix: what the stale share put into the weight gradient of the convolution
+            # before the layer, lam * (dx with the job's fresh sums - dx_lag) through that
+            # convolution's input (the fresh sums are every node's one call later, so the
+            # service could add it a step late: wfix=2; wfix=1 adds it this step, a bound);
+            # wfix_mean=1: the sum dy term only.
+            import torch.nn.grad as tg
+            S2t = S2 if sim.opts.get("wfix_mean") else job_s2()
+            d = lam * (dx_from(s1.sum(0)[None].expand_as(s1), S2t, cnt * r) - dx_lag)
+            conv = sim.conv
+            sim.wfix_new = tg.conv2d_weight(
+                sim.conv_in, conv.weight.shape, _unrows(d, ctx.shape), conv.stride,
+                conv.padding, conv.dilation, conv.groups)
         if sim.opts.get("ef"):
             # Error feedback (ef=F): the stale share put lam * w * invstd * (e1 / M + (x - mu_n)
             # invstd^2 e2 / M) into this call's dx, e the job's fresh sums minus the ones used;
@@ -640,16 +664,24 @@ def convert(model, mode, opts, topo):
     sims = []
 
     def swap(module, prefix=""):
+        before = None
         for name, child in module.named_children():
             full = prefix + name
             if isinstance(child, torch.nn.BatchNorm2d) and not isinstance(child, cls):
                 new = cls(child.num_features, eps=child.eps, momentum=child.momentum)
                 new.load_state_dict(child.state_dict())
                 new.sim = LayerSim(mode, opts, topo, child.num_features, full)
+                if opts.get("wfix"):
+                    if not (isinstance(before, torch.nn.Conv2d)
+                            and before.out_channels == child.num_features):
+                        raise ValueError("wfix: %s does not follow a Conv2d of its width" % full)
+                    new.sim.conv = before
+                    before.register_forward_pre_hook(_stash_input(new.sim))
                 sims.append(new.sim)
                 setattr(module, name, new)
             else:
                 swap(child, full + ".")
+            before = child
     swap(model)
     if "only" in opts:
         if opts["only"] > len(sims):
@@ -658,6 +690,27 @@ def convert(model, mode, opts, topo):
         for i, sim in enumerate(sims):
             sim.always_exact = i + 1 != opts["only"]
     return sims
+
+
+def _stash_input(sim):
+    import torch
+
+    def hook(module, args):
+        sim.conv_in = args[0].detach().to(torch.float64)
+    return hook
+
+
+def apply_wfix(sims):
+    """After a step's backward: adds each layer's weight-gradient correction to its
+    convolution, this step's (wfix=1) or the previous step's (wfix=2)."""
+    for sim in sims:
+        if not sim.opts.get("wfix"):
+            continue
+        fix = sim.wfix_new if sim.opts["wfix"] == 1 else sim.wfix_old
+        if fix is not None:
+            g = sim.conv.weight.grad
+            g.add_(fix.to(g.dtype))
+        sim.wfix_old, sim.wfix_new = sim.wfix_new, None
 
 
 def set_running(model, sims, how):
@@ -716,6 +769,7 @@ def run_one(cfg, task, seed, mode_text, init, plan, arrays, progress=None, dtype
         loss = F.cross_entropy(out, y)
         opt.zero_grad()
         loss.backward()
+        apply_wfix(sims)
         if record_first and step == 0:
             first_grads = {k: p.grad.detach().double().numpy().copy()
                            for k, p in model.named_parameters()}
