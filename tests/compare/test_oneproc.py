@@ -645,3 +645,20 @@ def test_wfix_options_are_checked():
             oneproc.parse_mode(bad)
     with pytest.raises(ValueError, match="does not follow a Conv2d"):
         _two_layer("lagged:wfix=1")
+
+
+def test_a_second_run_into_the_same_out_is_refused_while_the_first_writes(tmp_path):
+    """Two --one-process runs into one --out would each rewrite oneproc.json from what they
+    read at their start, and the later writer would drop the other's runs."""
+    import fcntl
+    import subprocess
+    import sys
+    script = os.path.join(COMPARE, "hsbn_compare.py")
+    with open(tmp_path / oneproc.LOCK_NAME, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)   # as a running study holds it
+        proc = subprocess.run([sys.executable, script, "--one-process", "--seeds", "1",
+                               "--steps", "1", "--sim-modes", "node", "--out", str(tmp_path)],
+                              capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "another run is writing to %s" % tmp_path in proc.stderr
+    assert not (tmp_path / "oneproc.json").exists()

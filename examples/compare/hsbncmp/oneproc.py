@@ -47,6 +47,7 @@ their pooled average, hsbn.torch.sync_running_stats with equal weights: the seco
 """
 
 import csv
+import fcntl
 import json
 import math
 import multiprocessing
@@ -59,6 +60,7 @@ import numpy as np
 from . import cli, data, models, train
 
 F64 = None  # torch.float64, set on import of torch
+LOCK_NAME = ".oneproc.lock"  # in --out, held while a run writes there
 EPS = 1e-5
 BN_MOMENTUM = 0.1
 RENORM = {"warmup": 5, "ramp": 20, "r_max": 1.1, "d_max": 0.25}   # hsbn.torch's defaults
@@ -949,6 +951,15 @@ def run(args, command):
         for m in modes:
             jobs.append((cfg, task, seed, m, init, plan))
     os.makedirs(args.out, exist_ok=True)
+    # One run at a time per --out: a second would read the results before the first's last
+    # write and overwrite them without it. The lock goes with the process.
+    lock = open(os.path.join(args.out, LOCK_NAME), "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print("hsbn_compare --one-process: another run is writing to %s (it holds %s); wait "
+              "for it to end, or choose another --out" % (args.out, LOCK_NAME), file=sys.stderr)
+        return 2
     # Runs of the same cell already in --out are kept (and not rerun): a study can be extended
     # by modes or seeds, by one invocation after another.
     runs, commands = [], [command]
