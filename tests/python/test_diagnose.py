@@ -211,3 +211,13 @@ def test_groups_that_hold_both_kinds_of_nodes_get_group_scope():
         assert e["counts"]["group"] == 2 * e["counts"]["node"] == 2 * e["counts"]["local_mean"]
         assert e["divergence"]["group"]["mean_shift"] < 0.05 < e["divergence"]["node"][
             "mean_shift"]
+
+
+def test_the_lagged_offer_names_what_was_measured_for_a_model_that_deep():
+    from hsbn.torch import _diagnose
+    shallow = _diagnose._lagged_note(_diagnose.STUDY_LAYERS, 1.5)
+    assert "1.50 ms of sync per step" in shallow and "4-layer CNN" in shallow
+    assert "ResNet-18" not in shallow
+    deep = _diagnose._lagged_note(20, 1.5)
+    assert deep.startswith(shallow)
+    assert "This model has 20 BatchNorm layers" in deep and "stayed at node's accuracy" in deep
