@@ -535,12 +535,15 @@ def test_exact_backward_sees_the_other_nodes_fresh_gradients_and_lagged_does_not
     assert torch.allclose(got["lagged:exact_bwd=1", "dy"][0], got["lagged", "dy"][0], atol=TOL)
 
 
-def _two_layer(mode):
-    """A Sequential of two BatchNorm2d, converted by oneproc.convert with mode's options."""
+def _converted(mode, *layers):
+    """A float64 Sequential of `layers`, converted by oneproc.convert with mode's options."""
     base, o = oneproc.parse_mode(mode)
-    model = torch.nn.Sequential(torch.nn.BatchNorm2d(C), torch.nn.BatchNorm2d(C)).double()
-    sims = oneproc.convert(model, base, o, oneproc.Topology(NODES, WPN, 2))
-    return model, sims
+    model = torch.nn.Sequential(*layers).double()
+    return model, oneproc.convert(model, base, o, oneproc.Topology(NODES, WPN, 2))
+
+
+def _two_layer(mode):
+    return _converted(mode, torch.nn.BatchNorm2d(C), torch.nn.BatchNorm2d(C))
 
 
 def _run_two(mode, batches):
@@ -580,23 +583,23 @@ def test_only_and_stop_place_the_lagged_calls():
         assert torch.allclose(stop[0][call][1], got["global"][0][call][1], rtol=0, atol=TOL)
 
 
-def test_only_and_stop_are_checked():
-    assert oneproc.parse_mode("lagged-damped:0.5,only=3")[1]["only"] == 3
-    for bad in ("lagged:only=0", "lagged:only=1.5", "node:only=1", "global:stop=5",
-                "lagged:stop=0"):
+def _refused(*modes):
+    for bad in modes:
         with pytest.raises(ValueError):
             oneproc.parse_mode(bad)
+
+
+def test_only_and_stop_are_checked():
+    assert oneproc.parse_mode("lagged-damped:0.5,only=3")[1]["only"] == 3
+    _refused("lagged:only=0", "lagged:only=1.5", "node:only=1", "global:stop=5", "lagged:stop=0")
     with pytest.raises(ValueError, match="2 BatchNorm layers"):
         _two_layer("lagged:only=3")
 
 
 def _conv_bn(mode):
-    base, o = oneproc.parse_mode(mode)
     torch.manual_seed(3)
-    model = torch.nn.Sequential(torch.nn.Conv2d(C, C, 3, padding=1, bias=False),
-                                torch.nn.BatchNorm2d(C)).double()
-    sims = oneproc.convert(model, base, o, oneproc.Topology(NODES, WPN, 2))
-    return model, sims
+    return _converted(mode, torch.nn.Conv2d(C, C, 3, padding=1, bias=False),
+                      torch.nn.BatchNorm2d(C))
 
 
 def _run_conv_bn(mode, batches):
@@ -639,10 +642,8 @@ def test_wfix_corrects_the_convolution_s_weight_gradient_now_or_a_step_late():
 
 def test_wfix_options_are_checked():
     assert oneproc.parse_mode("lagged:wfix=2")[1]["wfix"] == 2
-    for bad in ("lagged:wfix=3", "lagged:wfix=0.5", "node:wfix=1", "lagged:wfix_mean=1",
-                "lagged:wfix=1,wfix_mean=2"):
-        with pytest.raises(ValueError):
-            oneproc.parse_mode(bad)
+    _refused("lagged:wfix=3", "lagged:wfix=0.5", "node:wfix=1", "lagged:wfix_mean=1",
+             "lagged:wfix=1,wfix_mean=2")
     with pytest.raises(ValueError, match="does not follow a Conv2d"):
         _two_layer("lagged:wfix=1")
 
