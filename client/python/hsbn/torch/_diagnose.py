@@ -420,7 +420,7 @@ def _lagged_note(layers, ms):
             % (ms, STUDY_LAYERS))
     if layers > STUDY_LAYERS:
         note += (" This model has %d BatchNorm layers: on ResNet-18 (20) in a short, steep "
-                 "schedule (75 steps, lr 0.05) lagged stayed at node's accuracy while its trip "
+                 "schedule (75 steps, lr 0.05) lagged ended at node's accuracy or below it while its trip "
                  "guard ran a quarter of the calls exact global, and 85 %% of the gap at 300 "
                  "steps and lr 0.01; for a deep model in a short schedule the 'use' column is "
                  "the safer choice (\"ResNet-18's short study\" there)." % layers)
