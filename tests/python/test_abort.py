@@ -47,12 +47,23 @@ CHILD = textwrap.dedent("""
 
 # Rank 0 again, but its round waits on another thread (as on autograd's device threads) while
 # the main thread waits in Python: SIGINT's handler aborts the client, so that thread returns.
+# With HOLD, the side thread stops between its contribution going out and its wait, until the
+# main thread has handled SIGINT: the handler must find the round there too.
 SIDE = textwrap.dedent("""
     import signal, sys, threading
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in CHILD
     import numpy as np
     import hsbn
     client = hsbn.Client.from_env(round_timeout_ms=%d)
+    gate = threading.Event()
+    if len(sys.argv) > 1 and sys.argv[1] == "HOLD":
+        start = client._lib.hsbn_round_start
+        def held(*args):
+            rc = start(*args)
+            print("contributed", flush=True)
+            gate.wait()
+            return rc
+        client._lib.hsbn_round_start = held
     ended = threading.Event()
     def side():
         try:
@@ -65,6 +76,7 @@ SIDE = textwrap.dedent("""
     try:
         ended.wait()
     except KeyboardInterrupt:
+        gate.set()
         ended.wait(%d)
         print("main thread: KeyboardInterrupt; side thread ended:", ended.is_set(), flush=True)
         sys.exit(3)
@@ -94,6 +106,13 @@ def wait_for(predicate, what):
     while not predicate():
         assert time.monotonic() < deadline, what
         time.sleep(0.02)
+
+
+def _read_until(child, word, seen):
+    while word not in seen:
+        line = child.stdout.readline()
+        assert line, "the child ended before it said %r: %s" % (word, seen)
+        seen.append(line.strip())
 
 
 def test_sigint_in_a_round_raises_keyboard_interrupt_and_the_other_rank_learns_why(
@@ -169,17 +188,22 @@ def test_abort_from_another_thread_ends_a_wait_and_fails_the_other_rank_at_once(
         assert e.value.reason == "MEMBER_ABORTED"
 
 
-def test_sigint_aborts_a_round_that_waits_on_another_thread(cluster, transport, transport_env):
-    job = "sigint-side-" + transport
-    child = subprocess.Popen([sys.executable, "-c", SIDE],
+@pytest.mark.parametrize("hold", [False, True], ids=["waiting", "contributed"])
+def test_sigint_aborts_a_round_that_waits_on_another_thread(cluster, transport, transport_env,
+                                                             hold):
+    job = "sigint-side-%s-%s" % (transport, hold)
+    child = subprocess.Popen([sys.executable, "-c", SIDE] + (["HOLD"] if hold else []),
                              env=cluster.worker_env(0, job_id=job), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:
-        assert child.stdout.readline().strip() == "joined"
+        seen = []
+        _read_until(child, "joined", seen)
         with hsbn.Client.from_env(cluster.worker_env(1, job_id=job),
                                   round_timeout_ms=ROUND_TIMEOUT_MS):
             wait_for(lambda: contributed(cluster.node_addresses[0], job, 0) > 0,
                      "rank 0 never contributed to its round")
+            if hold:  # the side thread is held there now
+                _read_until(child, "contributed", seen)
             child.send_signal(signal.SIGINT)
             out, _ = child.communicate(timeout=GIVE_UP_S)
         assert child.returncode == 3, out

@@ -8,6 +8,7 @@ the torchrun environment at the first synchronized forward.
 
 import atexit
 import collections.abc
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -446,26 +447,40 @@ class Client:
         rnd = ctypes.c_void_p()
         # The arrays' addresses as ints (_lib declares double* as void*); a, b, out_a and out_b
         # stay referenced here until the calls return.
-        rc = self._lib.hsbn_round_start(self._handle, phase, int(op), int(seq), scope_code,
-                                        channels, int(count), a.ctypes.data, b.ctypes.data,
-                                        ctypes.byref(rnd))
-        if rc == 0:
-            rc = self._wait(rnd, ctypes.byref(out_count), out_a.ctypes.data, out_b.ctypes.data)
+        with self._side_wait():
+            rc = self._lib.hsbn_round_start(self._handle, phase, int(op), int(seq), scope_code,
+                                            channels, int(count), a.ctypes.data, b.ctypes.data,
+                                            ctypes.byref(rnd))
+            if rc == 0:
+                rc = self._wait(rnd, ctypes.byref(out_count), out_a.ctypes.data,
+                                out_b.ctypes.data)
         if rc != 0:
             raise error_for(rc, "%s round of %s (op=%d, seq=%d, scope %s, rank %d of job %r) "
                             "failed: %s" % (what, op_label(op), op, seq, scope, self.rank,
                                             self.job_id, _lib.last_error()))
         return out_count.value, out_a, out_b
 
+    @contextlib.contextmanager
+    def _side_wait(self):
+        """On a thread other than the main one, registers a round with the SIGINT handler
+        (which aborts the client), from before the round starts until it ends: once the other
+        ranks can see this rank's contribution, a Ctrl-C must find the round."""
+        side = threading.current_thread() is not threading.main_thread()
+        if side:
+            with _waits_lock:
+                _side_waits[id(self)] = _side_waits.get(id(self), 0) + 1
+        try:
+            yield
+        finally:
+            if side:
+                with _waits_lock:
+                    _side_waits[id(self)] -= 1
+
     def _wait(self, rnd, out_count, out_a, out_b):
         """Waits for a started round in slices of _WAIT_SLICE_MS: between them the main thread
         runs Python's signal handlers, so Ctrl-C raises KeyboardInterrupt here within a slice.
         An exception in the wait aborts the client (the job's other ranks learn at once)."""
         done = ctypes.c_int(0)
-        side = threading.current_thread() is not threading.main_thread()
-        if side:
-            with _waits_lock:
-                _side_waits[id(self)] = _side_waits.get(id(self), 0) + 1
         try:
             while True:
                 rc = self._lib.hsbn_round_wait_for(rnd, _WAIT_SLICE_MS, ctypes.byref(done),
@@ -478,10 +493,6 @@ class Client:
                 self._lib.hsbn_round_wait_for(rnd, _WAIT_SLICE_MS, ctypes.byref(done),
                                               out_count, out_a, out_b)
             raise
-        finally:
-            if side:
-                with _waits_lock:
-                    _side_waits[id(self)] -= 1
 
     def forward(self, op, seq, scope, count, mean, m2):
         """Contributes (count, mean[C], m2[C]); returns the scope's (count, mean, m2)."""
