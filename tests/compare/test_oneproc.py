@@ -663,3 +663,43 @@ def test_a_second_run_into_the_same_out_is_refused_while_the_first_writes(tmp_pa
     assert proc.returncode == 2, proc.stderr
     assert "another run is writing to %s" % tmp_path in proc.stderr
     assert not (tmp_path / "oneproc.json").exists()
+
+
+def test_model_wide_trip_sends_every_layer_exact():
+    # Two layers called in order a, b; only b's input jumps (call 3 on). b trips at call 4;
+    # with trip_model=1 a goes exact too: from call 5 (it ran call 4 before b tripped), b at 4
+    # and 5 (trip_calls 2). Without it a stays lagged throughout.
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.BatchNorm2d(C)
+            self.b = torch.nn.BatchNorm2d(C)
+
+        def forward(self, x, z):
+            return self.a(x), self.b(z)
+
+    def run(mode):
+        base, o = oneproc.parse_mode(mode)
+        model = Two().double()
+        sims = oneproc.convert(model, base, o, oneproc.Topology(NODES, WPN, 2))
+        exact = []
+        for s in range(8):
+            x, dy = _batch(500 + s)
+            z, dz = _batch(600 + s)
+            if s >= 3:
+                z = z + 20.0
+            before = [sim.exact_calls for sim in sims]
+            ya, yb = model(x, z)
+            (ya * dy).sum().add((yb * dz).sum()).backward()
+            exact.append([sim.exact_calls - b for sim, b in zip(sims, before)])
+        return sims, exact
+
+    sims, exact = run("lagged:trip=1.0,trip_calls=2,trip_model=1")
+    assert sims[1].trips == [4] and sims[0].trips == []
+    assert [e[0] for e in exact] == [1, 0, 0, 0, 0, 1, 0, 0]
+    assert [e[1] for e in exact] == [1, 0, 0, 0, 1, 1, 0, 0]
+    sims, exact = run("lagged:trip=1.0,trip_calls=2")
+    assert sims[1].trips == [4] and [e[0] for e in exact] == [1, 0, 0, 0, 0, 0, 0, 0]
+    for bad in ("lagged:trip_model=2", "node:trip_model=1"):
+        with pytest.raises(ValueError):
+            oneproc.parse_mode(bad)

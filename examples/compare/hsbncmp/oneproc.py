@@ -74,6 +74,8 @@ RENORM = {"warmup": 5, "ramp": 20, "r_max": 1.1, "d_max": 0.25}   # hsbn.torch's
 # backward's damping to L for the trip_calls calls instead of running them exact global (no
 # global round: the forward stays lagged). trip_fwd=1: a trip's calls are exact global in the
 # forward only, their backward lagged (one global round per call instead of two).
+# trip_model=1: a trip of any layer sends every lagged layer of the model exact global for
+# trip_calls calls (the layers after it from this call, the ones before it from the next).
 LAGGED = {"warmup": 1, "trip": 0.0, "trip_calls": 8, "trip_rel": 0.0}
 TRIP_DECAY = 0.9
 TRIP_HISTORY = 5
@@ -144,6 +146,9 @@ def parse_mode(text):
             if opts[key] != int(opts[key]) or opts[key] < 1:
                 raise ValueError("%s: %s must be a whole number >= 1" % (text, key))
             opts[key] = int(opts[key])
+    if "trip_model" in opts and (opts["trip_model"] not in (0.0, 1.0)
+                                 or not base.startswith("lagged")):
+        raise ValueError("%s: trip_model is 0 or 1, in the lagged family" % text)
     if "exact_bwd" in opts and opts["exact_bwd"] not in (0.0, 1.0):
         raise ValueError("%s: exact_bwd is 0 or 1" % text)
     if "wfix" in opts:
@@ -257,6 +262,7 @@ class LayerSim:
         self.exact_calls = 0    # lagged family: calls that ran exact global
         self.trip_v = []        # trip guard: v per call
         self.trip_level = 0.0   # trip guard, relative form: the level of v before this call
+        self.model_trip = None  # trip_model=1: {"until": seq}, one dict per model
         self.always_exact = False  # only=K: a layer other than the K-th, exact global throughout
         self.ef_prev = None     # error feedback: (c1, c2) of the previous call, (R, C) each
         self.ema_bwd = None     # ema: the averaged (sum dy, sum dy x) per node, (R, C) each
@@ -362,6 +368,10 @@ def _forward(ctx, x, weight, bias, sim):
                     sim.lam_until = sim.seq + o["trip_calls"]
                 else:
                     sim.exact_until = sim.seq + o["trip_calls"]
+                    if sim.model_trip is not None:
+                        sim.model_trip["until"] = max(sim.model_trip["until"], sim.exact_until)
+        if sim.model_trip is not None:
+            sim.exact_until = max(sim.exact_until, sim.model_trip["until"])
         if (sim.seq < o["warmup"] or sim.seq < sim.exact_until or sim.always_exact
                 or sim.seq >= o.get("stop", math.inf)):
             exact_global_now = True
@@ -685,6 +695,10 @@ def convert(model, mode, opts, topo):
                 swap(child, full + ".")
             before = child
     swap(model)
+    if opts.get("trip_model"):
+        shared = {"until": 0}
+        for sim in sims:
+            sim.model_trip = shared
     if "only" in opts:
         if opts["only"] > len(sims):
             raise ValueError("only=%d: the model has %d BatchNorm layers"
