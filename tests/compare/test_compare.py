@@ -86,7 +86,7 @@ def test_smoke_every_mode_both_tasks(tmp_path, native_parts):
     cmd = [sys.executable, SCRIPT, "--nodes", "2", "--workers-per-node", "2", "--steps", "3",
            "--seeds", "1", "--test-size", "48", "--evals", "2", "--out", str(out),
            "--modes", ",".join(MODES), "--group-nodes", "1", "--precise-items", "6",
-           "--no-progress", "--renorm", "warmup=1,ramp=2"]
+           "--no-progress", "--renorm", "warmup=1,ramp=2", "--lagged", "warmup=1"]
     proc = run_study(cmd, 300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for name in ("results.md", "results.json", "runs.csv", "compare.png"):
@@ -132,6 +132,9 @@ def test_smoke_every_mode_both_tasks(tmp_path, native_parts):
                 assert 0.0 <= r["renorm"]["wait_share"] <= 1.0
         assert "of its forward calls had to wait" in md
     if "lagged" in MODES:
+        # --lagged likewise; with warm-up 1 (the default is 20) calls 2 and 3 are lagged.
+        assert res["config"]["lagged"]["warmup"] == 1
+        assert res["config"]["lagged"]["damping"] == 0.5
         for r in res["runs"]:
             if r["mode"] == "lagged":
                 # 3 steps x 4 workers x the model's layers; the first call of each layer is
@@ -193,6 +196,18 @@ def test_renorm_options_from_the_command_line():
     for bad in ("warmup", "speed=3", "warmup=1.5", "r_max=0.5", "d_max=x"):
         with pytest.raises(SystemExit):
             cli.parse_args(["--renorm", bad])
+
+
+def test_lagged_options_from_the_command_line():
+    if not cli._mode_available("lagged"):
+        pytest.skip("this hsbn has no lagged scope")
+    from hsbn.torch import _lagged
+    args = cli.parse_args(["--lagged", "warmup=5, damping=1,trip_calls=75", "--modes", "lagged"])
+    assert args.lagged == dict(_lagged.DEFAULTS, warmup=5, damping=1.0, trip_calls=75)
+    assert cli.parse_args(["--modes", "lagged"]).lagged == _lagged.DEFAULTS
+    for bad in ("warmup", "speed=3", "warmup=1.5", "warmup=0", "damping=2", "trip_rel=x"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--lagged", bad])
 
 
 def test_sweep_analysis_of_renorm_pairs_target_and_paired_sync_ratio():

@@ -16,8 +16,9 @@ def _np(t):
 
 
 # Options that make renorm correct from its second call (its defaults wait 5 calls and ramp over
-# 20: a 6-step case would hardly leave the warm-up); lagged's defaults are lagged from its second.
-SCOPE_OPTIONS = {"renorm": {"renorm_warmup": 1, "renorm_ramp": 2}}
+# 20: a 6-step case would hardly leave the warm-up), and lagged from its second (its default
+# warm-up is 20 calls).
+SCOPE_OPTIONS = {"renorm": {"renorm_warmup": 1, "renorm_ramp": 2}, "lagged": {"lagged_warmup": 1}}
 
 
 def _bn(c, scope, **kw):

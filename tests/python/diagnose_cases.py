@@ -142,7 +142,7 @@ def lagged_guard_case(trip, name):
     rank = int(os.environ["RANK"])
     model = hsbn.torch.convert_sync_batchnorm(_net(), scope="lagged", name=name,
                                               lagged_trip=trip, lagged_trip_rel=0.0,
-                                              lagged_trip_calls=2)
+                                              lagged_trip_calls=2, lagged_warmup=1)
     model.train()
     batches = _batches(rank, 4, 2, 1.5, count=4)
     for i, b in enumerate(batches):

@@ -102,7 +102,7 @@ def lagged_case(seed, steps=4, repeat=False, **options):
     if repeat:
         data = [[d[0]] * steps for d in data]
     # The plain design (lambda 1) unless a test asks for damping: the references are exact.
-    spec["options"] = dict({"lagged_damping": 1.0}, **options)
+    spec["options"] = dict({"lagged_damping": 1.0, "lagged_warmup": 1}, **options)
     return spec, data
 
 
@@ -236,7 +236,7 @@ def test_options_are_checked():
         with pytest.raises(ConfigurationError, match="lagged_trip_calls"):
             hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_trip_calls=bad)
     default = dict(hsbn.torch._lagged.DEFAULTS)
-    assert default["damping"] == 0.5 and default["warmup"] == 1 and default["trip_calls"] == 30
+    assert default["damping"] == 0.5 and default["warmup"] == 20 and default["trip_calls"] == 30
     assert default["trip_rel"] == 4.0 and default["trip"] == 0.0
     assert hsbn.torch.SyncBatchNorm(3, scope="lagged").lagged_options == default
     bn = hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_damping=0.25, lagged_trip=2.5)
@@ -274,7 +274,7 @@ def _threads(fn, n=4, timeout=120):
 
 def _layer(spec, client, op, checkpointed=False, **options):
     bn = hsbn.torch.SyncBatchNorm(spec["C"], scope="lagged", client=client, op=op,
-                                  **dict({"lagged_damping": 1.0}, **options)).double()
+                                  **dict({"lagged_damping": 1.0, "lagged_warmup": 1}, **options)).double()
     with torch.no_grad():
         bn.weight.copy_(torch.from_numpy(spec["weight"]))
         bn.bias.copy_(torch.from_numpy(spec["bias"]))
@@ -457,7 +457,8 @@ def test_a_one_node_job_is_node_scope_and_float32_stays_close_to_global():
         clients = [hsbn.Client.from_env(c.worker_env(r, job_id="lagged-one")) for r in range(2)]
         try:
             def run(r):
-                bn = hsbn.torch.SyncBatchNorm(3, scope="lagged", client=clients[r], op=801)
+                bn = hsbn.torch.SyncBatchNorm(3, scope="lagged", client=clients[r], op=801,
+                                              lagged_warmup=1)
                 with torch.no_grad():
                     bn.weight.copy_(torch.from_numpy(spec["weight"]))
                     bn.bias.copy_(torch.from_numpy(spec["bias"]))

@@ -142,6 +142,10 @@ def parse_args(argv=None):
                    help="options of the renorm mode, from %s (default: hsbn.torch's "
                         "defaults, recorded in the results' config), e.g. "
                         "warmup=5,ramp=50,r_max=3,d_max=5" % ",".join(RENORM_KEYS))
+    g.add_argument("--lagged", default=None, metavar="KEY=VALUE,...",
+                   help="options of the lagged mode, from %s (default: hsbn.torch's "
+                        "defaults, recorded in the results' config), e.g. "
+                        "warmup=1,damping=1" % ",".join(LAGGED_KEYS))
     g = p.add_argument_group("training budget")
     g.add_argument("--train-size", type=int, default=4800,
                    help="training items drawn from Fashion-MNIST's 60000 (default 4800)")
@@ -197,7 +201,9 @@ def parse_args(argv=None):
                         "renorm, lagged, lagged-fwd, lagged-damped:LAMBDA, lagged-guard; options "
                         "after a colon, e.g. lagged:warmup=75, lagged-guard:tau=1,delay=2, "
                         "lagged:trip=0.5,trip_calls=8 (the trip guard), "
-                        "lagged:trip_rel=4,trip_hist=20 (its relative form), lagged:ema=0.5 "
+                        "lagged:trip_rel=4,trip_hist=20 (its relative form), "
+                        "lagged:trip_rel=4,trip_model=1 (a trip of any layer sends every "
+                        "layer exact global), lagged:ema=0.5 "
                         "(the stale share averaged), lagged:ef=1 (error feedback), lagged:exact_bwd=1 "
                         "(the job's fresh sums in the backward), lagged:only=2 (lagged in the "
                         "second BatchNorm only, the others exact global), lagged:stop=300 (calls "
@@ -288,6 +294,10 @@ def parse_args(argv=None):
         args.renorm = renorm_options(args.renorm)
     except ValueError as e:
         p.error("--renorm: %s" % e)
+    try:
+        args.lagged = lagged_options(args.lagged)
+    except ValueError as e:
+        p.error("--lagged: %s" % e)
     if args.stall_minutes < 0 or args.stall_minutes != args.stall_minutes:
         p.error("--stall-minutes: %r is not a number of minutes >= 0 (0: never)"
                 % args.stall_minutes)
@@ -327,6 +337,38 @@ def renorm_options(text):
     from hsbn.torch import _renorm
     try:
         return _renorm.renorm_options(**given)
+    except ConfigurationError as e:
+        raise ValueError(str(e))
+
+
+LAGGED_KEYS = ("damping", "warmup", "trip", "trip_rel", "trip_calls")
+
+
+def lagged_options(text):
+    """"key=value,..." (None: none) -> every lagged option, hsbn.torch's defaults for the ones
+    not given; ValueError naming a bad one. An hsbn without the lagged scope gives {}."""
+    given = {}
+    ints = ("warmup", "trip_calls")
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in LAGGED_KEYS:
+            raise ValueError("%r is not KEY=VALUE with KEY from %s" % (item, ", ".join(LAGGED_KEYS)))
+        try:
+            given[key] = int(value) if key in ints else float(value)
+        except ValueError:
+            raise ValueError("%s=%s is not a number%s" % (
+                key, value.strip(), " (an int)" if key in ints else ""))
+    if not _mode_available("lagged"):
+        if given:
+            raise ValueError("this hsbn has no scope 'lagged'")
+        return {}
+    from hsbn.errors import ConfigurationError
+    from hsbn.torch import _lagged
+    try:
+        return _lagged.lagged_options(**given)
     except ConfigurationError as e:
         raise ValueError(str(e))
 
@@ -770,6 +812,7 @@ def make_cfg(args, tasks, seeds, batch, skew):
             "group_link_delay_us": args.group_link_delay_us,
             "perturb_mean": args.perturb_mean, "model": args.model,
             "renorm": dict(args.renorm) if "renorm" in args.modes else None,
+            "lagged": dict(args.lagged) if "lagged" in args.modes else None,
             **({"debug_stall_at_step": args.debug_stall_at_step}
                if args.debug_stall_at_step is not None else {})}
 

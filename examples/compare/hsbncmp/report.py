@@ -92,14 +92,16 @@ def lagged_summary(runs):
             "lagged_wait_ms": float(np.mean([x["wait_ms_per_step"] for x in rr]))}
 
 
-def lagged_line(s):
-    """One sentence on the lagged mode's exact calls and trips."""
+def lagged_line(cfg, s):
+    """One sentence on the lagged mode's options, exact calls and trips."""
     if s.get("exact_share") is None:
         return "lagged: no call counts (an hsbn without them)."
-    return ("lagged (hsbn.torch's defaults: damping, trip guard): %.1f%% of its training calls "
+    opts = ", ".join("%s %g" % kv for kv in (cfg.get("lagged") or {}).items())
+    return ("lagged (%s): %.1f%% of its training calls "
             "ran exact global (the warm-up's and the trip guard's), %.1f trips per run; "
             "%.2f ms per step fetching late results, inside its sync time."
-            % (100 * s["exact_share"], s["trips"], s["lagged_wait_ms"]))
+            % (opts or "hsbn.torch's defaults", 100 * s["exact_share"], s["trips"],
+               s["lagged_wait_ms"]))
 
 
 def renorm_summary(runs):
@@ -210,7 +212,7 @@ def markdown(summary, divergence, check, cfg, command, environment):
             lines.append("")
         s = summary[t].get("lagged")
         if s is not None:
-            lines.append("%s: %s" % (TASK_NAME[t].capitalize(), lagged_line(s)))
+            lines.append("%s: %s" % (TASK_NAME[t].capitalize(), lagged_line(cfg, s)))
             lines.append("")
     lines.append("The same models scored with other running statistics: the plain average of "
                  "every worker's (naive), pooled over the job by `hsbn.torch.sync_running_stats` "

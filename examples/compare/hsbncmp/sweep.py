@@ -193,6 +193,10 @@ def markdown(analysis, cfg, command, env, default_cell, wall):
         lines.append("renorm's options: %s. Its sync time includes its waits for global "
                      "statistics." % ", ".join("%s %g" % kv for kv in cfg["renorm"].items()))
         lines.append("")
+    if cfg.get("lagged"):
+        lines.append("lagged's options: %s. Its sync time includes its waits for late "
+                     "results." % ", ".join("%s %g" % kv for kv in cfg["lagged"].items()))
+        lines.append("")
     for cell in analysis:
         s = cell["summary"]
         mark = " (default cell)" if (cell["batch"], cell["skew"]) == default_cell else ""

@@ -277,6 +277,8 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
     options = {}
     if mode == "renorm":
         options = {"renorm_" + k: v for k, v in cfg["renorm"].items()}
+    elif mode == "lagged" and cfg.get("lagged"):
+        options = {"lagged_" + k: v for k, v in cfg["lagged"].items()}
     model = hsbn.torch.convert_sync_batchnorm(model, scope=SCOPE[mode], client=client,
                                               name="%s-%s-seed%d" % (task, mode, seed),
                                               **options)

@@ -412,18 +412,20 @@ def _lagged_note(layers, ms):
     at `ms` of sync per step, with what hsbn's studies measured for a model that deep."""
     note = (" Or scope='lagged' where the 'use' column offers it: node rounds only (about "
             "%.2f ms of sync per step), the job's statistics with the other nodes' share one "
-            "call old; with its defaults (damping 0.5, and a trip guard that runs a layer "
-            "exact global for 30 calls when its statistics jump) it recovered 74-91 %% of "
-            "the node-to-global accuracy gap in hsbn's one-process study of a %d-layer CNN "
-            "(76-86 %% through the service), never below node, and 67 %% under a forced "
-            "learning-rate spike (docs/results/COMPARISON.md, \"Which scope when\")."
+            "call old; with its defaults (damping 0.5, its first 20 calls exact global, and "
+            "a trip guard that runs a layer exact global for 30 calls when its statistics "
+            "jump) it recovered 76-93 %% of the node-to-global accuracy gap in hsbn's "
+            "one-process study of a %d-layer CNN (every seed above node), and 45 %% under a "
+            "forced learning-rate spike (docs/results/COMPARISON.md, \"Which scope when\")."
             % (ms, STUDY_LAYERS))
     if layers > STUDY_LAYERS:
         note += (" This model has %d BatchNorm layers: on ResNet-18 (20) in a short, steep "
-                 "schedule (75 steps, lr 0.05) lagged ended at node's accuracy or below it while its trip "
-                 "guard ran a quarter of the calls exact global, and 85 %% of the gap at 300 "
-                 "steps and lr 0.01; for a deep model in a short schedule the 'use' column is "
-                 "the safer choice (\"ResNet-18's short study\" there)." % layers)
+                 "schedule (75 steps, lr 0.05) lagged recovered the gap (80 %% in the study, "
+                 "global's accuracy through the service) only by running half of its calls "
+                 "exact global, at about global's sync time, and 83 %% of the gap at 300 steps "
+                 "and lr 0.01 with 13 %% of its calls exact; for a deep model in a short "
+                 "schedule it saves little over the 'use' column (\"Warm-up: the first calls "
+                 "exact\" there)." % layers)
     return note
 
 

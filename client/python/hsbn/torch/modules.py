@@ -77,11 +77,11 @@ class SyncBatchNorm(_BatchNorm):
         lag, warmup and ramp count this layer's training calls, not steps.
       lagged_damping, lagged_warmup, lagged_trip, lagged_trip_calls, lagged_trip_rel:
         scope="lagged"'s options (None: hsbn.torch._lagged.DEFAULTS: damping 0.5, half the
-        lagged input gradient and half the node-local one; warm-up 1 exact global call; trip
-        guard relative 4, 30 calls, absolute off). A layer whose job statistics moved between
-        its last two calls more than lagged_trip_rel times its usual move, or more than
-        lagged_trip standard deviations, runs its next lagged_trip_calls calls exact global
-        (docs/PYTORCH.md, "Lagged scope").
+        lagged input gradient and half the node-local one; warm-up: the first 20 calls exact
+        global; trip guard relative 4, 30 calls, absolute off). A layer whose job statistics
+        moved between its last two calls more than lagged_trip_rel times its usual move, or
+        more than lagged_trip standard deviations, runs its next lagged_trip_calls calls exact
+        global (docs/PYTORCH.md, "Lagged scope").
       client: the hsbn.Client to use; None uses hsbn.default_client(), created from the
         environment at the first synchronized forward.
       name: the layer's round key; every rank must give the same layer the same name. Without
