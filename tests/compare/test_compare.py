@@ -186,28 +186,23 @@ def test_t_interval_of_paired_differences():
     assert abs(p["mean"] - d.mean()) < 1e-12 and abs(p["hi"] - (d.mean() + half)) < 1e-12
 
 
-def test_renorm_options_from_the_command_line():
-    if not cli._mode_available("renorm"):
-        pytest.skip("this hsbn has no renorm scope")
-    from hsbn.torch import _renorm
-    args = cli.parse_args(["--renorm", "warmup=5, ramp=50,r_max=2.5", "--modes", "renorm"])
-    assert args.renorm == dict(_renorm.DEFAULTS, warmup=5, ramp=50, r_max=2.5)
-    assert cli.parse_args(["--modes", "renorm"]).renorm == _renorm.DEFAULTS
-    for bad in ("warmup", "speed=3", "warmup=1.5", "r_max=0.5", "d_max=x"):
+@pytest.mark.parametrize("scope,given,want,bad", [
+    ("renorm", "warmup=5, ramp=50,r_max=2.5", dict(warmup=5, ramp=50, r_max=2.5),
+     ("warmup", "speed=3", "warmup=1.5", "r_max=0.5", "d_max=x")),
+    ("lagged", "warmup=5, damping=1,trip_calls=75", dict(warmup=5, damping=1.0, trip_calls=75),
+     ("warmup", "speed=3", "warmup=1.5", "warmup=0", "damping=2", "trip_rel=x"))])
+def test_scope_options_from_the_command_line(scope, given, want, bad):
+    # --renorm and --lagged: parsed against hsbn.torch's defaults, bad ones refused.
+    if not cli._mode_available(scope):
+        pytest.skip("this hsbn has no %s scope" % scope)
+    import importlib
+    defaults = importlib.import_module("hsbn.torch._" + scope).DEFAULTS
+    args = cli.parse_args(["--" + scope, given, "--modes", scope])
+    assert getattr(args, scope) == dict(defaults, **want)
+    assert getattr(cli.parse_args(["--modes", scope]), scope) == defaults
+    for b in bad:
         with pytest.raises(SystemExit):
-            cli.parse_args(["--renorm", bad])
-
-
-def test_lagged_options_from_the_command_line():
-    if not cli._mode_available("lagged"):
-        pytest.skip("this hsbn has no lagged scope")
-    from hsbn.torch import _lagged
-    args = cli.parse_args(["--lagged", "warmup=5, damping=1,trip_calls=75", "--modes", "lagged"])
-    assert args.lagged == dict(_lagged.DEFAULTS, warmup=5, damping=1.0, trip_calls=75)
-    assert cli.parse_args(["--modes", "lagged"]).lagged == _lagged.DEFAULTS
-    for bad in ("warmup", "speed=3", "warmup=1.5", "warmup=0", "damping=2", "trip_rel=x"):
-        with pytest.raises(SystemExit):
-            cli.parse_args(["--lagged", bad])
+            cli.parse_args(["--" + scope, b])
 
 
 def test_sweep_analysis_of_renorm_pairs_target_and_paired_sync_ratio():

@@ -311,64 +311,45 @@ def parse_args(argv=None):
 
 
 RENORM_KEYS = ("lag", "momentum", "warmup", "r_max", "d_max", "ramp")
+LAGGED_KEYS = ("damping", "warmup", "trip", "trip_rel", "trip_calls")
 
 
 def renorm_options(text):
     """"key=value,..." (None: none) -> every renorm option, hsbn.torch's defaults for the ones
     not given; ValueError naming a bad one. An hsbn without the renorm scope gives {}."""
-    given = {}
-    for item in (text or "").split(","):
-        if not item.strip():
-            continue
-        key, eq, value = item.partition("=")
-        key = key.strip()
-        if not eq or key not in RENORM_KEYS:
-            raise ValueError("%r is not KEY=VALUE with KEY from %s" % (item, ", ".join(RENORM_KEYS)))
-        try:
-            given[key] = int(value) if key in ("lag", "warmup", "ramp") else float(value)
-        except ValueError:
-            raise ValueError("%s=%s is not a number%s" % (
-                key, value.strip(), " (an int)" if key in ("lag", "warmup", "ramp") else ""))
-    if not _mode_available("renorm"):
-        if given:
-            raise ValueError("this hsbn has no scope 'renorm'")
-        return {}
-    from hsbn.errors import ConfigurationError
-    from hsbn.torch import _renorm
-    try:
-        return _renorm.renorm_options(**given)
-    except ConfigurationError as e:
-        raise ValueError(str(e))
-
-
-LAGGED_KEYS = ("damping", "warmup", "trip", "trip_rel", "trip_calls")
+    return _scope_options("renorm", text, RENORM_KEYS, ("lag", "warmup", "ramp"))
 
 
 def lagged_options(text):
-    """"key=value,..." (None: none) -> every lagged option, hsbn.torch's defaults for the ones
-    not given; ValueError naming a bad one. An hsbn without the lagged scope gives {}."""
+    """The same for the lagged mode's options."""
+    return _scope_options("lagged", text, LAGGED_KEYS, ("warmup", "trip_calls"))
+
+
+def _scope_options(scope, text, keys, ints):
+    """"key=value,..." of `keys` (those in `ints` whole numbers, the others numbers), checked
+    and completed by hsbn.torch's `<scope>_options` (its _renorm or _lagged module)."""
     given = {}
-    ints = ("warmup", "trip_calls")
     for item in (text or "").split(","):
         if not item.strip():
             continue
         key, eq, value = item.partition("=")
         key = key.strip()
-        if not eq or key not in LAGGED_KEYS:
-            raise ValueError("%r is not KEY=VALUE with KEY from %s" % (item, ", ".join(LAGGED_KEYS)))
+        if not eq or key not in keys:
+            raise ValueError("%r is not KEY=VALUE with KEY from %s" % (item, ", ".join(keys)))
         try:
             given[key] = int(value) if key in ints else float(value)
         except ValueError:
             raise ValueError("%s=%s is not a number%s" % (
                 key, value.strip(), " (an int)" if key in ints else ""))
-    if not _mode_available("lagged"):
+    if not _mode_available(scope):
         if given:
-            raise ValueError("this hsbn has no scope 'lagged'")
+            raise ValueError("this hsbn has no scope '%s'" % scope)
         return {}
+    import importlib
     from hsbn.errors import ConfigurationError
-    from hsbn.torch import _lagged
+    module = importlib.import_module("hsbn.torch._" + scope)
     try:
-        return _lagged.lagged_options(**given)
+        return getattr(module, scope + "_options")(**given)
     except ConfigurationError as e:
         raise ValueError(str(e))
 
