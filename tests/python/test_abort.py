@@ -54,13 +54,19 @@ SIDE = textwrap.dedent("""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in CHILD
     import numpy as np
     import hsbn
+    # One line per write, whole: print writes its text and its newline apart, so two threads
+    # printing at once can share a line ("contributedjoined"), which the test never reads.
+    out = threading.Lock()
+    def say(*words):
+        with out:
+            print(*words, flush=True)
     client = hsbn.Client.from_env(round_timeout_ms=%d)
     gate = threading.Event()
     if len(sys.argv) > 1 and sys.argv[1] == "HOLD":
         start = client._lib.hsbn_round_start
         def held(*args):
             rc = start(*args)
-            print("contributed", flush=True)
+            say("contributed")
             gate.wait()
             return rc
         client._lib.hsbn_round_start = held
@@ -69,16 +75,16 @@ SIDE = textwrap.dedent("""
         try:
             client.forward(5, 0, "node", 1, np.zeros(2), np.zeros(2))
         except hsbn.HsbnError as e:
-            print("side thread:", e.reason, flush=True)
+            say("side thread:", e.reason)
         ended.set()
     threading.Thread(target=side, daemon=True).start()
-    print("joined", flush=True)
+    say("joined")
     try:
         ended.wait()
     except KeyboardInterrupt:
         gate.set()
         ended.wait(%d)
-        print("main thread: KeyboardInterrupt; side thread ended:", ended.is_set(), flush=True)
+        say("main thread: KeyboardInterrupt; side thread ended:", ended.is_set())
         sys.exit(3)
 """ % (ROUND_TIMEOUT_MS, GIVE_UP_S))
 
@@ -109,10 +115,19 @@ def wait_for(predicate, what):
 
 
 def _read_until(child, word, seen):
-    while word not in seen:
-        line = child.stdout.readline()
-        assert line, "the child ended before it said %r: %s" % (word, seen)
-        seen.append(line.strip())
+    """Reads the child's lines into `seen` until one is `word`. A child that has not said it
+    within GIVE_UP_S is killed, so that the test fails naming what it read instead of hanging
+    in readline."""
+    timer = threading.Timer(GIVE_UP_S, child.kill)
+    timer.start()
+    try:
+        while word not in seen:
+            line = child.stdout.readline()
+            assert line, ("the child ended (or was killed after %d s) before it said %r: %s"
+                          % (GIVE_UP_S, word, seen))
+            seen.append(line.strip())
+    finally:
+        timer.cancel()
 
 
 def test_sigint_in_a_round_raises_keyboard_interrupt_and_the_other_rank_learns_why(
