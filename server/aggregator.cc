@@ -1,12 +1,14 @@
 #include "aggregator.h"
 
 #include <pthread.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "grpc/support/time.h"
 #include "divergence.h"
 #include "grpcpp/security/credentials.h"
 #include "parent_link.h"
@@ -14,6 +16,14 @@
 #include "wire.h"
 
 namespace hsbn::server {
+
+namespace {
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
 
 
 
@@ -124,7 +134,34 @@ void Aggregator::EventLoop(grpc::ServerCompletionQueue* cq, size_t index) {
   pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
   void* tag;
   bool ok;
-  while (cq->Next(&tag, &ok)) static_cast<EventTag*>(tag)->OnEvent(ok);
+  const bool polls = index == 0 && options_.poll_us > 0;
+  for (;;) {
+    if (polls && poll_until_ns_.load(std::memory_order_relaxed) > NowNs()) {
+      // A non-blocking look at the queue (gRPC polls its sockets once with a zero timeout),
+      // then the core goes to whoever else wants it.
+      switch (cq->AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC))) {
+        case grpc::CompletionQueue::GOT_EVENT:
+          static_cast<EventTag*>(tag)->OnEvent(ok);
+          continue;
+        case grpc::CompletionQueue::TIMEOUT:
+          sched_yield();
+          continue;
+        case grpc::CompletionQueue::SHUTDOWN:
+          return;
+      }
+    }
+    if (!cq->Next(&tag, &ok)) return;
+    static_cast<EventTag*>(tag)->OnEvent(ok);
+  }
+}
+
+void Aggregator::ArmPoll() {
+  if (options_.poll_us <= 0) return;
+  const int64_t until = NowNs() + options_.poll_us * 1000;
+  int64_t seen = poll_until_ns_.load(std::memory_order_relaxed);
+  while (seen < until &&
+         !poll_until_ns_.compare_exchange_weak(seen, until, std::memory_order_relaxed)) {
+  }
 }
 
 void Aggregator::StopEvents() {
@@ -264,7 +301,10 @@ void Aggregator::Execute(Actions& actions, const std::string& job_id) {
     std::shared_ptr<Job> job = registry_.FindJob(job_id);
     if (job && parent_) {
       std::shared_ptr<const std::string> token = job->token();
-      for (const auto& f : actions.forwards) parent_->Forward(job_id, job->layout(), token, f);
+      for (const auto& f : actions.forwards) {
+        parent_->Forward(job_id, job->layout(), token, f);
+        if (f.scope == v1::SCOPE_GLOBAL || f.scope == v1::SCOPE_GROUP) ArmPoll();
+      }
       for (const auto& a : actions.aborts) parent_->Abort(job_id, job->layout(), token, a);
       if (!actions.names.empty()) parent_->LayerNames(job_id, job->layout(), token, actions.names);
     }
@@ -301,6 +341,9 @@ void Aggregator::MemberAborted(const Registry::SessionRef& ref, const SessionId&
 }
 
 void Aggregator::OnParentResult(const std::string& job_id, const v1::Result& result) {
+  // The answer polled for is here: sleep again (another round in flight re-arms on its forward
+  // only; the window is a bound on CPU, not a promise).
+  DisarmPoll();
   for (auto& t : transports_) {
     if (t->ParentResult(job_id, result)) return;
   }

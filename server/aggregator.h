@@ -81,6 +81,10 @@ struct AggregatorOptions {
   int32_t shm_ring = 16;                           // --shm-ring
   int32_t shm_max_channels = 8192;                 // --shm-max-channels
   std::chrono::milliseconds shm_wait{30000};       // --shm-wait-ms
+  // --poll-us: after forwarding a partial whose answer the node's ranks wait for (global and
+  // group scope), the first event thread polls its queue for up to this long instead of
+  // sleeping, so the parent's answer finds it awake. 0: it sleeps (a wake-up per answer).
+  int64_t poll_us = 0;
 };
 
 // "node", "group" or "root": the role's name in --role, Status and metrics.
@@ -147,6 +151,10 @@ class Aggregator final : public UpstreamListener, public TransportHost {
   // Logs invalid input from a client, escaped and rate-limited.
   void LogInvalid(const std::string& what);
   Metrics* metrics() const { return options_.metrics.get(); }
+  // --poll-us: the first event thread polls its queue for the next poll_us instead of sleeping
+  // (Arm), or sleeps again when it next finds it empty (Disarm). No-ops when poll_us is 0.
+  void ArmPoll();
+  void DisarmPoll() { poll_until_ns_.store(0, std::memory_order_relaxed); }
   const AggregatorOptions& options() const { return options_; }
 
  private:
@@ -156,6 +164,7 @@ class Aggregator final : public UpstreamListener, public TransportHost {
   // A job the Registry dropped: its record saved, every transport and the parent told.
   void Dropped(const Registry::Dropped& d);
   void EventLoop(grpc::ServerCompletionQueue* cq, size_t index);
+  std::atomic<int64_t> poll_until_ns_{0};  // --poll-us: steady clock, ns
 
   const AggregatorOptions options_;
   const Clock::time_point started_;

@@ -419,7 +419,8 @@ class Bench:
         if nodes > 1:
             ready = os.path.join(d, "root.ready")
             upstream = launch.server([self.aggregator, "--role=root", "--listen=127.0.0.1:0",
-                                      "--ready-file=" + ready, "--id=root"], "root", ready)[0]
+                                      "--ready-file=" + ready, "--id=root"]
+                                     + (self.args.root_flag or []), "root", ready)[0]
         addrs = []
         for n in range(nodes):
             ready = os.path.join(d, "node%d.ready" % n)
@@ -877,6 +878,8 @@ def main():
     ap.add_argument("--aggregator", help="path of hsbn-aggregator (default: found in --build-dir)")
     ap.add_argument("--sidecar-flag", action="append", metavar="FLAG",
                     help="a flag for every hsbn sidecar (repeatable), e.g. --sidecar-flag=--shm-ring=4")
+    ap.add_argument("--root-flag", action="append", metavar="FLAG",
+                    help="a flag for the hsbn root (repeatable), e.g. --root-flag=--poll-us=200")
     ap.add_argument("--torch-python", default="/usr/bin/python3")
     ap.add_argument("--check", action="store_true",
                     help="exit 1 unless every row is well-formed with positive numbers")
