@@ -53,6 +53,11 @@ Aggregator::Aggregator(AggregatorOptions options)
   writer_limits_.max_queued_bytes = options_.max_queued_bytes;
   writer_limits_.write_deadline = options_.write_deadline;
   writer_limits_.budget = registry_.budget();
+  // Only an aggregator with a parent waits for answers.
+  if (options_.poll_us > 0 && options_.role != AggregatorOptions::Role::kRoot &&
+      !options_.upstream.empty()) {
+    poll_ = std::make_unique<PollWindow>(options_.poll_us * 1000);
+  }
 }
 
 void Aggregator::Start(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> cqs) {
@@ -134,7 +139,7 @@ void Aggregator::EventLoop(grpc::ServerCompletionQueue* cq, size_t index) {
   pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
   void* tag;
   bool ok;
-  const bool polls = index == 0 && options_.poll_us > 0;
+  const bool polls = index == 0 && poll_ != nullptr;
   for (;;) {
     if (polls && poll_until_ns_.load(std::memory_order_relaxed) > NowNs()) {
       // A non-blocking look at the queue (gRPC polls its sockets once with a zero timeout),
@@ -156,8 +161,8 @@ void Aggregator::EventLoop(grpc::ServerCompletionQueue* cq, size_t index) {
 }
 
 void Aggregator::ArmPoll() {
-  if (options_.poll_us <= 0) return;
-  const int64_t until = NowNs() + options_.poll_us * 1000;
+  if (poll_ == nullptr) return;
+  const int64_t until = poll_->Forwarded(NowNs());
   int64_t seen = poll_until_ns_.load(std::memory_order_relaxed);
   while (seen < until &&
          !poll_until_ns_.compare_exchange_weak(seen, until, std::memory_order_relaxed)) {
@@ -341,9 +346,12 @@ void Aggregator::MemberAborted(const Registry::SessionRef& ref, const SessionId&
 }
 
 void Aggregator::OnParentResult(const std::string& job_id, const v1::Result& result) {
-  // The answer polled for is here: sleep again (another round in flight re-arms on its forward
-  // only; the window is a bound on CPU, not a promise).
-  DisarmPoll();
+  // The answer polled for is here: sleep again (another round in flight re-arms on its next
+  // forward only; the window bounds CPU, it promises nothing).
+  if (poll_ != nullptr) {
+    poll_->Answered(NowNs());
+    poll_until_ns_.store(0, std::memory_order_relaxed);
+  }
   for (auto& t : transports_) {
     if (t->ParentResult(job_id, result)) return;
   }

@@ -42,6 +42,7 @@
 #include "log.h"
 #include "metrics.h"
 #include "parent_link.h"
+#include "poll_window.h"
 #include "registry.h"
 #include "stream_transport.h"
 #include "stream_writer.h"
@@ -82,8 +83,8 @@ struct AggregatorOptions {
   int32_t shm_max_channels = 8192;                 // --shm-max-channels
   std::chrono::milliseconds shm_wait{30000};       // --shm-wait-ms
   // --poll-us: after forwarding a partial whose answer the node's ranks wait for (global and
-  // group scope), the first event thread polls its queue for up to this long instead of
-  // sleeping, so the parent's answer finds it awake. 0: it sleeps (a wake-up per answer).
+  // group scope), the first event thread polls its queue for the parent's answer, for at most
+  // this long (poll_window.h), instead of sleeping. 0: it sleeps (a wake-up per answer).
   int64_t poll_us = 0;
 };
 
@@ -151,10 +152,6 @@ class Aggregator final : public UpstreamListener, public TransportHost {
   // Logs invalid input from a client, escaped and rate-limited.
   void LogInvalid(const std::string& what);
   Metrics* metrics() const { return options_.metrics.get(); }
-  // --poll-us: the first event thread polls its queue for the next poll_us instead of sleeping
-  // (Arm), or sleeps again when it next finds it empty (Disarm). No-ops when poll_us is 0.
-  void ArmPoll();
-  void DisarmPoll() { poll_until_ns_.store(0, std::memory_order_relaxed); }
   const AggregatorOptions& options() const { return options_; }
 
  private:
@@ -164,7 +161,11 @@ class Aggregator final : public UpstreamListener, public TransportHost {
   // A job the Registry dropped: its record saved, every transport and the parent told.
   void Dropped(const Registry::Dropped& d);
   void EventLoop(grpc::ServerCompletionQueue* cq, size_t index);
-  std::atomic<int64_t> poll_until_ns_{0};  // --poll-us: steady clock, ns
+  // --poll-us: after a forward that waits for an answer, the first event thread polls until
+  // poll_until_ns_ (steady clock; 0: it sleeps), the window learned by poll_ (null: no poll).
+  void ArmPoll();
+  std::unique_ptr<PollWindow> poll_;
+  std::atomic<int64_t> poll_until_ns_{0};
 
   const AggregatorOptions options_;
   const Clock::time_point started_;

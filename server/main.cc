@@ -270,11 +270,11 @@ void AddFlags(FlagTable& f, Settings* s, AggregatorOptions* o) {
         "one). 1: fewest thread wake-ups per round. More lets a root that saturates one core "
         "use several. At most 64.");
   f.Int("poll-us", &o->poll_us, 0, 100000,
-        "After forwarding a global or group partial (node role), or taking a partial that leaves "
-        "its round open (root, group), the first event thread polls for the next message for "
-        "up to N microseconds instead of sleeping, yielding the core between looks: a thread "
-        "wake-up fewer per round where a core is spare, up to N us of CPU per round where "
-        "none is. Default 0: sleep.");
+        "Node and group roles: after forwarding a global or group partial, the first event "
+        "thread polls for the parent's answer instead of sleeping, yielding the core between "
+        "looks, for twice the time answers have been taking, at most N microseconds, and not "
+        "at all while they take longer: a thread wake-up fewer per round for up to N us of CPU. "
+        "Default 0: sleep (docs/DEPLOY.md, Latency).");
   f.Mode("socket-mode", &s->socket_mode,
          "Permissions of Unix sockets created here, octal, at most 0777. The socket has them "
          "from the moment it exists. With tokens off they are the trust boundary.");

@@ -133,15 +133,6 @@ class StreamHost final : public MemberStreamHost {
   explicit StreamHost(Aggregator* aggregator) : aggregator_(aggregator) {}
   Registry& registry() override { return aggregator_->registry(); }
   void Execute(const std::shared_ptr<Job>& job, Actions& actions) override {
-    // --poll-us above the nodes: a partial that leaves its round open arms the poll for the
-    // next partial; a round answered ends it.
-    if (!job->layout().workers()) {
-      if (actions.deliveries.empty()) {
-        aggregator_->ArmPoll();
-      } else {
-        aggregator_->DisarmPoll();
-      }
-    }
     aggregator_->Execute(actions, job->id());
   }
   void LogInvalid(const std::string& what) override { aggregator_->LogInvalid(what); }

@@ -140,7 +140,7 @@ TEST(Cluster, TwoNodesByFourWorkersEqualConcatenatedDataIdenticallyOnEveryMember
       EXPECT_EQ(second[r].at(key).raw, line.raw) << "rerun differs, rank " << r;
     }
   }
-  // And with --poll-us (sidecars poll for the root's answers, the root for the next partial):
+  // And with --poll-us (the sidecars poll for the root's answers; the root ignores it):
   // only who waits how changes, never the bits.
   const std::vector<Dump> third = RunJob("c", {"--poll-us=2000"});
   ASSERT_EQ(third.size(), size_t(kWorld));
