@@ -18,16 +18,13 @@
 namespace hsbn::server {
 
 namespace {
+
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
-}  // namespace
 
-
-
-namespace {
 RegistryOptions MakeRegistryOptions(const AggregatorOptions& o, bool has_parent) {
   RegistryOptions r;
   r.id = o.id;
@@ -307,8 +304,10 @@ void Aggregator::Execute(Actions& actions, const std::string& job_id) {
     if (job && parent_) {
       std::shared_ptr<const std::string> token = job->token();
       for (const auto& f : actions.forwards) {
-        parent_->Forward(job_id, job->layout(), token, f);
+        // Armed before the write starts: the write's completion wakes the event thread, which
+        // must then find the window open and stay up for the answer.
         if (f.scope == v1::SCOPE_GLOBAL || f.scope == v1::SCOPE_GROUP) ArmPoll();
+        parent_->Forward(job_id, job->layout(), token, f);
       }
       for (const auto& a : actions.aborts) parent_->Abort(job_id, job->layout(), token, a);
       if (!actions.names.empty()) parent_->LayerNames(job_id, job->layout(), token, actions.names);
@@ -368,6 +367,7 @@ bool Aggregator::NodeDown(const std::string& job_id, std::string* message) {
 }
 
 void Aggregator::OnParentLost(const absl::Status& status) {
+  poll_until_ns_.store(0, std::memory_order_relaxed);  // no answer is coming
   for (auto& t : transports_) t->ParentLost(status);
   for (auto& job : registry_.Jobs()) {
     Actions actions;
