@@ -130,26 +130,21 @@ TEST(Cluster, TwoNodesByFourWorkersEqualConcatenatedDataIdenticallyOnEveryMember
   EXPECT_EQ(checked, kRounds * (kNodes + 1));
   // Node scope really is per node: the two nodes' statistics differ.
   EXPECT_NE(first[0].at({'F', "node", 0}).raw.substr(10), first[4].at({'F', "node", 0}).raw.substr(10));
+  auto expect_same = [&](const std::vector<Dump>& rerun, const char* what) {
+    ASSERT_EQ(rerun.size(), size_t(kWorld)) << what;
+    for (int r = 0; r < kWorld; ++r) {
+      ASSERT_EQ(first[r].size(), rerun[r].size()) << what;
+      for (const auto& [key, line] : first[r]) {
+        EXPECT_EQ(rerun[r].at(key).raw, line.raw) << what << " differs, rank " << r;
+      }
+    }
+  };
   // The rerun's aggregators run 3 event threads each (--event-threads): streams on different
   // threads, results written across them; the bits must not change.
-  const std::vector<Dump> second = RunJob("b", {"--event-threads=3"});
-  ASSERT_EQ(second.size(), size_t(kWorld));
-  for (int r = 0; r < kWorld; ++r) {
-    ASSERT_EQ(first[r].size(), second[r].size());
-    for (const auto& [key, line] : first[r]) {
-      EXPECT_EQ(second[r].at(key).raw, line.raw) << "rerun differs, rank " << r;
-    }
-  }
+  expect_same(RunJob("b", {"--event-threads=3"}), "the rerun");
   // And with --poll-us (the sidecars poll for the root's answers; the root ignores it):
   // only who waits how changes, never the bits.
-  const std::vector<Dump> third = RunJob("c", {"--poll-us=2000"});
-  ASSERT_EQ(third.size(), size_t(kWorld));
-  for (int r = 0; r < kWorld; ++r) {
-    ASSERT_EQ(first[r].size(), third[r].size());
-    for (const auto& [key, line] : first[r]) {
-      EXPECT_EQ(third[r].at(key).raw, line.raw) << "--poll-us run differs, rank " << r;
-    }
-  }
+  expect_same(RunJob("c", {"--poll-us=2000"}), "the --poll-us run");
 }
 
 }  // namespace
