@@ -271,7 +271,8 @@ class Bench:
         return d
 
     # One measurement: run `body(launch, dir)` -> sample files; record rows.
-    def measure(self, impl, transport, workers, nodes, body, est_key=None, stats_file=None):
+    def measure(self, impl, transport, workers, nodes, body, est_key=None, stats_file=None,
+                scopes=None):
         name = "%s-w%d-n%d" % (impl, workers, nodes)
         d = self.new_dir(name)
         launch = Launch(d, self.p["timeout"])
@@ -296,7 +297,7 @@ class Bench:
             rounds = costs[0][0]
             self.rows.append(dict(
                 kind="cost", impl=impl, transport=transport, workers=workers, nodes=nodes,
-                rounds=rounds,
+                rounds=rounds, scopes=scopes,
                 client_cpu_us=sum((c[1] + c[2]) / c[0] for c in costs) / len(costs) / 1e3,
                 client_csw=sum((c[3] + c[4]) / c[0] for c in costs) / len(costs),
                 server_cpu_us=(sum(b[0] - a[0] for a, b in zip(s0, s1)) * 1e6 / rounds
@@ -440,7 +441,7 @@ class Bench:
 
         def body(launch, d):
             addrs = self.start_hsbn_topology(launch, d, nodes)
-            scopes = "node,global" if nodes > 1 else "node"
+            scopes = self.args.multi_node_scopes if nodes > 1 else "node"
             local = workers // nodes
             files = []
             for r in range(workers):
@@ -456,7 +457,8 @@ class Bench:
                               "worker%d" % r, env=env)
             return files
         transport = ("shm" if impl == "hsbn" else "unix") + ("" if nodes == 1 else "+tcp")
-        return self.measure(impl, transport, workers, nodes, body, est_key="hsbn-%d" % nodes)
+        return self.measure(impl, transport, workers, nodes, body, est_key="hsbn-%d" % nodes,
+                            scopes=self.args.multi_node_scopes if nodes > 1 else "node")
 
     def hsbn_load(self, role):
         """Aggregator throughput: many concurrent jobs against one sidecar (node scope) or, through
@@ -602,6 +604,31 @@ def goals(rows):
     else:
         g.append(dict(goal="global p50 <= node p50 + 1.3x sidecar-root RTT", measured="not measured",
                       met=False))
+    # Issue 36: CPU per global round at 2 nodes x 2, all hsbn processes (root, sidecars, the four
+    # workers) <= 2x the bare gRPC TCP star's (its server and its four clients), the same plan.
+    # Only from a launch that ran global rounds alone (--multi-node-scopes=global); the star's
+    # server CPU is its own count (its --stats-file), the lower of its two servers'.
+    hc = find(rows, impl="hsbn", kind="cost", nodes=2, workers=4, scopes="global")
+    stars = [x for x in (find(rows, impl=i, kind="cost", workers=4)
+                         for i in ("grpc-tcp", "grpc-tcp-async")) if x and x.get("srv_rounds")]
+    if hc and stars:
+        total = hc["server_cpu_us"] + 4 * hc["client_cpu_us"]
+        best = min(stars, key=lambda x: x["srv_cpu_us"] + 4 * x["client_cpu_us"])
+        star = best["srv_cpu_us"] + 4 * best["client_cpu_us"]
+        g.append(dict(goal="CPU per global round (2 nodes x 2, all hsbn processes) <= 2x the bare "
+                      "gRPC star's (server and 4 clients)",
+                      measured="%.0f us (aggregators %.0f: %s; workers 4 x %.1f) vs %s %.0f us "
+                      "(server %.0f, clients 4 x %.1f): %.2fx"
+                      % (total, hc["server_cpu_us"],
+                         ", ".join("%s %.0f" % kv for kv in
+                                   sorted(hc["server_cpu_us_by_process"].items())),
+                         hc["client_cpu_us"], best["impl"], star, best["srv_cpu_us"],
+                         best["client_cpu_us"], total / star),
+                      met=total <= 2 * star))
+    elif any(r["kind"] == "cost" and r["impl"] == "hsbn" and r["nodes"] == 2 for r in rows):
+        g.append(dict(goal="CPU per global round <= 2x the bare gRPC star's",
+                      measured="not measured (needs --multi-node-scopes=global, 4 workers and "
+                      "grpc-tcp-async or grpc-tcp in the same run)", met=False))
     # 3. p99 within 3x p50, every hsbn latency row.
     hr = [r for r in rows if r["impl"] == "hsbn" and r["kind"] == "lat"]
     if hr:
@@ -748,7 +775,9 @@ def report(bench, params, machine, command):
         lines.append("| workers | implementation | client CPU us | client csw | server CPU us | server csw |")
         lines.append("|---|---|---|---|---|---|")
         for r in sorted(costs, key=lambda r: (r["workers"], r["impl"] != "hsbn", r["impl"], r["nodes"])):
-            name = ("hsbn, %d node%s" % (r["nodes"], "s" if r["nodes"] > 1 else "")
+            name = ("hsbn, %d node%s%s" % (r["nodes"], "s" if r["nodes"] > 1 else "",
+                                           ", global rounds only" if r.get("scopes") == "global"
+                                           else "")
                     if r["impl"] == "hsbn" else dict(BASELINES).get(r["impl"], r["impl"]))
             lines.append("| %d | %s | %.1f | %.2f | %s | %s |" % (
                 r["workers"], name, r["client_cpu_us"], r["client_csw"],
@@ -860,6 +889,17 @@ def check(rows, failures):
                 problems.append("%s %s: %s = %r" % (r["impl"], r["kind"], k, v))
         if r["kind"] in ("lat", "step") and r["n"] <= 0:
             problems.append("%s: no samples" % r["impl"])
+        if r["kind"] == "cost" and r["impl"] == "hsbn" and r.get("scopes") == "global":
+            # A global-only launch: its CPU is counted per aggregator (the root and each sidecar)
+            # and it ran no other scope's rounds.
+            per = r.get("server_cpu_us_by_process") or {}
+            if len(per) != r["nodes"] + 1 or not all(v > 0 for v in per.values()):
+                problems.append("hsbn global-only cost: aggregators' CPU %r" % per)
+            other = [x for x in rows if x["impl"] == "hsbn" and x["kind"] in ("lat", "step")
+                     and x["nodes"] == r["nodes"] and x["workers"] == r["workers"]
+                     and x["scope"] != "global"]
+            if other:
+                problems.append("hsbn global-only launch ran %s rounds" % other[0]["scope"])
     return problems
 
 
@@ -880,6 +920,9 @@ def main():
                     help="a flag for every hsbn sidecar (repeatable), e.g. --sidecar-flag=--shm-ring=4")
     ap.add_argument("--root-flag", action="append", metavar="FLAG",
                     help="a flag for the hsbn root (repeatable), e.g. --root-flag=--poll-us=200")
+    ap.add_argument("--multi-node-scopes", default="node,global", choices=("node,global", "global"),
+                    help="the scopes an hsbn launch of 2 nodes runs; \"global\" makes its CPU "
+                    "row a global round's (the CPU goal)")
     ap.add_argument("--torch-python", default="/usr/bin/python3")
     ap.add_argument("--check", action="store_true",
                     help="exit 1 unless every row is well-formed with positive numbers")
