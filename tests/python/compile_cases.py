@@ -48,11 +48,12 @@ class Explicit(nn.Module):
         return self.fc(h.mean((2, 3)))
 
 
-def build(kind, scope, prefix="explicit", ops=True):
+def build(kind, scope, prefix="explicit", ops=True, device="cpu"):
     """The model `kind` ("sequential", "explicit", "resnet18", "torch_bn": the sequential one
     with torch.nn.BatchNorm2d) with hsbn layers of `scope`, initialized from seed 0; the
-    process's path is use_custom_ops(ops) whatever the environment says."""
-    hsbn.torch.use_custom_ops(ops)
+    process's path is use_custom_ops(ops) whatever the environment says, for CUDA inputs too
+    when `device` is "cuda" (the opt-in, use_custom_ops(ops, cuda=True))."""
+    hsbn.torch.use_custom_ops(ops, cuda=(device == "cuda") if ops else None)
     torch.manual_seed(0)
     if kind in ("sequential", "torch_bn"):
         # torch's BatchNorm with momentum=None reads num_batches_tracked on the host (a graph
@@ -121,14 +122,16 @@ def torch_model_drift(backend, settings, steps):
 
 
 def compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05, settings=None,
-                      eager_function=False, resync=False, dtype="float32", ops=True):
+                      eager_function=False, resync=False, dtype="float32", ops=True,
+                      device="cpu"):
     with _inductor_patch(settings):
         return _compiled_vs_eager(kind, scope, steps, backend, eval_input, lr, eager_function,
-                                  resync, getattr(torch, dtype), ops)
+                                  resync, getattr(torch, dtype), ops, device)
 
 
 def _compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05,
-                       eager_function=False, resync=False, dtype=torch.float32, ops=True):
+                       eager_function=False, resync=False, dtype=torch.float32, ops=True,
+                       device="cpu"):
     """Builds `kind` twice (same initial weights) under use_custom_ops(ops): one run eagerly
     (through the custom ops with ops=True, through each layer's autograd.Function, the path
     without ops, with ops="compiled" or with eager_function), one
@@ -136,24 +139,24 @@ def _compiled_vs_eager(kind, scope, steps, backend, eval_input=None, lr=0.05,
     runs a training step on both (forward, backward of sum(out * g), SGD with lr), recording
     outputs and gradients; a step whose x is None switches to eval for one forward of
     eval_input under no_grad, then back to train. Models, inputs and upstream gradients are of
-    `dtype`. With resync, each step starts the compiled model from the eager one's parameters
-    and buffers (copied in place: no recompile), so a step compares one step's arithmetic, not
-    two trajectories that round-off may part (the last step's running statistics and SGD update
-    are then the final states compared). Returns both runs' records, final states, the compiled
-    frame count after each step, dynamo's graph-break counters and how many hsbn ops each
-    run passed (ops_calls)."""
+    `dtype`, on `device`. With resync, each step starts the compiled model from the eager one's
+    parameters and buffers (copied in place: no recompile), so a step compares one step's
+    arithmetic, not two trajectories that round-off may part (the last step's running
+    statistics and SGD update are then the final states compared). Returns both runs' records,
+    final states, the compiled frame count after each step, dynamo's graph-break counters and
+    how many hsbn ops each run passed (ops_calls)."""
     import torch._dynamo
     import torch._dynamo.testing
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
     counters.clear()
     # Named layers get a prefix per model: two layers of one name share round keys.
-    eager = build(kind, scope, "eager", ops).to(dtype)
-    model = build(kind, scope, "compiled", ops).to(dtype)
+    eager = build(kind, scope, "eager", ops, device).to(device=device, dtype=dtype)
+    model = build(kind, scope, "compiled", ops, device).to(device=device, dtype=dtype)
     from hsbn.torch import _custom_op
 
     def tensor(a):
-        return torch.from_numpy(a).to(dtype)
+        return torch.from_numpy(a).to(device=device, dtype=dtype)
 
     if eager_function:
         import types

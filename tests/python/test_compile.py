@@ -120,13 +120,18 @@ def _steps(rank, n, batch=4, hw=8, seed=0, eval_at=None):
 
 
 def _run(pool, kind, scope, n=6, eval_at=3, hw=8, timeout=900, eager_function=False,
-         resync=False, dtype="float32", ops=True):
+         resync=False, dtype="float32", ops=True, device="cpu"):
     rng = np.random.default_rng(9)
     eval_input = rng.standard_normal((3, 3, hw, hw)).astype(np.float32)
-    settings = _settings()
+    if device == "cpu":
+        name, settings = backend(), _settings()
+    else:
+        # On a GPU: the same dynamo trace and AOTAutograd, without inductor's code generation
+        # (its CUDA kernels need triton), unless HSBN_COMPILE_BACKEND names a backend.
+        name, settings = os.environ.get("HSBN_COMPILE_BACKEND") or "aot_eager", {}
     return pool.call(compile_cases.compiled_vs_eager,
-                     [(kind, scope, _steps(r, n, hw=hw, eval_at=eval_at), backend(), eval_input,
-                       0.05, settings, eager_function, resync, dtype, ops)
+                     [(kind, scope, _steps(r, n, hw=hw, eval_at=eval_at), name, eval_input,
+                       0.05, settings, eager_function, resync, dtype, ops, device)
                       for r in range(pool.world_size)],
                      timeout=timeout)
 
@@ -183,6 +188,44 @@ def test_compiles_whole_and_equals_eager(pool, kind):
     _assert_equal_runs(results)
     for r, res in enumerate(results):   # use_custom_ops(True): the ops eagerly too
         assert res["ops_calls"]["eager"] > 0 and res["ops_calls"]["compiled"] > 0, r
+
+
+def test_cuda_inputs_take_the_ops_only_when_asked():
+    # No GPU is needed to check the routing: a CUDA device is only looked at, never used.
+    import types
+    import hsbn.torch
+    from hsbn.torch.modules import SyncBatchNorm
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda"))
+    on_cpu = types.SimpleNamespace(device=torch.device("cpu"))
+    before, before_cuda = hsbn.torch.custom_ops_in_use(), hsbn.torch.custom_ops_on_cuda()
+    try:
+        hsbn.torch.use_custom_ops(True, cuda=False)
+        assert not hsbn.torch.custom_ops_on_cuda()
+        assert SyncBatchNorm._ops_for_device(on_cpu) and not SyncBatchNorm._ops_for_device(on_cuda)
+        hsbn.torch.use_custom_ops("compiled", cuda=True)
+        assert hsbn.torch.custom_ops_on_cuda() is True
+        assert SyncBatchNorm._ops_for_device(on_cuda) and SyncBatchNorm._ops_for_device(on_cpu)
+        hsbn.torch.use_custom_ops(True)  # cuda=None keeps the CUDA choice
+        assert hsbn.torch.custom_ops_on_cuda() is True
+        hsbn.torch.use_custom_ops(False)  # the function everywhere: CUDA too
+        assert hsbn.torch.custom_ops_on_cuda() is False
+        assert not SyncBatchNorm._ops_for_device(on_cuda)
+    finally:
+        hsbn.torch.use_custom_ops(before, cuda=before_cuda if before else None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("ops", [True, "compiled"])
+@pytest.mark.parametrize("kind", ["sequential", "explicit"])
+def test_cuda_opt_in_compiles_whole_and_equals_eager(pool, kind, ops):
+    # use_custom_ops(ops, cuda=True): CUDA inputs through the custom ops where compiled (and
+    # eagerly with ops=True), against the same model run eagerly, both workers on the GPU.
+    results = _run(pool, kind, "global", ops=ops, device="cuda")
+    _assert_compiled_whole(results, kind)
+    _assert_equal_runs(results)
+    for r, res in enumerate(results):
+        assert res["ops_calls"]["compiled"] > 0, (r, res["ops_calls"])
+        assert (res["ops_calls"]["eager"] > 0) == (ops is True), (r, res["ops_calls"])
 
 
 @pytest.mark.parametrize("kind", ["sequential", "explicit"])

@@ -170,3 +170,17 @@ def test_hsbn_torch_custom_ops_env_chooses_the_path_or_is_refused_by_name():
     env["HSBN_TORCH_CUSTOM_OPS"] = "yes"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert "HSBN_TORCH_CUSTOM_OPS" in out.stdout, out.stdout + out.stderr
+
+
+def test_cuda_inputs_keep_the_function_unless_asked_and_a_bad_cuda_choice_is_refused():
+    # The ops path has not run on a GPU (issue #35): CUDA inputs take it only when asked, by
+    # use_custom_ops(True or "compiled", cuda=True) (test_compile.py checks the routing). A
+    # refused call changes nothing.
+    before = hsbn.torch.custom_ops_in_use()
+    assert hsbn.torch.custom_ops_on_cuda() is False
+    with pytest.raises(hsbn.ConfigurationError, match=r"use_custom_ops\(False, cuda=True\)"):
+        hsbn.torch.use_custom_ops(False, cuda=True)
+    with pytest.raises(hsbn.ConfigurationError, match="cuda is True, False or None"):
+        hsbn.torch.use_custom_ops(False, cuda="yes")
+    assert hsbn.torch.custom_ops_in_use() == before
+    assert hsbn.torch.custom_ops_on_cuda() is False

@@ -16,7 +16,7 @@ it binds hsbn's C ABI only, never PyTorch's C++ ABI.
 
 from ._keys import SCOPES, next_op, op_for_name
 from ._layer_check import LayerMismatchError
-from .modules import SyncBatchNorm, use_custom_ops, custom_ops_in_use
+from .modules import SyncBatchNorm, use_custom_ops, custom_ops_in_use, custom_ops_on_cuda
 from ._convert import convert_sync_batchnorm, revert_sync_batchnorm
 from ._inspect import model_client, stats, divergence, scopes, auto_decisions
 from ._function import SyncBatchNormFunction, SyncStats, sync_stats, reset_sync_stats
@@ -50,7 +50,7 @@ def cuda_ops():
     return _ops.cuda_ops_choice()
 
 
-__all__ = ["SyncBatchNorm", "use_custom_ops", "custom_ops_in_use", "convert_sync_batchnorm", "revert_sync_batchnorm",
+__all__ = ["SyncBatchNorm", "use_custom_ops", "custom_ops_in_use", "custom_ops_on_cuda", "convert_sync_batchnorm", "revert_sync_batchnorm",
            "LayerMismatchError", "SyncBatchNormFunction", "SCOPES", "next_op", "op_for_name",
            "model_client", "stats", "divergence", "scopes", "auto_decisions", "set_cuda_ops", "cuda_ops", "SyncStats", "sync_stats",
            "reset_sync_stats", "sync_running_stats", "precise_bn", "diagnose", "RenormFunction",

@@ -277,20 +277,29 @@ class SyncBatchNorm(_BatchNorm):
                              % (self.num_features, list(input.shape)))
         return None
 
+    # Whether CUDA inputs take the ops path too (use_custom_ops(..., cuda=True)). Off by
+    # default: the ops path has run on CPU only (no GPU was lent to #35's sessions), and code
+    # that never ran on a GPU is not the default on one.
+    _ops_on_cuda = False
+
+    @classmethod
+    def _ops_for_device(cls, input):
+        return input.device.type == "cpu" or (cls._ops_on_cuda and input.device.type == "cuda")
+
     def _forward_selecting(self, input):
-        """forward once use_custom_ops(True): the ops path for CPU inputs. It has run on CPU
-        only (no GPU was lent to #35's sessions): code that never ran on a GPU is not the
-        default on one, so CUDA inputs keep the function path."""
-        if isinstance(input, torch.fx.Proxy) or input.device.type == "cpu":
+        """forward once use_custom_ops(True): the ops path for CPU inputs, and for CUDA inputs
+        where use_custom_ops(..., cuda=True) asked for it; the function path otherwise."""
+        if isinstance(input, torch.fx.Proxy) or self._ops_for_device(input):
             return self._forward_ops(input)
         return self._forward_function(input)
 
     def _forward_traced(self, input):
         """forward by default where torch has custom ops (use_custom_ops("compiled")): the ops
-        path when torch.compile or torch.export traces the layer on CPU tensors, the function
-        when it runs eagerly (cheaper in host time; docs/PYTORCH.md)."""
+        path when torch.compile or torch.export traces the layer on CPU tensors (CUDA ones too
+        with cuda=True), the function when it runs eagerly (cheaper in host time;
+        docs/PYTORCH.md)."""
         if isinstance(input, torch.fx.Proxy) or (torch.compiler.is_compiling()
-                                                 and input.device.type == "cpu"):
+                                                 and self._ops_for_device(input)):
             return self._forward_ops(input)
         return self._forward_function(input)
 
@@ -518,27 +527,40 @@ def _check_bias(bias, affine, where):
             "layers yet; keep bias=True, or use affine=False and a scale of your own" % where)
 
 
-def use_custom_ops(flag=True):
+def use_custom_ops(flag=True, cuda=None):
     """Which path hsbn layers on CPU tensors take (torch >= 2.4 for the ops; _custom_op.py):
     True: torch custom ops, eager and traced, which torch.compile(fullgraph=True) and
     torch.export trace whole; "compiled": the ops where torch.compile or torch.export traces the
     layer, the autograd.Function where it runs eagerly (the default where torch has custom ops:
     the function costs less host time eagerly); False: the autograd.Function everywhere, which
     dynamo does not trace (the default on older torch). HSBN_TORCH_CUSTOM_OPS=1 / 0 choose True /
-    False at the first layer. CUDA inputs keep the function either way (the ops path has not
-    run on a GPU; issue #35). ConfigurationError for the ops on a torch without them."""
+    False at the first layer. ConfigurationError for the ops on a torch without them.
+    CUDA inputs keep the function unless `cuda=True` (an opt-in, off by default: the ops path
+    has not run on a GPU yet, issue #35); then they take the path `flag` chose for CPU ones.
+    `cuda=None` keeps the CUDA choice as it is; `cuda=True` with flag False is refused."""
     global _custom_ops_chosen
     if flag not in (True, False, "compiled"):
         raise ConfigurationError("hsbn.torch.use_custom_ops: True, False or \"compiled\", not %r"
                                  % (flag,))
+    if cuda not in (None, True, False):
+        raise ConfigurationError("hsbn.torch.use_custom_ops: cuda is True, False or None, not %r"
+                                 % (cuda,))
     if flag and not _custom_op.ENABLED:
         raise ConfigurationError(
             "hsbn.torch.use_custom_ops: torch %s has no torch.library.custom_op (torch >= 2.4 "
             "has it); hsbn layers keep their autograd.Function here" % torch.__version__)
+    if cuda and not flag:
+        raise ConfigurationError(
+            "hsbn.torch.use_custom_ops(False, cuda=True): CUDA inputs take the ops path that "
+            "CPU inputs take; choose True or \"compiled\" for them")
     _custom_ops_chosen = True
     SyncBatchNorm.forward = (SyncBatchNorm._forward_traced if flag == "compiled" else
                              SyncBatchNorm._forward_selecting if flag else
                              SyncBatchNorm._forward_function)
+    if not flag:
+        SyncBatchNorm._ops_on_cuda = False
+    elif cuda is not None:
+        SyncBatchNorm._ops_on_cuda = cuda
 
 
 _custom_ops_chosen = False  # use_custom_ops was called, or HSBN_TORCH_CUSTOM_OPS was read
@@ -564,6 +586,13 @@ def _custom_ops_from_env():
         use_custom_ops(value == "1")
     else:
         use_custom_ops("compiled" if _custom_op.ENABLED else False)
+
+
+def custom_ops_on_cuda():
+    """Whether CUDA inputs take the path custom_ops_in_use() names (use_custom_ops(..., cuda=
+    True)) rather than the autograd.Function (the default)."""
+    _custom_ops_from_env()
+    return SyncBatchNorm._ops_on_cuda
 
 
 def custom_ops_in_use():
