@@ -703,3 +703,112 @@ def test_model_wide_trip_sends_every_layer_exact():
     for bad in ("lagged:trip_model=2", "node:trip_model=1"):
         with pytest.raises(ValueError):
             oneproc.parse_mode(bad)
+
+
+def _record(m, x, dy):
+    """The oracles' pass on one layer: its per-node partials of (x, dy) become the stale share."""
+    def run_pass():
+        x_ = x.clone().requires_grad_(True)
+        m(x_).backward(dy)
+    before = (m.sim.seq, m.sim.running_mean.clone(), len(m.sim.signal))
+    oneproc.record_stale_share([m.sim], run_pass)
+    assert (m.sim.seq, len(m.sim.signal)) == (before[0], before[2])
+    assert torch.equal(m.sim.running_mean, before[1])
+    m.weight.grad = m.bias.grad = None
+
+
+def test_oracle_pass_sets_the_stale_share_and_nothing_else():
+    # The stale share recorded from this very batch makes lagged exact global on fresh data...
+    lag, glob = _bn("lagged:oracle=1"), _bn("global")
+    for call in range(4):
+        x, dy = _batch(800 + call)
+        if call:
+            _record(lag, x, dy)
+        got, want = _call(lag, x, dy), _call(glob, x, dy)
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, rtol=0, atol=1e-9), call
+    # ...and from the previous batch, at the same weights, it is plain lagged's.
+    rec, plain = _bn("lagged:oracle=1"), _bn("lagged")
+    prev = None
+    for call in range(4):
+        x, dy = _batch(810 + call)
+        if prev is not None:
+            _record(rec, *prev)
+        got, want = _call(rec, x, dy), _call(plain, x, dy)
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, rtol=0, atol=TOL), call
+        assert rec.sim.seq == plain.sim.seq == call + 1
+        prev = (x, dy)
+    assert not torch.allclose(got[1], _call(_bn("global"), x, dy)[1], atol=1e-6)
+    # oracle_bwd=0: the pass gives the forward's share only; the backward's stays the
+    # previous call's. Recorded from this batch: the forward is global's, the backward not.
+    fwd, glob, prev = _bn("lagged:oracle=1,oracle_bwd=0"), _bn("global"), None
+    for call in range(3):
+        x, dy = _batch(820 + call)
+        if call:
+            _record(fwd, x, dy)
+        got, want = _call(fwd, x, dy), _call(glob, x, dy)
+    assert torch.allclose(got[0], want[0], rtol=0, atol=1e-9)
+    assert not torch.allclose(got[1], want[1], atol=1e-6)
+
+
+def test_oracles_in_training_fresh_batch_at_still_weights_is_global():
+    """run_one's oracle passes, float64, 4 steps: with the learning rate 0 the weights never
+    move, so oracle=2's stale share (this batch at the previous weights) is this call's own
+    partials and lagged trains as global; plain lagged, oracle=1 (the previous batch) and
+    oracle=3 (the next) do not. With a learning rate oracle=1 differs from plain lagged (the
+    weights moved)."""
+    try:
+        d = data.load(None)
+    except data.DataMissingError as e:
+        pytest.fail(str(e), pytrace=False)
+    pool = data.training_pool(d["train_y"], 2000)
+    arrays = {"train_x": d["train_x"], "train_y": d["train_y"]}
+    plan = data.make_plan("cls", 0, d["train_y"], pool, 4, 2, 4, 1, 40, 0.8)
+    init = cli.initial_state("cls", 0)
+
+    def losses(mode, lr):
+        cfg = {"nodes": 4, "workers_per_node": 2, "lr": lr, "group_nodes": 2}
+        return np.array(oneproc.run_one(cfg, "cls", 0, mode, init, plan, arrays,
+                                        dtype="float64", max_steps=4)["loss"])
+
+    glob = losses("global", 0.0)
+    assert np.abs(losses("lagged:oracle=2", 0.0) - glob).max() < 1e-12
+    assert np.abs(losses("lagged", 0.0) - glob)[1:].min() > 1e-6
+    assert np.abs(losses("lagged:oracle=1", 0.0) - glob)[1:].min() > 1e-6
+    assert np.abs(losses("lagged:oracle=1", 0.05) - losses("lagged", 0.05))[1:].min() > 1e-9
+    # Which batch each oracle takes: with every step's batch the same, oracle=1 (the previous
+    # batch) and oracle=3 (the next) are this call's own partials at still weights: global.
+    same = dict(plan, idx=np.repeat(plan["idx"][:1], plan["steps"], 0))
+
+    def same_losses(mode):
+        cfg = {"nodes": 4, "workers_per_node": 2, "lr": 0.0, "group_nodes": 2}
+        return np.array(oneproc.run_one(cfg, "cls", 0, mode, init, same, arrays,
+                                        dtype="float64", max_steps=4)["loss"])
+
+    glob_same = same_losses("global")
+    for mode in ("lagged:oracle=1", "lagged:oracle=3"):
+        assert np.abs(same_losses(mode) - glob_same).max() < 1e-12, mode
+    assert np.abs(losses("lagged:oracle=3", 0.0) - glob)[1:].min() > 1e-6
+    _refused("lagged:oracle=4", "global:oracle=1", "lagged:oracle=1.5", "lagged:oracle_bwd=0",
+             "lagged:oracle=1,oracle_bwd=2")
+    assert oneproc.parse_mode("lagged-damped:0.5,oracle=2")[1]["oracle"] == 2
+
+
+def test_oracle_report_reads_the_committed_cells(capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("oracle_report",
+                                                  os.path.join(COMPARE, "oracle_report.py"))
+    rep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rep)
+    assert rep.main([]) == 0
+    out = capsys.readouterr().out
+    for cell in ("oneproc-4x2-b2-slow1200", "oneproc-4x2-slow1200"):
+        for mode in ("lagged:oracle=1", "lagged:oracle=2"):
+            assert re.search(r"^%s +%s +\d+\.\d\d +6 +-?\d+ %% \( *-?\d+ %%\) +[-+]\d"
+                             % (cell, re.escape(mode)), out, re.M), out
+    # The paired difference is the mean of the per-seed differences.
+    runs = rep.load(os.path.join(COMPARE, "measured", "oneproc-4x2-slow1200"))["runs"]
+    acc = {(r["mode"], r["seed"]): r["metric"] for r in runs}
+    want = 100 * np.mean([acc[("lagged:oracle=2", s)] - acc[("lagged", s)] for s in range(6)])
+    assert abs(rep.paired(runs, "lagged:oracle=2", "lagged")[0] - want) < 1e-9

@@ -209,7 +209,12 @@ def parse_args(argv=None):
                         "second BatchNorm only, the others exact global), lagged:stop=300 (calls "
                         "300 and later exact global), lagged:wfix=2 (the convolution's weight gradient "
                         "before each BatchNorm corrected to the job's fresh sums a step late; "
-                        "wfix=1 the same step, wfix_mean=1 the sum dy term only)"
+                        "wfix=1 the same step, wfix_mean=1 the sum dy term only), "
+                        "lagged:oracle=1 (the stale share recomputed at this step's weights: "
+                        "no weight drift; a bound, a second pass per step), lagged:oracle=2 "
+                        "(this step's batch at the previous step's weights: no batch change), "
+                        "lagged:oracle=3 (the next step's batch at this step's weights), "
+                        "oracle_bwd=0 (the oracle's forward partials only)"
                         % "node,global,renorm,lagged,lagged-damped:0.25,lagged-damped:0.5,"
                           "lagged-guard")
     g.add_argument("--lr-spike", default=None, metavar="STEP:FACTOR:STEPS",

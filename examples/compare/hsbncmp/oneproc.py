@@ -41,6 +41,16 @@ fresh sums (no stale share; a global round a call), to see what the backward's s
 Two more say where lagged's loss comes from: only=K runs lagged in the model's K-th BatchNorm
 (1-based, module order) and every other one exact global, both passes; stop=W runs calls W and
 later exact global (lagged only before; warmup=W is the converse).
+Two oracles split the stale share's error into its two causes (neither is buildable: each
+needs a second pass over a batch): oracle=1 recomputes the other nodes' partials of their
+previous batch at this step's weights (no weight drift, the batch one call old: the bound of
+any weight-change compensation, Cross-Iteration BN's among them); oracle=2 computes them from
+this step's batch at the previous step's weights (the batch fresh, the weights one step old).
+Each runs that pass (forward and backward, every layer exact global) before the step;
+oracle=3 is oracle=1 with the next step's batch instead of the previous one (at this step's
+weights: a batch of the same age as oracle=1's, but one no step has trained on yet);
+oracle_bwd=0 takes only the forward's partials from it (the backward's stale share stays the
+previous call's, as Cross-Iteration BN compensates the statistics of the forward only).
 
 What each rank's running statistics hold is simulated per rank (rank 0's: the headline metric;
 their pooled average, hsbn.torch.sync_running_stats with equal weights: the second one).
@@ -149,6 +159,13 @@ def parse_mode(text):
     if "trip_model" in opts and (opts["trip_model"] not in (0.0, 1.0)
                                  or not base.startswith("lagged")):
         raise ValueError("%s: trip_model is 0 or 1, in the lagged family" % text)
+    if "oracle" in opts:
+        if opts["oracle"] not in (1.0, 2.0, 3.0) or not base.startswith("lagged"):
+            raise ValueError("%s: oracle is 1 (fresh weights), 2 (fresh batch) or 3 (an unseen "
+                             "batch at fresh weights), in the lagged family" % text)
+        opts["oracle"] = int(opts["oracle"])
+    if "oracle_bwd" in opts and (opts["oracle_bwd"] not in (0.0, 1.0) or "oracle" not in opts):
+        raise ValueError("%s: oracle_bwd is 0 or 1, with oracle" % text)
     if "exact_bwd" in opts and opts["exact_bwd"] not in (0.0, 1.0):
         raise ValueError("%s: exact_bwd is 0 or 1" % text)
     if "wfix" in opts:
@@ -270,6 +287,7 @@ class LayerSim:
         self.conv_in = None     # and the corrections of its weight gradient (this step's,
         self.wfix_new = None    # the previous step's)
         self.wfix_old = None
+        self.recording = False  # oracle: the pass that makes the stale share is running
 
     # -- running statistics --------------------------------------------------------------------
     def _update(self, mean_rows, var_rows):
@@ -323,6 +341,18 @@ def _forward(ctx, x, weight, bias, sim):
     xn = _rows(x64, nodes)
     cn, mean_n, m2_n = _moments(xn)
     g_n, g_mean, g_m2 = _merge([cn] * nodes, list(mean_n), list(m2_n))
+    if sim.recording:
+        # The oracle's pass: exact global, both passes; it leaves the per-node partials as the
+        # stale share and touches no other state (running statistics, guards, call count).
+        sim.prev_fwd = (cn, mean_n.clone(), m2_n.clone())
+        mean = g_mean[None].expand(nodes, c).clone()
+        invstd = (1.0 / torch.sqrt(g_m2 / g_n + EPS))[None].expand(nodes, c).clone()
+        y = (xn - mean[:, None]) * invstd[:, None] * w[None, None] + b[None, None]
+        ctx.sim, ctx.shape, ctx.dtype, ctx.wdtype = sim, shape, x.dtype, weight.dtype
+        ctx.recording = True
+        ctx.save_for_backward(xn, mean, invstd, w[None].expand(nodes, c), w, torch.ones(0),
+                              torch.ones(0))
+        return _unrows(y, shape).to(x.dtype, copy=True)   # not a view: ReLU works in place
     r_eff = d_eff = None
     exact_global_now = False
     if mode in ("local", "node", "group", "global"):
@@ -408,6 +438,7 @@ def _forward(ctx, x, weight, bias, sim):
         b_rows = b[None].expand(r, c)
     y = xhat * w_rows[:, None] + b_rows[:, None]
     ctx.sim = sim
+    ctx.recording = False
     ctx.node_stats = (mean_n, 1.0 / torch.sqrt(m2_n / cn + EPS))
     ctx.seq = sim.seq
     # trip_fwd: a trip's calls are exact in the forward only (one global round each); their
@@ -422,7 +453,7 @@ def _forward(ctx, x, weight, bias, sim):
                           r_eff if r_eff is not None else torch.ones(0),
                           d_eff if d_eff is not None else torch.ones(0))
     sim.seq += 1
-    return _unrows(y, shape).to(x.dtype)
+    return _unrows(y, shape).to(x.dtype, copy=True)   # not a view (float64 runs)
 
 
 def _backward(ctx, dy):
@@ -451,6 +482,12 @@ def _backward(ctx, dy):
         return w_rows[:, None] * invstd[:, None] * (
             dyr - S1[:, None] / M - xmu * (invstd ** 2)[:, None] * S2[:, None] / M)
 
+    if ctx.recording:
+        if sim.opts.get("oracle_bwd", 1):
+            sim.prev_bwd = (s1.clone(), s2.clone(), mean.clone())
+        dx = dx_from(s1.sum(0)[None].expand_as(s1), job_s2(), cnt * r)
+        return _unrows(dx, ctx.shape).to(ctx.dtype), grad_w.to(ctx.wdtype), \
+            grad_b.to(ctx.wdtype)
     if not mode.startswith("lagged"):
         dx = dx_from(s1, s2, cnt)
     elif ctx.exact_global_now:
@@ -729,6 +766,20 @@ def apply_wfix(sims):
         sim.wfix_old, sim.wfix_new = sim.wfix_new, None
 
 
+def record_stale_share(sims, run_pass):
+    """The oracles (oracle=1, 2): runs run_pass() (a forward and backward of the model) with
+    every layer exact global, keeping each layer's per-node partials of it as the stale share
+    of the layer's next call; nothing else of the layers changes. The caller discards the
+    gradients run_pass leaves."""
+    for sim in sims:
+        sim.recording = True
+    try:
+        run_pass()
+    finally:
+        for sim in sims:
+            sim.recording = False
+
+
 def set_running(model, sims, how):
     """Loads rank 0's running statistics (how="rank0") or their pool over the ranks (law of
     total variance with equal weights: hsbn.torch.sync_running_stats) into the modules."""
@@ -773,6 +824,15 @@ def run_one(cfg, task, seed, mode_text, init, plan, arrays, progress=None, dtype
     losses = np.zeros(steps)
     t0 = time.perf_counter()
     first_grads = None
+    oracle = opts.get("oracle")
+    prev_xy = old_params = None
+
+    def stale_pass(xb, yb):
+        def run_pass():
+            F.cross_entropy(model(xb), yb).backward()
+        record_stale_share(sims, run_pass)
+        opt.zero_grad()
+
     for step in range(steps if max_steps is None else min(steps, max_steps)):
         x, y = train.batch(torch, task, plan, arrays, step, ranks)
         if dtype == "float64":
@@ -781,6 +841,20 @@ def run_one(cfg, task, seed, mode_text, init, plan, arrays, progress=None, dtype
         boost = (spike[1] if spike and spike[0] <= step < spike[0] + spike[2] else 1.0)
         for g in opt.param_groups:
             g["lr"] = boost * lr0 * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+        if oracle == 1 and prev_xy is not None:
+            stale_pass(*prev_xy)          # the previous batch at this step's weights
+        elif oracle == 3 and 0 < step < steps - 1:
+            xb, yb = train.batch(torch, task, plan, arrays, step + 1, ranks)
+            stale_pass(xb.double() if dtype == "float64" else xb, yb)   # unseen, these weights
+        elif oracle == 2 and old_params is not None:
+            now = [p.detach().clone() for p in model.parameters()]
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), old_params):
+                    p.copy_(q)
+            stale_pass(x, y)              # this batch at the previous step's weights
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), now):
+                    p.copy_(q)
         out = model(x)
         loss = F.cross_entropy(out, y)
         opt.zero_grad()
@@ -789,6 +863,10 @@ def run_one(cfg, task, seed, mode_text, init, plan, arrays, progress=None, dtype
         if record_first and step == 0:
             first_grads = {k: p.grad.detach().double().numpy().copy()
                            for k, p in model.named_parameters()}
+        if oracle == 1:
+            prev_xy = (x, y)
+        elif oracle == 2:
+            old_params = [p.detach().clone() for p in model.parameters()]
         opt.step()
         losses[step] = loss.item()
         if progress is not None:
