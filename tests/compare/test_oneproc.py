@@ -279,12 +279,17 @@ def test_node_dx_sums_from_partials_equal_the_direct_sums():
     assert float((dx.sum(0)).abs().min()) > 1e-3  # lagged's sums do not vanish here
 
 
-def test_guard_signal_report_reads_the_committed_cells(capsys):
+def _script(name):
+    """One of examples/compare's report scripts, imported as a module."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("guard_signal",
-                                                  os.path.join(COMPARE, "guard_signal.py"))
-    gs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gs)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(COMPARE, name + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_guard_signal_report_reads_the_committed_cells(capsys):
+    gs = _script("guard_signal")
     assert gs.main([]) == 0
     out = capsys.readouterr().out
     for cell in ("oneproc-4x2", "oneproc-4x2-slow", "oneproc-4x2-slow1200"):
@@ -796,11 +801,7 @@ def test_oracles_in_training_fresh_batch_at_still_weights_is_global():
 
 
 def test_oracle_report_reads_the_committed_cells(capsys):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("oracle_report",
-                                                  os.path.join(COMPARE, "oracle_report.py"))
-    rep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rep)
+    rep = _script("oracle_report")
     assert rep.main([]) == 0
     out = capsys.readouterr().out
     for cell in ("oneproc-4x2-b2-slow1200", "oneproc-4x2-slow1200"):
