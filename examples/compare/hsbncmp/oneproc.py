@@ -48,7 +48,8 @@ any weight-change compensation, Cross-Iteration BN's among them); oracle=2 compu
 this step's batch at the previous step's weights (the batch fresh, the weights one step old).
 Each runs that pass (forward and backward, every layer exact global) before the step;
 oracle=3 is oracle=1 with the next step's batch instead of the previous one (at this step's
-weights: a batch of the same age as oracle=1's, but one no step has trained on yet);
+weights: a batch of the same age as oracle=1's, but one no step has trained on yet; the last
+step, which has no next batch, keeps plain lagged's share);
 oracle_bwd=0 takes only the forward's partials from it (the backward's stale share stays the
 previous call's, as Cross-Iteration BN compensates the statistics of the forward only).
 
@@ -767,7 +768,7 @@ def apply_wfix(sims):
 
 
 def record_stale_share(sims, run_pass):
-    """The oracles (oracle=1, 2): runs run_pass() (a forward and backward of the model) with
+    """The oracles (oracle=1, 2, 3): runs run_pass() (a forward and backward of the model) with
     every layer exact global, keeping each layer's per-node partials of it as the stale share
     of the layer's next call; nothing else of the layers changes. The caller discards the
     gradients run_pass leaves."""
