@@ -469,7 +469,8 @@ def test_ema_and_error_feedback_equal_global_on_a_repeated_batch():
     glob = _bn("global")
     x, dy = _batch(30)
     mods = {mode: _bn(mode) for mode in ("lagged:ema=0.8", "lagged:ef=1",
-                                         "lagged-damped:1.0,ema=0.5,ef=0.5")}
+                                         "lagged-damped:1.0,ema=0.5,ef=0.5",
+                                         "lagged:ema=0.8,ema_fwd=1")}
     for call in range(4):
         want = _call(glob, x, dy)
         for mode, m in mods.items():
@@ -509,11 +510,57 @@ def test_ema_averages_the_stale_share_and_error_feedback_corrects_by_an_affine_t
             assert (a @ coef - ds[c, n][:, None]).abs().max() < 1e-10
 
 
+def _weighted_bn(x, dy, wt, weight, bias):
+    """BatchNorm (training, float64) of a batch whose items carry weights wt (weighted mean
+    and variance, loss sum of wt * dy * y): y and dx by autograd."""
+    x = x.clone().requires_grad_(True)
+    wt = wt.reshape(-1, 1, 1, 1)
+    tot = (wt * torch.ones_like(x)).sum((0, 2, 3), keepdim=True)
+    m = (wt * x).sum((0, 2, 3), keepdim=True) / tot
+    v = (wt * (x - m) ** 2).sum((0, 2, 3), keepdim=True) / tot
+    y = (x - m) / torch.sqrt(v + 1e-5) * weight.reshape(m.shape) + bias.reshape(m.shape)
+    (wt * y * dy).sum().backward()
+    return y.detach(), x.grad
+
+
+def test_ema_fwd_is_batchnorm_of_the_weighted_earlier_batches():
+    # ema=B,ema_fwd=1 (hsbn.torch's lagged_ema=B): node n's call s normalizes, in both passes,
+    # its fresh batch (weight 1) with the other nodes' batches of every earlier call t, weighted
+    # (1 - B) B^(s-1-t) (call 0: B^(s-1)), as the averaged share weighs them.
+    b_ = 0.75
+    m = _bn("lagged:ema=%g,ema_fwd=1" % b_)
+    plain = _bn("lagged")
+    batches = [_batch(60 + k) for k in range(5)]
+    per = WPN * B
+    for s, (x, dy) in enumerate(batches):
+        y, dx, _, _ = _call(m, x, dy)
+        y_plain = _call(plain, x, dy)[0]
+        # Calls 0 (exact) and 1 (one earlier call) equal plain lagged; later ones do not.
+        assert torch.allclose(y, y_plain, rtol=0, atol=1e-12) == (s < 2), s
+        if s == 0:
+            continue
+        age = [(1 - b_) * b_ ** (s - 1 - t) if t else b_ ** (s - 1) for t in range(s)]
+        for n in range(NODES):
+            mine = slice(n * per, (n + 1) * per)
+            xs, gs, ws = [x[mine]], [dy[mine]], [torch.ones(per, dtype=torch.float64)]
+            for t in range(s):
+                for k in range(NODES):
+                    if k != n:
+                        xs.append(batches[t][0][k * per:(k + 1) * per])
+                        gs.append(batches[t][1][k * per:(k + 1) * per])
+                        ws.append(torch.full((per,), age[t], dtype=torch.float64))
+            ry, rdx = _weighted_bn(torch.cat(xs), torch.cat(gs), torch.cat(ws),
+                                   m.weight.detach(), m.bias.detach())
+            assert torch.allclose(y[mine], ry[:per], rtol=0, atol=1e-10), (s, n)
+            assert torch.allclose(dx[mine], rdx[:per], rtol=0, atol=1e-10), (s, n)
+
+
 def test_ema_and_ef_options_are_checked():
     assert oneproc.parse_mode("lagged:ema=0.8")[1]["ema"] == 0.8
     assert oneproc.parse_mode("lagged-damped:0.5,ef=1")[1]["ef"] == 1.0
     for bad in ("lagged:ema=1", "lagged:ema=-0.1", "lagged:ef=2", "node:ema=0.5", "renorm:ef=1",
-                "lagged:exact_bwd=0.5", "global:exact_bwd=1"):
+                "lagged:exact_bwd=0.5", "global:exact_bwd=1", "lagged:ema_fwd=1",
+                "lagged:ema=0.5,ema_fwd=2", "lagged:ema=0.5,oracle=2"):
         with pytest.raises(ValueError):
             oneproc.parse_mode(bad)
 
@@ -813,3 +860,4 @@ def test_oracle_report_reads_the_committed_cells(capsys):
     acc = {(r["mode"], r["seed"]): r["metric"] for r in runs}
     want = 100 * np.mean([acc[("lagged:oracle=2", s)] - acc[("lagged", s)] for s in range(6)])
     assert abs(rep.paired(runs, "lagged:oracle=2", "lagged")[0] - want) < 1e-9
+

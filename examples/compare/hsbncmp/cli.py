@@ -204,7 +204,8 @@ def parse_args(argv=None):
                         "lagged:trip_rel=4,trip_hist=20 (its relative form), "
                         "lagged:trip_rel=4,trip_model=1 (a trip of any layer sends every "
                         "layer exact global), lagged:ema=0.5 "
-                        "(the stale share averaged), lagged:ef=1 (error feedback), lagged:exact_bwd=1 "
+                        "(the backward's stale share averaged; ema_fwd=1 the forward's too), "
+                        "lagged:ef=1 (error feedback), lagged:exact_bwd=1 "
                         "(the job's fresh sums in the backward), lagged:only=2 (lagged in the "
                         "second BatchNorm only, the others exact global), lagged:stop=300 (calls "
                         "300 and later exact global), lagged:wfix=2 (the convolution's weight gradient "
@@ -316,7 +317,7 @@ def parse_args(argv=None):
 
 
 RENORM_KEYS = ("lag", "momentum", "warmup", "r_max", "d_max", "ramp")
-LAGGED_KEYS = ("damping", "warmup", "trip", "trip_rel", "trip_calls")
+LAGGED_KEYS = ("damping", "warmup", "trip", "trip_rel", "trip_calls", "ema")
 
 
 def renorm_options(text):

@@ -34,8 +34,9 @@ A mode takes options after a colon: lagged-damped:0.25, lagged:warmup=75,
 lagged-guard:tau=1,hold=0.9,delay=2, lagged-guard:drift=16,kappa=0.01,model=1,
 lagged-guard:step=16,kstep=2.5e-4. Two more options of the lagged family change its backward's
 stale share: ema=B averages the other nodes' sum dy and sum dy x over their past calls
-(weight B on the older average) instead of taking their last call's; ef=F is error feedback:
-the error the stale share put into a call's dx (known one call later) is taken F times back out
+(weight B on the older average; exact calls' too) instead of taking their last call's, and
+with ema_fwd=1 the forward's share too (their mean and mean of x^2): hsbn.torch's
+lagged_ema=B; ef=F is error feedback: the error the stale share put into a call's dx (known one call later) is taken F times back out
 of the next call's dx. exact_bwd=1 keeps the lagged forward and gives the backward the job's
 fresh sums (no stale share; a global round a call), to see what the backward's staleness costs.
 Two more say where lagged's loss comes from: only=K runs lagged in the model's K-th BatchNorm
@@ -148,6 +149,8 @@ def parse_mode(text):
         raise ValueError("%s: trip_lam must be in [0, 1]" % text)
     if "ema" in opts and not 0.0 <= opts["ema"] < 1.0:
         raise ValueError("%s: ema must be in [0, 1)" % text)
+    if "ema_fwd" in opts and (opts["ema_fwd"] not in (0.0, 1.0) or "ema" not in opts):
+        raise ValueError("%s: ema_fwd is 0 or 1, with ema" % text)
     if "ef" in opts and not 0.0 <= opts["ef"] <= 1.0:
         raise ValueError("%s: ef must be in [0, 1]" % text)
     for key in ("only", "stop"):
@@ -175,6 +178,9 @@ def parse_mode(text):
         opts["wfix"] = int(opts["wfix"])
     if "wfix_mean" in opts and (opts["wfix_mean"] not in (0.0, 1.0) or "wfix" not in opts):
         raise ValueError("%s: wfix_mean is 0 or 1, with wfix" % text)
+    if "ema" in opts and "oracle" in opts:
+        raise ValueError("%s: ema averages the calls' own partials, an oracle replaces them; "
+                         "choose one" % text)
     if ({"ema", "ef", "exact_bwd", "wfix"} & set(opts)) and not base.startswith("lagged"):
         raise ValueError("%s: ema, ef, exact_bwd and wfix are options of the lagged family"
                          % text)
@@ -284,6 +290,7 @@ class LayerSim:
         self.always_exact = False  # only=K: a layer other than the K-th, exact global throughout
         self.ef_prev = None     # error feedback: (c1, c2) of the previous call, (R, C) each
         self.ema_bwd = None     # ema: the averaged (sum dy, sum dy x) per node, (R, C) each
+        self.ema_fwd = None     # ema_fwd: the averaged (mean, mean of x^2) per node, (R, C) each
         self.conv = None        # wfix: the Conv2d right before the layer, its input this call,
         self.conv_in = None     # and the corrections of its weight gradient (this step's,
         self.wfix_new = None    # the previous step's)
@@ -411,6 +418,12 @@ def _forward(ctx, x, weight, bias, sim):
             var = (g_m2 / g_n)[None].expand(nodes, c).clone()
         else:
             pc, pmean, pm2 = sim.prev_fwd
+            if o.get("ema_fwd"):
+                # ema_fwd=1: the forward's stale share averaged as the backward's (ema=B): each
+                # node's mean and mean of x^2 over its past calls, so that both passes see the
+                # same estimate of the other nodes.
+                q1, q2 = sim.ema_fwd
+                pmean, pm2 = q1, pc * torch.clamp(q2 - q1 * q1, min=0.0)
             mean = torch.empty(nodes, c, dtype=torch.float64)
             var = torch.empty(nodes, c, dtype=torch.float64)
             for n in range(nodes):
@@ -423,6 +436,8 @@ def _forward(ctx, x, weight, bias, sim):
             rm, rv = sim._per_rank(pg_mean[None], (pg_m2 / (pg_n - 1))[None], 1)
             sim._update(rm, rv)
     sim.prev_fwd = (cn, mean_n.clone(), m2_n.clone())
+    if o.get("ema_fwd"):   # every call's partials, exact ones too; used from the next call on
+        sim.ema_fwd = _ema(sim.ema_fwd, (mean_n, m2_n / cn + mean_n * mean_n), o["ema"])
     sim.prev_global2 = sim.prev_global
     sim.prev_global = (g_n, g_mean.clone(), g_m2.clone())
     if mode == "lagged-guard" and o["drift"]:
@@ -505,12 +520,7 @@ def _backward(ctx, dy):
         if sim.opts.get("ema"):
             # ema=B: the others' share is an exponential average over their past calls (weight
             # B on the older average) of sum dy and sum dy x, instead of their last call's.
-            q1, q2 = p1, p2 + pc * p1
-            if sim.ema_bwd is not None:
-                b_ = sim.opts["ema"]
-                q1 = b_ * sim.ema_bwd[0] + (1 - b_) * q1
-                q2 = b_ * sim.ema_bwd[1] + (1 - b_) * q2
-            sim.ema_bwd = (q1, q2)
+            q1, q2 = sim.ema_bwd
             for n in range(r):
                 others = [k for k in range(r) if k != n]
                 S1[n] = s1[n] + q1[others].sum(0)
@@ -585,8 +595,18 @@ def _backward(ctx, dy):
                 sim.lam = Guard.next_lambda(sim, sim.pending.pop(0))
     if mode.startswith("lagged"):
         sim.prev_bwd = (s1.clone(), s2.clone(), mean.clone())
+        if sim.opts.get("ema"):   # every call's sums, exact ones too; used from the next call on
+            sim.ema_bwd = _ema(sim.ema_bwd, (s1, s2 + mean * s1), sim.opts["ema"])
     dx = _unrows(dx, ctx.shape).to(ctx.dtype)
     return dx, grad_w.to(ctx.wdtype), grad_b.to(ctx.wdtype)
+
+
+def _ema(avg, new, b):
+    """The exponential average of a tuple of tensors, weight b on the older average avg (None:
+    the first value, new itself)."""
+    if avg is None:
+        return tuple(t.clone() for t in new)
+    return tuple(b * a + (1 - b) * t for a, t in zip(avg, new))
 
 
 def trip_drift(old, new):
