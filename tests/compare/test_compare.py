@@ -134,7 +134,7 @@ def test_smoke_every_mode_both_tasks(tmp_path, native_parts):
     if "lagged" in MODES:
         # --lagged likewise; with warm-up 1 (the default is 20) calls 2 and 3 are lagged.
         assert res["config"]["lagged"]["warmup"] == 1
-        assert res["config"]["lagged"]["damping"] == 0.5
+        assert res["config"]["lagged"]["damping"] == 1.0 and res["config"]["lagged"]["ema"] == 0.8
         for r in res["runs"]:
             if r["mode"] == "lagged":
                 # 3 steps x 4 workers x the model's layers; the first call of each layer is

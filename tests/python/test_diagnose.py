@@ -220,5 +220,5 @@ def test_the_lagged_offer_names_what_was_measured_for_a_model_that_deep():
     assert "ResNet-18" not in shallow
     deep = _diagnose._lagged_note(20, 1.5)
     assert deep.startswith(shallow)
-    assert "This model has 20 BatchNorm layers" in deep and "half of its calls" in deep
+    assert "This model has 20 BatchNorm layers" in deep and "29 % of its calls" in deep
     assert "first 20 calls exact global" in shallow

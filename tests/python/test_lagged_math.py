@@ -45,13 +45,17 @@ def run_case(pool, spec, data):
     return pool.call(hsbn_cases.bn_steps, [(spec, data[r]) for r in range(pool.world_size)])
 
 
-def lagged_reference(spec, data, node, damping=1.0, exact=(0,)):
+def lagged_reference(spec, data, node, damping=1.0, exact=(0,), ema=0.0):
     """{"y", "dx": {rank: [per call]}, "dw", "db": [per call, summed over the node]} of the
     node's ranks: BatchNorm over the virtual batch of each call (module docstring), or over
     the job's batch for the calls in `exact` (the warm-up, and those the trip guard sends
     there); with damping < 1 the input gradient of the other calls is damping * that +
     (1 - damping) * the node-local one,
-    w invstd (dy - mean_node(dy) - (x - m_k) sum_node(dy (x - m_k)) / (M_k + n_k eps))."""
+    w invstd (dy - mean_node(dy) - (x - m_k) sum_node(dy (x - m_k)) / (M_k + n_k eps)).
+    With ema = B > 0 (lagged_ema; exact = (0,) only) the virtual batch of call s >= 1 holds the
+    other nodes' batches of every earlier call t, weighted as the exponential average weighs
+    them (1 - B) B^(s-1-t), call 0 B^(s-1), and this node's fresh batch weighted 1: BatchNorm
+    of a weighted batch (weighted mean and variance, loss sum of weight * dy * y)."""
     eps = spec.get("eps", 1e-5)
     w = torch.from_numpy(spec["weight"])
     b = torch.from_numpy(spec["bias"])
@@ -60,18 +64,39 @@ def lagged_reference(spec, data, node, damping=1.0, exact=(0,)):
     for s in range(len(data[0])):
         rows = [(r, s) for r in mine] + [(r, s if s in exact else s - 1) for r in ALL
                                         if r not in mine]
-        xs = [torch.from_numpy(data[r][t][0]) for r, t in rows]
-        gs = [torch.from_numpy(data[r][t][1]) for r, t in rows]
+        if ema and s not in exact:
+            assert tuple(exact) == (0,)
+            age = [(1.0 - ema) * ema ** (s - 1 - t) if t > 0 else ema ** (s - 1)
+                   for t in range(s)]
+            rows = [(r, s, 1.0) for r in mine] + [(r, t, age[t]) for t in range(s)
+                                                  for r in ALL if r not in mine]
+        else:
+            rows = [row + (1.0,) for row in rows]
+        xs = [torch.from_numpy(data[r][t][0]) for r, t, _ in rows]
+        gs = [torch.from_numpy(data[r][t][1]) for r, t, _ in rows]
         x = torch.cat(xs).requires_grad_()
         g = torch.cat(gs)
-        y = torch.nn.functional.batch_norm(x, None, None, w, b, True, 0.0, eps)
-        (y * g).sum().backward()
-        sizes = [t.shape[0] for t in xs]
-        ys, dxs = y.detach().split(sizes), x.grad.split(sizes)
+        shape = [-1] + [1] * (x.dim() - 1)
+        wt = torch.cat([torch.full((t.shape[0],), a, dtype=x.dtype)
+                        for t, (_, _, a) in zip(xs, rows)]).reshape(shape)
         dims = [0] + list(range(2, x.dim()))
         xd = x.detach()
-        mu = xd.mean(dims, keepdim=True)
-        invstd = 1.0 / torch.sqrt(xd.var(dims, unbiased=False, keepdim=True) + eps)
+        if ema and s not in exact:   # weighted BatchNorm, by autograd
+            total = (wt * torch.ones_like(xd)).sum(dims, keepdim=True)
+            mu = (wt * xd).sum(dims, keepdim=True) / total
+            invstd = 1.0 / torch.sqrt((wt * (xd - mu) ** 2).sum(dims, keepdim=True) / total
+                                      + eps)
+            m_w = (wt * x).sum(dims, keepdim=True) / total
+            v_w = (wt * (x - m_w) ** 2).sum(dims, keepdim=True) / total
+            y = (x - m_w) / torch.sqrt(v_w + eps) * w.reshape(m_w.shape) + b.reshape(m_w.shape)
+            (wt * y * g).sum().backward()
+        else:
+            y = torch.nn.functional.batch_norm(x, None, None, w, b, True, 0.0, eps)
+            (y * g).sum().backward()
+            mu = xd.mean(dims, keepdim=True)
+            invstd = 1.0 / torch.sqrt(xd.var(dims, unbiased=False, keepdim=True) + eps)
+        sizes = [t.shape[0] for t in xs]
+        ys, dxs = y.detach().split(sizes), x.grad.split(sizes)
         n_mine = sum(sizes[:len(mine)])
         xk, gk = xd[:n_mine], g[:n_mine]
         xhat_k = (xk - mu) * invstd
@@ -101,15 +126,17 @@ def lagged_case(seed, steps=4, repeat=False, **options):
                            sizes=[3, 5, 0, 4])
     if repeat:
         data = [[d[0]] * steps for d in data]
-    # The plain design (lambda 1) unless a test asks for damping: the references are exact.
-    spec["options"] = dict({"lagged_damping": 1.0, "lagged_warmup": 1}, **options)
+    # The plain design (lambda 1, no average) unless a test asks for damping or the average:
+    # the references are exact.
+    spec["options"] = dict({"lagged_damping": 1.0, "lagged_warmup": 1, "lagged_ema": 0.0},
+                           **options)
     return spec, data
 
 
-def check_against(results, data, spec, damping=1.0, tol=TOL, exact=(0,)):
+def check_against(results, data, spec, damping=1.0, tol=TOL, exact=(0,), ema=0.0):
     worst = {}
     for node in range(NODES):
-        ref = lagged_reference(spec, data, node, damping, exact)
+        ref = lagged_reference(spec, data, node, damping, exact, ema)
         for s in range(len(data[0])):
             for r in NODE_RANKS[node]:
                 for key in ("y", "dx"):
@@ -177,6 +204,47 @@ def test_fresh_data_equals_the_virtual_batch_and_does_not_sum_to_zero_per_node(p
                 assert again[r][key][s].tobytes() == results[r][key][s].tobytes(), (key, r, s)
 
 
+def test_ema_averages_the_other_nodes_share_in_both_passes(pool):
+    # lagged_ema: the other nodes' share is their earlier calls' batches, weighted as the
+    # average weighs them, in the forward and the backward alike (lagged_reference); the
+    # running statistics stay the job's exact ones; with damping too.
+    spec, data = lagged_case(44, steps=5, lagged_ema=0.75)
+    results = run_case(pool, spec, data)
+    worst = check_against(results, data, spec, ema=0.75)
+    print("lagged, ema 0.75, vs the weighted virtual batch:", worst)
+    plain = run_case(pool, *lagged_case(44, steps=5))
+    for r in ALL:   # calls 0 and 1 have one earlier call at most: the same as plain lagged
+        for s in range(5):
+            if not results[r]["y"][s].size:
+                continue
+            for key in ("y", "dx"):
+                e = rel_err(results[r][key][s], plain[r][key][s])
+                assert (e <= 1e-12) if s < 2 else (e > 1e-6), (key, r, s, e)
+    spec, data = lagged_case(45, steps=4, lagged_ema=0.5, lagged_damping=0.5)
+    check_against(run_case(pool, spec, data), data, spec, damping=0.5, ema=0.5)
+
+
+def test_ema_skips_a_non_finite_call_instead_of_keeping_it(pool):
+    # An overflowing backward (GradScaler's case: that step is skipped) puts an Inf in rank 3's
+    # sums of call 2. Plain lagged carries it into node 0's next call only; the average would
+    # carry it into every later call, so a non-finite share is not folded into it: node 0's
+    # input gradients stay finite from call 3 on, where plain lagged's call 3 is not.
+    spec, data = lagged_case(46, steps=5)
+    x, dy = data[3][2]
+    dy = dy.copy()
+    dy.flat[0] = np.inf
+    data[3][2] = (x, dy)
+    plain = run_case(pool, spec, data)
+    spec["options"]["lagged_ema"] = 0.5
+    ema = run_case(pool, spec, data)
+    for r in NODE_RANKS[0]:
+        assert not np.isfinite(plain[r]["dx"][3]).all(), r
+        assert np.isfinite(plain[r]["dx"][4]).all(), r
+        for s in range(5):
+            assert np.isfinite(ema[r]["dx"][s]).all(), (r, s)
+    assert not np.isfinite(ema[3]["dx"][2]).all()   # the overflowing call itself, as plain
+
+
 def test_damping_mixes_the_node_local_gradient(pool):
     spec, data = lagged_case(43, steps=3, lagged_damping=0.5)
     results = run_case(pool, spec, data)
@@ -235,9 +303,12 @@ def test_options_are_checked():
     for bad in (0, 1.5, True):
         with pytest.raises(ConfigurationError, match="lagged_trip_calls"):
             hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_trip_calls=bad)
+    for bad in (1.0, -0.1, float("nan"), True, "0.5"):
+        with pytest.raises(ConfigurationError, match="lagged_ema"):
+            hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_ema=bad)
     default = dict(hsbn.torch._lagged.DEFAULTS)
-    assert default["damping"] == 0.5 and default["warmup"] == 20 and default["trip_calls"] == 30
-    assert default["trip_rel"] == 4.0 and default["trip"] == 0.0
+    assert default["damping"] == 1.0 and default["warmup"] == 20 and default["trip_calls"] == 30
+    assert default["trip_rel"] == 4.0 and default["trip"] == 0.0 and default["ema"] == 0.8
     assert hsbn.torch.SyncBatchNorm(3, scope="lagged").lagged_options == default
     bn = hsbn.torch.SyncBatchNorm(3, scope="lagged", lagged_damping=0.25, lagged_trip=2.5)
     assert bn.lagged_options == dict(default, damping=0.25, trip=2.5)
@@ -248,8 +319,9 @@ def test_options_are_checked():
     with pytest.raises(ConfigurationError):
         bn.lagged_damping = 2.0
     m = hsbn.torch.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(2)),
-                                          scope="lagged", lagged_damping=0.5, lagged_warmup=3)
-    assert m[0].lagged_options == dict(default, damping=0.5, warmup=3)
+                                          scope="lagged", lagged_damping=0.5, lagged_warmup=3,
+                                          lagged_ema=0.0)
+    assert m[0].lagged_options == dict(default, damping=0.5, warmup=3, ema=0.0)
     with pytest.raises(ConfigurationError, match="lagged_damping"):
         hsbn.torch.convert_sync_batchnorm(torch.nn.BatchNorm1d(2), lagged_damping=-1)
 
@@ -274,7 +346,8 @@ def _threads(fn, n=4, timeout=120):
 
 def _layer(spec, client, op, checkpointed=False, **options):
     bn = hsbn.torch.SyncBatchNorm(spec["C"], scope="lagged", client=client, op=op,
-                                  **dict({"lagged_damping": 1.0, "lagged_warmup": 1}, **options)).double()
+                                  **dict({"lagged_damping": 1.0, "lagged_warmup": 1,
+                                          "lagged_ema": 0.0}, **options)).double()
     with torch.no_grad():
         bn.weight.copy_(torch.from_numpy(spec["weight"]))
         bn.bias.copy_(torch.from_numpy(spec["bias"]))

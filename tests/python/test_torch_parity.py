@@ -51,7 +51,7 @@ def test_the_constructor_takes_torchs_arguments_in_torchs_order():
                                       "renorm_lag", "renorm_momentum", "renorm_warmup",
                                       "renorm_r_max", "renorm_d_max", "renorm_ramp",
                                       "lagged_damping", "lagged_warmup", "lagged_trip",
-                                      "lagged_trip_calls", "lagged_trip_rel"]
+                                      "lagged_trip_calls", "lagged_trip_rel", "lagged_ema"]
     assert all(p.kind == inspect.Parameter.KEYWORD_ONLY for p in extra)
     bn = hsbn.torch.SyncBatchNorm(5, 1e-3, 0.2, False, False, None, "cpu", torch.float64)
     assert (bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats) == \

@@ -60,7 +60,8 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
                            auto_recheck_every=None, renorm_lag=None, renorm_momentum=None,
                            renorm_warmup=None, renorm_r_max=None, renorm_d_max=None,
                            renorm_ramp=None, lagged_damping=None, lagged_warmup=None,
-                           lagged_trip=None, lagged_trip_calls=None, lagged_trip_rel=None):
+                           lagged_trip=None, lagged_trip_calls=None, lagged_trip_rel=None,
+                           lagged_ema=None):
     """Replaces every BatchNorm*d (and torch.nn.SyncBatchNorm) layer in `module` with an
     hsbn.torch.SyncBatchNorm, keeping its parameters, buffers, requires_grad and train/eval
     mode, like torch.nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group). Returns the
@@ -76,8 +77,8 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
       names, and every rank must use the same one.
     group_nodes, auto_warmup, auto_max_mean_shift, auto_max_log_var_ratio, auto_recheck_every,
       renorm_lag, renorm_momentum, renorm_warmup, renorm_r_max, renorm_d_max, renorm_ramp,
-      lagged_damping, lagged_warmup, lagged_trip, lagged_trip_calls, lagged_trip_rel: given to
-      every new layer (see SyncBatchNorm).
+      lagged_damping, lagged_warmup, lagged_trip, lagged_trip_calls, lagged_trip_rel,
+      lagged_ema: given to every new layer (see SyncBatchNorm).
 
     Layers already of type hsbn.torch.SyncBatchNorm keep their scope and state; those numbered
     in construction order are keyed by their qualified name here (those given name= or op= at
@@ -97,9 +98,9 @@ def convert_sync_batchnorm(module, process_group=None, *, scope="global", client
     renorm_options(*renorm_kw.values())
     lagged_kw = dict(lagged_damping=lagged_damping, lagged_warmup=lagged_warmup,
                      lagged_trip=lagged_trip, lagged_trip_calls=lagged_trip_calls,
-                     lagged_trip_rel=lagged_trip_rel)
+                     lagged_trip_rel=lagged_trip_rel, lagged_ema=lagged_ema)
     lagged_options(lagged_damping, lagged_warmup, lagged_trip, lagged_trip_calls,
-                   lagged_trip_rel)
+                   lagged_trip_rel, lagged_ema)
     if layer_scopes is not None and not (callable(layer_scopes)
                                          or isinstance(layer_scopes, Mapping)):
         raise ConfigurationError("layer_scopes must be a mapping or a callable, not %r"

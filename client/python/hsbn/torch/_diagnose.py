@@ -411,21 +411,19 @@ def _lagged_note(layers, ms):
     """The summary's offer of scope 'lagged' for a model of `layers` BatchNorm layers, priced
     at `ms` of sync per step, with what hsbn's studies measured for a model that deep."""
     note = (" Or scope='lagged' where the 'use' column offers it: node rounds only (about "
-            "%.2f ms of sync per step), the job's statistics with the other nodes' share one "
-            "call old; with its defaults (damping 0.5, its first 20 calls exact global, and "
-            "a trip guard that runs a layer exact global for 30 calls when its statistics "
-            "jump) it recovered 76-93 %% of the node-to-global accuracy gap in hsbn's "
-            "one-process study of a %d-layer CNN (every seed above node), and 45 %% under a "
-            "forced learning-rate spike (docs/results/COMPARISON.md, \"Which scope when\")."
-            % (ms, STUDY_LAYERS))
+            "%.2f ms of sync per step), the job's statistics with the other nodes' share "
+            "averaged over earlier calls; with its defaults (that average, its first 20 calls "
+            "exact global, and a trip guard that runs a layer exact global for 30 calls when "
+            "its statistics jump) it recovered 97-99 %% of the node-to-global accuracy gap in "
+            "hsbn's one-process study of a %d-layer CNN (150 to 1,200 steps, every cell above "
+            "node), and 59 %% under a forced learning-rate spike (docs/results/COMPARISON.md, "
+            "\"Which scope when\")." % (ms, STUDY_LAYERS))
     if layers > STUDY_LAYERS:
         note += (" This model has %d BatchNorm layers: on ResNet-18 (20) in a short, steep "
-                 "schedule (75 steps, lr 0.05) lagged recovered the gap (80 %% in the study, "
-                 "global's accuracy through the service) only by running half of its calls "
-                 "exact global, at about global's sync time, and 83 %% of the gap at 300 steps "
-                 "and lr 0.01 with 13 %% of its calls exact; for a deep model in a short "
-                 "schedule it saves little over the 'use' column (\"Warm-up: the first calls "
-                 "exact\" there)." % layers)
+                 "schedule (75 steps, lr 0.05) lagged recovered 95 %% of the gap in the study "
+                 "but ran 29 %% of its calls exact global, and 94 %% at 300 steps and lr 0.01 "
+                 "with 7 %% of its calls exact; for a deep model in a short schedule it "
+                 "saves only a part of global's cost (\"Which scope when\" there)." % layers)
     return note
 
 

@@ -61,11 +61,14 @@ from ._ops import ops_for
 from ._renorm import RecomputeError, _digest
 
 # The defaults, the one place to change them. damping: lambda, the weight of the lagged input
-# gradient against the node-local one (1.0: plain lagged). 0.5 from issue #41's one-process
-# study (docs/results/COMPARISON.md, "One-process study of lagged scopes"): plain lagged ends below node
-# in the fast default cell (-80 % of the gap, 0 of 10 seeds above node) where 0.5 recovers 91 %
-# (10 of 10); at 600 steps the two are within noise (82 % and 80 %); at 1,200 steps damping
-# costs (75 % against 85 %): 0.5 is the default that was never below node. warmup: the layer's
+# gradient against the node-local one (1.0: plain lagged). ema: the other nodes' share an
+# exponential average over the layer's earlier training calls (weight ema on the older average;
+# 0: their last call's alone), in both passes alike. damping 1.0 with ema 0.8 from issue #41's
+# one-process study (docs/results/COMPARISON.md, "The stale share averaged in both passes"):
+# with the guards below they recovered 95-98 % of the node-to-global gap in every cell but the
+# learning-rate spike's (59 %, above node), against 45-93 % for damping 0.5 without the
+# average; the average alone makes plain lagged stable in the fast cell (78 % instead of -80 %)
+# and in both passes, not the backward's alone, is what pays. warmup: the layer's
 # first calls that are exact global (>= 1: the first call has no earlier statistics). 20 from
 # the same study ("Warm-up: the first calls exact"): on ResNet-18's 75-step cell the first
 # calls, from random weights at the highest learning rate, are where lagged breaks (1 call:
@@ -81,17 +84,19 @@ TRIP_DECAY = 0.9
 TRIP_HISTORY = 5
 # trip_rel 4 with 30 calls: catches a learning-rate spike within 2-3 calls at about 1 % of calls
 # exact global in normal runs; the absolute trip (off) trades 20-37 % exact calls for accuracy.
-DEFAULTS = {"damping": 0.5, "warmup": 20, "trip": 0.0, "trip_rel": 4.0, "trip_calls": 30}
+DEFAULTS = {"damping": 1.0, "warmup": 20, "trip": 0.0, "trip_rel": 4.0, "trip_calls": 30,
+            "ema": 0.8}
 
 # Records kept per layer (first passes for recomputation, forward records for the backward).
 RECOMPUTE_WINDOW = 32
 
 _KEYWORDS = {"damping": "lagged_damping", "warmup": "lagged_warmup", "trip": "lagged_trip",
-             "trip_rel": "lagged_trip_rel", "trip_calls": "lagged_trip_calls"}
+             "trip_rel": "lagged_trip_rel", "trip_calls": "lagged_trip_calls",
+             "ema": "lagged_ema"}
 
 
 def lagged_options(damping=None, warmup=None, trip=None, trip_calls=None, trip_rel=None,
-                   where=""):
+                   ema=None, where=""):
     """{option: value} with DEFAULTS for the ones given as None; ConfigurationError naming the
     keyword of a bad one."""
     out = dict(DEFAULTS)
@@ -120,6 +125,13 @@ def lagged_options(damping=None, warmup=None, trip=None, trip_calls=None, trip_r
             raise ConfigurationError("lagged_trip_calls%s must be an int >= 1 (calls), not %r"
                                      % (where, trip_calls))
         out["trip_calls"] = trip_calls
+    if ema is not None:
+        if (isinstance(ema, bool) or not isinstance(ema, (int, float)) or not math.isfinite(ema)
+                or not 0.0 <= ema < 1.0):
+            raise ConfigurationError("lagged_ema%s must be a number in [0, 1) (the weight of "
+                                     "the older average; 0: the last call only), not %r"
+                                     % (where, ema))
+        out["ema"] = float(ema)
     return out
 
 
@@ -163,6 +175,10 @@ class LaggedState:
         self.trips = []         # trip guard: (training call, round seq, v) of each trip
         self.checks = 0         # trip guard: v computed so far
         self.level = 0.0        # trip guard, relative form: the level of v before this call
+        # ema: the other nodes' averaged share and the round seq last folded into it;
+        # forward (n_o of the last call, mean, variance), backward (sum dy, sum dy (x - c), c)
+        self.avg_fwd = self.avg_fwd_seq = None
+        self.avg_bwd = self.avg_bwd_seq = None
 
     # --- the guard's decisions (plain: the options) -----------------------------------------
     def damping(self, seq):
@@ -209,6 +225,57 @@ class LaggedState:
             if report is not None:   # for the sidecar's Status and metrics
                 report(op, seq, v, o["trip_calls"])
 
+    # --- the averaged share (ema) ----------------------------------------------------------
+    def fold_forward(self, client, op, seq):
+        """Folds the other nodes' share of training call `seq` into the forward's average once
+        (its statistics come before those of any later call, so this adds no wait)."""
+        if seq is None or seq == self.avg_fwd_seq:
+            return
+        rec = self.fwd.get(seq)
+        if rec is None:
+            raise ValueError("%s: no record of its lagged call with round seq %d to average"
+                             % (op_label(op), seq))
+        n_o, m_o, m2_o = other_share(self.glob(client, op, seq), rec["node"])
+        self.avg_fwd_seq = seq
+        if n_o == 0:
+            return
+        v_o = m2_o / n_o
+        b = self.options["ema"]
+        if self.avg_fwd is None or self.avg_fwd[1].shape != m_o.shape:
+            self.avg_fwd = (n_o, m_o, v_o)
+            return
+        _, a_m, a_v = self.avg_fwd
+        # The average of (mean, mean of x^2), kept centred: no difference of large squares.
+        with np.errstate(invalid="ignore", over="ignore"):
+            m = b * a_m + (1.0 - b) * m_o
+            v = b * (a_v + np.square(a_m - m)) + (1.0 - b) * (v_o + np.square(m_o - m))
+        m, v = _finite_fold((a_m, a_v), (m_o, v_o), (m, v))
+        self.avg_fwd = (n_o, m, v)
+
+    def averaged_share(self):
+        """(n_o, m_o, M_o) of the forward's average, (0, None, None) before any."""
+        if self.avg_fwd is None:
+            return 0, None, None
+        n_o, m, v = self.avg_fwd
+        return n_o, m, v * n_o
+
+    def fold_backward(self, seq, d_o, s_o, m_o):
+        """Folds the other nodes' backward share of call `seq` (sum dy, sum dy (x - m_o)) into
+        the average once."""
+        if seq == self.avg_bwd_seq:
+            return
+        self.avg_bwd_seq = seq
+        b = self.options["ema"]
+        if self.avg_bwd is None or self.avg_bwd[0].shape != d_o.shape:
+            self.avg_bwd = (d_o, s_o, m_o)
+            return
+        a_d, a_s, a_c = self.avg_bwd
+        with np.errstate(invalid="ignore", over="ignore"):
+            c = b * a_c + (1.0 - b) * m_o
+            new = (b * a_d + (1.0 - b) * d_o,
+                   b * (a_s + (a_c - c) * a_d) + (1.0 - b) * (s_o + (m_o - c) * d_o), c)
+        self.avg_bwd = _finite_fold((a_d, a_s, a_c), (d_o, s_o, m_o), new)
+
     # --- records --------------------------------------------------------------------------
     def _trim(self, d):
         while len(d) > RECOMPUTE_WINDOW:
@@ -250,6 +317,17 @@ class LaggedState:
                 "than %d calls of the layer ran between the first pass and its recomputation."
                 % (op_label(op), seq, RECOMPUTE_WINDOW, RECOMPUTE_WINDOW))
         return self.recent[key]
+
+
+def _finite_fold(old, value, blended):
+    """Per channel: the blend where the old average and the call's value are finite, the value
+    where only it is, else the old average. A call with a NaN or Inf (an overflowing backward
+    under GradScaler, which skips that step) so leaves the average as it was, instead of
+    poisoning every later call of the layer; plain lagged is non-finite for one call only."""
+    ok_old = np.logical_and.reduce([np.isfinite(a) for a in old])
+    ok_new = np.logical_and.reduce([np.isfinite(a) for a in value])
+    return tuple(np.where(ok_old & ok_new, bl, np.where(ok_new, v, a))
+                 for a, v, bl in zip(old, value, blended))
 
 
 def other_share(g, node):
@@ -311,6 +389,10 @@ class LaggedFunction(torch.autograd.Function):
                 _count(lagged_recomputes=1)
                 return rows[:3]
             state.check_trip(client, op, seq)
+            averaging = state.options["ema"] > 0
+            if averaging:   # every training call's share, exact ones too
+                state.fold_forward(client, op, state.train_seqs[-1] if state.train_seqs
+                                   else None)
             state.train_seqs.append(seq)
             exact = state.exact(seq)
             if track and state.pending is not None:
@@ -330,7 +412,8 @@ class LaggedFunction(torch.autograd.Function):
                 if prev_node is None or g[1].shape != m_k.shape:
                     raise ValueError("%s: no record of its previous lagged call (round seq %d) "
                                      "with %d channels" % (op_label(op), prev, m_k.shape[0]))
-                total, mean, m2 = merge(node, other_share(g, prev_node))
+                total, mean, m2 = merge(node, state.averaged_share() if averaging
+                                        else other_share(g, prev_node))
                 if track:
                     state.pending = seq
             if total <= 1:
@@ -403,6 +486,12 @@ class LaggedFunction(torch.autograd.Function):
                 prev = state.last_bwd
                 state.last_bwd = (seq, d_k.copy(), s_k.copy())
                 lam = 1.0
+                averaging = state.options["ema"] > 0
+                if prev is not None and prev[0] in state.fwd and (averaging or not exact):
+                    d_o, s_o, m_o = _other_sums(client, op, state, prev)
+                    if averaging:   # every call's share, exact ones too
+                        state.fold_backward(prev[0], d_o, s_o, m_o)
+                        d_o, s_o, m_o = state.avg_bwd
                 if exact or prev is None or prev[0] not in state.fwd:
                     # The job's own sums of this round, around mu (the job's mean: exact) or
                     # re-centred on the merged mean.
@@ -413,23 +502,8 @@ class LaggedFunction(torch.autograd.Function):
                     s = g_s + (g_mu - mu) * g_d
                     _count(lagged_exact_backward=1)
                 else:
-                    pseq, pd_k, ps_k = prev
-                    pg = state.glob(client, op, pseq)
-                    pnode = state.fwd[pseq]["node"]
-                    cnt, g_d, g_s = _fetch_sums(client, op, pseq)
-                    state.observe("sums", pseq, (cnt, g_d, g_s))
-                    n_o, m_o, _ = other_share(pg, pnode)
-                    pm_k = pnode[1]
-                    if n_o == 0:
-                        d_o = np.zeros_like(d_k)
-                        s_o = np.zeros_like(s_k)
-                    else:
-                        d_o = g_d - pd_k
-                        # The job's sums around m_o, less this node's (around its m_k'):
-                        s_o = (g_s + (pg[1] - m_o) * g_d) - (ps_k + (pm_k - m_o) * pd_k)
-                        s_o = s_o + (m_o - mu) * d_o
                     d = d_k + d_o
-                    s = s_k + (m_k - mu) * d_k + s_o
+                    s = s_k + (m_k - mu) * d_k + (s_o + (m_o - mu) * d_o)
                     lam = state.damping(seq)
                 if lam != 1.0:
                     d, s = _damped(d, s, d_k, s_k, lam, total, n_k, m_k, mk2, mu, m2, eps)
@@ -438,6 +512,23 @@ class LaggedFunction(torch.autograd.Function):
             _, sums = exchange(client.backward, op, seq, "lagged", count, packed, finish)
             grad_x = ops.backward_elemt(dy, x, saved, weight, sums, total)
         return (grad_x, grad_w, grad_b) + (None,) * 11
+
+
+def _other_sums(client, op, state, prev):
+    """The other nodes' (sum dy, sum dy (x - m_o), m_o) of the backward record prev = (seq,
+    D_k, S_k): the job's late sums of seq less this node's answer, around the other nodes'
+    mean m_o of that call's forward (zeros where this node is the job)."""
+    pseq, pd_k, ps_k = prev
+    pg = state.glob(client, op, pseq)
+    pnode = state.fwd[pseq]["node"]
+    cnt, g_d, g_s = _fetch_sums(client, op, pseq)
+    state.observe("sums", pseq, (cnt, g_d, g_s))
+    n_o, m_o, _ = other_share(pg, pnode)
+    if n_o == 0:
+        return np.zeros_like(pd_k), np.zeros_like(ps_k), np.zeros_like(pd_k)
+    pm_k = pnode[1]
+    # The job's sums around m_o, less this node's (around its m_k'):
+    return g_d - pd_k, (g_s + (pg[1] - m_o) * g_d) - (ps_k + (pm_k - m_o) * pd_k), m_o
 
 
 def _fetch_sums(client, op, seq):

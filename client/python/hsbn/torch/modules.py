@@ -75,13 +75,16 @@ class SyncBatchNorm(_BatchNorm):
       renorm_lag, renorm_momentum, renorm_warmup, renorm_r_max, renorm_d_max, renorm_ramp:
         scope="renorm"'s options (None: the measured defaults of hsbn.torch._renorm.DEFAULTS);
         lag, warmup and ramp count this layer's training calls, not steps.
-      lagged_damping, lagged_warmup, lagged_trip, lagged_trip_calls, lagged_trip_rel:
-        scope="lagged"'s options (None: hsbn.torch._lagged.DEFAULTS: damping 0.5, half the
-        lagged input gradient and half the node-local one; warm-up: the first 20 calls exact
-        global; trip guard relative 4, 30 calls, absolute off). A layer whose job statistics
-        moved between its last two calls more than lagged_trip_rel times its usual move, or
-        more than lagged_trip standard deviations, runs its next lagged_trip_calls calls exact
-        global (docs/PYTORCH.md, "Lagged scope").
+      lagged_damping, lagged_warmup, lagged_trip, lagged_trip_calls, lagged_trip_rel,
+      lagged_ema:
+        scope="lagged"'s options (None: hsbn.torch._lagged.DEFAULTS: damping 1.0, the lagged
+        input gradient alone (below 1, mixed with the node-local one); ema 0.8; warm-up: the
+        first 20 calls exact global; trip guard relative 4, 30 calls, absolute off).
+        lagged_ema=B in [0, 1) takes the other nodes' share, in both passes, as an exponential
+        average over the layer's earlier calls (weight B on the older average; 0: their last
+        call's). A layer whose job statistics moved between its last two calls more than
+        lagged_trip_rel times its usual move, or more than lagged_trip standard deviations,
+        runs its next lagged_trip_calls calls exact global (docs/PYTORCH.md, "Lagged scope").
       client: the hsbn.Client to use; None uses hsbn.default_client(), created from the
         environment at the first synchronized forward.
       name: the layer's round key; every rank must give the same layer the same name. Without
@@ -104,7 +107,7 @@ class SyncBatchNorm(_BatchNorm):
                  auto_recheck_every=None, renorm_lag=None, renorm_momentum=None,
                  renorm_warmup=None, renorm_r_max=None, renorm_d_max=None, renorm_ramp=None,
                  lagged_damping=None, lagged_warmup=None, lagged_trip=None,
-                 lagged_trip_calls=None, lagged_trip_rel=None):
+                 lagged_trip_calls=None, lagged_trip_rel=None, lagged_ema=None):
         _check_process_group(process_group, "hsbn.torch.SyncBatchNorm")
         _check_bias(bias, affine, "hsbn.torch.SyncBatchNorm")
         _custom_ops_from_env()
@@ -118,7 +121,8 @@ class SyncBatchNorm(_BatchNorm):
         self._renorm = RenormState(renorm_options(renorm_lag, renorm_momentum, renorm_warmup,
                                                   renorm_r_max, renorm_d_max, renorm_ramp))
         self._lagged = LaggedState(lagged_options(lagged_damping, lagged_warmup, lagged_trip,
-                                                  lagged_trip_calls, lagged_trip_rel))
+                                                  lagged_trip_calls, lagged_trip_rel,
+                                                  lagged_ema))
         self._auto_restore = None   # a decision loaded from a state_dict, for the client
         self._register_state_dict_hook(_save_auto_decision)
         self.client = client
@@ -213,7 +217,7 @@ class SyncBatchNorm(_BatchNorm):
     @property
     def lagged_options(self):
         """The lagged options of this layer ({"damping", "warmup", "trip", "trip_rel",
-        "trip_calls"}); used
+        "trip_calls", "ema"}); used
         when its scope is "lagged"."""
         return dict(self._lagged.options)
 
