@@ -159,12 +159,14 @@ def check_against(results, data, spec, damping=1.0, tol=TOL, exact=(0,), ema=0.0
     return worst
 
 
-def test_the_same_batch_every_call_gives_global_scope_on_every_rank(pool):
+@pytest.mark.parametrize("ema", [0.0, 0.8])
+def test_the_same_batch_every_call_gives_global_scope_on_every_rank(pool, ema):
     # Issue #41's exactness check: the same batch and upstream gradient on every call, no
     # weight update: outputs and input gradients equal global BatchNorm's (float64, 1e-9) on
     # every call (call 0 is the exact warm-up; calls 1.. merge this node's fresh share with
-    # the others' of the previous call, which is the same batch), on every rank.
-    spec, data = lagged_case(41, steps=4, repeat=True)
+    # the others' of the previous call, which is the same batch, or with the average of their
+    # earlier calls, all the same batch), on every rank.
+    spec, data = lagged_case(41, steps=4, repeat=True, lagged_ema=ema)
     results = run_case(pool, spec, data)
     ref = job_reference(spec, data, ALL)
     worst = {}

@@ -65,7 +65,7 @@ from ._renorm import RecomputeError, _digest
 # exponential average over the layer's earlier training calls (weight ema on the older average;
 # 0: their last call's alone), in both passes alike. damping 1.0 with ema 0.8 from issue #41's
 # one-process study (docs/results/COMPARISON.md, "The stale share averaged in both passes"):
-# with the guards below they recovered 95-98 % of the node-to-global gap in every cell but the
+# with the guards below they recovered 94-99 % of the node-to-global gap in every cell but the
 # learning-rate spike's (59 %, above node), against 45-93 % for damping 0.5 without the
 # average; the average alone makes plain lagged stable in the fast cell (78 % instead of -80 %)
 # and in both passes, not the backward's alone, is what pays. warmup: the layer's
