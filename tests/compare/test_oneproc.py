@@ -861,3 +861,25 @@ def test_oracle_report_reads_the_committed_cells(capsys):
     want = 100 * np.mean([acc[("lagged:oracle=2", s)] - acc[("lagged", s)] for s in range(6)])
     assert abs(rep.paired(runs, "lagged:oracle=2", "lagged")[0] - want) < 1e-9
 
+
+def test_ema_report_reads_the_committed_cells(capsys):
+    rep = _script("ema_report")
+    assert rep.main([]) == 0
+    out = capsys.readouterr().out
+    for cell in ("oneproc-4x2", "oneproc-resnet18", "oneproc-4x2-b2-slow1200",
+                 "oneproc-4x2-slow1200", "oneproc-4x2-b8-slow1200"):
+        assert re.search(r"^%s +new default +\d+\.\d\d +(6|10) +-?\d+ %% \( *-?\d+ %%\) +[-+]\d"
+                         r".* +\d+\.\d$" % cell, out, re.M), out
+    # The exact-call share is the runs' own count, and the paired difference the mean of the
+    # per-seed differences.
+    d = os.path.join(COMPARE, "measured", "oneproc-4x2-slow1200")
+    runs = rep.load(d)["runs"]
+    new = "lagged:trip_rel=4,trip_calls=30,warmup=20,ema=0.8,ema_fwd=1"
+    mine = [r for r in runs if r["mode"] == new]
+    assert len(mine) == 6
+    share = np.mean([sum(t["exact_calls"] for t in r["trip"].values())
+                     / sum(t["calls"] for t in r["trip"].values()) for r in mine])
+    assert rep.exact_share(runs, new) == "%.1f" % (100 * share)
+    acc = {(r["mode"], r["seed"]): r["metric"] for r in runs}
+    want = 100 * np.mean([acc[(new, s)] - acc[("node", s)] for s in range(6)])
+    assert abs(rep.paired(runs, new, "node")[0] - want) < 1e-9

@@ -415,7 +415,7 @@ def _lagged_note(layers, ms):
             "averaged over earlier calls; with its defaults (that average, its first 20 calls "
             "exact global, and a trip guard that runs a layer exact global for 30 calls when "
             "its statistics jump) it recovered 97-99 %% of the node-to-global accuracy gap in "
-            "hsbn's one-process study of a %d-layer CNN (150 to 1,200 steps, every cell above "
+            "hsbn's one-process study of a %d-layer CNN (150 to 2,400 steps, every cell above "
             "node), and 59 %% under a forced learning-rate spike (docs/results/COMPARISON.md, "
             "\"Which scope when\")." % (ms, STUDY_LAYERS))
     if layers > STUDY_LAYERS:
