@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from guard_signal import load, paired
+from guard_signal import gap_text, load, mode_rows, paired
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT = ["measured/oneproc-4x2", "measured/oneproc-4x2-spike", "measured/oneproc-resnet18",
@@ -63,17 +63,13 @@ def main(argv):
     for d in dirs:
         j = load(d)
         name = os.path.basename(os.path.normpath(d))
-        rows = {r["mode"]: r for r in j["analysis"]["rows"]}
-        pooled = {r["mode"]: r for r in j["analysis_pooled"]["rows"]}
+        rows, pooled = mode_rows(j)
         for mode, without, label in MODES:
             if mode not in rows:
                 continue
             r = rows[mode]
-            gap = ("%3.0f %% (%3.0f %%)" % (100 * r["gap_fraction"],
-                                           100 * pooled[mode]["gap_fraction"])
-                   if "gap_fraction" in r else "-")
             print("%-26s %-27s %6.2f %3d %14s %-24s %-24s %6s" % (
-                name, label, 100 * r["mean"], r["n"], gap,
+                name, label, 100 * r["mean"], r["n"], gap_text(rows, pooled, mode),
                 fmt(paired(j["runs"], mode, "node")),
                 fmt(paired(j["runs"], mode, without)) if without else "-",
                 exact_share(j["runs"], mode)))

@@ -34,6 +34,20 @@ def load(d):
         return json.load(f)
 
 
+def mode_rows(j):
+    """{mode: analysis row} of a cell's oneproc.json: rank 0's statistics, and pooled."""
+    return ({r["mode"]: r for r in j["analysis"]["rows"]},
+            {r["mode"]: r for r in j["analysis_pooled"]["rows"]})
+
+
+def gap_text(rows, pooled, mode):
+    """"NN % (NN %)": the share of the node->global gap `mode` recovers, pooled in brackets."""
+    r = rows[mode]
+    if "gap_fraction" not in r:
+        return "-"
+    return "%3.0f %% (%3.0f %%)" % (100 * r["gap_fraction"], 100 * pooled[mode]["gap_fraction"])
+
+
 def signal_table(name, runs):
     per_layer = {}
     for r in runs:

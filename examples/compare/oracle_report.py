@@ -19,7 +19,7 @@ paired difference (points, mean and 95 % t interval over seeds) against plain la
 import os
 import sys
 
-from guard_signal import load, paired
+from guard_signal import gap_text, load, mode_rows, paired
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT = ["measured/oneproc-4x2", "measured/oneproc-4x2-b2-slow1200",
@@ -40,17 +40,13 @@ def main(argv):
     for d in dirs:
         j = load(d)
         name = os.path.basename(os.path.normpath(d))
-        rows = {r["mode"]: r for r in j["analysis"]["rows"]}
-        pooled = {r["mode"]: r for r in j["analysis_pooled"]["rows"]}
+        rows, pooled = mode_rows(j)
         for m in MODES:
             if m not in rows:
                 continue
             r = rows[m]
-            gap = ("%3.0f %% (%3.0f %%)" % (100 * r["gap_fraction"],
-                                           100 * pooled[m]["gap_fraction"])
-                   if "gap_fraction" in r else "-")
             print("%-26s %-30s %6.2f %4d %14s %-24s %-24s" % (
-                name, m, 100 * r["mean"], r["n"], gap,
+                name, m, 100 * r["mean"], r["n"], gap_text(rows, pooled, m),
                 fmt(paired(j["runs"], m, "lagged")) if m != "lagged" else "-",
                 fmt(paired(j["runs"], m, "global"))))
     return 0
