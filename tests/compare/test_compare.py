@@ -175,6 +175,15 @@ def test_a_tiny_sweep_pairs_seeds_and_writes_its_report(tmp_path, native_parts):
     # (1 + 2 seeds) x (node, global, reference)
     assert len(rows) == 3 * 3 and {r["batch"] for r in rows} == {"2", "4"}
     assert "default cell" in (out / "sweep.md").read_text()
+    # CPU per step by process kind: the workers' own (never zero: they trained), the
+    # aggregators' and the links' from /proc (clock ticks: zero over two steps is possible).
+    for r in res["runs"]:
+        if r["mode"] == "reference":
+            continue
+        cpu = r["cpu_ms_per_step"]
+        assert set(cpu) == {"workers", "root", "sidecars", "links"}, cpu
+        assert cpu["workers"] > 0 and min(cpu.values()) >= 0, cpu
+    assert "| mode | workers | sidecars | root | links | total |" in (out / "sweep.md").read_text()
 
 
 def test_t_interval_of_paired_differences():
@@ -267,6 +276,57 @@ def test_sweep_analysis_of_lagged_pairs_gap_share_and_goal():
     runs[3]["metric"] = 0.55
     cell = sweep.analyze([{"batch": 4, "skew": 0.8, "seeds": [0, 1, 2], "runs": runs}])[0]
     assert "points → **missed**" in "\n".join(sweep.goals([cell], (4, 0.8)))
+
+
+def test_sweep_cpu_per_step_by_kind_and_its_paired_ratio():
+    """The CPU table's means by process kind, its total without the simulated links, and the
+    paired ratio of those totals; runs without CPU figures (an older hsbn) leave both out."""
+    from hsbncmp import sweep
+    cpu = {"node": [{"workers": 100.0, "sidecars": 2.0, "root": 1.0, "links": 0.5},
+                    {"workers": 120.0, "sidecars": 4.0, "root": 1.0, "links": 0.5}],
+           "lagged": [{"workers": 130.0, "sidecars": 12.0, "root": 3.0, "links": 9.0},
+                      {"workers": 150.0, "sidecars": 18.0, "root": 5.0, "links": 9.0}]}
+    runs = [{"seed": s, "mode": m, "metric": 0.6, "metric_sync_stats": 0.6,
+             "metric_precise_bn": 0.6, "sync_ms": 10.0, "step_ms": 50.0,
+             "cpu_ms_per_step": cpu[m][s]} for m in cpu for s in range(2)]
+    cell = sweep.analyze([{"batch": 4, "skew": 0.8, "seeds": [0, 1], "runs": runs}])[0]
+    assert cell["summary"]["lagged"]["cpu_ms_per_step"] == {
+        "workers": 140.0, "sidecars": 15.0, "root": 4.0, "links": 9.0}
+    ratio = cell["paired_sync_ratios"]["lagged/node cpu"]
+    assert ratio["n"] == 2
+    assert abs(ratio["mean"] - np.mean([145.0 / 103.0, 173.0 / 125.0])) < 1e-12
+    lines = sweep._cpu_table(cell["summary"])
+    assert "| node | 110.0 | 3.0 | 1.0 | 0.5 | 114.0 |" in lines
+    assert "| lagged | 140.0 | 15.0 | 4.0 | 9.0 | 159.0 |" in lines
+    for r in runs:
+        del r["cpu_ms_per_step"]
+    cell = sweep.analyze([{"batch": 4, "skew": 0.8, "seeds": [0, 1], "runs": runs}])[0]
+    assert "lagged/node cpu" not in cell["paired_sync_ratios"]
+    assert sweep._cpu_table(cell["summary"]) == []
+
+
+def test_proc_cpu_sums_by_kind_and_gives_none_for_a_gone_process():
+    from hsbncmp import train
+    # A process that used 0.1 s of CPU, then waits: its CPU time no longer moves.
+    burn = ("import sys, time\nt = time.process_time()\n"
+            "while time.process_time() - t < 0.1: pass\nprint('ready', flush=True)\n"
+            "sys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        pid = child.pid
+        got = train._proc_cpu({"node0": pid, "node1": pid, "root": pid, "link0": pid})
+    finally:
+        child.stdin.close()
+        child.wait()
+    assert set(got) == {"sidecars", "root", "links"}
+    assert got["sidecars"] == 2 * got["root"] and got["links"] == got["root"]
+    assert 0.05 <= got["root"] < 10, got
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert train._proc_cpu({"root": gone.pid}) is None
+    assert train._proc_cpu({}) is None
 
 
 def test_check_fails_on_a_real_difference():

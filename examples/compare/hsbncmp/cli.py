@@ -850,8 +850,11 @@ def run_cell(args, cfg, d, pool, cache, label=""):
                                            workers_per_node=cfg["workers_per_node"],
                                            round_timeout_ms=args.round_timeout_ms,
                                            **kwargs) as cluster:
+                # For the workers' CPU accounting (train._proc_cpu); where pids() is missing
+                # (an older hsbn), no CPU is reported.
+                wcfg = dict(cfg, cluster_pids=getattr(cluster, "pids", dict)())
                 with Progress(counter, labels, totals, not args.no_progress), watchdog:
-                    out = cluster.run(train.cluster_worker, cfg, dist_jobs, inits, plans,
+                    out = cluster.run(train.cluster_worker, wcfg, dist_jobs, inits, plans,
                                       cache, counter)
         except KeyboardInterrupt:
             watchdog.stalled()

@@ -50,6 +50,16 @@ def _by_seed(runs, mode, key="metric"):
     return {r["seed"]: r[key] for r in runs if r["mode"] == mode and r.get(key) is not None}
 
 
+def _cpu_total(cpu):
+    """CPU ms per step of the trainers and the aggregators, the simulated links left out."""
+    return sum(v for k, v in cpu.items() if k != "links")
+
+
+def _cpu_by_seed(runs, mode):
+    return {r["seed"]: _cpu_total(r["cpu_ms_per_step"]) for r in runs
+            if r["mode"] == mode and r.get("cpu_ms_per_step")}
+
+
 def analyze(cells):
     """cells: [{"batch", "skew", "seeds", "runs"}] -> per cell summaries and paired
     comparisons."""
@@ -68,6 +78,10 @@ def analyze(cells):
             for key in ("sync_ms", "step_ms"):
                 mean, std = report._mean_std([r[key] for r in rs])
                 row[key] = {"mean": mean, "std": std}
+            cpus = [r["cpu_ms_per_step"] for r in rs if r.get("cpu_ms_per_step")]
+            if cpus and len(cpus) == len(rs):
+                row["cpu_ms_per_step"] = {k: float(np.mean([c.get(k, 0.0) for c in cpus]))
+                                          for k in sorted(set().union(*cpus))}
             if m == "auto":
                 row["auto_global_share"] = _auto_share(rs)
             if m == "renorm":
@@ -128,6 +142,9 @@ def analyze(cells):
                 # is outside sync.
                 paired_ratios["%s/node step" % m] = paired_ratio(
                     _by_seed(runs, m, "step_ms"), _by_seed(runs, "node", "step_ms"))
+                cpu_m, cpu_n = _cpu_by_seed(runs, m), _cpu_by_seed(runs, "node")
+                if cpu_m and cpu_n:
+                    paired_ratios["%s/node cpu" % m] = paired_ratio(cpu_m, cpu_n)
         out.append({"batch": cell["batch"], "skew": cell["skew"], "seeds": cell["seeds"],
                     "summary": summary, "pairs": pairs, "sync_ratios": ratios,
                     "paired_sync_ratios": paired_ratios, "check": cell.get("check")})
@@ -254,8 +271,12 @@ def markdown(analysis, cfg, command, env, default_cell, wall):
             if k.endswith(" step"):
                 lines.append("Step time (ms/step) %s, paired by seed: %s." % (
                     k[:-len(" step")], _ratio(p)))
+            elif k.endswith(" cpu"):
+                lines.append("CPU per step (trainers and aggregators) %s, paired by seed: %s."
+                             % (k[:-len(" cpu")], _ratio(p)))
             else:
                 lines.append("Sync time %s, paired by seed: %s." % (k, _ratio(p)))
+        lines += _cpu_table(s)
         if cell.get("check") is not None:
             lines.append("")
             lines.append("global vs reference check: **%s**" % (
@@ -267,6 +288,25 @@ def markdown(analysis, cfg, command, env, default_cell, wall):
                  "sync time per step, every cell).")
     lines.append("")
     return "\n".join(lines)
+
+
+def _cpu_table(summary):
+    """Lines: CPU ms per step by process kind and mode (the modes that have it)."""
+    modes = [m for m in report.MODE_ORDER if summary.get(m, {}).get("cpu_ms_per_step")]
+    if not modes:
+        return []
+    kinds = [k for k in ("workers", "sidecars", "groups", "root", "links")
+             if any(k in summary[m]["cpu_ms_per_step"] for m in modes)]
+    lines = ["", "CPU ms per step (mean over seeds): the trainers' in their timed steps, summed "
+             "over the workers; each aggregator kind's and the simulated links' proxies' "
+             "over the training loop; total without the links:", "",
+             "| mode | " + " | ".join(kinds) + " | total |",
+             "|---|" + "---:|" * (len(kinds) + 1)]
+    for m in modes:
+        c = summary[m]["cpu_ms_per_step"]
+        lines.append("| %s | %s | %.1f |" % (m, " | ".join("%.1f" % c.get(k, 0.0)
+                                                          for k in kinds), _cpu_total(c)))
+    return lines
 
 
 def goals(analysis, default_cell):

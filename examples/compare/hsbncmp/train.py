@@ -257,6 +257,30 @@ def _pooled_evals(torch, dist, hsbn, cfg, model, task, plan, arrays, xs, ys, ran
     return out
 
 
+# The kinds of processes a LocalCluster runs, by the names of hsbn.cluster's pids(): the
+# aggregators (root, group tier, sidecars) and the simulated cross-node links' proxies (a
+# stand-in for the network, reported apart).
+_PROC_KINDS = (("link", "links"), ("root", "root"), ("group", "groups"), ("node", "sidecars"))
+
+
+def _proc_cpu(pids):
+    """{kind: CPU seconds (user + system) so far, summed over the processes of that kind} for
+    pids {name: pid}; None where /proc cannot be read (not Linux, a process gone)."""
+    if not pids:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        kind = next((k for prefix, k in _PROC_KINDS if name.startswith(prefix)), "other")
+        try:
+            with open("/proc/%d/stat" % pid) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _blocked_seconds(client):
     """Seconds this worker has spent blocked in hsbn rounds (forward and backward, every scope),
     including waiting for the other members of each round, and in renorm's waits for global
@@ -292,6 +316,8 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
     losses = np.zeros(steps, np.float64)
     step_s = np.zeros(steps, np.float64)
     sync_s = np.zeros(steps, np.float64)
+    cpu_s = 0.0   # this worker's CPU time in its timed steps (every thread: DDP's too)
+    agg0 = _proc_cpu(cfg.get("cluster_pids")) if rank == 0 else None
     curve = []
     # The first step's merged statistics (read from the client's answers), for the check.
     ops = {int(m.op): i for i, (_, m) in enumerate(_bn_layers(torch, model))
@@ -308,6 +334,7 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
             client.forward = _recording_forward(client, ops, first["stats"], perturb)
         # Sync time: what the step spent blocked in hsbn rounds (read outside the timed step).
         s0 = _blocked_seconds(client)
+        c0 = time.process_time()
         t0 = time.perf_counter()
         if step == 0 and mode == "global":
             # The branch of the first step's forward pass (its ReLU and max-pool decisions),
@@ -324,6 +351,7 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
             first["grads"] = _grads(model)  # DDP's average over the workers
         opt.step()
         step_s[step] = time.perf_counter() - t0
+        cpu_s += time.process_time() - c0
         sync_s[step] = _blocked_seconds(client) - s0
         losses[step] = loss.item()
         if step == 0:
@@ -337,6 +365,16 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
                                                       rank, world, "rank0")))
         if rank == 0:
             _progress_tick(progress, job_index)
+    # CPU per step: the workers' in their timed steps, summed over the workers; each
+    # aggregator kind's (and the simulated links') over the whole loop, which its curve
+    # evaluations do not load (they make no rounds).
+    agg1 = _proc_cpu(cfg.get("cluster_pids")) if rank == 0 else None
+    worker_cpu = torch.tensor([cpu_s], dtype=torch.float64)
+    dist.all_reduce(worker_cpu)
+    cpu = None
+    if agg0 is not None and agg1 is not None and set(agg0) == set(agg1):
+        cpu = {k: 1e3 * (agg1[k] - agg0[k]) / steps for k in agg1}
+        cpu["workers"] = 1e3 * float(worker_cpu[0]) / steps
     renorm = None
     if mode == "renorm":
         # Summed over the workers, read before the evaluations below make rounds: forward
@@ -405,6 +443,7 @@ def _distributed_run(torch, dist, hsbn, cfg, task, seed, mode, init, plan, array
         "step_ms": float(per_rank[:, 0].mean() * 1e3),
         "step_ms_max_rank": float(per_rank[:, 0].max() * 1e3),
         "sync_ms": float(per_rank[:, 1].mean() * 1e3),
+        "cpu_ms_per_step": cpu,
         "divergence": divergence, "renorm": renorm, "lagged": lagged,
         "state": state_numpy(model),
         "first_step": first if mode in ("global", "node") else None,
