@@ -235,7 +235,7 @@ class LaggedState:
         if rec is None:
             raise ValueError("%s: no record of its lagged call with round seq %d to average"
                              % (op_label(op), seq))
-        n_o, m_o, m2_o = other_share(self.glob(client, op, seq), rec["node"])
+        n_o, m_o, m2_o = self.other(client, op, seq)
         self.avg_fwd_seq = seq
         if n_o == 0:
             return
@@ -301,6 +301,13 @@ class LaggedState:
         self.observe("stats", seq, g)
         return g
 
+    def other(self, client, op, seq):
+        """other_share of forward round seq (computed once, kept); its record must be here."""
+        rec = self.fwd[seq]
+        if rec.get("other") is None:
+            rec["other"] = other_share(self.glob(client, op, seq), rec["node"])
+        return rec["other"]
+
     def remember(self, key, rows):
         self.recent[key] = rows
         self.recent.move_to_end(key)
@@ -324,6 +331,8 @@ def _finite_fold(old, value, blended):
     where only it is, else the old average. A call with a NaN or Inf (an overflowing backward
     under GradScaler, which skips that step) so leaves the average as it was, instead of
     poisoning every later call of the layer; plain lagged is non-finite for one call only."""
+    if np.isfinite(np.concatenate(old + value)).all():   # the common case, in one check
+        return blended
     ok_old = np.logical_and.reduce([np.isfinite(a) for a in old])
     ok_new = np.logical_and.reduce([np.isfinite(a) for a in value])
     return tuple(np.where(ok_old & ok_new, bl, np.where(ok_new, v, a))
@@ -523,7 +532,7 @@ def _other_sums(client, op, state, prev):
     pnode = state.fwd[pseq]["node"]
     cnt, g_d, g_s = _fetch_sums(client, op, pseq)
     state.observe("sums", pseq, (cnt, g_d, g_s))
-    n_o, m_o, _ = other_share(pg, pnode)
+    n_o, m_o, _ = state.other(client, op, pseq)
     if n_o == 0:
         return np.zeros_like(pd_k), np.zeros_like(ps_k), np.zeros_like(pd_k)
     pm_k = pnode[1]
