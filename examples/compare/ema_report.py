@@ -43,6 +43,7 @@ MODES = [
     ("lagged:%s,%s" % (GUARDS, AVG), "lagged:" + GUARDS, "new default"),
     ("lagged:trip_rel=4,trip_calls=30,warmup=5," + AVG, "lagged:%s,%s" % (GUARDS, AVG), "default, warm-up 5"),
     ("lagged:trip_rel=4,trip_calls=30,warmup=2," + AVG, "lagged:%s,%s" % (GUARDS, AVG), "default, warm-up 2"),
+    ("lagged:trip_rel=4,trip_calls=10,warmup=20," + AVG, "lagged:%s,%s" % (GUARDS, AVG), "default, trips 10 calls"),
 ]
 
 
