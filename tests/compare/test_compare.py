@@ -4,6 +4,7 @@ and a smoke run of every mode on both tasks through a real LocalCluster."""
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -119,6 +120,18 @@ def test_smoke_every_mode_both_tasks(tmp_path, native_parts):
     # every mode of both tasks
     assert len(rows) == 2 * len(MODES)
     assert "sync_running_stats" in md and "precise_bn" in md
+    # CPU per step for every distributed mode, none for the one-process reference.
+    for task in ("cls", "seg"):
+        for mode, s in res["summary"][task].items():
+            cpu = s["cpu_ms_per_step"]
+            if mode == "reference":
+                assert cpu is None
+            else:
+                # (groups: the group tier's aggregators, which group mode starts)
+                assert cpu["workers"] > 0 and set(cpu) - {"groups"} == {
+                    "workers", "root", "sidecars", "links"}, (task, mode, cpu)
+    assert re.search(r"^Classification: CPU ms per step.* node \d+\.\d \(links \d+\.\d\), ",
+                     md, re.M), md
     if "renorm" in MODES:
         # --renorm is recorded with the defaults it did not name; with warm-up 1, the calls
         # after the first used global statistics.

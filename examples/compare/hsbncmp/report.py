@@ -73,12 +73,37 @@ def summarize(runs, cfg):
                 "final_loss": float(np.mean([np.mean(r["loss"][-max(1, len(r["loss"]) // 10):])
                                              for r in rs])),
                 "norm_batch": norm_batch(mode, cfg),
+                "cpu_ms_per_step": cpu_summary(rs),
             }
             if mode == "renorm":
                 out[task][mode].update(renorm_summary(rs))
             if mode == "lagged":
                 out[task][mode].update(lagged_summary(rs))
     return out
+
+
+def cpu_summary(runs):
+    """{kind: CPU ms per step, mean over runs} (train._proc_cpu's kinds and "workers"), or
+    None unless every run has it (the one-process references, an older hsbn)."""
+    cpus = [r.get("cpu_ms_per_step") for r in runs]
+    if not cpus or not all(cpus):
+        return None
+    return {k: float(np.mean([c.get(k, 0.0) for c in cpus])) for k in sorted(set().union(*cpus))}
+
+
+def cpu_line(summary, task):
+    """One sentence: each mode's CPU ms per step, the trainers' and the aggregators' (the
+    simulated links' proxies apart); "" when no mode has it."""
+    parts = []
+    for mode in MODE_ORDER:
+        c = (summary[task].get(mode) or {}).get("cpu_ms_per_step")
+        if c:
+            parts.append("%s %.1f (links %.1f)" % (
+                mode, sum(v for k, v in c.items() if k != "links"), c.get("links", 0.0)))
+    if not parts:
+        return ""
+    return ("CPU ms per step, the trainers' in their steps summed over the workers plus the "
+            "aggregators' (the simulated links' proxies apart): " + ", ".join(parts) + ".")
 
 
 def lagged_summary(runs):
@@ -204,6 +229,10 @@ def markdown(summary, divergence, check, cfg, command, environment):
     lines.append("The reference row is one process over the global batch (its ms/step is not "
                  "comparable: one process does all the work, without DDP or hsbn).")
     lines.append("")
+    for t in cfg["tasks"]:
+        text = cpu_line(summary, t)
+        if text:
+            lines += ["%s: %s" % (TASK_NAME[t].capitalize(), text), ""]
     for t in cfg["tasks"]:
         s = summary[t].get("renorm")
         if s is not None:
