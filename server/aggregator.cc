@@ -79,6 +79,7 @@ void Aggregator::Start(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>>
     link.tls_name = options_.upstream_tls_name;
     link.writer = writer_limits_;
     link.metrics = options_.metrics.get();
+    link.lagged_hold = options_.lagged_hold;
     if (options_.role == AggregatorOptions::Role::kGroup) {
       link.self = absl::StrCat("group aggregator ", options_.id);
     }
@@ -220,6 +221,7 @@ void Aggregator::TickLoop() {
     if (stopping_) break;
     tick_mu_.Unlock();
     const Clock::time_point now = Clock::now();
+    if (parent_) parent_->FlushHeld(now);
     for (const Registry::Dropped& d : registry_.Sweep(now)) Dropped(d);
     for (auto& job : registry_.Jobs()) {
       Actions actions;

@@ -18,6 +18,8 @@ namespace hsbn::server {
 namespace {
 constexpr auto kConnectTimeout = std::chrono::seconds(5);
 constexpr auto kStoppedParentWait = std::chrono::milliseconds(500);
+// --lagged-hold-ms: at most this many partials of a job are held at once.
+constexpr size_t kMaxHeldPerJob = 256;
 }  // namespace
 
 struct FrameTraits {
@@ -56,6 +58,8 @@ class ParentLink::ParentStream final : public StreamWriter<FrameTraits> {
 
   // False when the stream is broken: the frame was not queued.
   bool Send(v1::ClientFrame frame) { return Push(std::move(frame)); }
+  // Several frames in one write when the parent reads batches; false as Send (none queued).
+  bool SendAll(std::vector<v1::ClientFrame> frames) { return PushAll(std::move(frames)); }
 
   bool broken() ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
@@ -219,7 +223,8 @@ ParentLink::ParentLink(UpstreamListener* listener, Options options, grpc::Comple
       tls_(options.tls),
       writer_limits_(options.writer),
       metrics_(options.metrics),
-      cq_(cq) {
+      cq_(cq),
+      lagged_hold_(options.lagged_hold) {
   grpc::ChannelArguments args;
   if (!options.tls_name.empty()) args.SetSslTargetNameOverride(options.tls_name);
   args.SetMaxReceiveMessageSize(64 << 20);
@@ -362,7 +367,8 @@ void ParentLink::Forward(const std::string& job_id, const JobLayout& layout,
   c->set_count(f.count);
   c->set_data(*f.data);
   if (f.decide) *c->mutable_decide() = *f.decide;
-  Enqueue(std::move(item));
+  const int pass = f.key.phase == v1::PHASE_FORWARD ? 0 : f.key.phase == v1::PHASE_BACKWARD ? 1 : -1;
+  Submit(std::move(item), f.scope == v1::SCOPE_LAGGED, f.key.op, pass);
 }
 
 void ParentLink::Abort(const std::string& job_id, const JobLayout& layout,
@@ -375,7 +381,7 @@ void ParentLink::Abort(const std::string& job_id, const JobLayout& layout,
   ab->set_code(int(a.status.code()));
   ab->set_message(std::string(a.status.message()));
   ab->set_reason(wire::ReasonOf(a.status));
-  Enqueue(std::move(item));
+  Submit(std::move(item), false, 0, -1);
 }
 
 void ParentLink::LayerNames(const std::string& job_id, const JobLayout& layout,
@@ -384,7 +390,7 @@ void ParentLink::LayerNames(const std::string& job_id, const JobLayout& layout,
   Item item = MakeItem(job_id, layout, std::move(token), RoundKey{});
   v1::LayerNames* n = std::get<Frame>(item.what).frame.mutable_layer_names();
   for (const v1::LayerName& name : names) *n->add_layers() = name;
-  Enqueue(std::move(item));
+  Submit(std::move(item), false, 0, -1);
 }
 
 void ParentLink::NodeState(const std::string& job_id, const Actions::NodeState& state) {
@@ -392,7 +398,7 @@ void ParentLink::NodeState(const std::string& job_id, const Actions::NodeState& 
   v1::NodeState* ns = std::get<Frame>(item.what).frame.mutable_node_state();
   ns->set_healthy(state.healthy);
   ns->set_message(state.message);
-  Enqueue(std::move(item));
+  Submit(std::move(item), false, 0, -1);
 }
 
 void ParentLink::Status(const v1::StatusRequest& request,
@@ -429,7 +435,134 @@ void ParentLink::FailParked(const absl::Status& status) {
   }
 }
 
-void ParentLink::Leave(const std::string& job_id) { Enqueue(Item{job_id, LeaveItem{}}); }
+void ParentLink::Leave(const std::string& job_id) {
+  Submit(Item{job_id, LeaveItem{}}, false, 0, -1);
+  if (lagged_hold_.count() > 0) {
+    absl::MutexLock lock(&hold_mu_);
+    held_.erase(job_id);  // its held frames left before the Leave (Submit)
+  }
+}
+
+void ParentLink::Submit(Item item, bool lagged, uint32_t op, int pass) {
+  if (lagged_hold_.count() <= 0) {
+    Enqueue(std::move(item));
+    return;
+  }
+  {
+    absl::MutexLock lock(&hold_mu_);
+    auto it = held_.find(item.job_id);
+    if (it == held_.end() && !lagged) {
+      outbox_.push_back(std::move(item));  // nothing of this job held: it leaves in order
+    } else {
+      if (it == held_.end()) it = held_.try_emplace(item.job_id).first;
+      Held& h = it->second;
+      const std::string job_id = item.job_id;
+      const PassBatcher::Step step =
+          h.batcher.Next(lagged, op, pass, std::chrono::steady_clock::now());
+      if (step.flush_before) ReleaseHeldLocked(job_id);
+      if (step.hold) {
+        const Frame* f = std::get_if<Frame>(&item.what);
+        h.bytes += f ? int64_t(FrameTraits::Bytes(f->frame)) : 0;
+        h.items.push_back(std::move(item));
+        ++held_count_;
+        // A pass longer than one batch frame leaves in several.
+        if (step.flush_after || h.bytes >= int64_t(writer_limits_.max_batch_bytes) / 2 ||
+            h.items.size() >= kMaxHeldPerJob) {
+          ReleaseHeldLocked(job_id);
+          h.batcher.Flushed();
+        }
+      } else {
+        outbox_.push_back(std::move(item));
+      }
+    }
+    if (draining_) return;  // the thread draining sends ours too, in order
+    draining_ = true;
+  }
+  Drain();
+}
+
+void ParentLink::ReleaseHeldLocked(const std::string& job_id) {
+  auto it = held_.find(job_id);
+  if (it == held_.end()) return;
+  Held& h = it->second;
+  held_count_ -= int64_t(h.items.size());
+  for (Item& item : h.items) outbox_.push_back(std::move(item));
+  h.items.clear();
+  h.bytes = 0;
+}
+
+void ParentLink::Drain() {
+  for (;;) {
+    std::deque<Item> items;
+    {
+      absl::MutexLock lock(&hold_mu_);
+      if (outbox_.empty()) {
+        draining_ = false;
+        return;
+      }
+      items.swap(outbox_);
+    }
+    EnqueueAll(std::move(items));
+  }
+}
+
+void ParentLink::FlushHeld(std::chrono::steady_clock::time_point now) {
+  if (lagged_hold_.count() <= 0) return;
+  {
+    absl::MutexLock lock(&hold_mu_);
+    bool any = false;
+    for (auto& [job_id, h] : held_) {
+      if (!h.batcher.Due(now, lagged_hold_)) continue;
+      ReleaseHeldLocked(job_id);
+      h.batcher.Flushed();
+      any = true;
+    }
+    if (!any || draining_) return;
+    draining_ = true;
+  }
+  Drain();
+}
+
+int64_t ParentLink::held() {
+  absl::MutexLock lock(&hold_mu_);
+  return held_count_;
+}
+
+void ParentLink::EnqueueAll(std::deque<Item> items) {
+  while (!items.empty()) {
+    // The longest run of frames that can take the fast path together: one write, one batch.
+    std::shared_ptr<ParentStream> conn;
+    std::vector<v1::ClientFrame> frames;
+    std::vector<Item> sent;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      if (queue_.empty() && published_ && !published_->broken()) {
+        while (!items.empty() && FrameOf(items.front()) != nullptr) {
+          auto it = published_sessions_.find(items.front().job_id);
+          if (it == published_sessions_.end()) break;
+          SetSession(FrameOf(items.front()), it->second);
+          sent.push_back(std::move(items.front()));
+          items.pop_front();
+        }
+        if (!sent.empty()) conn = published_;
+      }
+    }
+    if (sent.empty()) {  // the rest goes through the writer thread, in order
+      Enqueue(std::move(items.front()));
+      items.pop_front();
+      continue;
+    }
+    frames.reserve(sent.size());
+    for (Item& item : sent) frames.push_back(std::move(*FrameOf(item)));
+    if (!conn->SendAll(std::move(frames))) {
+      for (const Item& item : sent) {
+        FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the ", Parent(), " ",
+                                                           address_, " broke")));
+      }
+    }
+  }
+}
 
 void ParentLink::StartJoin(const std::string& job_id, const Frame& item) {
   v1::JoinRequest req;

@@ -34,6 +34,7 @@
 #include "hsbn/v1/hsbn.grpc.pb.h"
 #include "job.h"
 #include "metrics.h"
+#include "pass_batcher.h"
 #include "session.h"
 #include "stream_writer.h"
 
@@ -64,6 +65,9 @@ class ParentLink {
     WriterLimits writer;        // bounds of the stream's write queue
     Metrics* metrics = nullptr;  // may be null
     std::string self = "this node's sidecar";  // this aggregator, in errors
+    // --lagged-hold-ms: a job's lagged partials wait for the end of their pass and leave
+    // together, at most this long after the first (pass_batcher.h); 0: each leaves at once.
+    std::chrono::milliseconds lagged_hold{0};
   };
   // `cq`: the aggregator's completion queue, drained by its event thread; it must outlive
   // Shutdown(). `listener` must outlive this link.
@@ -92,6 +96,10 @@ class ParentLink {
   void Shutdown();
   // Ends the stream if its write has waited past the write deadline (the root stopped reading).
   void CheckStalled(std::chrono::steady_clock::time_point now);
+  // Sends the lagged partials held since `lagged_hold` or longer (the aggregator's tick).
+  void FlushHeld(std::chrono::steady_clock::time_point now) ABSL_LOCKS_EXCLUDED(hold_mu_);
+  // Lagged partials held now, over all jobs (tests, status).
+  int64_t held() ABSL_LOCKS_EXCLUDED(hold_mu_);
   const std::string& address() const { return address_; }
 
  private:
@@ -129,6 +137,16 @@ class ParentLink {
     return f ? &f->frame : nullptr;
   }
   void Enqueue(Item item) ABSL_LOCKS_EXCLUDED(mu_);
+  // Every frame of a job enters here: with --lagged-hold-ms its lagged partials are held
+  // (pass_batcher.h), and what leaves goes out in order through one drainer at a time. `pass`:
+  // 0 for a forward partial, 1 for a backward one, -1 for any other frame.
+  void Submit(Item item, bool lagged, uint32_t op, int pass) ABSL_LOCKS_EXCLUDED(hold_mu_);
+  // Moves a job's held frames to the outbox. hold_mu_ held.
+  void ReleaseHeldLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hold_mu_);
+  // Sends the outbox in order, unless another thread is already doing so (it sends ours too).
+  void Drain() ABSL_LOCKS_EXCLUDED(hold_mu_);
+  // Enqueue for several items, in order: on the fast path one write (a batch frame).
+  void EnqueueAll(std::deque<Item> items) ABSL_LOCKS_EXCLUDED(mu_);
   void Unpublish() ABSL_LOCKS_EXCLUDED(mu_);
   void WriterLoop() ABSL_LOCKS_EXCLUDED(mu_);
   bool WriterHasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -211,6 +229,19 @@ class ParentLink {
   absl::Status parent_stopped_ ABSL_GUARDED_BY(mu_);
   std::chrono::steady_clock::time_point retry_after_;
   std::thread writer_;
+
+  // --lagged-hold-ms (pass_batcher.h). Never held together with mu_.
+  struct Held {
+    PassBatcher batcher;
+    std::vector<Item> items;
+    int64_t bytes = 0;
+  };
+  const std::chrono::milliseconds lagged_hold_;
+  absl::Mutex hold_mu_;
+  std::map<std::string, Held> held_ ABSL_GUARDED_BY(hold_mu_);
+  int64_t held_count_ ABSL_GUARDED_BY(hold_mu_) = 0;
+  std::deque<Item> outbox_ ABSL_GUARDED_BY(hold_mu_);
+  bool draining_ ABSL_GUARDED_BY(hold_mu_) = false;
 };
 
 }  // namespace hsbn::server

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -77,6 +78,28 @@ class StreamWriter {
     queued_bytes_ += bytes;
     pending_.push_back(std::move(item));
     if (!writing_ && !held_) StartNextLocked();
+    return true;
+  }
+
+  // Queues every item in order and starts one write if none is in flight: with batches, the
+  // items leave together in one frame (as many as max_batch_bytes allows). False as Push (then
+  // none of them is queued).
+  bool PushAll(std::vector<Item> items) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return false;
+    int64_t bytes = 0;
+    for (const Item& item : items) bytes += int64_t(Traits::Bytes(item));
+    const bool over_cap =
+        queued_bytes_ + bytes > limits_.max_queued_bytes && !(pending_.empty() && items.size() == 1);
+    if (over_cap || (limits_.budget && !limits_.budget->TryCharge(bytes))) {
+      closed_ = true;
+      DropPendingLocked();
+      OverflowLocked(over_cap ? Overflow::kQueue : Overflow::kBudget);
+      return false;
+    }
+    queued_bytes_ += bytes;
+    for (Item& item : items) pending_.push_back(std::move(item));
+    if (!writing_ && !held_ && !pending_.empty()) StartNextLocked();
     return true;
   }
 
