@@ -409,6 +409,11 @@ class Client::Impl {
 
   bool GlobalStatsReady(Phase phase, uint32_t op, uint64_t seq);
 
+  // The first slice of a wait for a late result that is not here: tells the sidecar
+  // (v1::LateWanted), which may hold the round's partial until its pass ends (docs/PROTOCOL.md,
+  // "Lagged scope", item 10). Nothing when the result is here or was never expected.
+  void WantLate(Phase phase, uint32_t op, uint64_t seq) ABSL_LOCKS_EXCLUDED(mu_, rounds_mu_);
+
  private:
   // Auto scope's state of one op. An epoch is a decision: `scope` applies to the op's rounds
   // after seq `decided_at` (all of them for a restored decision, decided_at = -1), except the

@@ -8,6 +8,7 @@ absl::Status Client::Impl::GlobalStats(Phase phase, uint32_t op, uint64_t seq, i
                                        int64_t* out_count, double* out_mean, double* out_m2,
                                        Clock::time_point slice_end,
                                        bool* done) {
+  WantLate(phase, op, seq);
   GlobalWait wait;
   bool pending = false;
   absl::Status s = WaitGlobal(phase, op, seq, channels, out_count, out_mean, out_m2, slice_end,
@@ -126,6 +127,25 @@ absl::Status Client::Impl::WaitGlobal(
       --late_waiters_;
     }
   }
+}
+
+void Client::Impl::WantLate(Phase phase, uint32_t op, uint64_t seq) {
+  const Key key{op, seq, int(phase)};
+  {
+    absl::MutexLock lock(&rounds_mu_);
+    // Not at a later slice of the same wait, nor for a result that cannot come.
+    if (late_.count(key) > 0 || late_expected_.count(key) == 0 || global_waits_.count(key) > 0) {
+      return;
+    }
+  }
+  if (GlobalStatsReady(phase, op, seq)) return;  // it was in the socket
+  v1::ClientFrame frame;
+  v1::LateWanted* w = frame.mutable_late_wanted();
+  w->set_op(op);
+  w->set_seq(seq);
+  w->set_phase(phase == Phase::kForward ? v1::PHASE_FORWARD : v1::PHASE_BACKWARD);
+  // A failed write shows as a broken stream, which the wait itself reports.
+  (void)SendFrame(&frame, "a late-result wait");
 }
 
 bool Client::Impl::GlobalStatsReady(Phase phase, uint32_t op, uint64_t seq) {

@@ -155,6 +155,7 @@ absl::Status Client::Impl::SendFrame(v1::ClientFrame* frame, const char* what) {
     conn = conn_;
     if (frame->has_layer_names()) frame->mutable_layer_names()->set_session(session_);
     if (frame->has_lagged_trip()) frame->mutable_lagged_trip()->set_session(session_);
+    if (frame->has_late_wanted()) frame->mutable_late_wanted()->set_session(session_);
   }
   const auto deadline = Clock::now() + RoundTimeout();
   absl::MutexLock lock(&rounds_mu_);

@@ -149,6 +149,10 @@ class Aggregator final : public UpstreamListener, public TransportHost {
   void Execute(Actions& actions, const std::string& job_id) override;
   void StreamClosed(const std::vector<SessionId>& sessions);
   // A worker's Abort frame: its session is gone, for `reason` (docs/PROTOCOL.md, "Abort").
+  // A worker of `job_id` waits for round `key`'s late result: a held partial of it leaves.
+  void LateWanted(const std::string& job_id, const RoundKey& key) {
+    if (parent_) parent_->Wanted(job_id, key);
+  }
   void MemberAborted(const Registry::SessionRef& ref, const SessionId& session,
                      const std::string& reason);
   // Counts a refusal for lack of a resource (Metrics::Refused reasons).

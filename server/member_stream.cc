@@ -59,6 +59,9 @@ void MemberStream::Handle(const v1::ClientFrame& frame) {
     case v1::ClientFrame::kLaggedTrip:
       HandleLaggedTrip(frame.lagged_trip());
       break;
+    case v1::ClientFrame::kLateWanted:
+      HandleLateWanted(frame.late_wanted());
+      break;
     default:  // an empty frame, or a batch nested in a batch: nothing to do
       break;
   }
@@ -191,6 +194,20 @@ void MemberStream::HandleLaggedTrip(const v1::LaggedTrip& trip) {
   if (absl::Status s = ref->job->RecordTrip(trip); !s.ok()) {
     host_->LogInvalid(absl::StrCat("refused: ", s.message()));
   }
+}
+
+void MemberStream::HandleLateWanted(const v1::LateWanted& wanted) {
+  SessionId session;
+  const Registry::SessionRef* ref = Bound(wanted.session(), &session);
+  if (ref == nullptr) {
+    host_->LogInvalid("a late-result wait on a session not attached to this stream");
+    return;
+  }
+  if (wanted.phase() != v1::PHASE_FORWARD && wanted.phase() != v1::PHASE_BACKWARD) {
+    host_->LogInvalid("a late-result wait with no phase");
+    return;
+  }
+  host_->LateWanted(ref->job->id(), RoundKey{wanted.op(), wanted.seq(), wanted.phase()});
 }
 
 void MemberStream::HandleLeave(const v1::LeaveRequest& leave) {

@@ -51,6 +51,8 @@ class MemberStreamHost {
   virtual void Refused(const char* reason) = 0;
   // An aggregator member left `session`'s job (its Leave frame).
   virtual void Leave(const SessionId& session) = 0;
+  // A worker of `job_id` waits for round `key`'s late result (its LateWanted frame).
+  virtual void LateWanted(const std::string& /*job_id*/, const RoundKey& /*key*/) {}
   // A worker aborted (its Abort frame): like its stream breaking, with its reason.
   virtual void Aborted(const Registry::SessionRef& ref, const SessionId& session,
                        const std::string& reason) {}
@@ -91,6 +93,7 @@ class MemberStream {
   // Any member's, on a session bound here.
   void HandleLayerNames(const v1::LayerNames& names);
   void HandleLaggedTrip(const v1::LaggedTrip& trip);
+  void HandleLateWanted(const v1::LateWanted& wanted);
   void Unbind(const SessionId& session);
 
   MemberStreamHost* const host_;

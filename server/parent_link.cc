@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
 
@@ -18,8 +19,14 @@ namespace hsbn::server {
 namespace {
 constexpr auto kConnectTimeout = std::chrono::seconds(5);
 constexpr auto kStoppedParentWait = std::chrono::milliseconds(500);
-// --lagged-hold-ms: at most this many partials of a job are held at once.
+// --lagged-hold-ms: at most this many partials of a job are held at once, and this many rounds
+// remembered as waited for before their partial came.
 constexpr size_t kMaxHeldPerJob = 256;
+constexpr size_t kMaxWanted = 64;
+
+bool SameRound(const RoundKey& a, const RoundKey& b) {
+  return a.op == b.op && a.seq == b.seq && a.phase == b.phase;
+}
 }  // namespace
 
 struct FrameTraits {
@@ -439,7 +446,10 @@ void ParentLink::Leave(const std::string& job_id) {
   Submit(Item{job_id, LeaveItem{}}, false, 0, -1);
   if (lagged_hold_.count() > 0) {
     absl::MutexLock lock(&hold_mu_);
-    held_.erase(job_id);  // its held frames left before the Leave (Submit)
+    // Its held frames left before the Leave (Submit); a new run of the job may hold some now.
+    if (auto it = held_.find(job_id); it != held_.end() && it->second.items.empty()) {
+      held_.erase(it);
+    }
   }
 }
 
@@ -457,16 +467,28 @@ void ParentLink::Submit(Item item, bool lagged, uint32_t op, int pass) {
       if (it == held_.end()) it = held_.try_emplace(item.job_id).first;
       Held& h = it->second;
       const std::string job_id = item.job_id;
-      const PassBatcher::Step step =
-          h.batcher.Next(lagged, op, pass, std::chrono::steady_clock::now());
+      PassBatcher::Step step = h.batcher.Next(lagged, op, pass, std::chrono::steady_clock::now());
+      if (step.hold) {
+        // A worker already waits for this round's result: it leaves now, with the held ones.
+        const RoundKey& key = std::get<Frame>(item.what).key;
+        auto w = std::find_if(h.wanted.begin(), h.wanted.end(),
+                              [&](const RoundKey& k) { return SameRound(k, key); });
+        if (w != h.wanted.end()) {
+          h.wanted.erase(w);
+          step.flush_after = true;
+        }
+      }
       if (step.flush_before) ReleaseHeldLocked(job_id);
       if (step.hold) {
         const Frame* f = std::get_if<Frame>(&item.what);
-        h.bytes += f ? int64_t(FrameTraits::Bytes(f->frame)) : 0;
+        const int64_t bytes = f ? int64_t(FrameTraits::Bytes(f->frame)) : 0;
+        h.bytes += bytes;
+        held_bytes_ += bytes;
         h.items.push_back(std::move(item));
-        ++held_count_;
-        // A pass longer than one batch frame leaves in several.
+        // A pass longer than half a batch frame leaves in several; all jobs together hold at
+        // most one batch frame's bytes (and one partial).
         if (step.flush_after || h.bytes >= int64_t(writer_limits_.max_batch_bytes) / 2 ||
+            held_bytes_ >= int64_t(writer_limits_.max_batch_bytes) ||
             h.items.size() >= kMaxHeldPerJob) {
           ReleaseHeldLocked(job_id);
           h.batcher.Flushed();
@@ -481,11 +503,38 @@ void ParentLink::Submit(Item item, bool lagged, uint32_t op, int pass) {
   Drain();
 }
 
+void ParentLink::Wanted(const std::string& job_id, const RoundKey& key) {
+  if (lagged_hold_.count() <= 0) return;
+  {
+    absl::MutexLock lock(&hold_mu_);
+    Held& h = held_[job_id];  // (the job's frames are bound to this worker's session)
+    const bool held = std::any_of(h.items.begin(), h.items.end(), [&](const Item& item) {
+      const Frame* f = std::get_if<Frame>(&item.what);
+      return f != nullptr && SameRound(f->key, key);
+    });
+    if (!held) {
+      // Not come yet (the worker's wait can overtake the node's partial on its way here), or
+      // sent already: remembered, so that it is not held when it comes.
+      if (std::none_of(h.wanted.begin(), h.wanted.end(),
+                       [&](const RoundKey& k) { return SameRound(k, key); })) {
+        if (h.wanted.size() >= kMaxWanted) h.wanted.pop_front();
+        h.wanted.push_back(key);
+      }
+      return;
+    }
+    ReleaseHeldLocked(job_id);
+    h.batcher.Flushed();
+    if (draining_) return;
+    draining_ = true;
+  }
+  Drain();
+}
+
 void ParentLink::ReleaseHeldLocked(const std::string& job_id) {
   auto it = held_.find(job_id);
   if (it == held_.end()) return;
   Held& h = it->second;
-  held_count_ -= int64_t(h.items.size());
+  held_bytes_ -= h.bytes;
   for (Item& item : h.items) outbox_.push_back(std::move(item));
   h.items.clear();
   h.bytes = 0;
@@ -521,11 +570,6 @@ void ParentLink::FlushHeld(std::chrono::steady_clock::time_point now) {
     draining_ = true;
   }
   Drain();
-}
-
-int64_t ParentLink::held() {
-  absl::MutexLock lock(&hold_mu_);
-  return held_count_;
 }
 
 void ParentLink::EnqueueAll(std::deque<Item> items) {

@@ -98,8 +98,10 @@ class ParentLink {
   void CheckStalled(std::chrono::steady_clock::time_point now);
   // Sends the lagged partials held since `lagged_hold` or longer (the aggregator's tick).
   void FlushHeld(std::chrono::steady_clock::time_point now) ABSL_LOCKS_EXCLUDED(hold_mu_);
-  // Lagged partials held now, over all jobs (tests, status).
-  int64_t held() ABSL_LOCKS_EXCLUDED(hold_mu_);
+  // A worker of the job waits for round `key`'s late result (v1::LateWanted): the job's held
+  // partials leave now if that round's is among them; if it has not come yet, it will not be
+  // held when it comes.
+  void Wanted(const std::string& job_id, const RoundKey& key) ABSL_LOCKS_EXCLUDED(hold_mu_);
   const std::string& address() const { return address_; }
 
  private:
@@ -235,11 +237,13 @@ class ParentLink {
     PassBatcher batcher;
     std::vector<Item> items;
     int64_t bytes = 0;
+    // Rounds a worker waits for that had not come here yet (at most kMaxWanted, oldest first).
+    std::deque<RoundKey> wanted;
   };
   const std::chrono::milliseconds lagged_hold_;
   absl::Mutex hold_mu_;
   std::map<std::string, Held> held_ ABSL_GUARDED_BY(hold_mu_);
-  int64_t held_count_ ABSL_GUARDED_BY(hold_mu_) = 0;
+  int64_t held_bytes_ ABSL_GUARDED_BY(hold_mu_) = 0;  // over all jobs
   std::deque<Item> outbox_ ABSL_GUARDED_BY(hold_mu_);
   bool draining_ ABSL_GUARDED_BY(hold_mu_) = false;
 };

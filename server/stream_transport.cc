@@ -146,6 +146,9 @@ class StreamHost final : public MemberStreamHost {
                const std::string& reason) override {
     aggregator_->MemberAborted(ref, session, reason);
   }
+  void LateWanted(const std::string& job_id, const RoundKey& key) override {
+    aggregator_->LateWanted(job_id, key);
+  }
 
  private:
   Aggregator* const aggregator_;

@@ -80,3 +80,39 @@ def test_late_results_are_the_same_bits_held_or_sent_at_once(held, at_once):
     # Every rank of the job holds the same bits.
     for rank_late in held[0][1:]:
         assert rank_late == held[0][0]
+
+
+def _exact_calls(calls):
+    """Each call waits for its own late result at once, as a lagged layer's exact call does:
+    nothing else of the job comes to end the pass, so only the wait can send the partial."""
+    c = hsbn.Client.from_env()
+    rng = np.random.default_rng(3 + c.rank)
+    out = []
+    for seq in range(calls):
+        x = rng.normal(c.node_rank, 1.0, size=(C, 5))
+        mean, m2 = x.mean(axis=1), ((x - x.mean(axis=1)[:, None]) ** 2).sum(axis=1)
+        c.forward(1, seq, "lagged", 5, mean, m2)
+        late = c.global_stats(1, seq, C)
+        glob = c.forward(2, seq, "global", 5, mean, m2)
+        out.append((late[0] == glob[0], np.array_equal(late[1], glob[1]),
+                    np.array_equal(late[2], glob[2])))
+        dy = rng.normal(0.0, 1.0, size=(C, 5))
+        c.backward(1, seq, "lagged", 5, dy.sum(axis=1), dy.sum(axis=1) * 0.5)
+        n, sum_dy, _ = c.global_sums(1, seq, C)
+        out.append((n == glob[0], bool(np.isfinite(sum_dy).all()), True))
+    transport = c.stats().transport
+    c.close()
+    return out, transport
+
+
+def test_a_wait_for_a_held_round_sends_it(transport, transport_env):
+    # A hold of a minute and a round timeout of 20 s: a wait that did not send the held partial
+    # would fail with DEADLINE_EXCEEDED instead of returning the job's statistics.
+    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=2, round_timeout_ms=20000,
+                                   aggregator_args=["--lagged-hold-ms=60000"]) as cluster:
+        results = cluster.run(_exact_calls, 4, timeout=300)
+    for rank, (checks, used) in enumerate(results):
+        assert used == transport_env
+        assert len(checks) == 8
+        for check in checks:
+            assert check == (True, True, True), (rank, checks)
