@@ -79,7 +79,9 @@ void Aggregator::Start(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>>
     link.tls_name = options_.upstream_tls_name;
     link.writer = writer_limits_;
     link.metrics = options_.metrics.get();
-    link.lagged_hold = options_.lagged_hold;
+    // Sidecars only: a group aggregator's partials leave as its sidecars' batches complete its
+    // rounds (batched by its writer), and no worker could tell it that it waits (LateWanted).
+    if (options_.role == AggregatorOptions::Role::kNode) link.lagged_hold = options_.lagged_hold;
     if (options_.role == AggregatorOptions::Role::kGroup) {
       link.self = absl::StrCat("group aggregator ", options_.id);
     }

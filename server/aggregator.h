@@ -86,8 +86,8 @@ struct AggregatorOptions {
   // group scope), the first event thread polls its queue for the parent's answer, for at most
   // this long (poll_window.h), instead of sleeping. 0: it sleeps (a wake-up per answer).
   int64_t poll_us = 0;
-  // --lagged-hold-ms: node and group roles hold a job's lagged partials until their pass ends,
-  // then send them as one batch, at most this long after the first (pass_batcher.h). 0: each
+  // --lagged-hold-ms: the node role holds a job's lagged partials until their pass ends, then
+  // sends them as one batch, at most this long after the first (pass_batcher.h). 0: each
   // partial leaves at once.
   std::chrono::milliseconds lagged_hold{50};
 };

@@ -277,7 +277,7 @@ void AddFlags(FlagTable& f, Settings* s, AggregatorOptions* o) {
         "Default 0: sleep (docs/DEPLOY.md, Latency).");
   f.Int("lagged-hold-ms", int64_t(o->lagged_hold.count()), 0, 60000,
         [o](int64_t n) { o->lagged_hold = std::chrono::milliseconds(n); },
-        "Node and group roles: a job's lagged partials wait for the end of their pass (when "
+        "Node role: a job's lagged partials wait for the end of their pass (when "
         "it has had every layer of the previous pass, or a frame of another kind or phase "
         "comes) and go to the parent together, at most N ms after the first: one "
         "message and wake-up per pass on each hop instead of one per layer. 0: each leaves at "
