@@ -66,16 +66,7 @@ class StreamWriter {
   // the item was refused for a bound (then the stream is being ended).
   bool Push(Item item) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
-    if (closed_) return false;
-    const int64_t bytes = int64_t(Traits::Bytes(item));
-    const bool over_cap = queued_bytes_ + bytes > limits_.max_queued_bytes && !pending_.empty();
-    if (over_cap || (limits_.budget && !limits_.budget->TryCharge(bytes))) {
-      closed_ = true;
-      DropPendingLocked();
-      OverflowLocked(over_cap ? Overflow::kQueue : Overflow::kBudget);
-      return false;
-    }
-    queued_bytes_ += bytes;
+    if (closed_ || !AdmitLocked(int64_t(Traits::Bytes(item)), pending_.empty())) return false;
     pending_.push_back(std::move(item));
     if (!writing_ && !held_) StartNextLocked();
     return true;
@@ -86,18 +77,9 @@ class StreamWriter {
   // none of them is queued).
   bool PushAll(std::vector<Item> items) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
-    if (closed_) return false;
     int64_t bytes = 0;
     for (const Item& item : items) bytes += int64_t(Traits::Bytes(item));
-    const bool over_cap =
-        queued_bytes_ + bytes > limits_.max_queued_bytes && !(pending_.empty() && items.size() == 1);
-    if (over_cap || (limits_.budget && !limits_.budget->TryCharge(bytes))) {
-      closed_ = true;
-      DropPendingLocked();
-      OverflowLocked(over_cap ? Overflow::kQueue : Overflow::kBudget);
-      return false;
-    }
-    queued_bytes_ += bytes;
+    if (closed_ || !AdmitLocked(bytes, pending_.empty() && items.size() == 1)) return false;
     for (Item& item : items) pending_.push_back(std::move(item));
     if (!writing_ && !held_ && !pending_.empty()) StartNextLocked();
     return true;
@@ -208,6 +190,21 @@ class StreamWriter {
       closed_ = true;
       DropPendingLocked();
     }
+  }
+
+  // Queues `bytes` more, or refuses them for a bound: then the writer closes, drops what is
+  // queued and reports the overflow. `alone`: they are one item with nothing else queued,
+  // which may exceed the cap (a single large frame is still written).
+  bool AdmitLocked(int64_t bytes, bool alone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const bool over_cap = queued_bytes_ + bytes > limits_.max_queued_bytes && !alone;
+    if (over_cap || (limits_.budget && !limits_.budget->TryCharge(bytes))) {
+      closed_ = true;
+      DropPendingLocked();
+      OverflowLocked(over_cap ? Overflow::kQueue : Overflow::kBudget);
+      return false;
+    }
+    queued_bytes_ += bytes;
+    return true;
   }
 
   void DropPendingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
