@@ -370,7 +370,8 @@ class Client::Impl {
 
   // Writes a frame that is not a round on the stream (its session set here), waiting for the
   // write slot as Start does; a write that fails shows as a broken stream at the next call.
-  absl::Status SendFrame(v1::ClientFrame* frame, const char* what);
+  // A broken stream is replaced first, unless `reconnect` is false (then UNAVAILABLE).
+  absl::Status SendFrame(v1::ClientFrame* frame, const char* what, bool reconnect = true);
 
   // Waits until conn's write slot is free or the stream broke (OK), polling it if nobody else
   // does; the client's abort, or DEADLINE_EXCEEDED naming what() at `deadline`.

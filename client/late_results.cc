@@ -144,8 +144,9 @@ void Client::Impl::WantLate(Phase phase, uint32_t op, uint64_t seq) {
   w->set_op(op);
   w->set_seq(seq);
   w->set_phase(phase == Phase::kForward ? v1::PHASE_FORWARD : v1::PHASE_BACKWARD);
-  // A failed write shows as a broken stream, which the wait itself reports.
-  (void)SendFrame(&frame, "a late-result wait");
+  // Never on a new stream: the wait must find the broken one and report the result lost. A
+  // failed write shows as a broken stream, which the wait reports too.
+  (void)SendFrame(&frame, "a late-result wait", /*reconnect=*/false);
 }
 
 bool Client::Impl::GlobalStatsReady(Phase phase, uint32_t op, uint64_t seq) {

@@ -145,10 +145,13 @@ void Client::Impl::DrainStream(const std::shared_ptr<RoundStream>& conn) {
   HandOff(*conn);
 }
 
-absl::Status Client::Impl::SendFrame(v1::ClientFrame* frame, const char* what) {
+absl::Status Client::Impl::SendFrame(v1::ClientFrame* frame, const char* what, bool reconnect) {
   std::shared_ptr<RoundStream> conn;
   {
     absl::MutexLock lock(&mu_);
+    if (!reconnect && (!conn_ || conn_->broken)) {
+      return absl::UnavailableError(absl::StrCat("could not send ", what, ": no stream"));
+    }
     if (!conn_ || conn_->broken) {
       if (absl::Status s = ConnectLocked(); !s.ok()) return s;
     }

@@ -116,3 +116,25 @@ def test_a_wait_for_a_held_round_sends_it(transport, transport_env):
         assert len(checks) == 8
         for check in checks:
             assert check == (True, True, True), (rank, checks)
+
+
+def test_a_wait_on_a_stream_that_broke_says_the_result_is_lost_without_reconnecting(
+        transport, transport_env):
+    # A lagged round held at node 0's sidecar, which then restarts: the round's result is lost
+    # with the held partial, and the wait says so at once (UNAVAILABLE, the stream broke), not
+    # at the round timeout; its LateWanted is never sent on a new stream.
+    with hsbn.cluster.LocalCluster(nodes=2, workers_per_node=1, round_timeout_ms=20000,
+                                   aggregator_args=["--lagged-hold-ms=60000"]) as cluster:
+        clients = [hsbn.Client.from_env(cluster.worker_env(r, job_id="broke-" + transport))
+                   for r in range(2)]
+        try:
+            mean, m2 = np.zeros(C), np.ones(C)
+            for c in clients:  # one worker per node: each node round completes at once
+                c.forward(1, 0, "lagged", 5, mean, m2)
+            assert clients[0].stats().transport == transport_env
+            cluster.restart_sidecar(0)
+            with pytest.raises(hsbn.UnavailableError, match="broke"):
+                clients[0].global_stats(1, 0, C)
+        finally:
+            for c in clients:
+                c.close()
