@@ -7,7 +7,8 @@
 //     each handed to that stream's server::MemberStream (member_stream.h), the policy the
 //     aggregator's gRPC call drives: an Attach binds sessions through Registry::Authorize and
 //     Job::Attach; a Contribution reaches Job::Contribute only on a session its stream bound;
-//     Abort, NodeState and Leave frames only from an aggregator's session; at most
+//     Abort, NodeState and Leave frames only from an aggregator's session; a LateWanted reaches
+//     the aggregator only for a job its stream bound a session to, with a phase; at most
 //     kMaxUnboundBytes before the first Attach;
 //   - streams that break (every session they bound is reported gone), Leaves, Status requests;
 //   - upstream ServerFrames (a result or a batch, raw or built) handed to Job::ParentResult, a
@@ -156,6 +157,9 @@ struct Harness final : MemberStreamHost {
         break;
       case v1::ClientFrame::kLeave:
         f->mutable_leave()->set_session(SessionField(f->leave().session()));
+        break;
+      case v1::ClientFrame::kLateWanted:
+        f->mutable_late_wanted()->set_session(SessionField(f->late_wanted().session()));
         break;
       case v1::ClientFrame::kBatch:
         for (v1::ClientFrame& g : *f->mutable_batch()->mutable_frames()) Resolve(&g);
@@ -316,6 +320,14 @@ struct Harness final : MemberStreamHost {
           f.mutable_leave()->set_session(SessionFrom(in));
           break;
         }
+        if (in.ConsumeProbability<float>() < 0.25f) {  // a worker waiting for a late result
+          v1::LateWanted* w = f.mutable_late_wanted();
+          w->set_session(SessionFrom(in));
+          w->set_op(in.ConsumeIntegralInRange<uint32_t>(0, 2));
+          w->set_seq(in.ConsumeIntegralInRange<uint64_t>(0, 2));
+          w->set_phase(v1::Phase(in.ConsumeIntegralInRange<int>(0, 3)));
+          break;
+        }
         v1::NodeState* ns = f.mutable_node_state();
         ns->set_session(SessionFrom(in));
         ns->set_healthy(in.ConsumeBool());
@@ -365,12 +377,23 @@ struct Harness final : MemberStreamHost {
     if (w.model[ref.index].session == session) w.model[ref.index].attached = false;
     Check(ref.job, a);
   }
+  // A LateWanted frame reaches the aggregator only for a job a session of its stream was bound
+  // to (that session may have been replaced since: the frame then only lets the job's held
+  // partials leave early, nothing else), and with a phase.
+  void LateWanted(const std::string& job_id, const RoundKey& key) override {
+    const std::vector<std::string>& jobs = reading->sink->jobs;
+    HSBN_FUZZ_CHECK(std::find(jobs.begin(), jobs.end(), job_id) != jobs.end(),
+                    "LateWanted passed for a job no session of its stream was bound to");
+    HSBN_FUZZ_CHECK(key.phase == v1::PHASE_FORWARD || key.phase == v1::PHASE_BACKWARD,
+                    "LateWanted passed without a phase");
+  }
   void Attached(const Registry::SessionRef& ref, const SessionId& session) override {
     JobWatch& w = Watch(ref.job);
     HSBN_FUZZ_CHECK(w.model[ref.index].session == session,
                     "Attach bound a session that is not its member's current one");
     w.model[ref.index].attached = true;
     reading->sink->bound.emplace_back(session, ref.index);
+    reading->sink->jobs.push_back(ref.job->id());
   }
   void Contributed(const Registry::SessionRef& ref, const SessionId& session,
                    const v1::Contribution& c) override {

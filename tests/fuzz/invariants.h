@@ -48,6 +48,7 @@ class StreamSink : public server::MemberSink {
   void Send(v1::Result) override {}
   void EnableBatches() override {}
   std::vector<std::pair<server::SessionId, int>> bound;  // (session, member) of each Attach
+  std::vector<std::string> jobs;  // the job of each Attach (its id)
 };
 
 class RoundLedger {
