@@ -311,13 +311,7 @@ void ParentLink::Enqueue(Item item) {
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return;
-    if (FrameOf(item) != nullptr && queue_.empty() && published_ && !published_->broken()) {
-      auto it = published_sessions_.find(item.job_id);
-      if (it != published_sessions_.end()) {
-        conn = published_;
-        session = it->second;
-      }
-    }
+    conn = FastPathLocked(item, &session);
     if (!conn) {
       queue_.push_back(std::move(item));
       return;
@@ -331,6 +325,17 @@ void ParentLink::Enqueue(Item item) {
     FailItem(item, absl::UnavailableError(absl::StrCat("the stream to the ", Parent(), " ", address_,
                                                        " broke")));
   }
+}
+
+std::shared_ptr<ParentLink::ParentStream> ParentLink::FastPathLocked(Item& item,
+                                                                     SessionId* session) {
+  if (FrameOf(item) == nullptr || !queue_.empty() || !published_ || published_->broken()) {
+    return nullptr;
+  }
+  auto it = published_sessions_.find(item.job_id);
+  if (it == published_sessions_.end()) return nullptr;
+  *session = it->second;
+  return published_;
 }
 
 void ParentLink::Unpublish() {
@@ -581,15 +586,14 @@ void ParentLink::EnqueueAll(std::deque<Item> items) {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) return;
-      if (queue_.empty() && published_ && !published_->broken()) {
-        while (!items.empty() && FrameOf(items.front()) != nullptr) {
-          auto it = published_sessions_.find(items.front().job_id);
-          if (it == published_sessions_.end()) break;
-          SetSession(FrameOf(items.front()), it->second);
-          sent.push_back(std::move(items.front()));
-          items.pop_front();
-        }
-        if (!sent.empty()) conn = published_;
+      SessionId session;
+      while (!items.empty()) {
+        std::shared_ptr<ParentStream> fast = FastPathLocked(items.front(), &session);
+        if (!fast) break;
+        conn = std::move(fast);
+        SetSession(FrameOf(items.front()), session);
+        sent.push_back(std::move(items.front()));
+        items.pop_front();
       }
     }
     if (sent.empty()) {  // the rest goes through the writer thread, in order

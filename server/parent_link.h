@@ -139,6 +139,11 @@ class ParentLink {
     return f ? &f->frame : nullptr;
   }
   void Enqueue(Item item) ABSL_LOCKS_EXCLUDED(mu_);
+  // The stream `item` may be written on from the calling thread (a frame, nothing queued for
+  // the writer thread, the stream up, its job joined there), and the job's session on it; null
+  // when it must go through the writer thread.
+  std::shared_ptr<ParentStream> FastPathLocked(Item& item, SessionId* session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every frame of a job enters here: with --lagged-hold-ms its lagged partials are held
   // (pass_batcher.h), and what leaves goes out in order through one drainer at a time. `pass`:
   // 0 for a forward partial, 1 for a backward one, -1 for any other frame.
